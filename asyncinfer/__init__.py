@@ -1,0 +1,50 @@
+"""asyncinfer: an async-first ONNX inference engine.
+
+Scheduling a model never blocks; every layer is a future in a task graph; outputs are read back
+when the caller awaits, polls or is called back::
+
+    import asyncinfer as ai
+    model = ai.load_model("model.onnx")
+    async with ai.Worker(model, "cpu") as worker:
+        worker.schedule(x)
+        y = await worker.peek_output().readback_and_clone_async()
+"""
+from .backends import BackendType
+from .errors import (
+    AsyncInferError,
+    BackendUnavailableError,
+    DisposedError,
+    ExecutionError,
+    InputError,
+    ModelLoadError,
+    UnsupportedOperatorError,
+)
+from .model.ir import Layer, Model, TensorInfo
+from .model.load import load_model
+from .runtime.execution import Execution
+from .runtime.plan import Placement
+from .runtime.worker import Worker
+from .tensor import Tensor, TensorData
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncInferError",
+    "BackendType",
+    "BackendUnavailableError",
+    "DisposedError",
+    "Execution",
+    "ExecutionError",
+    "InputError",
+    "Layer",
+    "Model",
+    "ModelLoadError",
+    "Placement",
+    "Tensor",
+    "TensorData",
+    "TensorInfo",
+    "UnsupportedOperatorError",
+    "Worker",
+    "load_model",
+    "__version__",
+]

@@ -1,0 +1,56 @@
+"""Backends and the factory that builds one from a :class:`BackendType`."""
+from __future__ import annotations
+
+import enum
+
+from ..errors import BackendUnavailableError
+from .base import Backend
+from .cpu import CPUBackend
+
+
+class BackendType(str, enum.Enum):
+    """Where a worker runs its layers (Sentis's ``BackendType``)."""
+
+    CPU = "cpu"
+    GPU_COMPUTE = "gpu_compute"
+    GPU_PIXEL = "gpu_pixel"
+
+
+def parse_backend_type(backend: "BackendType | str") -> BackendType:
+    try:
+        return BackendType(backend.value if isinstance(backend, BackendType) else str(backend).lower())
+    except ValueError:
+        names = ", ".join(b.value for b in BackendType)
+        raise BackendUnavailableError(f"unknown backend {backend!r}; choose one of {names}") from None
+
+
+def create_backend(backend: "BackendType | str", *, threads: int | None = None) -> Backend:
+    """Build the backend ``backend``; raises BackendUnavailableError saying what is missing."""
+    kind = parse_backend_type(backend)
+    if kind is BackendType.CPU:
+        return CPUBackend(threads)
+    if kind is BackendType.GPU_COMPUTE:
+        return _unavailable_gpu_compute()
+    return _unavailable_gpu_pixel()
+
+
+def _unavailable_gpu_compute() -> Backend:
+    try:
+        import cupy  # noqa: F401
+    except Exception:
+        raise BackendUnavailableError(
+            "gpu_compute needs CuPy and a CUDA device: CuPy is not installed (pip install 'asyncinfer[gpu]')") from None
+    raise BackendUnavailableError("gpu_compute: this build of asyncinfer has no CuPy kernels yet")
+
+
+def _unavailable_gpu_pixel() -> Backend:
+    try:
+        import moderngl  # noqa: F401
+    except Exception:
+        raise BackendUnavailableError(
+            "gpu_pixel needs moderngl and an EGL/OpenGL 3.3 context: moderngl is not installed "
+            "(pip install 'asyncinfer[pixel]')") from None
+    raise BackendUnavailableError("gpu_pixel: this build of asyncinfer has no fragment-shader kernels yet")
+
+
+__all__ = ["Backend", "BackendType", "CPUBackend", "create_backend", "parse_backend_type"]

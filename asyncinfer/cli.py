@@ -1,0 +1,225 @@
+"""The ``asyncinfer`` command: ``demo``, ``run`` and ``info``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from . import assets
+from .backends import BackendType
+from .errors import AsyncInferError
+from .model.ir import Model, TensorInfo
+from .model.load import load_model
+from .ops.registry import lookup
+from .runtime.worker import Worker
+
+BACKEND_CHOICES = [b.value for b in BackendType]
+
+
+class ProgressBar:
+    """A one-line text progress bar on stderr (no dependency, redrawn in place)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True, width: int = 30):
+        self.total, self.label, self.enabled, self.width = total, label, enabled, width
+        self.count = 0
+        self.started = time.perf_counter()
+
+    def advance(self, n: int = 1) -> None:
+        self.count += n
+        if not self.enabled:
+            return
+        filled = int(self.width * self.count / max(self.total, 1))
+        rate = self.count / max(time.perf_counter() - self.started, 1e-9)
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
+                         f"{self.count}/{self.total} ({rate:,.0f}/s)")
+        if self.count >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+# -- demo ------------------------------------------------------------------------------------------
+async def _demo(backend: str, batch_size: int, progress: bool) -> int:
+    images, labels = assets.default_samples()
+    model = load_model(assets.default_model_path())
+    print(f"model: {assets.default_model_path().name} ({len(model.layers)} layers after optimisation: "
+          f"{', '.join(l.kind for l in model.layers)})")
+    print(f"samples: {len(images)} held-out digits; backend: {backend}")
+    async with Worker(model, backend) as worker:
+        await worker.run(images[:1])  # warm-up: first-touch allocations stay out of the figures
+
+        # Latency: one image per request, each awaited through the readback API.
+        bar = ProgressBar(len(images), "latency   ", progress)
+        latencies, predictions = [], []
+        for image in images:
+            start = time.perf_counter()
+            worker.schedule(image[None])
+            probs = await worker.peek_output("probabilities").readback_and_clone_async()
+            latencies.append(time.perf_counter() - start)
+            predictions.append(int(np.argmax(probs.numpy()[0])))
+            bar.advance()
+        accuracy = float(np.mean(np.asarray(predictions) == labels))
+
+        # Throughput: batches in flight concurrently on the thread pool.
+        bar = ProgressBar(len(images), "throughput", progress)
+        start = time.perf_counter()
+
+        async def one_batch(lo: int) -> np.ndarray:
+            out = await worker.run(images[lo:lo + batch_size])
+            bar.advance(len(out["probabilities"]))
+            return out["probabilities"]
+
+        batches = await asyncio.gather(*(one_batch(lo) for lo in range(0, len(images), batch_size)))
+        elapsed = time.perf_counter() - start
+        batched_accuracy = float(np.mean(np.argmax(np.concatenate(batches), axis=1) == labels))
+
+    lat_ms = np.asarray(latencies) * 1e3
+    print(f"accuracy: {accuracy:.2%} ({int(round(accuracy * len(labels)))}/{len(labels)})"
+          f"{'' if batched_accuracy == accuracy else f'; batched {batched_accuracy:.2%}'}")
+    print(f"latency (batch 1): p50 {np.percentile(lat_ms, 50):.3f} ms, p99 {np.percentile(lat_ms, 99):.3f} ms")
+    print(f"throughput (batch {batch_size}, concurrent): {len(images) / elapsed:,.0f} images/s")
+    return 0 if accuracy >= 0.9 else 1
+
+
+# -- run -------------------------------------------------------------------------------------------
+def _concrete_shape(info: TensorInfo, dims: dict[str, int]) -> tuple[int, ...]:
+    if info.shape is None:
+        raise AsyncInferError(f"input {info.name!r} has no declared shape: pass it with --input")
+    return tuple(d if isinstance(d, int) else dims.get(d or "", 1) for d in info.shape)
+
+
+def _random_input(info: TensorInfo, dims: dict[str, int], rng: np.random.Generator) -> np.ndarray:
+    shape = _concrete_shape(info, dims)
+    dtype = info.dtype or np.dtype(np.float32)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) < 0.5
+    return rng.integers(0, 10, size=shape).astype(dtype)
+
+
+def _load_inputs(model: Model, specs: list[str], random: bool, dims: dict[str, int], seed: int) -> dict[str, np.ndarray]:
+    inputs: dict[str, np.ndarray] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise AsyncInferError(f"--input expects name=file.npy, got {spec!r}")
+        try:
+            inputs[name] = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise AsyncInferError(f"--input {name}: cannot read {path!r}: {exc}") from None
+    rng = np.random.default_rng(seed)
+    for info in model.inputs:
+        if info.name not in inputs:
+            if not random:
+                raise AsyncInferError(f"input {info.name!r} not given: pass --input {info.name}=file.npy or --random")
+            inputs[info.name] = _random_input(info, dims, rng)
+    return inputs
+
+
+async def _run(args: argparse.Namespace) -> int:
+    model = load_model(args.model, optimize=not args.no_optimize)
+    dims = dict(_parse_dim(d) for d in args.dim)
+    inputs = _load_inputs(model, args.input, args.random, dims, args.seed)
+    async with Worker(model, args.backend) as worker:
+        start = time.perf_counter()
+        outputs = await worker.run(inputs)
+        elapsed = time.perf_counter() - start
+    for name, value in outputs.items():
+        stats = ""
+        if value.size and value.dtype.kind in "fiub":
+            v = value.astype(np.float64)
+            stats = f" min {v.min():.6g} max {v.max():.6g} mean {v.mean():.6g}"
+        print(f"{name}: {value.dtype.name}{list(value.shape)}{stats}")
+    print(f"ran in {elapsed * 1e3:.2f} ms on {args.backend}")
+    if args.save:
+        np.savez(args.save, **outputs)
+        print(f"saved outputs to {args.save}")
+    return 0
+
+
+def _parse_dim(spec: str) -> tuple[str, int]:
+    name, sep, value = spec.partition("=")
+    if not sep or not value.isdigit():
+        raise AsyncInferError(f"--dim expects name=size, got {spec!r}")
+    return name, int(value)
+
+
+# -- info ------------------------------------------------------------------------------------------
+def _supported_on(op_type: str, version: int, domain: str) -> list[str]:
+    backends = []
+    try:
+        lookup(op_type, version, domain)
+        backends.append("cpu")
+    except AsyncInferError:
+        pass
+    return backends
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .model.onnx_import import import_model
+
+    raw = import_model(args.model)
+    model = load_model(args.model)
+    fmt = lambda i: f"  {i.name}: {i.dtype.name if i.dtype is not None else '?'} {list(i.shape) if i.shape is not None else '?'}"  # noqa: E731
+    print(f"model: {model.name} (from {model.source}; producer {model.producer or '?'}; opsets {model.opsets})")
+    print("inputs:")
+    print("\n".join(fmt(i) for i in model.inputs))
+    print("outputs:")
+    print("\n".join(fmt(o) for o in model.outputs))
+    print(f"layers: {len(raw.layers)} imported, {len(model.layers)} after optimisation {model.optimizations}")
+    counts = Counter((l.domain, l.op_type, l.version) for l in raw.layers)
+    print("ops (count, backends with a kernel):")
+    for (domain, op_type, version), n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][1])):
+        where = ", ".join(_supported_on(op_type, version, domain)) or "none"
+        name = f"{domain}::{op_type}" if domain else op_type
+        print(f"  {name:<28} {n:>5}  {where}")
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncinfer", description="Async-first ONNX inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the embedded digits CNN on its samples: accuracy, latency, throughput")
+    demo.add_argument("--backend", default="cpu", choices=BACKEND_CHOICES)
+    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
+
+    run = sub.add_parser("run", help="run a model on given or random inputs and summarise the outputs")
+    run.add_argument("model", type=Path)
+    run.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy")
+    run.add_argument("--random", action="store_true", help="random values for inputs not given")
+    run.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                     help="size of a symbolic dimension for --random (default 1)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--backend", default="cpu", choices=BACKEND_CHOICES)
+    run.add_argument("--no-optimize", action="store_true")
+    run.add_argument("--save", type=Path, help="write the outputs to this .npz file")
+
+    info = sub.add_parser("info", help="inputs, outputs, ops and which backend supports each op")
+    info.add_argument("model", type=Path)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            return asyncio.run(_demo(args.backend, args.batch_size, not args.no_progress))
+        if args.command == "run":
+            return asyncio.run(_run(args))
+        return _info(args)
+    except AsyncInferError as exc:
+        print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

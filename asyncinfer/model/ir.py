@@ -1,0 +1,93 @@
+"""The model intermediate representation: a topologically ordered list of layers over named values.
+
+The IR is backend-neutral and immutable once a worker is built on it. Constants (initializers,
+folded layers) live in ``Model.constants``; every other value is produced by exactly one layer or
+is a model input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import numpy as np
+
+Dim = Union[int, str, None]  # a fixed size, a symbolic name, or unknown
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Name, element type and (possibly symbolic) shape of a model input or output."""
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple[Dim, ...] | None  # None: rank unknown
+
+    def __repr__(self) -> str:
+        dt = "?" if self.dtype is None else np.dtype(self.dtype).name
+        shape = "?" if self.shape is None else "(" + ", ".join("?" if d is None else str(d) for d in self.shape) + ")"
+        return f"TensorInfo({self.name!r}, {dt}, {shape})"
+
+
+@dataclass
+class Layer:
+    """One op applied to named input values, producing named output values.
+
+    ``inputs`` holds ``""`` for an omitted optional input. ``version`` is the opset version of the
+    layer's domain in the model. ``fused`` lists element-wise activation layers the optimizer
+    folded into this one: a backend applies them, in order, to the layer's first output.
+    """
+
+    name: str
+    op_type: str
+    inputs: list[str]
+    outputs: list[str]
+    attrs: dict[str, Any] = field(default_factory=dict)
+    domain: str = ""
+    version: int = 0
+    fused: list["Layer"] = field(default_factory=list)
+    cpu_bound: bool = False
+
+    @property
+    def kind(self) -> str:
+        """``op_type`` with its fused activations, e.g. ``Conv+Relu``."""
+        return "+".join([self.op_type] + [f.op_type for f in self.fused])
+
+    def describe(self) -> str:
+        return f"layer {self.name!r} ({self.kind})"
+
+
+@dataclass
+class Model:
+    """An ONNX model imported into the asyncinfer IR. Build one with :func:`asyncinfer.load_model`."""
+
+    inputs: list[TensorInfo]
+    outputs: list[TensorInfo]
+    layers: list[Layer]
+    constants: dict[str, np.ndarray]
+    opsets: dict[str, int]
+    value_info: dict[str, TensorInfo] = field(default_factory=dict)
+    name: str = "model"
+    producer: str = ""
+    source: str = "<memory>"
+    cpu_bound_values: set[str] = field(default_factory=set)
+    optimizations: dict[str, int] = field(default_factory=dict)
+
+    def op_types(self) -> list[str]:
+        """Sorted distinct op types of the model's layers (fused activations included)."""
+        kinds = {l.op_type for l in self.layers} | {f.op_type for l in self.layers for f in l.fused}
+        return sorted(kinds)
+
+    def producers(self) -> dict[str, Layer]:
+        return {out: layer for layer in self.layers for out in layer.outputs if out}
+
+    def consumers(self) -> dict[str, list[Layer]]:
+        result: dict[str, list[Layer]] = {}
+        for layer in self.layers:
+            for name in layer.inputs:
+                if name:
+                    result.setdefault(name, []).append(layer)
+        return result
+
+    def __repr__(self) -> str:
+        return (f"Model({self.name!r}, inputs={self.inputs}, outputs={self.outputs}, "
+                f"layers={len(self.layers)}, constants={len(self.constants)})")

@@ -1,0 +1,45 @@
+"""``load_model``: import, optimise and check an ONNX model."""
+from __future__ import annotations
+
+from .. import ops
+from ..errors import UnsupportedOperatorError
+from .ir import Layer, Model
+from .onnx_import import DEFAULT_MAX_TENSOR_BYTES, ModelSource, import_model
+from .optimize import mark_cpu_bound
+from .optimize import optimize as run_passes
+
+
+def load_model(source: ModelSource, *, optimize: bool = True,
+               max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Model:
+    """Load an ONNX model from a path, bytes or ``onnx.ModelProto``.
+
+    Args:
+        source: the model.
+        optimize: run the graph optimiser (constant folding, dead-layer removal, Conv+BN folding,
+            activation fusion). Turning it off never changes results beyond float rounding.
+        max_tensor_bytes: refuse any initializer larger than this (guards against corrupt files).
+
+    Raises:
+        ModelLoadError: the model is malformed (with what and where).
+        UnsupportedOperatorError: listing every op of the model without an implementation.
+    """
+    model = import_model(source, max_tensor_bytes=max_tensor_bytes)
+    if optimize:
+        run_passes(model)
+    else:
+        mark_cpu_bound(model)
+    check_supported(model.layers)
+    return model
+
+
+def check_supported(layers: list[Layer]) -> None:
+    """Build every layer's kernel once; raise one error listing every unsupported op and attribute."""
+    problems: list[str] = []
+    for layer in layers:
+        for part in [layer] + layer.fused:
+            try:
+                ops.create(part)
+            except UnsupportedOperatorError as exc:
+                problems += [f"{p} (layer {part.name!r})" if part.name not in p else p for p in exc.problems]
+    if problems:
+        raise UnsupportedOperatorError(problems)

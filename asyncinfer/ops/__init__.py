@@ -1,0 +1,24 @@
+"""Operator kernels, one module per op family. Importing this package registers every op.
+
+The NumPy kernels here are the reference semantics of every backend and the CPU backend's kernels.
+"""
+from __future__ import annotations
+
+from . import (  # noqa: F401  (imported for their @register side effects)
+    activation,
+    conv,
+    elementwise,
+    indexing,
+    linalg,
+    normalization,
+    pool,
+    reduce,
+    resize,
+    rnn,
+    shape,
+    softmax,
+)
+from .base import Op
+from .registry import create, lookup, register, registered
+
+__all__ = ["Op", "create", "lookup", "register", "registered"]

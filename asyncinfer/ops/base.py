@@ -1,0 +1,69 @@
+"""The base class of every operator kernel.
+
+An op class is built once per layer, when a worker is created (so attribute problems surface
+before anything runs), and its :meth:`Op.run` is then called for every execution, possibly from
+several threads at once: ``run`` must not mutate ``self`` nor its inputs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ..errors import UnsupportedOperatorError
+
+if TYPE_CHECKING:
+    from ..model.ir import Layer
+
+_REQUIRED = object()
+
+
+class Op:
+    """A CPU (NumPy) kernel for one ONNX operator.
+
+    Subclasses override :meth:`run` and, when some attribute values are not implemented,
+    :meth:`check` (calling :meth:`unsupported`). Class attributes describe the op to the optimizer:
+
+    - ``value_inputs``: input indices whose *values* are needed to know output shapes (the
+      ``shape`` of Reshape, ``axes`` of reductions…): the optimizer keeps their producers on the CPU.
+    - ``deterministic``: False for random ops, which must never be constant-folded.
+    - ``elementwise_unary``: True for activations that may be fused into the layer before them.
+    """
+
+    op_type: ClassVar[str] = ""
+    domain: ClassVar[str] = ""
+    value_inputs: ClassVar[tuple[int, ...]] = ()
+    deterministic: ClassVar[bool] = True
+    elementwise_unary: ClassVar[bool] = False
+
+    def __init__(self, layer: "Layer"):
+        self.layer = layer
+        self.version = layer.version
+        self.attrs = layer.attrs
+        self.check()
+
+    # -- attribute helpers ------------------------------------------------------------------
+    def attr(self, name: str, default: Any = _REQUIRED) -> Any:
+        """The attribute ``name``; a missing required attribute is an UnsupportedOperatorError."""
+        if name in self.attrs:
+            return self.attrs[name]
+        if default is _REQUIRED:
+            raise UnsupportedOperatorError([f"{self.layer.describe()}: required attribute {name!r} is missing"])
+        return default
+
+    def unsupported(self, what: str) -> None:
+        """Refuse this layer: ``what`` names the attribute or combination that is not implemented."""
+        raise UnsupportedOperatorError(
+            [f"{self.op_type} version {self.version} in {self.layer.describe()}: {what} is not supported"])
+
+    # -- to override ----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Validate attributes at worker creation; call :meth:`unsupported` to refuse."""
+
+    def run(self, *inputs: np.ndarray | None) -> np.ndarray | tuple[np.ndarray | None, ...]:
+        """Compute the outputs from the inputs (``None`` for an omitted optional input)."""
+        raise NotImplementedError
+
+    def __call__(self, *inputs: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
+        out = self.run(*inputs)
+        return out if isinstance(out, tuple) else (out,)

@@ -1,0 +1,194 @@
+"""One scheduled run of a model: a future per layer, wired by dependency callbacks."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import AsyncInferError, DisposedError, ExecutionError
+from ..tensor import Tensor
+from .bridge import wait_done
+from .future import TaskFuture
+from .plan import Plan, Step
+
+if TYPE_CHECKING:
+    from .worker import Worker
+
+
+class Execution:
+    """The task graph of one ``schedule`` call. Its layers run as their inputs become ready."""
+
+    def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: "Worker | None" = None):
+        self.plan = plan
+        self.worker = worker
+        n_layers = len(plan.steps)
+        self.futures: list[TaskFuture | None] = [None] * plan.n_sources
+        for name, source in plan.input_sources.items():
+            self.futures[source] = inputs[name]
+        self.futures[n_layers + len(plan.input_sources):] = plan.constant_futures
+        self._missing = [0] * n_layers
+        self._readers = dict(plan.reader_counts)
+        self._lock = threading.Lock()
+        self._cancelled = False
+        self._submitted = 0
+        self._outputs: dict[str, Tensor] = {}
+        self._taken: set[str] = set()
+
+    # -- scheduling ----------------------------------------------------------------------------------
+    def submit_all(self) -> "Execution":
+        for _ in self.submit_iter():
+            pass
+        return self
+
+    def submit_iter(self) -> Iterator[Step]:
+        """Submit the layers in order, yielding after each (Sentis's ``ScheduleIterable``)."""
+        for step in self.plan.steps:
+            self._submit(step)
+            yield step
+
+    def _submit(self, step: Step) -> None:
+        fut = TaskFuture(label=step.layer.name)
+        self.futures[step.index] = fut
+        self._submitted += 1
+        deps = [self.futures[s] for s in step.sources]
+        pending = [d for d in deps if not d.done()]  # type: ignore[union-attr]
+        if not pending:
+            self._ready(step)
+            return
+        self._missing[step.index] = len(pending)
+        for dep in pending:
+            dep.add_done_callback(lambda _f, step=step: self._input_done(step))  # type: ignore[union-attr]
+
+    def _input_done(self, step: Step) -> None:
+        with self._lock:
+            self._missing[step.index] -= 1
+            ready = self._missing[step.index] == 0
+        if ready:
+            self._ready(step)
+
+    def _ready(self, step: Step) -> None:
+        for ref in step.inputs:
+            if ref is not None:
+                dep = self.futures[ref[0]]
+                if dep.failed():  # type: ignore[union-attr]
+                    self.fail_step(step, dep.exception())  # type: ignore[union-attr,arg-type]
+                    return
+        if self._cancelled:
+            self.fail_step(step, ExecutionError(f"run cancelled before {step.layer.describe()} started",
+                                                layer=step.layer.name, op_type=step.layer.op_type))
+            return
+        step.backend.dispatch(self, step)
+
+    # -- running (called by backends, on their threads) --------------------------------------------
+    def run_step(self, step: Step) -> None:
+        """Run a ready step's kernel and complete its future. Never raises."""
+        fut = self.futures[step.index]
+        if self._cancelled:
+            self.fail_step(step, ExecutionError(f"run cancelled before {step.layer.describe()} started",
+                                                layer=step.layer.name, op_type=step.layer.op_type))
+            return
+        try:
+            args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in step.inputs]  # type: ignore[union-attr]
+            if any(a is None for a, r in zip(args, step.inputs) if r is not None):
+                raise DisposedError("an input of this layer was released (the worker or a tensor was disposed)")
+            with np.errstate(all="ignore"):  # IEEE results (inf/nan) are values, not errors, as in ONNX
+                outputs = list(step.op(*args))
+                for act in step.activations:
+                    outputs[0] = act(outputs[0])[0]
+            if len(outputs) < len([o for o in step.layer.outputs if o]):
+                raise ValueError(f"kernel returned {len(outputs)} outputs for {len(step.layer.outputs)}")
+        except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
+            self.fail_step(step, _execution_error(step, exc, args if "args" in locals() else []))
+            return
+        self._release_inputs(step)
+        fut.set_result(outputs)  # type: ignore[union-attr]
+
+    def fail_step(self, step: Step, error: BaseException) -> None:
+        self._release_inputs(step)
+        self.futures[step.index].set_exception(error)  # type: ignore[union-attr]
+
+    def _release_inputs(self, step: Step) -> None:
+        if not step.release:
+            return
+        with self._lock:
+            for ref in step.release:
+                left = self._readers[ref] - 1
+                self._readers[ref] = left
+                if left == 0:
+                    values = self.futures[ref[0]].peek()  # type: ignore[union-attr]
+                    if values is not None:
+                        values[ref[1]] = None
+
+    def cancel(self) -> None:
+        """Skip every layer that has not started; started kernels finish and are discarded."""
+        self._cancelled = True
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def _tensor(self, name: str, owner: Any) -> Tensor:
+        ref = self.plan.refs[name]
+        info = next(o for o in self.plan.model.outputs if o.name == name)
+        future = self.futures[ref[0]]
+        if future is None:
+            raise AsyncInferError(f"output {name!r} is not scheduled yet (schedule_iterable not finished)")
+        backend = self.plan.steps[ref[0]].backend.name if ref[0] < len(self.plan.steps) else "cpu"
+        return Tensor(_future=future, _index=ref[1], name=name, _shape=info.shape, _dtype=info.dtype,
+                      _backend=backend, _owner=owner)
+
+    def _output_name(self, name: str | None) -> str:
+        names = [o.name for o in self.plan.model.outputs]
+        if name is None:
+            return names[0]
+        if name not in names:
+            raise AsyncInferError(f"model has no output {name!r}; outputs are {names}")
+        return name
+
+    def peek_output(self, name: str | None = None) -> Tensor:
+        """The (possibly pending) output tensor; it belongs to the worker."""
+        name = self._output_name(name)
+        if name not in self._outputs:
+            self._outputs[name] = self._tensor(name, self.worker)
+        return self._outputs[name]
+
+    def take_output(self, name: str | None = None) -> Tensor:
+        """The output tensor, owned by the caller: it stays valid after the worker is disposed."""
+        name = self._output_name(name)
+        self._taken.add(name)
+        return self._tensor(name, None)
+
+    @property
+    def outputs(self) -> dict[str, Tensor]:
+        return {o.name: self.peek_output(o.name) for o in self.plan.model.outputs}
+
+    def done(self) -> bool:
+        """True once every output is computed (or failed)."""
+        return all(self.futures[r[0]] is not None and self.futures[r[0]].done() for r in self.plan.output_refs)  # type: ignore[union-attr]
+
+    async def wait(self) -> None:
+        """Await every output (never blocks the loop); raises the first failure."""
+        for ref in self.plan.output_refs:
+            fut = self.futures[ref[0]]
+            await wait_done(fut)  # type: ignore[arg-type]
+            if fut.failed():  # type: ignore[union-attr]
+                from ..tensor import _reraise
+
+                raise _reraise(fut.exception(), "output")  # type: ignore[union-attr]
+
+    def output_arrays(self) -> dict[str, np.ndarray]:
+        """Outputs of a completed execution as caller-owned NumPy arrays."""
+        result = {}
+        for info, ref in zip(self.plan.model.outputs, self.plan.output_refs):
+            value = self.futures[ref[0]].peek()[ref[1]]  # type: ignore[union-attr]
+            result[info.name] = np.array(value, copy=True)
+        return result
+
+
+def _execution_error(step: Step, exc: Exception, args: list) -> BaseException:
+    if isinstance(exc, AsyncInferError) and not isinstance(exc, ExecutionError):
+        return exc
+    layer = step.layer
+    seen = ", ".join("None" if a is None else f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', []))}"
+                     for a in args)
+    return ExecutionError(f"{layer.describe()} failed: {type(exc).__name__}: {exc} (inputs: {seen})",
+                          layer=layer.name, op_type=layer.op_type)

@@ -1,0 +1,104 @@
+"""A small thread-safe future: the unit of the task graph.
+
+Every scheduled layer gets one :class:`TaskFuture`; its value is the list of the layer's output
+arrays. It is lighter than ``concurrent.futures.Future`` (no condition variable unless somebody
+blocks on it) because a model schedules hundreds of them per run, and its callbacks run on the
+thread that completes it, which is what lets the CPU backend chain layers without a thread ever
+blocking on another.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+class TaskFuture:
+    """Result (or failure) of one task; callbacks fire exactly once, on the completing thread."""
+
+    __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "_event", "label")
+
+    def __init__(self, label: str = "") -> None:
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["TaskFuture"], None]] | None = []
+        self._event: threading.Event | None = None
+        self.label = label
+
+    @classmethod
+    def completed(cls, value: Any, label: str = "") -> "TaskFuture":
+        fut = cls(label)
+        fut._state = _DONE
+        fut._value = value
+        fut._callbacks = None
+        return fut
+
+    # -- completion ------------------------------------------------------------------------
+    def set_result(self, value: Any) -> None:
+        self._finish(_DONE, value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._finish(_FAILED, None, error)
+
+    def _finish(self, state: int, value: Any, error: BaseException | None) -> None:
+        with self._lock:
+            if self._state != _PENDING:
+                return  # first completion wins (a cancelled task may still be finished by its thread)
+            self._state, self._value, self._error = state, value, error
+            callbacks, self._callbacks = self._callbacks, None
+            event = self._event
+        if event is not None:
+            event.set()
+        for cb in callbacks or ():
+            cb(self)
+
+    # -- observation -----------------------------------------------------------------------
+    def done(self) -> bool:
+        return self._state != _PENDING
+
+    def failed(self) -> bool:
+        return self._state == _FAILED
+
+    def add_done_callback(self, fn: Callable[["TaskFuture"], None]) -> None:
+        """Call ``fn(self)`` once done: now, on this thread, if already done."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._callbacks.append(fn)  # type: ignore[union-attr]
+                return
+        fn(self)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the calling thread until done; True if done."""
+        if self._state != _PENDING:
+            return True
+        with self._lock:
+            if self._state != _PENDING:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The value, blocking until done; raises the task's error if it failed."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"{self.label or 'task'} not done after {timeout} s")
+        if self._state == _FAILED:
+            raise self._error  # type: ignore[misc]
+        return self._value
+
+    def exception(self) -> BaseException | None:
+        """The error of a failed task (None while pending or on success)."""
+        return self._error
+
+    def peek(self) -> Any:
+        """The value of a completed task, without any check."""
+        return self._value
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
+        return f"<TaskFuture {self.label} {state}>"

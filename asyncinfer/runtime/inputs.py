@@ -1,0 +1,102 @@
+"""Binding and checking a run's inputs against the model's declared (symbolic) signature.
+
+Everything here happens before any work is scheduled, so a bad input never leaves a half-run.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..model.ir import Model, TensorInfo
+from ..tensor import Tensor
+from .future import TaskFuture
+
+
+def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, TaskFuture]:
+    """Map ``schedule(...)`` arguments to input futures; raises InputError naming the input at fault."""
+    declared = {i.name: i for i in model.inputs}
+    if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+        given = dict(args[0])
+    else:
+        if len(args) > len(model.inputs):
+            raise InputError(f"{len(args)} positional inputs given, the model takes {len(model.inputs)}: "
+                             f"{[i.name for i in model.inputs]}")
+        given = {info.name: value for info, value in zip(model.inputs, args)}
+        for name, value in kwargs.items():
+            if name in given:
+                raise InputError(f"input {name!r} given both positionally and by name")
+            given[name] = value
+    extra = [n for n in given if n not in declared]
+    if extra:
+        raise InputError(f"unknown input(s) {extra}; the model's inputs are {list(declared)}")
+    missing = [n for n in declared if n not in given]
+    if missing:
+        raise InputError(f"missing input(s) {missing}; the model's inputs are {list(declared)}")
+
+    bindings: dict[str, int | str] = {}
+    futures: dict[str, TaskFuture] = {}
+    for name, info in declared.items():
+        futures[name] = _input_future(info, given[name], bindings)
+    return futures
+
+
+def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str]) -> TaskFuture:
+    if isinstance(value, Tensor):
+        if value.disposed:
+            raise InputError(f"input {info.name!r}: the tensor was disposed")
+        if value.is_pending:  # chained from another run: dtype checked now, shape when it arrives
+            _check_dtype(info, value.dtype)
+            return _chained(value)
+        value = value.numpy()
+    try:
+        if isinstance(value, np.ndarray):
+            array = value
+        elif info.dtype is not None and not isinstance(value, np.generic):
+            array = np.asarray(value, dtype=info.dtype)  # Python lists/scalars take the declared type
+        else:
+            array = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"input {info.name!r}: cannot make an array of {type(value).__name__}: {exc}") from None
+    _check_dtype(info, array.dtype)
+    _check_shape(info, array.shape, bindings)
+    # A private copy: the caller may reuse its buffer while the run is pending.
+    return TaskFuture.completed([np.array(array, copy=True, order="C")], label=info.name)
+
+
+def _chained(tensor: Tensor) -> TaskFuture:
+    fut = TaskFuture(label=tensor.name)
+
+    def forward(_: TaskFuture) -> None:
+        try:
+            fut.set_result([tensor.download_to_array()])
+        except Exception as exc:  # noqa: BLE001 - the upstream failure flows into this run
+            fut.set_exception(exc)
+
+    tensor._future.add_done_callback(forward)
+    return fut
+
+
+def _check_dtype(info: TensorInfo, dtype: np.dtype | None) -> None:
+    if info.dtype is not None and dtype is not None and np.dtype(dtype) != info.dtype:
+        raise InputError(f"input {info.name!r} must be {info.dtype.name}, got {np.dtype(dtype).name} "
+                         f"(convert with .astype(np.{info.dtype.name}))")
+
+
+def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, int | str]) -> None:
+    if info.shape is None:
+        return
+    want = "(" + ", ".join("?" if d is None else str(d) for d in info.shape) + ")"
+    if len(shape) != len(info.shape):
+        raise InputError(f"input {info.name!r} must have rank {len(info.shape)} {want}, got shape {tuple(shape)}")
+    for axis, (dim, size) in enumerate(zip(info.shape, shape)):
+        if isinstance(dim, int) and dim != size:
+            raise InputError(f"input {info.name!r} must have shape {want}, got {tuple(shape)} "
+                             f"(axis {axis} is {size}, expected {dim})")
+        if isinstance(dim, str) and dim:
+            bound = bindings.setdefault(dim, size)
+            if bound != size:
+                raise InputError(f"input {info.name!r}: dimension {dim!r} is {size} on axis {axis}, "
+                                 f"but {bound} in another input")

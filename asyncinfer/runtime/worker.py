@@ -1,0 +1,174 @@
+"""``Worker``: runs a model on a backend (Sentis's ``Worker``), with sync and async lifecycles."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..backends import BackendType, CPUBackend, create_backend, parse_backend_type
+from ..errors import AsyncInferError, DisposedError
+from ..model.ir import Model
+from ..tensor import Tensor
+from .execution import Execution
+from .inputs import bind_inputs
+from .plan import Placement, Plan
+
+
+class Worker:
+    """Runs ``model`` on ``backend``; layers the backend lacks fall back to the CPU.
+
+    Scheduling returns at once; outputs are read back when the caller awaits, polls or is called
+    back. ``run`` is safe to call concurrently: each call has its own task graph.
+
+    Args:
+        model: a model from :func:`asyncinfer.load_model`.
+        backend: a :class:`BackendType` or its name (``"cpu"``, ``"gpu_compute"``, ``"gpu_pixel"``).
+        threads: CPU thread-pool size (default: the core count).
+
+    Raises:
+        BackendUnavailableError: the backend cannot run on this machine (says what is missing).
+    """
+
+    def __init__(self, model: Model, backend: BackendType | str = BackendType.CPU, *, threads: int | None = None):
+        self.model = model
+        self.backend_type = parse_backend_type(backend)
+        self._backend = create_backend(self.backend_type, threads=threads)
+        self._fallback = None if isinstance(self._backend, CPUBackend) else CPUBackend(threads)
+        try:
+            self._plan = Plan(model, self._backend, self._fallback)
+        except BaseException:
+            self._close_backends()
+            raise
+        self._latest: Execution | None = None
+        self._state_lock = threading.Lock()
+        self._disposed = False
+
+    # -- introspection -------------------------------------------------------------------------------
+    @property
+    def placement(self) -> Placement:
+        """Which backend runs each layer, the CPU-fallback layers and the transfers they cost."""
+        return self._plan.placement
+
+    @property
+    def disposed(self) -> bool:
+        return self._disposed
+
+    def _check_open(self) -> None:
+        if self._disposed:
+            raise DisposedError("this worker was disposed")
+
+    # -- scheduling -----------------------------------------------------------------------------------
+    def schedule(self, *inputs: Any, **named: Any) -> Execution:
+        """Schedule a run and return at once.
+
+        Inputs are positional in model order, one mapping ``{name: array | Tensor}``, or keywords.
+        They are checked against the model's declared (symbolic) shapes before anything is scheduled.
+
+        Raises:
+            InputError: a missing, extra, wrongly typed or wrongly shaped input.
+        """
+        execution = self._new_execution(inputs, named)
+        execution.submit_all()
+        self._latest = execution
+        return execution
+
+    def schedule_iterable(self, *inputs: Any, **named: Any) -> Iterator[str]:
+        """Schedule one layer per step, yielding the name of the layer just scheduled.
+
+        Inputs are checked when this is called, before the first step. Outputs can be peeked once
+        the iteration is over.
+        """
+        execution = self._new_execution(inputs, named)
+
+        def steps() -> Iterator[str]:
+            self._latest = execution
+            for step in execution.submit_iter():
+                yield step.layer.name
+
+        return steps()
+
+    def _new_execution(self, inputs: tuple, named: dict) -> Execution:
+        self._check_open()
+        futures = bind_inputs(self.model, inputs, named)
+        return Execution(self._plan, futures, worker=self)
+
+    def _latest_execution(self) -> Execution:
+        self._check_open()
+        if self._latest is None:
+            raise AsyncInferError("nothing scheduled yet: call schedule() first")
+        return self._latest
+
+    def peek_output(self, name: str | None = None) -> Tensor:
+        """An output of the latest ``schedule`` (the first by default), possibly pending.
+
+        It belongs to the worker: valid until the worker's next ``schedule`` or its disposal.
+        """
+        return self._latest_execution().peek_output(name)
+
+    def take_output(self, name: str | None = None) -> Tensor:
+        """Like ``peek_output``, but the caller owns the tensor (it survives the worker)."""
+        return self._latest_execution().take_output(name)
+
+    async def run(self, *inputs: Any, **named: Any) -> dict[str, np.ndarray]:
+        """Schedule a run, await every output without blocking the loop, and return them as arrays.
+
+        Cancelling the awaiting task skips the layers that have not started.
+        """
+        execution = self._new_execution(inputs, named)
+        execution.submit_all()
+        try:
+            await execution.wait()
+        except BaseException:
+            execution.cancel()
+            raise
+        return execution.output_arrays()
+
+    def run_blocking(self, *inputs: Any, **named: Any) -> dict[str, np.ndarray]:
+        """Blocking twin of :meth:`run`: waits on the calling thread. Do not call it on an event loop."""
+        execution = self._new_execution(inputs, named)
+        execution.submit_all()
+        outputs = {}
+        for info in self.model.outputs:
+            outputs[info.name] = execution.take_output(info.name).download_to_array()
+        return outputs
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def dispose(self) -> None:
+        """Stop the worker: pending layers are skipped, threads end, worker-owned outputs are released."""
+        with self._state_lock:
+            if self._disposed:
+                return
+            self._disposed = True
+        if self._latest is not None:
+            self._latest.cancel()
+            self._latest = None
+        self._close_backends()
+
+    def _close_backends(self) -> None:
+        self._backend.close()
+        if self._fallback is not None:
+            self._fallback.close()
+
+    async def aclose(self) -> None:
+        """Dispose without blocking the event loop (threads are joined on a helper thread)."""
+        import anyio.to_thread
+
+        await anyio.to_thread.run_sync(self.dispose)
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.dispose()
+
+    async def __aenter__(self) -> "Worker":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "disposed" if self._disposed else "open"
+        return f"<Worker {self.model.name!r} on {self.backend_type.value}, {len(self._plan.steps)} layers, {state}>"

@@ -1,0 +1,240 @@
+"""Tensors: values that may still be pending in a task graph, and their readback.
+
+A :class:`Tensor` returned by a worker wraps the future of the layer that produces it. Reading it
+(`readback_and_clone`, `download_to_array`, `numpy()`) waits for that layer; the async and polling
+forms never block. :class:`TensorData` is the storage on a backend; only the CPU backend exists
+in this module, other backends subclass it.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .errors import AsyncInferError, DisposedError, ExecutionError
+from .model.ir import Dim
+from .runtime.bridge import loop_dispatcher, wait_done
+from .runtime.future import TaskFuture
+
+ReadbackCallback = Callable[[bool], Any]
+
+
+class TensorData:
+    """A tensor's storage on its backend. ``download()`` returns a NumPy copy and may block."""
+
+    backend: str = "cpu"
+
+    def download(self) -> np.ndarray:
+        raise NotImplementedError
+
+
+class CPUTensorData(TensorData):
+    """Storage of a tensor on the CPU backend: a NumPy array."""
+
+    backend = "cpu"
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def download(self) -> np.ndarray:
+        return np.array(self.array, copy=True)
+
+
+class _PendingData(TensorData):
+    """``data_on_backend`` of a tensor that may still be computing: download() waits for it."""
+
+    def __init__(self, tensor: "Tensor"):
+        self._tensor = tensor
+        self.backend = tensor.backend
+
+    def download(self) -> np.ndarray:
+        return self._tensor._storage().download()
+
+
+class Tensor:
+    """An n-dimensional array that may still be computing on a backend.
+
+    Build one from data with ``Tensor(array)``; workers return pending ones from ``peek_output``.
+    """
+
+    __slots__ = ("_future", "_index", "_declared_shape", "_declared_dtype", "name", "backend",
+                 "_readback", "_lock", "_disposed", "_owner", "__weakref__")
+
+    def __init__(self, data: Any = None, *, name: str = "", _future: TaskFuture | None = None, _index: int = 0,
+                 _shape: tuple[Dim, ...] | None = None, _dtype: np.dtype | None = None, _backend: str = "cpu",
+                 _owner: Any = None):
+        if _future is None:
+            if data is None:
+                raise TypeError("Tensor() needs an array-like")
+            array = np.array(data.numpy() if isinstance(data, Tensor) else data, copy=True)
+            _future = TaskFuture.completed([array], label=name)
+            _shape, _dtype = array.shape, array.dtype
+        self._future = _future
+        self._index = _index
+        self._declared_shape = _shape
+        self._declared_dtype = None if _dtype is None else np.dtype(_dtype)
+        self.name = name
+        self.backend = _backend
+        self._readback: TaskFuture | None = None
+        self._lock = threading.Lock()
+        self._disposed = False
+        self._owner = _owner  # the Worker a peeked tensor belongs to (None: caller-owned)
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray, name: str = "") -> "Tensor":
+        """A CPU tensor holding a copy of ``array``."""
+        return cls(array, name=name)
+
+    # -- metadata -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[Dim, ...] | None:
+        """The concrete shape once computed; before that the declared (maybe symbolic) shape."""
+        if self._future.done() and not self._future.failed():
+            value = self._value_or_none()
+            if value is not None:
+                return tuple(value.shape)
+        return self._declared_shape
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        if self._declared_dtype is not None:
+            return self._declared_dtype
+        value = self._value_or_none() if self._future.done() and not self._future.failed() else None
+        return None if value is None else value.dtype
+
+    @property
+    def is_pending(self) -> bool:
+        """True while the layer producing this tensor has not finished."""
+        return not self._future.done()
+
+    def _value_or_none(self) -> Any:
+        values = self._future.peek()
+        return None if values is None else values[self._index]
+
+    # -- readback -------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._disposed:
+            raise DisposedError(f"tensor {self.name!r} was disposed")
+        owner = self._owner
+        if owner is not None and owner.disposed:
+            raise DisposedError(f"tensor {self.name!r} belongs to a disposed worker; "
+                                "use take_output() or readback_and_clone() to keep outputs")
+
+    def _readback_future(self) -> TaskFuture:
+        """The download of this tensor to host memory, started on first use."""
+        with self._lock:
+            if self._readback is None:
+                self._readback = self._start_readback()
+            return self._readback
+
+    def _start_readback(self) -> TaskFuture:
+        # CPU storage is already host memory: the readback is complete when the layer is.
+        return self._future
+
+    def readback_request(self, callback: ReadbackCallback | None = None) -> None:
+        """Start a non-blocking download; ``callback(success)`` runs when it is done.
+
+        The callback runs on the event loop that was running when the request was made (via a
+        thread-safe call), or, outside any loop, on the thread that completes the readback.
+        """
+        self._check_alive()
+        fut = self._readback_future()
+        if callback is None:
+            return
+        dispatch = loop_dispatcher()
+
+        def deliver(f: TaskFuture) -> None:
+            ok = not f.failed()
+            if dispatch is None:
+                callback(ok)
+            else:
+                dispatch(callback, ok)
+
+        fut.add_done_callback(deliver)
+
+    def is_readback_request_done(self) -> bool:
+        """Poll the readback (starting it if needed); once True, ``readback_and_clone()`` is immediate.
+
+        A failed computation also counts as done: reading it back then raises its error.
+        """
+        self._check_alive()
+        return self._readback_future().done()
+
+    def _storage(self) -> TensorData:
+        """Block until computed, then the backend storage; raises the computation's error."""
+        self._check_alive()
+        fut = self._readback_future()
+        fut.wait()
+        return self._storage_now(fut)
+
+    def _storage_now(self, fut: TaskFuture) -> TensorData:
+        if fut.failed():
+            raise _reraise(fut.exception(), self.name)
+        return CPUTensorData(fut.peek()[self._index])
+
+    def readback_and_clone(self) -> "Tensor":
+        """Blocking: wait for the value and return a caller-owned CPU copy."""
+        return Tensor(self._storage().download(), name=self.name)
+
+    async def readback_and_clone_async(self) -> "Tensor":
+        """Await the value without blocking the event loop; a caller-owned CPU copy."""
+        self._check_alive()
+        fut = self._readback_future()
+        await wait_done(fut)
+        self._check_alive()
+        return Tensor(self._storage_now(fut).download(), name=self.name)
+
+    def download_to_array(self) -> np.ndarray:
+        """Blocking: a NumPy copy of the value."""
+        return self._storage().download()
+
+    @property
+    def data_on_backend(self) -> TensorData:
+        """The storage on the backend; its ``download()`` waits for the value and copies it."""
+        self._check_alive()
+        fut = self._future
+        if fut.done():
+            return self._storage_now(fut)
+        return _PendingData(self)
+
+    def numpy(self) -> np.ndarray:
+        """Blocking: the value as a NumPy array (a copy for worker-owned tensors)."""
+        if self._owner is None and self._future.done() and not self._future.failed():
+            self._check_alive()
+            return self._future.peek()[self._index]
+        return self.download_to_array()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype, copy=False)
+
+    def dispose(self) -> None:
+        """Release the tensor's storage; later use raises DisposedError."""
+        self._disposed = True
+        self._future = TaskFuture.completed(None, label=self.name)
+        self._readback = None
+
+    @property
+    def disposed(self) -> bool:
+        return self._disposed
+
+    def __repr__(self) -> str:
+        state = "disposed" if self._disposed else ("pending" if self.is_pending else
+                                                  ("failed" if self._future.failed() else "ready"))
+        dtype = "?" if self.dtype is None else self.dtype.name
+        return f"<Tensor {self.name!r} {dtype}{list(self.shape or [])} on {self.backend}, {state}>"
+
+
+def _reraise(error: BaseException | None, name: str) -> AsyncInferError:
+    """A fresh error for this reader (the original is shared by every dependent tensor)."""
+    if isinstance(error, ExecutionError):
+        fresh = ExecutionError(str(error), layer=error.layer, op_type=error.op_type)
+    elif isinstance(error, AsyncInferError):
+        fresh = type(error)(str(error)) if type(error).__init__ is AsyncInferError.__init__ else error
+    else:
+        fresh = ExecutionError(f"computing tensor {name!r} failed: {error!r}")
+    if fresh is not error:
+        fresh.__cause__ = error
+    return fresh

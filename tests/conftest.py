@@ -1,0 +1,131 @@
+"""Shared fixtures: small model builders and test-only ops (gates, barriers, failures).
+
+The test-only ops live in the ``test.asyncinfer`` domain. They let tests control *when* a layer
+finishes, so properties like "schedule returns before the work is done" or "independent layers
+run in parallel" are asserted by construction, never by timing.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import asyncinfer as ai
+from asyncinfer.ops.base import Op
+from asyncinfer.ops.registry import register
+
+TEST_DOMAIN = "test.asyncinfer"
+GATES: dict[str, threading.Event] = {}
+BARRIERS: dict[str, threading.Barrier] = {}
+
+
+@register("Gate", versions=(1,), domain=TEST_DOMAIN)
+class Gate(Op):
+    """Identity that waits until the event named by attribute ``gate`` is set (bounded: 30 s)."""
+
+    def run(self, x):
+        if not GATES[self.attr("gate")].wait(30):
+            raise TimeoutError("gate never opened")
+        return x.copy()
+
+
+@register("Rendezvous", versions=(1,), domain=TEST_DOMAIN)
+class Rendezvous(Op):
+    """Identity that waits for ``parties`` layers to meet: passes only if they run in parallel."""
+
+    def run(self, x):
+        BARRIERS[self.attr("barrier")].wait(30)
+        return x.copy()
+
+
+@register("Fail", versions=(1,), domain=TEST_DOMAIN)
+class Fail(Op):
+    """Raises, like a kernel hitting bad data."""
+
+    def run(self, x):
+        raise ValueError("deliberate failure for the test")
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset=17, extra_domains=(TEST_DOMAIN,)) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "test_graph", inputs, outputs, initializer=list(initializers))
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in extra_domains]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="asyncinfer-tests")
+    model.ir_version = 8
+    return model
+
+
+def tensor_info(name, shape, dtype=TensorProto.FLOAT):
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+@pytest.fixture
+def gate():
+    """A fresh named gate; opened at teardown so no pool thread stays stuck."""
+    name = f"gate{len(GATES)}"
+    GATES[name] = threading.Event()
+    yield name, GATES[name]
+    GATES[name].set()
+
+
+@pytest.fixture
+def add_chain_model():
+    """y = ((x + 1) + 1) … n times, with symbolic batch dim."""
+
+    def build(n: int = 5) -> onnx.ModelProto:
+        one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+        nodes, prev = [], "x"
+        for i in range(n):
+            out = "y" if i == n - 1 else f"t{i}"
+            nodes.append(helper.make_node("Add", [prev, "one"], [out], name=f"add{i}"))
+            prev = out
+        return make_model(nodes, [tensor_info("x", ["N", 4])], [tensor_info("y", ["N", 4])], [one])
+
+    return build
+
+
+@pytest.fixture
+def gated_model(gate):
+    """y = Gate(x) + 1: the run cannot finish before the test opens the gate."""
+    name, event = gate
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    nodes = [helper.make_node("Gate", ["x"], ["g"], domain=TEST_DOMAIN, gate=name, name="gate"),
+             helper.make_node("Add", ["g", "one"], ["y"], name="add")]
+    proto = make_model(nodes, [tensor_info("x", [2, 3])], [tensor_info("y", [2, 3])], [one])
+    return ai.load_model(proto), event
+
+
+@pytest.fixture
+def failing_model():
+    """a = x + 1 → Fail → b; c = b * 2 (depends on the failure); d = x * 3 (independent)."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    two = helper.make_tensor("two", TensorProto.FLOAT, [1], [2.0])
+    three = helper.make_tensor("three", TensorProto.FLOAT, [1], [3.0])
+    nodes = [helper.make_node("Add", ["x", "one"], ["a"], name="add"),
+             helper.make_node("Fail", ["a"], ["b"], domain=TEST_DOMAIN, name="broken_layer"),
+             helper.make_node("Mul", ["b", "two"], ["c"], name="after_failure"),
+             helper.make_node("Mul", ["x", "three"], ["d"], name="independent")]
+    proto = make_model(nodes, [tensor_info("x", [2])], [tensor_info("c", [2]), tensor_info("d", [2])],
+                       [one, two, three])
+    return ai.load_model(proto)
+
+
+@pytest.fixture(scope="session")
+def digits_model():
+    from asyncinfer import assets
+
+    return ai.load_model(assets.default_model_path())
+
+
+@pytest.fixture(scope="session")
+def digits_samples():
+    from asyncinfer import assets
+
+    return assets.default_samples()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)

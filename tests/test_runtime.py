@@ -1,0 +1,165 @@
+"""Task-graph runtime: scheduling returns at once, dependencies, parallelism, isolation, lifecycle."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import asyncinfer as ai
+from conftest import BARRIERS, TEST_DOMAIN, make_model, tensor_info
+
+
+def test_schedule_returns_before_the_work_is_done(gated_model):
+    model, gate = gated_model
+    with ai.Worker(model, "cpu") as worker:
+        execution = worker.schedule(np.ones((2, 3), np.float32))
+        y = worker.peek_output()
+        assert y.is_pending and not execution.done()
+        assert not y.is_readback_request_done()
+        gate.set()
+        np.testing.assert_array_equal(y.readback_and_clone().numpy(), np.full((2, 3), 2, np.float32))
+        assert execution.done()
+
+
+def test_each_layer_is_a_future_completing_in_dependency_order(add_chain_model):
+    model = ai.load_model(add_chain_model(4), optimize=False)
+    with ai.Worker(model) as worker:
+        execution = worker.schedule(np.zeros((1, 4), np.float32))
+        worker.peek_output().readback_and_clone()
+        layer_futures = execution.futures[: len(model.layers)]
+        assert all(f.done() and not f.failed() for f in layer_futures)
+        assert [f.label for f in layer_futures] == [l.name for l in model.layers]
+
+
+def test_independent_layers_run_in_parallel():
+    # Two layers that can only finish if both run at once: a barrier of 2 parties.
+    BARRIERS["pair"] = threading.Barrier(2)
+    nodes = [helper.make_node("Rendezvous", ["x"], ["a"], domain=TEST_DOMAIN, barrier="pair", name="left"),
+             helper.make_node("Rendezvous", ["x"], ["b"], domain=TEST_DOMAIN, barrier="pair", name="right"),
+             helper.make_node("Add", ["a", "b"], ["y"], name="join")]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [3])], [tensor_info("y", [3])]))
+    with ai.Worker(model, threads=2) as worker:
+        worker.schedule(np.arange(3, dtype=np.float32))
+        out = worker.peek_output().readback_and_clone().numpy()
+    np.testing.assert_array_equal(out, 2 * np.arange(3, dtype=np.float32))
+    assert not BARRIERS["pair"].broken
+
+
+@pytest.mark.asyncio
+async def test_concurrent_runs_never_mix_tensors(add_chain_model):
+    model = ai.load_model(add_chain_model(20))
+    async with ai.Worker(model) as worker:
+        xs = [np.full((3, 4), i, np.float32) for i in range(32)]
+        results = await asyncio.gather(*(worker.run(x) for x in xs))
+    for i, out in enumerate(results):
+        np.testing.assert_array_equal(out["y"], np.full((3, 4), i + 20, np.float32))
+
+
+def test_peek_output_by_name_and_take_output(failing_model, add_chain_model):
+    model = ai.load_model(add_chain_model(2))
+    worker = ai.Worker(model)
+    worker.schedule(np.zeros((2, 4), np.float32))
+    peeked = worker.peek_output("y")
+    taken = worker.take_output("y")
+    np.testing.assert_array_equal(taken.download_to_array(), np.full((2, 4), 2, np.float32))
+    with pytest.raises(ai.AsyncInferError, match="no output 'nope'"):
+        worker.peek_output("nope")
+    worker.dispose()
+    np.testing.assert_array_equal(taken.numpy(), np.full((2, 4), 2, np.float32))  # caller-owned survives
+    with pytest.raises(ai.DisposedError):
+        peeked.readback_and_clone()  # worker-owned does not
+
+
+def test_schedule_iterable_schedules_one_layer_per_step(add_chain_model):
+    model = ai.load_model(add_chain_model(3), optimize=False)
+    with ai.Worker(model) as worker:
+        steps = worker.schedule_iterable(np.zeros((1, 4), np.float32))
+        names = []
+        for name in steps:
+            names.append(name)
+        assert names == [l.name for l in model.layers]
+        np.testing.assert_array_equal(worker.peek_output().download_to_array(), np.full((1, 4), 3, np.float32))
+
+
+def test_schedule_iterable_checks_inputs_before_the_first_step(add_chain_model):
+    model = ai.load_model(add_chain_model(3))
+    with ai.Worker(model) as worker, pytest.raises(ai.InputError):
+        worker.schedule_iterable(np.zeros((1, 5), np.float32))
+
+
+def test_peek_before_schedule_is_a_clear_error(add_chain_model):
+    with ai.Worker(ai.load_model(add_chain_model(1))) as worker:
+        with pytest.raises(ai.AsyncInferError, match="nothing scheduled"):
+            worker.peek_output()
+
+
+def test_dispose_stops_the_threads_and_refuses_use(add_chain_model):
+    before = {t.name for t in threading.enumerate()}
+    worker = ai.Worker(ai.load_model(add_chain_model(2)), threads=2)
+    worker.schedule(np.zeros((1, 4), np.float32))
+    worker.peek_output().readback_and_clone()
+    worker.dispose()
+    worker.dispose()  # idempotent
+    alive = [t for t in threading.enumerate() if t.name.startswith("asyncinfer-cpu") and t.name not in before]
+    assert alive == []
+    with pytest.raises(ai.DisposedError):
+        worker.schedule(np.zeros((1, 4), np.float32))
+
+
+@pytest.mark.asyncio
+async def test_async_context_manager_disposes(add_chain_model):
+    async with ai.Worker(ai.load_model(add_chain_model(2))) as worker:
+        out = await worker.run(np.zeros((1, 4), np.float32))
+        np.testing.assert_array_equal(out["y"], np.full((1, 4), 2, np.float32))
+    assert worker.disposed
+
+
+def test_run_blocking_twin(add_chain_model):
+    with ai.Worker(ai.load_model(add_chain_model(2))) as worker:
+        out = worker.run_blocking({"x": np.ones((2, 4), np.float32)})
+    np.testing.assert_array_equal(out["y"], np.full((2, 4), 3, np.float32))
+
+
+def test_pending_tensor_can_feed_another_worker(gated_model, add_chain_model):
+    model, gate = gated_model
+    first = ai.Worker(model)
+    second = ai.Worker(ai.load_model(make_model(
+        [helper.make_node("Mul", ["x", "x"], ["y"])], [tensor_info("x", [2, 3])], [tensor_info("y", [2, 3])])))
+    first.schedule(np.full((2, 3), 2, np.float32))
+    second.schedule(first.peek_output())  # chained while still pending
+    assert second.peek_output().is_pending
+    gate.set()
+    np.testing.assert_array_equal(second.peek_output().download_to_array(), np.full((2, 3), 9, np.float32))
+    first.dispose()
+    second.dispose()
+
+
+def test_intermediate_values_are_released_after_their_last_reader(add_chain_model):
+    model = ai.load_model(add_chain_model(6), optimize=False)
+    with ai.Worker(model) as worker:
+        execution = worker.schedule(np.zeros((1, 4), np.float32))
+        worker.peek_output().readback_and_clone()
+        intermediates = [execution.futures[i].peek()[0] for i in range(len(model.layers) - 1)]
+        assert intermediates == [None] * (len(model.layers) - 1)
+        assert execution.futures[len(model.layers) - 1].peek()[0] is not None  # the output is kept
+
+
+def test_placement_reports_every_layer_on_cpu(digits_model):
+    with ai.Worker(digits_model) as worker:
+        placement = worker.placement
+    assert set(placement.layers) == {l.name for l in digits_model.layers}
+    assert set(placement.layers.values()) == {"cpu"}
+    assert placement.transfers == 0 and placement.fallback == []
+
+
+def test_outputs_that_are_constants_or_inputs():
+    c = helper.make_tensor("c", TensorProto.FLOAT, [2], [1.0, 2.0])
+    proto = make_model([helper.make_node("Identity", ["x"], ["y"])], [tensor_info("x", [2])],
+                       [tensor_info("y", [2]), tensor_info("c", [2])], [c])
+    with ai.Worker(ai.load_model(proto)) as worker:
+        out = worker.run_blocking(np.array([5, 6], np.float32))
+    np.testing.assert_array_equal(out["y"], [5, 6])
+    np.testing.assert_array_equal(out["c"], [1, 2])
