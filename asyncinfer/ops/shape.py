@@ -1,0 +1,437 @@
+"""Shape-manipulation and tensor-creation ops: Reshape, Slice, Pad, Concat, Split, Constant…
+
+Most of these only move data around, so they return views of their input where NumPy allows it.
+The small helpers at the top (axis normalisation, reading integer lists from value inputs,
+"attribute in old opsets, input in new ones") are shared with :mod:`.indexing`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from ..dtypes import onnx_to_numpy
+from ..errors import ExecutionError
+from .base import Op
+from .registry import register
+
+Array = np.ndarray
+MaybeArray = Optional[np.ndarray]  # an omitted optional input is None
+
+
+# -- shared helpers -------------------------------------------------------------------------------
+def op_error(op: Op, message: str) -> ExecutionError:
+    """An ExecutionError naming the op and layer, for invalid values only known at run time."""
+    return ExecutionError(f"{op.op_type} ({op.layer.describe()}): {message}",
+                          layer=op.layer.name, op_type=op.op_type)
+
+
+def normalize_axis(op: Op, axis: int, rank: int) -> int:
+    """``axis`` in ``[0, rank)``, accepting negative axes; raises an error naming ``op`` otherwise."""
+    axis = int(axis)
+    if not -rank <= axis < rank:
+        raise op_error(op, f"axis {axis} is out of range for rank {rank}")
+    return axis + rank if axis < 0 else axis
+
+
+def normalize_axes(op: Op, axes: Sequence[int], rank: int) -> list[int]:
+    """Every axis of ``axes`` normalised by :func:`normalize_axis`; duplicates are an error."""
+    result = [normalize_axis(op, a, rank) for a in axes]
+    if len(set(result)) != len(result):
+        raise op_error(op, f"repeated axis in {list(axes)}")
+    return result
+
+
+def int_list(value: Any) -> list[int]:
+    """A 1-D (or scalar) integer tensor or a list as a list of Python ints."""
+    return [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+def input_or_attr(op: Op, value: np.ndarray | None, name: str, since: int) -> list[int] | None:
+    """An int list given as an input from opset ``since`` on, as attribute ``name`` before it."""
+    if op.version >= since:
+        return None if value is None else int_list(value)
+    attr = op.attr(name, None)
+    return None if attr is None else int_list(attr)
+
+
+def check_mode(op: Op, name: str, default: str, allowed: Sequence[str]) -> None:
+    """Refuse string attribute ``name`` when its value is not one of ``allowed``."""
+    value = op.attr(name, default)
+    if value not in allowed:
+        op.unsupported(f"attribute {name}={value!r}")
+
+
+# -- shape queries --------------------------------------------------------------------------------
+@register("Shape", versions=(1, 13, 15, 19, 21, 23, 24, 25))
+class Shape(Op):
+    def run(self, data: Array) -> Array:
+        # Python slicing clamps start/end exactly as the spec asks (versions before 15 have neither).
+        start, end = self.attr("start", 0), self.attr("end", None)
+        return np.array(np.shape(data)[start:end], dtype=np.int64)
+
+
+@register("Size", versions=(1, 13, 19, 21, 23, 24, 25))
+class Size(Op):
+    def run(self, data: Array) -> Array:
+        return np.array(np.size(data), dtype=np.int64)
+
+
+# -- reshaping ------------------------------------------------------------------------------------
+@register("Reshape", versions=(1, 5, 13, 14, 19, 21, 23, 24, 25))
+class Reshape(Op):
+    value_inputs = (1,)
+
+    def run(self, data: Array, shape: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        dims = input_or_attr(self, shape, "shape", since=5)
+        if dims is None:
+            raise op_error(self, "no target shape")
+        if not self.attr("allowzero", 0):  # 0 copies the input dimension
+            dims = [data.shape[i] if d == 0 and i < data.ndim else d for i, d in enumerate(dims)]
+        try:
+            return data.reshape(dims)
+        except ValueError as exc:
+            raise op_error(self, f"cannot reshape {data.shape} into {dims}") from exc
+
+
+@register("Flatten", versions=(1, 9, 11, 13, 21, 23, 24, 25))
+class Flatten(Op):
+    def run(self, data: Array) -> Array:
+        data = np.asarray(data)
+        axis = self.attr("axis", 1)
+        axis = axis + data.ndim if axis < 0 else axis  # the accepted range is [-rank, rank]
+        if not 0 <= axis <= data.ndim:
+            raise op_error(self, f"axis {self.attr('axis')} is out of range for rank {data.ndim}")
+        return data.reshape(math.prod(data.shape[:axis]), math.prod(data.shape[axis:]))
+
+
+@register("Squeeze", versions=(1, 11, 13, 21, 23, 24, 25))
+class Squeeze(Op):
+    value_inputs = (1,)
+
+    def run(self, data: Array, axes: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        axes = input_or_attr(self, axes, "axes", since=13)
+        if axes is None:
+            return data.reshape([d for d in data.shape if d != 1])
+        axes = normalize_axes(self, axes, data.ndim)
+        if any(data.shape[a] != 1 for a in axes):
+            raise op_error(self, f"cannot squeeze axes {axes} of shape {data.shape}: size is not 1")
+        return data.reshape([d for i, d in enumerate(data.shape) if i not in axes])
+
+
+@register("Unsqueeze", versions=(1, 11, 13, 21, 23, 24, 25))
+class Unsqueeze(Op):
+    value_inputs = (1,)
+
+    def run(self, data: Array, axes: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        axes = input_or_attr(self, axes, "axes", since=13)
+        if axes is None:
+            raise op_error(self, "no axes")
+        out_rank = data.ndim + len(axes)
+        inserted = set(normalize_axes(self, axes, out_rank))
+        dims = iter(data.shape)
+        return data.reshape([1 if i in inserted else next(dims) for i in range(out_rank)])
+
+
+@register("Expand", versions=(8, 13))
+class Expand(Op):
+    value_inputs = (1,)
+
+    def run(self, data: Array, shape: Array) -> Array:
+        data = np.asarray(data)
+        try:
+            target = np.broadcast_shapes(data.shape, tuple(int_list(shape)))
+        except ValueError as exc:
+            raise op_error(self, f"cannot broadcast {data.shape} to {int_list(shape)}") from exc
+        # A real copy: a read-only zero-stride view would surprise whoever gets it as an output.
+        return np.broadcast_to(data, target).copy()
+
+
+@register("Transpose", versions=(1, 13, 21, 23, 24, 25))
+class Transpose(Op):
+    def run(self, data: Array) -> Array:
+        data = np.asarray(data)
+        perm = self.attr("perm", None)
+        if perm is not None and sorted(normalize_axes(self, perm, data.ndim)) != list(range(data.ndim)):
+            raise op_error(self, f"perm {perm} is not a permutation of rank {data.ndim}")
+        return np.transpose(data, perm)
+
+
+@register("Concat", versions=(1, 4, 11, 13))
+class Concat(Op):
+    def run(self, *inputs: MaybeArray) -> Array:
+        arrays = [np.asarray(x) for x in inputs if x is not None]
+        axis = normalize_axis(self, self.attr("axis", 1), arrays[0].ndim)
+        return np.concatenate(arrays, axis=axis)
+
+
+@register("Split", versions=(1, 2, 11, 13, 18))
+class Split(Op):
+    value_inputs = (1,)
+
+    def check(self) -> None:
+        n = self.attr("num_outputs", None)
+        if n is not None and n != len(self.layer.outputs):
+            self.unsupported(f"num_outputs={n} with {len(self.layer.outputs)} outputs")
+
+    def run(self, data: Array, split: MaybeArray = None) -> tuple[Array, ...]:
+        data = np.asarray(data)
+        axis = normalize_axis(self, self.attr("axis", 0), data.ndim)
+        dim = data.shape[axis]
+        # Sizes: an input from opset 13 on; an attribute before (Split-1 also took an input).
+        sizes = int_list(split) if split is not None else None
+        if sizes is None and self.version < 13 and "split" in self.attrs:
+            sizes = int_list(self.attrs["split"])
+        n = len(self.layer.outputs)
+        if sizes is None:  # equal parts, the last one smaller when uneven (opset 18)
+            chunk = -(-dim // n)
+            sizes = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
+        if len(sizes) != n or sum(sizes) != dim or min(sizes) < 0:
+            raise op_error(self, f"cannot split dimension {dim} into {n} parts of sizes {sizes}")
+        return tuple(np.split(data, np.cumsum(sizes)[:-1], axis=axis))
+
+
+@register("Slice", versions=(1, 10, 11, 13))
+class Slice(Op):
+    value_inputs = (1, 2, 3, 4)
+
+    def check(self) -> None:
+        if self.version < 10:  # Slice-1 took starts/ends/axes as attributes
+            self.attr("starts"), self.attr("ends")
+
+    def run(self, data: Array,
+            starts: MaybeArray = None, ends: MaybeArray = None,
+            axes: MaybeArray = None, steps: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        if self.version < 10:
+            starts, ends, axes = self.attr("starts"), self.attr("ends"), self.attr("axes", None)
+        starts, ends = int_list(starts), int_list(ends)
+        axes = list(range(len(starts))) if axes is None else int_list(axes)
+        steps = [1] * len(starts) if steps is None else int_list(steps)
+        if not len(starts) == len(ends) == len(axes) == len(steps):
+            raise op_error(self, "starts, ends, axes and steps differ in length")
+        index = [slice(None)] * data.ndim
+        for axis, start, end, step in zip(normalize_axes(self, axes, data.ndim), starts, ends, steps):
+            if step == 0:
+                raise op_error(self, "step 0")
+            index[axis] = _onnx_slice(start, end, step, data.shape[axis])
+        return data[tuple(index)]
+
+
+def _onnx_slice(start: int, end: int, step: int, dim: int) -> slice:
+    """A Python slice with ONNX's clamping (which differs from Python's for negative steps)."""
+    start, end = (start + dim if start < 0 else start), (end + dim if end < 0 else end)
+    if step > 0:
+        return slice(min(max(start, 0), dim), min(max(end, 0), dim), step)
+    start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+    return slice(start, None if end < 0 else end, step)  # end -1 means "through index 0"
+
+
+@register("Tile", versions=(1, 6, 13))
+class Tile(Op):
+    value_inputs = (1, 2)
+
+    def run(self, data: Array, repeats: Array, axis: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        if self.version < 6:  # Tile-1: ``repeats`` copies along the single axis ``axis``
+            reps = [1] * data.ndim
+            reps[normalize_axis(self, int_list(axis)[0], data.ndim)] = int_list(repeats)[0]
+        else:
+            reps = int_list(repeats)
+        if len(reps) != data.ndim or min(reps, default=0) < 0:
+            raise op_error(self, f"repeats {reps} do not fit an input of rank {data.ndim}")
+        return np.tile(data, reps)
+
+
+_PAD_MODES = ("constant", "reflect", "edge", "wrap")  # the same names as numpy.pad's modes
+
+
+@register("Pad", versions=(1, 2, 11, 13, 18, 19, 21, 23, 24, 25))
+class Pad(Op):
+    value_inputs = (1, 3)
+
+    def check(self) -> None:
+        check_mode(self, "mode", "constant", _PAD_MODES)
+        if self.version < 11:  # pads were an attribute (named paddings in Pad-1)
+            self.attr("paddings" if self.version < 2 else "pads")
+
+    def run(self, data: Array,
+            pads: MaybeArray = None, constant_value: MaybeArray = None,
+            axes: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        if self.version < 11:
+            pads = self.attr("paddings" if self.version < 2 else "pads")
+            constant_value = self.attr("value", 0.0)
+        pads = int_list(pads)
+        axes = list(range(data.ndim)) if axes is None else normalize_axes(self, int_list(axes), data.ndim)
+        if len(pads) != 2 * len(axes):
+            raise op_error(self, f"{len(pads)} pads for {len(axes)} axes")
+        widths = [[0, 0] for _ in range(data.ndim)]
+        for i, axis in enumerate(axes):
+            widths[axis] = [pads[i], pads[i + len(axes)]]
+        # Negative pads crop: apply them first as a slice, then pad with the positive ones.
+        data = data[tuple(slice(max(-b, 0), data.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))]
+        widths = [(max(b, 0), max(e, 0)) for b, e in widths]
+        mode = self.attr("mode", "constant")
+        if mode != "constant":
+            if any((b or e) and data.shape[i] == 0 for i, (b, e) in enumerate(widths)):
+                raise op_error(self, f"mode {mode!r} cannot pad an empty axis")
+            return np.pad(data, widths, mode=mode)
+        if constant_value is None or np.size(constant_value) == 0:
+            fill = "" if data.dtype == object else np.zeros((), data.dtype)
+        else:
+            fill = np.asarray(constant_value).reshape(-1)[0]
+        return np.pad(data, widths, mode="constant", constant_values=fill)
+
+
+# -- tensor creation ------------------------------------------------------------------------------
+@register("ConstantOfShape", versions=(9, 20, 21, 23, 24, 25))
+class ConstantOfShape(Op):
+    value_inputs = (0,)
+
+    def run(self, shape: Array) -> Array:
+        value = self.attr("value", None)
+        value = np.zeros(1, np.float32) if value is None else np.asarray(value)
+        return np.full(int_list(shape), value.reshape(-1)[0], dtype=value.dtype)
+
+
+_CONSTANT_ATTRS = {  # attribute → how to turn its Python value into the output tensor
+    "value": np.asarray,
+    "sparse_value": np.asarray,  # already densified by the model loader
+    "value_float": lambda v: np.array(v, np.float32),
+    "value_floats": lambda v: np.array(v, np.float32),
+    "value_int": lambda v: np.array(v, np.int64),
+    "value_ints": lambda v: np.array(v, np.int64),
+    "value_string": lambda v: np.array(v, object),
+    "value_strings": lambda v: np.array(v, object),
+}
+
+
+@register("Constant", versions=(1, 9, 11, 12, 13, 19, 21, 23, 24, 25))
+class Constant(Op):
+    def check(self) -> None:
+        given = [name for name in _CONSTANT_ATTRS if name in self.attrs]
+        if len(given) != 1:
+            self.unsupported(f"attributes {given or 'none'} (exactly one value attribute is needed)")
+        # Built once at worker creation; ``run`` hands out this same (never mutated) array.
+        self._value = _CONSTANT_ATTRS[given[0]](self.attrs[given[0]])
+
+    def run(self) -> Array:
+        return self._value
+
+
+@register("Range", versions=(11, 27))
+class Range(Op):
+    value_inputs = (0, 1, 2)
+
+    def run(self, start: Array, limit: Array, delta: Array) -> Array:
+        start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))
+        dtype = np.result_type(start)
+        if dtype.kind in "iu":
+            count = -((int(start) - int(limit)) // int(delta))  # exact ceil division
+            return (np.arange(max(count, 0), dtype=np.int64) * int(delta) + int(start)).astype(dtype)
+        # float16/bfloat16 are computed in the stash type (float32 by default) and cast back.
+        work = dtype if dtype.itemsize > 2 else onnx_to_numpy(self.attr("stash_type", 1))
+        count = math.ceil((float(limit) - float(start)) / float(delta))
+        steps = np.arange(max(count, 0), dtype=work)
+        return (steps * work.type(delta) + work.type(start)).astype(dtype)
+
+
+@register("Dropout", versions=(1, 6, 7, 10, 12, 13, 22))
+class Dropout(Op):
+    """Inference-mode dropout: the identity, with an all-true mask when the mask is asked for."""
+
+    def check(self) -> None:
+        if self.version < 7 and not self.attr("is_test", 0) and self.attr("ratio", 0.5) != 0:
+            self.unsupported("training mode (is_test=0)")
+
+    def run(self, data: Array,
+            ratio: MaybeArray = None,
+            training_mode: MaybeArray = None) -> Array | tuple[Array, Array]:
+        if training_mode is not None and bool(np.asarray(training_mode)) and \
+                (ratio is None or float(np.asarray(ratio)) != 0.0):
+            raise op_error(self, "training_mode=true with a non-zero ratio (random dropout) is not supported")
+        if len(self.layer.outputs) < 2 or not self.layer.outputs[1]:
+            return data
+        data = np.asarray(data)
+        return data, np.ones(data.shape, dtype=bool if self.version >= 10 else data.dtype)
+
+
+# -- block rearrangements and matrices ------------------------------------------------------------
+class _BlockOp(Op):
+    """Shared checks of DepthToSpace and SpaceToDepth (``mode`` DCR or CRD, 4-D input)."""
+
+    def check(self) -> None:
+        check_mode(self, "mode", "DCR", ("DCR", "CRD"))
+        if self.attr("blocksize") < 1:
+            self.unsupported(f"blocksize={self.attr('blocksize')}")
+
+    def _shape(self, data: np.ndarray) -> tuple[int, int, int, int, int]:
+        if data.ndim != 4:
+            raise op_error(self, f"expects a 4-D input, got shape {data.shape}")
+        return (*data.shape, self.attr("blocksize"))
+
+
+@register("DepthToSpace", versions=(1, 11, 13, 28))
+class DepthToSpace(_BlockOp):
+    def run(self, data: Array) -> Array:
+        data = np.asarray(data)
+        n, c, h, w, bs = self._shape(data)
+        if c % (bs * bs):
+            raise op_error(self, f"channels {c} not divisible by blocksize² {bs * bs}")
+        if self.attr("mode", "DCR") == "DCR":
+            tmp = data.reshape(n, bs, bs, c // (bs * bs), h, w).transpose(0, 3, 4, 1, 5, 2)
+        else:
+            tmp = data.reshape(n, c // (bs * bs), bs, bs, h, w).transpose(0, 1, 4, 2, 5, 3)
+        return tmp.reshape(n, c // (bs * bs), h * bs, w * bs)
+
+
+@register("SpaceToDepth", versions=(1, 13, 28))
+class SpaceToDepth(_BlockOp):
+    def run(self, data: Array) -> Array:
+        data = np.asarray(data)
+        n, c, h, w, bs = self._shape(data)
+        if h % bs or w % bs:
+            raise op_error(self, f"spatial size {h}x{w} not divisible by blocksize {bs}")
+        tmp = data.reshape(n, c, h // bs, bs, w // bs, bs)
+        perm = (0, 3, 5, 1, 2, 4) if self.attr("mode", "DCR") == "DCR" else (0, 1, 3, 5, 2, 4)
+        return tmp.transpose(perm).reshape(n, c * bs * bs, h // bs, w // bs)
+
+
+@register("EyeLike", versions=(9, 22))
+class EyeLike(Op):
+    def run(self, data: Array) -> Array:
+        shape = np.shape(data)
+        if len(shape) != 2:
+            raise op_error(self, f"expects a 2-D input, got shape {shape}")
+        dtype = onnx_to_numpy(self.attrs["dtype"]) if "dtype" in self.attrs else np.asarray(data).dtype
+        return np.eye(shape[0], shape[1], k=self.attr("k", 0), dtype=dtype)
+
+
+@register("Trilu", versions=(14,))
+class Trilu(Op):
+    def run(self, data: Array, k: MaybeArray = None) -> Array:
+        data = np.asarray(data)
+        k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
+        return np.triu(data, k) if self.attr("upper", 1) else np.tril(data, k)
+
+
+@register("OneHot", versions=(9, 11, 28))
+class OneHot(Op):
+    value_inputs = (1,)
+
+    def run(self, indices: Array, depth: Array, values: Array) -> Array:
+        indices = np.asarray(indices)
+        depth = int(np.asarray(depth).reshape(-1)[0])
+        off, on = np.asarray(values).reshape(-1)[:2]
+        axis = normalize_axis(self, self.attr("axis", -1), indices.ndim + 1)
+        idx = indices.astype(np.int64)
+        if self.version >= 11:  # negative indices count from the back since opset 11
+            idx = np.where(idx < 0, idx + depth, idx)
+        hot = np.expand_dims(idx, axis) == np.arange(depth).reshape([-1] + [1] * (indices.ndim - axis))
+        return np.where(hot, on, off)

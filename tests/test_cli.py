@@ -1,0 +1,84 @@
+"""The command line, including the README's demo command."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from asyncinfer import assets
+from asyncinfer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_the_second():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```bash\n(.*?)\n```", readme, re.S)[0].splitlines()
+    assert len(commands) == 2
+    assert commands[0].endswith("asyncinfer demo")
+    assert "pytest" in commands[1]
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_demo_command_as_the_readme_runs_it():
+    # The README's first command ends in `asyncinfer demo`; run that entry point in a subprocess.
+    proc = subprocess.run([sys.executable, "-m", "asyncinfer", "demo", "--no-progress"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    accuracy = float(re.search(r"accuracy: ([\d.]+)%", proc.stdout).group(1))
+    assert accuracy >= 95.0
+    assert re.search(r"latency \(batch 1\): p50 [\d.]+ ms, p99 [\d.]+ ms", proc.stdout)
+    assert re.search(r"throughput \(batch 32, concurrent\): [\d,]+ images/s", proc.stdout)
+
+
+def test_demo_draws_a_progress_bar(capsys):
+    assert main(["demo"]) == 0
+    err = capsys.readouterr().err
+    assert "latency    [" in err and "360/360" in err
+
+
+def test_run_with_random_inputs(capsys, tmp_path):
+    out = tmp_path / "out.npz"
+    assert main(["run", str(assets.default_model_path()), "--random", "--dim", "N=3", "--save", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "probabilities: float32[3, 10]" in text
+    with np.load(out) as saved:
+        np.testing.assert_allclose(saved["probabilities"].sum(axis=1), 1, rtol=1e-5)
+
+
+def test_run_with_input_file(capsys, tmp_path, digits_samples):
+    images, _ = digits_samples
+    path = tmp_path / "x.npy"
+    np.save(path, images[:2])
+    assert main(["run", str(assets.default_model_path()), "--input", f"image={path}"]) == 0
+    assert "logits: float32[2, 10]" in capsys.readouterr().out
+
+
+def test_run_reports_errors_cleanly(capsys, tmp_path):
+    assert main(["run", str(assets.default_model_path())]) == 2
+    assert "input 'image' not given" in capsys.readouterr().err
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"garbage")
+    assert main(["run", str(bad), "--random"]) == 2
+    assert "ModelLoadError" in capsys.readouterr().err
+
+
+def test_info_lists_inputs_outputs_ops_and_backends(capsys):
+    assert main(["info", str(assets.default_model_path())]) == 0
+    text = capsys.readouterr().out
+    assert "image: float32 ['N', 1, 8, 8]" in text
+    assert re.search(r"Conv\s+2\s+cpu", text)
+    assert "probabilities" in text
+
+
+def test_info_on_a_light_model(capsys):
+    path = Path(onnx.__file__).parent / "backend/test/data/light/light_resnet50.onnx"
+    if not path.exists():
+        pytest.skip("onnx package ships no light models in this version")
+    assert main(["info", str(path)]) == 0
+    assert re.search(r"ConstantOfShape\s+239\s+cpu", capsys.readouterr().out)

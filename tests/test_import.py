@@ -1,0 +1,161 @@
+"""Model import: sources, constants, symbolic shapes, external data, and every ModelLoadError."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import asyncinfer as ai
+from conftest import make_model, tensor_info
+
+
+def _mul_model(opset: int = 17) -> onnx.ModelProto:
+    w = numpy_helper.from_array(np.arange(4, dtype=np.float32), "w")
+    return make_model([helper.make_node("Mul", ["x", "w"], ["y"], name="mul")],
+                      [tensor_info("x", ["batch", 4])], [tensor_info("y", ["batch", 4])], [w],
+                      opset=opset, extra_domains=())
+
+
+@pytest.mark.parametrize("kind", ["path", "str", "bytes", "proto"])
+def test_load_from_every_source(tmp_path, kind):
+    proto = _mul_model()
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    source = {"path": path, "str": str(path), "bytes": proto.SerializeToString(), "proto": proto}[kind]
+    model = ai.load_model(source)
+    assert [(i.name, i.dtype, i.shape) for i in model.inputs] == [("x", np.dtype(np.float32), ("batch", 4))]
+    assert model.outputs[0].name == "y"
+    with ai.Worker(model) as w:
+        np.testing.assert_array_equal(w.run_blocking(np.ones((2, 4), np.float32))["y"], [[0, 1, 2, 3]] * 2)
+
+
+@pytest.mark.parametrize("opset", [7, 9, 11, 13, 17, onnx.defs.onnx_opset_version()])
+def test_opsets_from_7_to_newest(opset):
+    model = ai.load_model(_mul_model(opset))
+    assert model.opsets[""] == opset
+
+
+def test_opset_too_old_is_refused():
+    with pytest.raises(ai.ModelLoadError, match="opset 6 is older"):
+        ai.load_model(_mul_model(6))
+
+
+def test_constant_nodes_become_constants():
+    nodes = [helper.make_node("Constant", [], ["c"], value_floats=[1.0, 2.0]),
+             helper.make_node("Add", ["x", "c"], ["y"])]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])]), optimize=False)
+    assert "c" in model.constants and [l.op_type for l in model.layers] == ["Add"]
+
+
+def test_garbage_bytes():
+    with pytest.raises(ai.ModelLoadError, match="not a valid ONNX model|not an ONNX model"):
+        ai.load_model(b"\x00\xffthis is not a protobuf at all\x13\x37" * 10)
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    with pytest.raises(ai.ModelLoadError, match="empty"):
+        ai.load_model(empty)
+    with pytest.raises(ai.ModelLoadError, match="no such model file"):
+        ai.load_model(tmp_path / "missing.onnx")
+
+
+def test_truncated_file(tmp_path):
+    from asyncinfer import assets
+
+    data = assets.default_model_path().read_bytes()
+    path = tmp_path / "truncated.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ai.ModelLoadError, match="truncated"):
+        ai.load_model(path)
+
+
+def test_cycle_is_named():
+    nodes = [helper.make_node("Add", ["x", "b"], ["a"], name="first"),
+             helper.make_node("Relu", ["a"], ["b"], name="second"),
+             helper.make_node("Relu", ["a"], ["y"], name="out")]
+    with pytest.raises(ai.ModelLoadError, match="cycle.*first.*second"):
+        ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])]))
+
+
+def test_undefined_input_is_named():
+    nodes = [helper.make_node("Add", ["x", "ghost"], ["y"], name="adder")]
+    with pytest.raises(ai.ModelLoadError, match="'adder'.*'ghost'.*defined nowhere"):
+        ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])]))
+
+
+def test_output_produced_by_nobody():
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    with pytest.raises(ai.ModelLoadError, match="'z' is produced by no node"):
+        ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("z", [2])]))
+
+
+def _external_model(tmp_path: Path, location: str) -> Path:
+    w = np.arange(6, dtype=np.float32)
+    (tmp_path / "weights.bin").write_bytes(w.tobytes())
+    tensor = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[6])
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in {"location": location, "offset": "0", "length": str(w.nbytes)}.items():
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    proto = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [tensor_info("x", [6])],
+                       [tensor_info("y", [6])], [tensor], extra_domains=())
+    path = tmp_path / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+def test_external_data_inside_the_folder(tmp_path):
+    model = ai.load_model(_external_model(tmp_path, "weights.bin"))
+    np.testing.assert_array_equal(model.constants["w"], np.arange(6, dtype=np.float32))
+
+
+@pytest.mark.parametrize("location", ["../weights.bin", "/etc/passwd", "sub/../../weights.bin"])
+def test_external_data_escaping_the_folder_is_refused(tmp_path, location):
+    inner = tmp_path / "inner"
+    inner.mkdir()
+    (tmp_path / "weights.bin").write_bytes(np.zeros(6, np.float32).tobytes())
+    path = _external_model(inner, location)
+    with pytest.raises(ai.ModelLoadError, match="outside the model's folder"):
+        ai.load_model(path)
+
+
+def test_external_data_truncated(tmp_path):
+    path = _external_model(tmp_path, "weights.bin")
+    (tmp_path / "weights.bin").write_bytes(b"\x00" * 8)
+    with pytest.raises(ai.ModelLoadError, match="truncated"):
+        ai.load_model(path)
+
+
+def test_external_data_from_bytes_needs_a_path(tmp_path):
+    path = _external_model(tmp_path, "weights.bin")
+    with pytest.raises(ai.ModelLoadError, match="load it by path"):
+        ai.load_model(path.read_bytes())
+
+
+def test_tensor_over_the_size_limit(tmp_path):
+    with pytest.raises(ai.ModelLoadError, match="over the 8-byte limit"):
+        ai.load_model(_mul_model(), max_tensor_bytes=8)
+
+
+def test_every_unsupported_op_is_listed_at_load():
+    nodes = [helper.make_node("FancyOp", ["x"], ["a"], domain="com.example", name="f1"),
+             helper.make_node("OtherOp", ["a"], ["b"], domain="com.example", name="f2"),
+             helper.make_node("Relu", ["b"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])], extra_domains=("com.example",))
+    with pytest.raises(ai.UnsupportedOperatorError) as info:
+        ai.load_model(proto)
+    text = str(info.value)
+    assert "com.example::FancyOp" in text and "com.example::OtherOp" in text and "2 unsupported" in text
+
+
+def test_unsupported_attribute_names_op_version_and_attribute():
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], training_mode=1, name="bn")
+    inits = [numpy_helper.from_array(np.ones(2, np.float32), n) for n in "sbmv"]
+    proto = make_model([node], [tensor_info("x", [1, 2, 3])], [tensor_info("y", [1, 2, 3])], inits, extra_domains=())
+    with pytest.raises(ai.UnsupportedOperatorError, match="BatchNormalization version 15.*training_mode"):
+        ai.load_model(proto)

@@ -1,0 +1,180 @@
+"""Tests of the shape (asyncinfer/ops/shape.py) and indexing (asyncinfer/ops/indexing.py) kernels.
+
+The bulk is ONNX's own backend node test cases whose every node is one of these ops; a few
+targeted tests cover what those cases do not (errors, old opsets, no input mutation).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncinfer import ops
+from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
+from asyncinfer.model.ir import Layer
+from tests.node_cases import check_case, node_cases
+
+SHAPE_OPS = {
+    "Shape", "Size", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Expand", "Transpose", "Concat",
+    "Split", "Slice", "Tile", "Pad", "ConstantOfShape", "Constant", "Range", "Dropout",
+    "DepthToSpace", "SpaceToDepth", "EyeLike", "Trilu", "OneHot",
+}
+INDEXING_OPS = {
+    "Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND", "NonZero", "TopK",
+    "Compress", "Unique",
+}
+MY_OPS = SHAPE_OPS | INDEXING_OPS
+
+# Node cases that cannot pass, with why.
+_TRAINING = "training-mode dropout is random; only inference mode is implemented"
+EXCLUDED = {
+    "test_training_dropout": _TRAINING,
+    "test_training_dropout_default": _TRAINING,
+    "test_training_dropout_default_mask": _TRAINING,
+    "test_training_dropout_mask": _TRAINING,
+}
+
+
+def _my_cases() -> list[str]:
+    """Cases whose nodes are all ops of these two modules (so no other module is exercised)."""
+    return sorted(name for name, case in node_cases().items()
+                  if {n.op_type for n in case.model.graph.node} <= MY_OPS)
+
+
+@pytest.mark.parametrize("name", _my_cases())
+def test_node_case(name: str) -> None:
+    if name in EXCLUDED:
+        pytest.skip(EXCLUDED[name])
+    check_case(node_cases()[name])
+
+
+def test_every_op_has_node_cases() -> None:
+    covered = {n.op_type for name in _my_cases() for n in node_cases()[name].model.graph.node}
+    assert covered == MY_OPS
+
+
+# -- targeted tests -------------------------------------------------------------------------------
+def make(op_type: str, version: int, n_outputs: int = 1, **attrs) -> ops.Op:
+    layer = Layer(name=f"{op_type.lower()}0", op_type=op_type, inputs=[], attrs=attrs,
+                  outputs=[f"out{i}" for i in range(n_outputs)], version=version)
+    return ops.create(layer)
+
+
+def test_gather_out_of_range_index_names_the_op() -> None:
+    with pytest.raises((ExecutionError, ValueError), match="Gather"):
+        make("Gather", 13, axis=0)(np.arange(4.0), np.array([1, 4]))
+
+
+def test_gather_negative_indices() -> None:
+    (out,) = make("Gather", 13, axis=1)(np.arange(6).reshape(2, 3), np.array([-1, 0]))
+    np.testing.assert_array_equal(out, [[2, 0], [5, 3]])
+
+
+def test_unsupported_attributes_are_refused_at_creation() -> None:
+    with pytest.raises(UnsupportedOperatorError, match="mode"):
+        make("Pad", 19, mode="symmetric")
+    with pytest.raises(UnsupportedOperatorError, match="reduction"):
+        make("ScatterND", 16, reduction="max")  # max/min arrived in opset 18
+    with pytest.raises(UnsupportedOperatorError, match="mode"):
+        make("DepthToSpace", 13, blocksize=2, mode="XYZ")
+    with pytest.raises(UnsupportedOperatorError):
+        make("Dropout", 6, is_test=0)  # training mode
+
+
+def test_no_input_mutation() -> None:
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    before = data.copy()
+    idx = np.array([[0, 1, 2, 0]], dtype=np.int64)
+    upd = np.ones((1, 4), np.float32)
+    make("ScatterElements", 18, axis=0, reduction="add")(data, idx, upd)
+    make("ScatterND", 18)(data, np.array([[1]]), np.zeros((1, 4), np.float32))
+    make("Pad", 19, mode="reflect")(data, np.array([1, 1, 1, 1]))
+    make("TopK", 11, 2)(data, np.array([2]))
+    make("Unique", 11, 4, sorted=0)(data)
+    np.testing.assert_array_equal(data, before)
+
+
+def test_scatter_elements_accumulates_duplicates() -> None:
+    (out,) = make("ScatterElements", 16, axis=1, reduction="add")(
+        np.zeros((1, 3), np.float32), np.array([[1, 1, -1]]), np.ones((1, 3), np.float32))
+    np.testing.assert_array_equal(out, [[0, 2, 1]])
+
+
+def test_topk_ties_take_the_smaller_index_first() -> None:
+    x = np.array([[3, 1, 3, 2, 1]], dtype=np.uint8)
+    values, indices = make("TopK", 11, 2)(x, np.array([3]))
+    np.testing.assert_array_equal(values, [[3, 3, 2]])
+    np.testing.assert_array_equal(indices, [[0, 2, 3]])
+    values, indices = make("TopK", 11, 2, largest=0)(x, np.array([2]))
+    np.testing.assert_array_equal(indices, [[1, 4]])
+    assert indices.dtype == np.int64
+
+
+def test_slice_attribute_form_and_negative_step_clamping() -> None:
+    (out,) = make("Slice", 1, starts=[1], ends=[1000], axes=[1])(np.arange(6).reshape(2, 3))
+    np.testing.assert_array_equal(out, [[1, 2], [4, 5]])
+    # Negative step: a start before the beginning clamps to index 0, an end of INT_MIN means "through 0".
+    int_min = np.array([-2**63])
+    (out,) = make("Slice", 13)(np.arange(5), np.array([-100]), int_min, np.array([0]), np.array([-1]))
+    np.testing.assert_array_equal(out, [0])
+    (out,) = make("Slice", 13)(np.arange(5), np.array([10]), int_min, None, np.array([-2]))
+    np.testing.assert_array_equal(out, [4, 2, 0])
+
+
+def test_pad_negative_pads_crop_and_old_attribute_form() -> None:
+    x = np.arange(6).reshape(2, 3)
+    (out,) = make("Pad", 19)(x, np.array([0, -1, 1, 1]), np.array(9))
+    np.testing.assert_array_equal(out, [[1, 2, 9], [4, 5, 9], [9, 9, 9]])
+    (out,) = make("Pad", 2, pads=[0, 1, 0, 0], mode="edge")(x)
+    np.testing.assert_array_equal(out, [[0, 0, 1, 2], [3, 3, 4, 5]])
+
+
+def test_split_num_outputs_uneven_and_old_attribute() -> None:
+    parts = make("Split", 18, 3, num_outputs=3)(np.arange(7))
+    assert [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6]]
+    parts = make("Split", 11, 2, split=[1, 3])(np.arange(4))
+    assert [p.tolist() for p in parts] == [[0], [1, 2, 3]]
+
+
+def test_old_attribute_forms() -> None:
+    x = np.zeros((1, 3, 1))
+    assert make("Squeeze", 11, axes=[0])(x)[0].shape == (3, 1)
+    assert make("Unsqueeze", 11, axes=[-1, 0])(x)[0].shape == (1, 1, 3, 1, 1)
+    assert make("Reshape", 1, shape=[3, -1])(x)[0].shape == (3, 1)
+    assert make("TopK", 1, 2, k=2)(np.arange(5.0))[1].tolist() == [4, 3]
+    assert make("Tile", 1)(np.arange(2), np.array(3), np.array(0))[0].tolist() == [0, 1] * 3
+
+
+def test_shape_size_nonzero_dtypes() -> None:
+    x = np.array([[0, 2], [3, 0]], dtype=np.float32)
+    assert make("Shape", 15, start=-1)(x)[0].dtype == np.int64
+    assert make("Size", 13)(x)[0].dtype == np.int64
+    out = make("NonZero", 13)(x)[0]
+    assert out.dtype == np.int64 and out.tolist() == [[0, 1], [1, 0]]
+
+
+def test_dropout_inference_mask_and_training_refusal() -> None:
+    x = np.ones((2, 2), np.float32)
+    out, mask = make("Dropout", 13, 2)(x)
+    assert out is x and mask.dtype == np.bool_ and mask.all()
+    with pytest.raises(ExecutionError, match="training"):
+        make("Dropout", 13)(x, np.array(0.5, np.float32), np.array(True))
+
+
+def test_constant_value_attributes() -> None:
+    assert make("Constant", 13, value_floats=[1.0, 2.0])()[0].dtype == np.float32
+    assert make("Constant", 13, value_int=3)()[0].dtype == np.int64
+    with pytest.raises(UnsupportedOperatorError):
+        make("Constant", 13)
+
+
+def test_unique_unsorted_outputs() -> None:
+    y, first, inverse, counts = make("Unique", 11, 4, sorted=0)(np.array([2, 1, 1, 3, 4, 3]))
+    assert y.tolist() == [2, 1, 3, 4] and first.tolist() == [0, 1, 3, 4]
+    assert inverse.tolist() == [0, 1, 1, 2, 3, 2] and counts.tolist() == [1, 2, 2, 1]
+
+
+def test_gathernd_negative_index_and_range_int() -> None:
+    (out,) = make("GatherND", 13)(np.arange(4).reshape(2, 2), np.array([[-1, 0]]))
+    assert out.tolist() == [2]
+    (out,) = make("Range", 11)(np.array(10, np.int32), np.array(4, np.int32), np.array(-3, np.int32))
+    assert out.dtype == np.int32 and out.tolist() == [10, 7]

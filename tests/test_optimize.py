@@ -1,0 +1,114 @@
+"""Optimizer passes: each one rewrites what it should and never changes results beyond rounding."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import asyncinfer as ai
+from conftest import make_model, tensor_info
+
+
+def _run(model, *inputs):
+    with ai.Worker(model) as worker:
+        return worker.run_blocking(*inputs)
+
+
+def test_constant_of_shape_weights_are_folded():
+    shape = numpy_helper.from_array(np.array([3], np.int64), "shape")
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["w"],
+                              value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.5])),
+             helper.make_node("Mul", ["x", "w"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [3])], [tensor_info("y", [3])], [shape], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["Mul"]
+    assert model.optimizations["fold_constants"] == 1
+    np.testing.assert_array_equal(model.constants["w"], [0.5, 0.5, 0.5])
+    assert not model.constants["w"].flags.writeable  # shared by every run: immutable
+    np.testing.assert_array_equal(_run(model, np.ones(3, np.float32))["y"], [0.5] * 3)
+
+
+def test_shape_of_static_value_is_folded_and_reshape_target_becomes_constant():
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Shape", ["r"], ["s"]),
+             helper.make_node("Reshape", ["x", "s"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [2, 3])], [tensor_info("y", [2, 3])], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["Reshape"]
+    np.testing.assert_array_equal(model.constants["s"], [2, 3])
+
+
+def test_dead_layers_and_identities_are_removed():
+    nodes = [helper.make_node("Identity", ["x"], ["i"]),
+             helper.make_node("Dropout", ["i"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"]),
+             helper.make_node("Exp", ["x"], ["unused"])]
+    proto = make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["Relu"]
+    assert model.layers[0].inputs == ["x"]
+    assert ai.load_model(proto, optimize=False).layers.__len__() == 4
+
+
+def _conv_bn_relu_model(rng):
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")
+    bn = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in
+          [("scale", rng.uniform(0.5, 2, 4)), ("beta", rng.standard_normal(4)),
+           ("mean", rng.standard_normal(4)), ("var", rng.uniform(0.5, 2, 4))]]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "beta", "mean", "var"], ["n"], epsilon=1e-3),
+             helper.make_node("Relu", ["n"], ["y"])]
+    return make_model(nodes, [tensor_info("x", [1, 3, 8, 8])], [tensor_info("y", [1, 4, 8, 8])], [w, b] + bn,
+                      extra_domains=())
+
+
+def test_conv_batchnorm_folding_and_relu_fusion_keep_results(rng):
+    proto = _conv_bn_relu_model(rng)
+    optimized = ai.load_model(proto)
+    plain = ai.load_model(proto, optimize=False)
+    assert [l.kind for l in optimized.layers] == ["Conv+Relu"]
+    assert optimized.optimizations["fold_conv_batchnorm"] == 1 and optimized.optimizations["fuse_activations"] == 1
+    assert [l.op_type for l in plain.layers] == ["Conv", "BatchNormalization", "Relu"]
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(_run(optimized, x)["y"], _run(plain, x)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_fusion_skipped_when_the_intermediate_is_an_output():
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Relu", ["a"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [2])], [tensor_info("a", [2]), tensor_info("y", [2])],
+                       extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.kind for l in model.layers] == ["Add", "Relu"]
+    out = _run(model, np.array([-1, 2], np.float32))
+    np.testing.assert_array_equal(out["a"], [-2, 4])
+    np.testing.assert_array_equal(out["y"], [0, 4])
+
+
+def test_cpu_bound_analysis_marks_shape_producers():
+    # shape = Concat(Shape(x)[0:1], [-1]) feeds Reshape: Shape/Slice/Concat are CPU-bound, Relu is not.
+    minus_one = numpy_helper.from_array(np.array([-1], np.int64), "minus_one")
+    starts = numpy_helper.from_array(np.array([0], np.int64), "starts")
+    ends = numpy_helper.from_array(np.array([1], np.int64), "ends")
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Shape", ["r"], ["s"], name="shape"),
+             helper.make_node("Slice", ["s", "starts", "ends"], ["s0"], name="slice"),
+             helper.make_node("Concat", ["s0", "minus_one"], ["target"], axis=0, name="concat"),
+             helper.make_node("Reshape", ["r", "target"], ["y"], name="reshape")]
+    proto = make_model(nodes, [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", 6])],
+                       [minus_one, starts, ends], extra_domains=())
+    model = ai.load_model(proto)
+    marks = {l.name: l.cpu_bound for l in model.layers}
+    assert marks == {"relu": False, "shape": True, "slice": True, "concat": True, "reshape": False}
+    assert "target" in model.cpu_bound_values
+    x = np.arange(12, dtype=np.float32).reshape(2, 2, 3) - 5
+    np.testing.assert_array_equal(_run(model, x)["y"], np.maximum(x, 0).reshape(2, 6))
+
+
+@pytest.mark.parametrize("optimize", [True, False])
+def test_digits_model_same_results_with_and_without_optimizer(optimize, digits_samples, digits_model):
+    images, _ = digits_samples
+    model = ai.load_model(__import__("asyncinfer.assets", fromlist=["x"]).default_model_path(), optimize=optimize)
+    got = _run(model, images[:16])["logits"]
+    ref = _run(digits_model, images[:16])["logits"]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
