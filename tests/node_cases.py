@@ -59,9 +59,10 @@ def check_case(case) -> None:
             e = _to_array(e)
             g = np.asarray(g)
             assert g.shape == e.shape, f"{case.name}: shape {g.shape} != {e.shape}"
-            if e.dtype.kind in "fc":
+            if e.dtype.kind in "fc" or e.dtype.kind == "V" or "float" in e.dtype.name:
                 assert g.dtype == e.dtype, f"{case.name}: dtype {g.dtype} != {e.dtype}"
-                np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64),
+                # ml_dtypes floats (bfloat16, float8) compare through float64, where NaN == NaN holds
+                np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), equal_nan=True,
                                            rtol=case.rtol, atol=case.atol, err_msg=case.name)
             else:
                 assert g.dtype == e.dtype, f"{case.name}: dtype {g.dtype} != {e.dtype}"

@@ -82,3 +82,12 @@ def test_info_on_a_light_model(capsys):
         pytest.skip("onnx package ships no light models in this version")
     assert main(["info", str(path)]) == 0
     assert re.search(r"ConstantOfShape\s+239\s+cpu", capsys.readouterr().out)
+
+
+def test_readback_modes_example_runs():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "readback_modes.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for mode in ("awaited:", "polled:", "callback:      success = True", "blocking:", "to array:",
+                 "from backend:", "np.asarray:", "concurrent:", "kept after dispose: (1, 10)"):
+        assert mode in proc.stdout

@@ -1,0 +1,56 @@
+"""Softmax, LogSoftmax and Hardmax.
+
+Before opset 13 these ops flatten the input to 2-D at ``axis`` (default 1) and normalise each row;
+from 13 on they normalise along ``axis`` alone (default -1). Softmax subtracts the maximum first so
+``exp`` cannot overflow; narrow floats are computed in float32.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+
+from .base import Op
+from .elementwise import compute_dtype
+from .registry import register
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    shifted = x - np.max(x, axis=axis, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+
+
+def _hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+    """1 at the first maximum along ``axis``, 0 elsewhere."""
+    out = np.zeros_like(x)
+    np.put_along_axis(out, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
+    return out
+
+
+class _Normalise(Op):
+    along: ClassVar[Callable[[np.ndarray, int], np.ndarray]]
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        if x.size == 0:
+            return np.empty_like(x)
+        data = x.astype(compute_dtype(x.dtype), copy=False)
+        fn = type(self).along
+        with np.errstate(all="ignore"):
+            if self.version >= 13:
+                out = fn(data, self.attr("axis", -1))
+            else:  # coerce to [prod(shape[:axis]), prod(shape[axis:])]
+                axis = self.attr("axis", 1) % max(x.ndim, 1)
+                out = fn(data.reshape(math.prod(x.shape[:axis]), -1), 1).reshape(x.shape)
+        return out.astype(x.dtype, copy=False)
+
+
+for _name, _fn in (("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)):
+    register(_name, (1, 11, 13))(type(_name, (_Normalise,), {
+        "along": staticmethod(_fn), "__doc__": f"ONNX {_name} (2-D coercion before opset 13)."}))
