@@ -112,3 +112,13 @@ def test_digits_model_same_results_with_and_without_optimizer(optimize, digits_s
     got = _run(model, images[:16])["logits"]
     ref = _run(digits_model, images[:16])["logits"]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_clip_with_constant_bounds_fuses_like_relu6():
+    lo = numpy_helper.from_array(np.array(0, np.float32), "lo")
+    hi = numpy_helper.from_array(np.array(6, np.float32), "hi")
+    nodes = [helper.make_node("Add", ["x", "x"], ["a"]), helper.make_node("Clip", ["a", "lo", "hi"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [4])], [tensor_info("y", [4])], [lo, hi], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.kind for l in model.layers] == ["Add+Clip"]
+    np.testing.assert_array_equal(_run(model, np.array([-1, 1, 2, 5], np.float32))["y"], [0, 2, 4, 6])

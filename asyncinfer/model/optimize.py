@@ -181,13 +181,15 @@ def fuse_activations(model: Model) -> int:
     removed: set[int] = set()
     count = 0
     for act in model.layers:
-        if act.domain or len(act.inputs) != 1 or len(act.outputs) != 1:
+        if act.domain or not act.inputs or len(act.outputs) != 1:
             continue
         try:
             cls = ops.lookup(act.op_type, act.version, act.domain)
         except AsyncInferError:
             continue
-        if not cls.elementwise_unary:
+        # Clip with constant bounds (ReLU6 and friends) fuses too: its bounds travel as constants.
+        constant_extras = all(not n or n in model.constants for n in act.inputs[1:])
+        if not (cls.elementwise_unary and len(act.inputs) == 1) and not (act.op_type == "Clip" and constant_extras):
             continue
         host = producers.get(act.inputs[0])
         if host is None or host.op_type not in FUSION_HOSTS or host.domain or id(host) in removed:

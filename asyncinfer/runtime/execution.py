@@ -95,8 +95,8 @@ class Execution:
                 raise DisposedError("an input of this layer was released (the worker or a tensor was disposed)")
             with np.errstate(all="ignore"):  # IEEE results (inf/nan) are values, not errors, as in ONNX
                 outputs = list(step.op(*args))
-                for act in step.activations:
-                    outputs[0] = act(outputs[0])[0]
+                for act, extra in step.activations:
+                    outputs[0] = act(outputs[0], *extra)[0]
             if len(outputs) < len([o for o in step.layer.outputs if o]):
                 raise ValueError(f"kernel returned {len(outputs)} outputs for {len(step.layer.outputs)}")
         except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError

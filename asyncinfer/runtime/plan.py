@@ -24,7 +24,7 @@ class Step:
     index: int
     layer: Layer
     op: Op
-    activations: list[Op]
+    activations: list[tuple[Op, list]]  # fused activations with their constant extra inputs
     inputs: list[Ref | None]        # None: omitted optional input
     sources: tuple[int, ...]        # distinct layer/input sources this step waits for
     backend: Backend
@@ -73,7 +73,9 @@ class Plan:
             inputs = [refs[n] if n else None for n in layer.inputs]
             # Model inputs count too: one may be a pending tensor chained from another run.
             sources = tuple(sorted({r[0] for r in inputs if r is not None and r[0] < n_layers + len(model.inputs)}))
-            step = Step(index=index, layer=layer, op=ops.create(layer), activations=[ops.create(f) for f in layer.fused],
+            activations = [(ops.create(f), [model.constants[n] if n else None for n in f.inputs[1:]])
+                           for f in layer.fused]
+            step = Step(index=index, layer=layer, op=ops.create(layer), activations=activations,
                         inputs=inputs, sources=sources, backend=target)
             self.steps.append(step)
             placement[layer.name] = target.name
