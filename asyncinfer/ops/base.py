@@ -53,8 +53,11 @@ class Op:
 
     def unsupported(self, what: str) -> None:
         """Refuse this layer: ``what`` names the attribute or combination that is not implemented."""
-        raise UnsupportedOperatorError(
-            [f"{self.op_type} version {self.version} in {self.layer.describe()}: {what} is not supported"])
+        from .registry import schema_version
+
+        since = schema_version(self.op_type, self.version, self.domain) or self.version
+        raise UnsupportedOperatorError([f"{self.op_type} version {since} (opset {self.version}) in "
+                                        f"{self.layer.describe()}: {what} is not supported"])
 
     # -- to override ----------------------------------------------------------------------------
     def check(self) -> None:
