@@ -1,0 +1,1 @@
+"""Benchmarks of asyncinfer against ONNX Runtime; see bench/README.md."""

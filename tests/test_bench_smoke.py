@@ -1,0 +1,136 @@
+"""Smoke test of the benchmarks: every measurement runs with tiny sizes and returns sane numbers.
+
+No timing assertions: the machines are shared and noisy; performance lives in bench/.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import common, latency, overhead, run_all  # noqa: E402
+
+TIMING_KEYS = {"median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "n"}
+
+
+def assert_positive(value: object) -> None:
+    assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, value
+
+
+def assert_timing(timing: dict, n: int) -> None:
+    assert set(timing) == TIMING_KEYS
+    assert timing["n"] == n
+    for key in TIMING_KEYS - {"n"}:
+        assert_positive(timing[key])
+    assert timing["min_ms"] <= timing["p10_ms"] <= timing["median_ms"] <= timing["p90_ms"] <= timing["max_ms"]
+
+
+def assert_lag(result: dict) -> None:
+    assert result["ticks"] > 0
+    for key in ("p50_ms", "p99_ms", "max_ms"):
+        assert math.isfinite(result[key]) and result[key] >= 0  # a wake-up can be right on time
+
+
+# -- common ------------------------------------------------------------------------------------------
+def test_standard_input_follows_backend_test_convention():
+    x = common.standard_input([2, 3])
+    assert x.dtype == np.float32 and x.shape == (2, 3)
+    np.testing.assert_allclose(x.ravel(), np.arange(6) / 6, rtol=1e-6)
+
+
+def test_light_models_are_found():
+    for name in common.LIGHT_MODELS:
+        assert common.light_model_path(name).is_file()
+    with pytest.raises(FileNotFoundError, match="available"):
+        common.light_model_path("no_such_model")
+
+
+def test_geomean_and_timing_summary():
+    assert common.geomean([2.0, 0.5]) == pytest.approx(1.0)
+    assert math.isnan(common.geomean([]))
+    t = common.Timing.from_seconds([0.001, 0.002, 0.003])
+    assert t.median_ms == pytest.approx(2.0) and t.n == 3
+
+
+def test_time_interleaved_mixes_sync_and_async():
+    calls: list[str] = []
+
+    async def async_fn():
+        calls.append("a")
+
+    timings = common.time_interleaved({"sync": lambda: calls.append("s"), "async": async_fn}, repeats=2, warmup=1)
+    assert set(timings) == {"sync", "async"} and calls.count("a") == calls.count("s") == 3
+    assert all(t.n == 2 for t in timings.values())
+
+
+def test_write_results(tmp_path):
+    path = common.write_results("smoke", {"ratio": 1.5, "bad": float("nan"), "x": np.float32(2)}, tmp_path)
+    data = json.loads(path.read_text())
+    assert data["benchmark"] == "smoke" and data["results"] == {"ratio": 1.5, "bad": None, "x": 2.0}
+    assert "python" in data["environment"]
+
+
+# -- overhead ----------------------------------------------------------------------------------------
+def test_add_chain_keeps_every_layer():
+    import asyncinfer as ai
+
+    model = ai.load_model(overhead.add_chain_model(20))
+    assert len(model.layers) == 20  # the optimizer must not collapse the chain
+
+
+def test_schedule_time_on_add_chain():
+    result = overhead.measure_schedule(overhead.add_chain_model(20), overhead.add_chain_inputs(),
+                                       repeats=2, warmup=1)
+    assert result["layers"] == 20
+    assert_timing(result["schedule"], 2)
+    assert_timing(result["run"], 2)
+    assert_positive(result["ratio"])
+
+
+def test_loop_lag_baseline_and_under_load():
+    assert_lag(overhead.measure_loop_lag(None, seconds=0.2))
+    loaded = overhead.measure_loop_lag(overhead.add_chain_model(20), overhead.add_chain_inputs(), seconds=0.2)
+    assert_lag(loaded)
+    assert loaded["model_runs"] > 0
+
+
+def test_per_layer_overhead():
+    pytest.importorskip("onnxruntime", reason="the per-layer benchmark compares against onnxruntime")
+    result = overhead.measure_per_layer(20, repeats=2, warmup=1)
+    assert set(result["us_per_layer"]) == {"asyncinfer_await", "asyncinfer_blocking", "ort"}
+    for name, timing in result["timings"].items():
+        assert_timing(timing, 2)
+        assert_positive(result["us_per_layer"][name])
+
+
+# -- latency and the summary ------------------------------------------------------------------------
+def test_latency_on_squeezenet():
+    pytest.importorskip("onnxruntime", reason="the latency benchmark compares against onnxruntime")
+    result = latency.run(["squeezenet"], repeats=2, warmup=1, verbose=False)
+    r = result["models"]["squeezenet"]
+    assert "error" not in r, r.get("error")
+    assert set(r["timings"]) == set(latency.CONTESTANTS)
+    for timing in r["timings"].values():
+        assert_timing(timing, 2)
+    assert_positive(r["ratio_await"])
+    assert_positive(r["ratio_blocking"])
+    assert result["measured"] == 1
+    assert result["geomean_ratio_await"] == pytest.approx(r["ratio_await"])
+
+
+def test_floors_report_every_target():
+    lat = {"geomean_ratio_await": 1.5, "geomean_ratio_blocking": 1.4, "measured": 1}
+    ovh = {"model": "m", "chain": "chain",
+           "per_layer": {"us_per_layer": {"asyncinfer_await": 60.0}},
+           "loop_lag": {"m": {"error": "did not load"}},
+           "schedule": {"chain": {"ratio": 0.2}, "m": {"ratio": 0.01}}}
+    verdicts = {f.name: f.verdict for f in run_all.floors(lat, ovh)}
+    assert sorted(verdicts.values()) == ["MISS", "MISS", "N/A", "PASS", "PASS"]
