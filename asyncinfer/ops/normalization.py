@@ -1,0 +1,219 @@
+"""Normalization ops: BatchNormalization (inference), LayerNormalization, InstanceNormalization,
+GroupNormalization, LRN, MeanVarianceNormalization, LpNormalization and RMSNormalization.
+
+Per-channel affine work is folded into one multiply-add on the big tensor; statistics are computed
+in float32 (or the requested ``stash_type``) and never in float64 for float32 data.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx.defs
+from onnx import TensorProto, helper
+
+from .base import Op
+from .registry import register
+
+
+def _stash_dtype(op: Op) -> np.dtype:
+    """The NumPy dtype of the ``stash_type`` attribute (default float32)."""
+    stash = int(op.attr("stash_type", TensorProto.FLOAT))
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(stash))
+    except Exception:
+        op.unsupported(f"stash_type={stash}")
+        raise  # unreachable: unsupported() raises
+
+
+def _check_stash(op: Op) -> None:
+    dt = _stash_dtype(op)
+    if dt.kind != "f" and dt.name != "bfloat16":
+        op.unsupported(f"stash_type={op.attr('stash_type')}")
+
+
+def _channel_shape(x: np.ndarray) -> tuple[int, ...]:
+    """Shape that broadcasts a per-channel vector over an (N, C, ...) tensor."""
+    return (x.shape[1],) + (1,) * (x.ndim - 2)
+
+
+def _stats(x: np.ndarray, axes: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and (biased) variance over ``axes`` (kept), computed in ``dtype``."""
+    xs = x.astype(dtype, copy=False)
+    mean = xs.mean(axis=axes, keepdims=True, dtype=dtype)
+    centred = xs - mean
+    var = np.square(centred).mean(axis=axes, keepdims=True, dtype=dtype)
+    return mean, var
+
+
+@register("BatchNormalization", versions=(1, 6, 7, 9, 14, 15))
+class BatchNormalization(Op):
+    """Inference-mode batch norm, folded into ``x * a + b`` with per-channel ``a`` and ``b``."""
+
+    def check(self) -> None:
+        if int(self.attr("training_mode", 0)) != 0:
+            self.unsupported("training_mode=1")
+        if self.version < 9 and int(self.attr("spatial", 1)) != 1:
+            self.unsupported("spatial=0")
+        if sum(1 for o in self.layer.outputs[1:] if o):
+            self.unsupported("the training outputs (running/saved mean and variance)")
+
+    def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
+            var: np.ndarray) -> np.ndarray:
+        eps = float(self.attr("epsilon", 1e-5))
+        # fold in float32 at least (these are tiny per-channel vectors)
+        work = np.promote_types(np.result_type(scale, var), np.float32)
+        a = scale.astype(work) / np.sqrt(var.astype(work) + work.type(eps))
+        b = bias.astype(work) - mean.astype(work) * a
+        shape = _channel_shape(x)
+        y = x * a.astype(x.dtype).reshape(shape)
+        y += b.astype(x.dtype).reshape(shape)
+        return y
+
+
+@register("InstanceNormalization", versions=(1, 6, 22))
+class InstanceNormalization(Op):
+    """Normalize each (n, c) plane over its spatial dims, then scale and shift per channel."""
+
+    def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        eps = float(self.attr("epsilon", 1e-5))
+        work = np.promote_types(x.dtype, np.float32)
+        mean, var = _stats(x, tuple(range(2, x.ndim)), work)
+        shape = _channel_shape(x)
+        a = scale.astype(work).reshape(shape) / np.sqrt(var + work.type(eps))
+        b = bias.astype(work).reshape(shape) - mean * a
+        return (x * a + b).astype(x.dtype, copy=False)
+
+
+@register("LayerNormalization", versions=(17,))
+class LayerNormalization(Op):
+    """Normalize over dims ``axis..`` ; outputs Y, Mean and InvStdDev (in the stash type)."""
+
+    def check(self) -> None:
+        _check_stash(self)
+
+    def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None = None):
+        axis = int(self.attr("axis", -1))
+        axis = axis + x.ndim if axis < 0 else axis
+        eps = float(self.attr("epsilon", 1e-5))
+        stash = _stash_dtype(self)
+        mean, var = _stats(x, tuple(range(axis, x.ndim)), stash)
+        inv_std = (1.0 / np.sqrt(var + stash.type(eps))).astype(stash, copy=False)
+        normed = ((x.astype(stash, copy=False) - mean) * inv_std).astype(x.dtype, copy=False)
+        y = normed * scale
+        if bias is not None:
+            y += bias
+        return y.astype(x.dtype, copy=False), mean, inv_std
+
+
+@register("GroupNormalization", versions=(18, 21))
+class GroupNormalization(Op):
+    """Normalize over (channels of a group, spatial dims); version 18 takes per-group scale/bias."""
+
+    def check(self) -> None:
+        if int(self.attr("num_groups", 0)) < 1:
+            self.unsupported(f"num_groups={self.attr('num_groups', None)}")
+        _check_stash(self)
+
+    def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
+        groups = int(self.attr("num_groups"))
+        eps = float(self.attr("epsilon", 1e-5))
+        stash = _stash_dtype(self) if self.version >= 21 else np.promote_types(x.dtype, np.float32)
+        n, c = x.shape[:2]
+        xg = x.reshape((n, groups, -1))
+        mean, var = _stats(xg, (2,), stash)
+        normed = ((xg.astype(stash, copy=False) - mean) / np.sqrt(var + stash.type(eps)))
+        normed = normed.astype(x.dtype, copy=False).reshape(x.shape)
+        if self.version < 21:  # scale/bias hold one value per group
+            scale, bias = np.repeat(scale, c // groups), np.repeat(bias, c // groups)
+        shape = _channel_shape(x)
+        return (normed * scale.reshape(shape) + bias.reshape(shape)).astype(x.dtype, copy=False)
+
+
+@register("LRN", versions=(1, 13))
+class LRN(Op):
+    """Local response normalization across channels: a sliding sum of squares over ``size`` channels."""
+
+    def check(self) -> None:
+        if int(self.attr("size", 0)) < 1:
+            self.unsupported(f"size={self.attr('size', None)}")
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        size = int(self.attr("size"))
+        alpha, beta, bias = float(self.attr("alpha", 1e-4)), float(self.attr("beta", 0.75)), float(self.attr("bias", 1.0))
+        c = x.shape[1]
+        lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2  # channels before / after each channel
+        sq = np.square(x)
+        acc = sq.copy()
+        for k in range(1, lo + 1):  # channel c - k contributes to channel c
+            acc[:, k:] += sq[:, :c - k]
+        for k in range(1, hi + 1):  # channel c + k
+            acc[:, :c - k] += sq[:, k:]
+        dt = x.dtype.type
+        acc *= dt(alpha / size)
+        acc += dt(bias)
+        if beta == 0.75:  # acc**-0.75 as rsqrt(acc * sqrt(acc)): much faster than pow
+            np.multiply(acc, np.sqrt(acc), out=acc)
+            np.sqrt(acc, out=acc)
+            return x / acc
+        np.power(acc, dt(-beta), out=acc)
+        return x * acc
+
+
+@register("MeanVarianceNormalization", versions=(9, 13))
+class MeanVarianceNormalization(Op):
+    """``(x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9)`` over ``axes`` (the ONNX function body)."""
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        axes = tuple(int(a) % x.ndim for a in self.attr("axes", [0, 2, 3]))
+        work = np.promote_types(x.dtype, np.float32)
+        xs = x.astype(work, copy=False)
+        mean = xs.mean(axis=axes, keepdims=True, dtype=work)
+        var = np.square(xs).mean(axis=axes, keepdims=True, dtype=work) - np.square(mean)
+        std = np.sqrt(np.maximum(var, 0)) + work.type(1e-9)
+        return ((xs - mean) / std).astype(x.dtype, copy=False)
+
+
+@register("LpNormalization", versions=(1, 22))
+class LpNormalization(Op):
+    """``x / ||x||_p`` along ``axis`` (p is 1 or 2); an all-zero slice stays zero."""
+
+    def check(self) -> None:
+        if int(self.attr("p", 2)) not in (1, 2):
+            self.unsupported(f"p={self.attr('p')}")
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        axis = int(self.attr("axis", -1))
+        if int(self.attr("p", 2)) == 1:
+            norm = np.abs(x).sum(axis=axis, keepdims=True, dtype=x.dtype)
+        else:
+            norm = np.sqrt(np.square(x).sum(axis=axis, keepdims=True, dtype=x.dtype))
+        safe = np.where(norm == 0, x.dtype.type(1), norm)
+        return x / safe
+
+
+def _has_rms_normalization() -> bool:
+    try:
+        onnx.defs.get_schema("RMSNormalization", 23)
+        return True
+    except Exception:
+        return False
+
+
+class RMSNormalization(Op):
+    """``x / sqrt(mean(x^2 over axis..) + eps) * scale``, computed in the stash type."""
+
+    def check(self) -> None:
+        _check_stash(self)
+
+    def run(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        axis = int(self.attr("axis", -1))
+        axis = axis + x.ndim if axis < 0 else axis
+        eps = float(self.attr("epsilon", 1e-5))
+        stash = _stash_dtype(self)
+        xs = x.astype(stash, copy=False)
+        ms = np.square(xs).mean(axis=tuple(range(axis, x.ndim)), keepdims=True, dtype=stash)
+        normed = (xs / np.sqrt(ms + stash.type(eps))).astype(x.dtype, copy=False)
+        return (normed * scale).astype(x.dtype, copy=False)
+
+
+if _has_rms_normalization():
+    register("RMSNormalization", versions=(23,))(RMSNormalization)

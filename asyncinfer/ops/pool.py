@@ -1,0 +1,197 @@
+"""Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
+
+Windowed pools reduce over kernel taps with one whole-array NumPy op per tap on the flat,
+polyphase-split input of :class:`~asyncinfer.ops.conv.FlatWindows` (long contiguous runs instead
+of many short rows), sharing the window geometry with Conv.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .base import Op
+from .conv import FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, spatial_attrs, window_geometry
+from .registry import register
+
+
+class _WindowPool(Op):
+    """Shared attribute handling and geometry of the windowed pools."""
+
+    def check(self) -> None:
+        check_spatial_attrs(self)
+        if self.attr("kernel_shape", None) is None:
+            self.unsupported("missing kernel_shape")
+        if int(self.attr("ceil_mode", 0)) not in (0, 1):
+            self.unsupported(f"ceil_mode={self.attr('ceil_mode')}")
+
+    def windows(self, x: np.ndarray) -> tuple[FlatWindows, list[int], list[int], list[int]]:
+        """The flat windows over ``x`` plus the explicit begin/end pads and the output size."""
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, pads = spatial_attrs(self, x.ndim - 2, kernel)
+        begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
+                                          self.attr("auto_pad", "NOTSET"), bool(self.attr("ceil_mode", 0)))
+        return flat_windows(x.shape[2:], kernel, strides, dilations, begin, end, out), begin, end, out
+
+    def tap_sum(self, x: np.ndarray, win: FlatWindows, fn=None) -> np.ndarray:
+        """Sum over each window of ``fn(x)`` (zero padding), still on the virtual output grid."""
+        buf = win.load(x if fn is None else fn(x))
+        acc = win.tap(buf, 0).copy()
+        for i in range(1, len(win.offsets)):
+            acc += win.tap(buf, i)
+        return acc
+
+
+def _lowest(dtype: np.dtype):
+    """The neutral element of max for ``dtype``."""
+    return -np.inf if dtype.kind == "f" else np.iinfo(dtype).min
+
+
+@register("MaxPool", versions=(1, 8, 10, 11, 12, 22))
+class MaxPool(_WindowPool):
+    """Max over each window; the optional Indices output is the flat (N, C, spatial…) argmax."""
+
+    def check(self) -> None:
+        super().check()
+        if int(self.attr("storage_order", 0)) not in (0, 1):
+            self.unsupported(f"storage_order={self.attr('storage_order')}")
+
+    def run(self, x: np.ndarray) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        win, begin, _, out = self.windows(x)
+        want_indices = len(self.layer.outputs) > 1 and bool(self.layer.outputs[1])
+        if math.prod(out) == 0:
+            y = np.zeros(x.shape[:2] + tuple(out), dtype=x.dtype)
+            return (y, np.zeros(y.shape, np.int64)) if want_indices else y
+        buf = win.load(x, fill=_lowest(x.dtype))
+        acc = win.tap(buf, 0).copy()
+        if not want_indices:
+            for i in range(1, len(win.offsets)):
+                np.maximum(acc, win.tap(buf, i), out=acc)
+            return win.crop(acc)
+        best = np.zeros(acc.shape, dtype=np.int32)
+        for i in range(1, len(win.offsets)):
+            t = win.tap(buf, i)
+            better = t > acc  # strict: the first tap holding the max wins
+            np.copyto(acc, t, where=better)
+            best[better] = i
+        return win.crop(acc), self._indices(x.shape, win.crop(best), begin, out)
+
+    def _indices(self, shape: tuple[int, ...], best: np.ndarray, begin: list[int], out: list[int]) -> np.ndarray:
+        """Flat input index of each chosen tap: row-major, or column-major spatial for storage_order=1."""
+        nsp = len(out)
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, _ = spatial_attrs(self, nsp, kernel)
+        taps = np.array(kernel_taps(kernel), dtype=np.int64).reshape(-1, nsp)
+        in_sp = shape[2:]
+        column_major = int(self.attr("storage_order", 0)) == 1
+        flat = np.zeros(best.shape, dtype=np.int64)
+        for k in range(nsp):
+            grid = (np.arange(out[k], dtype=np.int64) * strides[k] - begin[k]).reshape(
+                (out[k],) + (1,) * (nsp - 1 - k))
+            coord = grid + taps[best, k] * dilations[k]
+            weight = math.prod(in_sp[:k]) if column_major else math.prod(in_sp[k + 1:])
+            flat += coord * weight
+        plane = math.prod(in_sp)
+        lead = np.arange(shape[0] * shape[1], dtype=np.int64).reshape(shape[:2] + (1,) * nsp) * plane
+        return flat + lead
+
+
+@register("AveragePool", versions=(1, 7, 10, 11, 19, 22))
+class AveragePool(_WindowPool):
+    """Mean over each window; count_include_pad decides whether explicit pads count as elements."""
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        win, begin, end, out = self.windows(x)
+        if math.prod(out) == 0:
+            return np.zeros(x.shape[:2] + tuple(out), dtype=x.dtype)
+        total = win.crop(self.tap_sum(x, win))
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, _ = spatial_attrs(self, x.ndim - 2, kernel)
+        include_pad = bool(self.attr("count_include_pad", 0))
+        counts = _window_counts(x.shape[2:], kernel, strides, dilations, begin, end, out, include_pad)
+        if counts is None:  # every window is full: a scalar divide
+            total *= x.dtype.type(1.0 / math.prod(kernel))
+            return total
+        total /= counts.astype(x.dtype)
+        return total
+
+
+def _window_counts(in_shape, kernel, strides, dilations, begin, end, out, include_pad: bool) -> np.ndarray | None:
+    """Number of counted elements in every window (an array of shape ``out``), or None if all are full.
+
+    The count is separable: the product over axes of how many taps of that axis land in the
+    counted range (the input, plus the explicit pads when ``include_pad``).
+    """
+    per_axis, full = [], True
+    for k in range(len(out)):
+        lo, hi = (-begin[k], in_shape[k] + end[k]) if include_pad else (0, in_shape[k])
+        pos = (np.arange(out[k])[:, None] * strides[k] - begin[k]
+               + np.arange(kernel[k])[None, :] * dilations[k])
+        cnt = ((pos >= lo) & (pos < hi)).sum(axis=1)
+        full &= bool((cnt == kernel[k]).all())
+        per_axis.append(cnt.astype(np.float64))
+    if full:
+        return None
+    counts = per_axis[0]
+    for c in per_axis[1:]:
+        counts = np.multiply.outer(counts, c)
+    return counts
+
+
+def _lp_power(p: float):
+    """``|x|**p`` without float64 temporaries, with the common p=1/p=2 fast paths."""
+    if p == 2:
+        return lambda x: np.square(x)
+    if p == 1:
+        return np.abs
+    return lambda x: np.power(np.abs(x), x.dtype.type(p))
+
+
+def _lp_root(y: np.ndarray, p: float) -> np.ndarray:
+    if p == 2:
+        return np.sqrt(y, out=y)
+    if p == 1:
+        return y
+    return np.power(y, y.dtype.type(1.0 / p), out=y)
+
+
+@register("LpPool", versions=(1, 2, 11, 18, 22))
+class LpPool(_WindowPool):
+    """``(sum |x|^p)^(1/p)`` over each window (zero padding)."""
+
+    def check(self) -> None:
+        super().check()
+        if float(self.attr("p", 2)) <= 0:
+            self.unsupported(f"p={self.attr('p')}")
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        p = float(self.attr("p", 2))
+        win, _, _, out = self.windows(x)
+        if math.prod(out) == 0:
+            return np.zeros(x.shape[:2] + tuple(out), dtype=x.dtype)
+        return _lp_root(win.crop(self.tap_sum(x, win, _lp_power(p))), p)
+
+
+@register("GlobalAveragePool", versions=(1, 22))
+class GlobalAveragePool(Op):
+    def run(self, x: np.ndarray) -> np.ndarray:
+        axes = tuple(range(2, x.ndim))
+        return x.mean(axis=axes, keepdims=True, dtype=x.dtype)
+
+
+@register("GlobalMaxPool", versions=(1, 22))
+class GlobalMaxPool(Op):
+    def run(self, x: np.ndarray) -> np.ndarray:
+        return x.max(axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+@register("GlobalLpPool", versions=(1, 2, 22))
+class GlobalLpPool(Op):
+    def check(self) -> None:
+        if float(self.attr("p", 2)) <= 0:
+            self.unsupported(f"p={self.attr('p')}")
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        p = float(self.attr("p", 2))
+        s = _lp_power(p)(x).sum(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=x.dtype)
+        return _lp_root(s, p)
