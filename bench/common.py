@@ -7,6 +7,7 @@ ratios taken under the same noise say more.
 from __future__ import annotations
 
 import datetime as _dt
+import asyncio
 import inspect
 import json
 import math
@@ -167,33 +168,45 @@ async def _call(fn: Thunk) -> None:
         await result
 
 
-async def time_interleaved_async(fns: Mapping[str, Thunk], repeats: int, warmup: int = 2) -> dict[str, Timing]:
-    """Time several callables round by round, one call of each per round.
+# Contestants run in blocks: each block starts after a pause and with one untimed call, so every
+# engine is timed in its own steady state. (Call-by-call interleaving would time each engine right
+# after the other: ONNX Runtime's pool threads keep spinning for a while after a run and steal the
+# cores from whoever runs next, and a pause before every call would instead time ORT's cold wake-up.)
+SETTLE_S = 0.05
+BLOCK = 4
 
-    Interleaving puts machine noise (other tenants, frequency changes) on every contestant alike;
-    the order rotates each round so no contestant always runs right after the same other one
-    (ORT's spinning threads, warm caches). Callables returning awaitables are awaited, so async
-    and blocking contestants can share one event loop.
+
+async def time_interleaved_async(fns: Mapping[str, Thunk], repeats: int, warmup: int = 2,
+                                 settle_s: float = SETTLE_S, block: int = BLOCK) -> dict[str, Timing]:
+    """Time several callables in alternating blocks until each has ``repeats`` samples.
+
+    Alternating blocks put slow machine noise (other tenants, frequency changes) on every
+    contestant alike; the order rotates each round. Callables returning awaitables are awaited,
+    so async and blocking contestants can share one event loop.
     """
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             await _call(fns[name])
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(repeats):
+    round_ = 0
+    while any(len(v) < repeats for v in samples.values()):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            await _call(fns[name])
-            samples[name].append(time.perf_counter() - start)
+            await asyncio.sleep(settle_s)
+            await _call(fns[name])  # untimed: the engine's first call after the pause
+            for _ in range(min(block - 1, repeats - len(samples[name]))):
+                start = time.perf_counter()
+                await _call(fns[name])
+                samples[name].append(time.perf_counter() - start)
+        round_ += 1
     return {name: Timing.from_seconds(s) for name, s in samples.items()}
 
 
-def time_interleaved(fns: Mapping[str, Thunk], repeats: int, warmup: int = 2) -> dict[str, Timing]:
+def time_interleaved(fns: Mapping[str, Thunk], repeats: int, warmup: int = 2,
+                     settle_s: float = SETTLE_S, block: int = BLOCK) -> dict[str, Timing]:
     """Synchronous entry to :func:`time_interleaved_async` (runs it on a fresh event loop)."""
-    import asyncio
-
-    return asyncio.run(time_interleaved_async(fns, repeats, warmup))
+    return asyncio.run(time_interleaved_async(fns, repeats, warmup, settle_s, block))
 
 
 def percentiles_ms(samples_s: Iterable[float], qs: Sequence[float] = (50, 99)) -> dict[str, float]:

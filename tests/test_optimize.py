@@ -68,7 +68,7 @@ def test_conv_batchnorm_folding_and_relu_fusion_keep_results(rng):
     optimized = ai.load_model(proto)
     plain = ai.load_model(proto, optimize=False)
     assert [l.kind for l in optimized.layers] == ["Conv+Relu"]
-    assert optimized.optimizations["fold_conv_batchnorm"] == 1 and optimized.optimizations["fuse_activations"] == 1
+    assert optimized.optimizations["fold_affine"] == 1 and optimized.optimizations["fuse_activations"] == 1
     assert [l.op_type for l in plain.layers] == ["Conv", "BatchNormalization", "Relu"]
     x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
     np.testing.assert_allclose(_run(optimized, x)["y"], _run(plain, x)["y"], rtol=1e-5, atol=1e-5)
@@ -122,3 +122,32 @@ def test_clip_with_constant_bounds_fuses_like_relu6():
     model = ai.load_model(proto)
     assert [l.kind for l in model.layers] == ["Add+Clip"]
     np.testing.assert_array_equal(_run(model, np.array([-1, 1, 2, 5], np.float32))["y"], [0, 2, 4, 6])
+
+
+def test_per_channel_mul_add_fold_into_conv_and_batchnorm(rng):
+    """Caffe2 exports spell BatchNormalization as Mul/Add by [C,1,1] constants: fold them all."""
+    c = lambda name, *shape: numpy_helper.from_array(rng.uniform(0.5, 1.5, shape).astype(np.float32), name)  # noqa: E731
+    inits = [c("w", 4, 3, 3, 3), c("b", 4), c("s1", 4, 1, 1), c("t1", 4, 1, 1), c("s2", 1),
+             c("scale", 4), c("beta", 4), c("mean", 4), c("var", 4), c("s3", 4, 1, 1), c("t3", 4, 1, 1)]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Mul", ["c", "s1"], ["m1"]), helper.make_node("Add", ["t1", "m1"], ["a1"]),
+             helper.make_node("Div", ["a1", "s2"], ["d1"]), helper.make_node("Relu", ["d1"], ["r1"]),
+             helper.make_node("BatchNormalization", ["r1", "scale", "beta", "mean", "var"], ["n"]),
+             helper.make_node("Mul", ["n", "s3"], ["m3"]), helper.make_node("Sub", ["m3", "t3"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [1, 3, 6, 6])], [tensor_info("y", [1, 4, 6, 6])], inits,
+                       extra_domains=())
+    optimized = ai.load_model(proto)
+    assert [l.kind for l in optimized.layers] == ["Conv+Relu", "BatchNormalization"]
+    assert optimized.optimizations["fold_affine"] == 5
+    x = rng.standard_normal((1, 3, 6, 6)).astype(np.float32)
+    np.testing.assert_allclose(_run(optimized, x)["y"], _run(ai.load_model(proto, optimize=False), x)["y"],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_non_channel_constants_are_not_folded(rng):
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 1, 1)).astype(np.float32), "w")
+    spatial = numpy_helper.from_array(rng.standard_normal((1, 1, 5)).astype(np.float32), "spatial")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Mul", ["c", "spatial"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [1, 3, 5, 5])], [tensor_info("y", [1, 4, 5, 5])], [w, spatial],
+                       extra_domains=())
+    assert [l.kind for l in ai.load_model(proto).layers] == ["Conv", "Mul"]

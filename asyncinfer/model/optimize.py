@@ -128,45 +128,150 @@ def remove_dead_layers(model: Model) -> int:
     return removed
 
 
-def fold_conv_batchnorm(model: Model) -> int:
-    """Fold an inference BatchNormalization into the Conv before it: W' = W·s, B' = (B − mean)·s + beta."""
+def _channel_vector(value: np.ndarray, channels: int, rank: int) -> np.ndarray | None:
+    """``value`` as a length-``channels`` float64 vector if it broadcasts per channel over an
+    ``(N, C, spatial...)`` tensor of rank ``rank`` (a scalar, or shape ``(C, 1, …)``), else None."""
+    if value.dtype.kind != "f" or value.ndim > rank - 1:
+        return None
+    shape = (1,) * (rank - 1 - value.ndim) + value.shape  # as if broadcast against (C, spatial...)
+    if any(d != 1 for d in shape[1:]) or shape[0] not in (1, channels):
+        return None
+    return np.broadcast_to(value.reshape(-1).astype(np.float64), (channels,)).copy()
+
+
+def _rank(model: Model, name: str) -> int | None:
+    info = model.value_info.get(name) or next((i for i in model.inputs if i.name == name), None)
+    return None if info is None or info.shape is None else len(info.shape)
+
+
+class _Affine:
+    """A host layer (Conv, or inference BatchNormalization) whose output is ``a·z + b`` per channel
+    for some z, with its ``a`` and ``b`` held in constants that can absorb further affine maps."""
+
+    def __init__(self, model: Model, layer: Layer):
+        self.model, self.layer = model, layer
+        self.absorbed = 0
+        c = model.constants
+        if layer.op_type == "Conv":
+            w = c[layer.inputs[1]]
+            self.channels = w.shape[0]
+            self.rank = w.ndim
+            self.dtype = w.dtype
+            self.weight = w.astype(np.float64)
+            bias = layer.inputs[2] if len(layer.inputs) > 2 else ""
+            self.bias = c[bias].astype(np.float64) if bias else np.zeros(self.channels)
+        else:  # BatchNormalization: y = (x - mean) * scale / sqrt(var + eps) + beta
+            scale, beta, mean, var = (c[n] for n in layer.inputs[1:5])
+            self.channels, self.rank, self.dtype = scale.shape[0], 0, scale.dtype
+            std = np.sqrt(var.astype(np.float64) + layer.attrs.get("epsilon", 1e-5))
+            self.weight = scale.astype(np.float64) / std  # per-channel slope
+            self.bias = beta.astype(np.float64) - mean.astype(np.float64) * self.weight
+
+    @staticmethod
+    def accepts(model: Model, layer: Layer) -> bool:
+        c = model.constants
+        if layer.domain or layer.fused or len([o for o in layer.outputs if o]) != 1:
+            return False
+        if layer.op_type == "Conv":
+            names = [n for n in layer.inputs[1:3] if n]
+            return all(n in c for n in names) and c[layer.inputs[1]].dtype in (np.float32, np.float64)
+        if layer.op_type == "BatchNormalization":
+            return not layer.attrs.get("training_mode", 0) and all(n in c for n in layer.inputs[1:5]) \
+                and c[layer.inputs[1]].dtype in (np.float32, np.float64)
+        return False
+
+    def scale_by(self, s: np.ndarray) -> None:
+        self.weight = self.weight * (s.reshape((-1,) + (1,) * (self.weight.ndim - 1)) if self.weight.ndim > 1 else s)
+        self.bias = self.bias * s
+
+    def shift_by(self, b: np.ndarray) -> None:
+        self.bias = self.bias + b
+
+    def absorb(self, follower: Layer) -> bool:
+        """Fold ``follower`` (BatchNormalization or Mul/Add/Sub/Div by a per-channel constant) in."""
+        c = self.model.constants
+        data = self.layer.outputs[0]
+        if follower.op_type == "BatchNormalization" and self.layer.op_type == "Conv":
+            if not _Affine.accepts(self.model, follower) or follower.inputs[0] != data:
+                return False
+            bn = _Affine(self.model, follower)
+            self.scale_by(bn.weight)
+            self.shift_by(bn.bias)
+            return True
+        if follower.op_type not in ("Mul", "Add", "Sub", "Div") or follower.domain or len(follower.inputs) != 2:
+            return False
+        other_index = 1 if follower.inputs[0] == data else 0
+        if follower.inputs[1 - other_index] != data or follower.inputs[other_index] not in c:
+            return False
+        rank = self.rank or _rank(self.model, self.layer.inputs[0])
+        if rank is None:
+            return False
+        v = _channel_vector(c[follower.inputs[other_index]], self.channels, rank)
+        if v is None or (follower.op_type in ("Sub", "Div") and other_index == 0):
+            return False  # const - x and const / x are not affine in a foldable way
+        if follower.op_type == "Mul":
+            self.scale_by(v)
+        elif follower.op_type == "Div":
+            if np.any(v == 0):
+                return False
+            self.scale_by(1.0 / v)
+        else:
+            self.shift_by(v if follower.op_type == "Add" else -v)
+        return True
+
+    def write_back(self) -> None:
+        layer, c, name = self.layer, self.model.constants, self.layer.name
+        if layer.op_type == "Conv":
+            c[f"{name}::folded_weight"] = _frozen(self.weight.astype(self.dtype))
+            c[f"{name}::folded_bias"] = _frozen(self.bias.astype(self.dtype))
+            layer.inputs = [layer.inputs[0], f"{name}::folded_weight", f"{name}::folded_bias"]
+        else:  # a BatchNormalization with mean 0, var 1 - eps: scale and bias carry the whole map
+            eps = layer.attrs.get("epsilon", 1e-5)
+            for suffix, value in (("scale", self.weight), ("bias", self.bias),
+                                  ("mean", np.zeros(self.channels)), ("var", np.full(self.channels, 1.0 - eps))):
+                c[f"{name}::folded_{suffix}"] = _frozen(value.astype(self.dtype))
+            layer.inputs = [layer.inputs[0]] + [f"{name}::folded_{s}" for s in ("scale", "bias", "mean", "var")]
+
+
+def fold_affine(model: Model) -> int:
+    """Fold per-channel affine layers into the Conv or BatchNormalization before them.
+
+    Conv → BatchNormalization, and Conv/BatchNormalization → Mul/Add/Sub/Div by a per-channel
+    constant (how Caffe2-exported models spell BatchNormalization), become one layer: the
+    arithmetic is done once, in float64, on the constants.
+    """
     consumers = model.consumers()
     outputs = _graph_outputs(model)
     producers = model.producers()
+    hosts: dict[int, _Affine] = {}
     removed: set[int] = set()
-    count = 0
-    for bn in model.layers:
-        if bn.op_type != "BatchNormalization" or bn.domain or bn.attrs.get("training_mode", 0):
+    for follower in model.layers:
+        if not follower.inputs or not follower.inputs[0]:
             continue
-        if len(bn.outputs) > 1 and any(bn.outputs[1:]):
+        data_inputs = [n for n in follower.inputs if n and n not in model.constants]
+        if len(data_inputs) != 1:
             continue
-        conv = producers.get(bn.inputs[0])
-        if conv is None or conv.op_type != "Conv" or conv.domain or conv.fused:
+        host = producers.get(data_inputs[0])
+        if host is None or id(host) in removed or host.outputs[0] in outputs:
             continue
-        if conv.outputs[0] in outputs or len(consumers.get(conv.outputs[0], [])) != 1:
+        if len(consumers.get(host.outputs[0], [])) != 1:
             continue
-        params = bn.inputs[1:5]
-        weight_names = [n for n in conv.inputs[1:3] if n]
-        if not all(n in model.constants for n in params + weight_names):
+        affine = hosts.get(id(host))
+        if affine is None:
+            if not _Affine.accepts(model, host):
+                continue
+            affine = hosts[id(host)] = _Affine(model, host)
+        if not affine.absorb(follower):
             continue
-        scale, beta, mean, var = (model.constants[n].astype(np.float64) for n in params)
-        w = model.constants[conv.inputs[1]]
-        if w.dtype != np.float32 and w.dtype != np.float64:
-            continue
-        eps = bn.attrs.get("epsilon", 1e-5)
-        s = scale / np.sqrt(var + eps)
-        bias = model.constants[conv.inputs[2]].astype(np.float64) if len(conv.inputs) > 2 and conv.inputs[2] else 0.0
-        new_w = (w.astype(np.float64) * s.reshape((-1,) + (1,) * (w.ndim - 1))).astype(w.dtype)
-        new_b = ((bias - mean) * s + beta).astype(w.dtype)
-        w_name, b_name = f"{conv.name}::folded_weight", f"{conv.name}::folded_bias"
-        model.constants[w_name] = _frozen(new_w)
-        model.constants[b_name] = _frozen(new_b)
-        conv.inputs = [conv.inputs[0], w_name, b_name]
-        conv.outputs = [bn.outputs[0]]
-        removed.add(id(bn))
-        count += 1
+        affine.absorbed += 1
+        host.outputs = [follower.outputs[0]]
+        producers[follower.outputs[0]] = host
+        removed.add(id(follower))
+    for affine in hosts.values():
+        if affine.absorbed:
+            affine.write_back()
     model.layers = [l for l in model.layers if id(l) not in removed]
-    return count
+    return len(removed)
 
 
 def fuse_activations(model: Model) -> int:
@@ -235,7 +340,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("eliminate_identities", eliminate_identities),
     ("fold_constants", fold_constants),
     ("remove_dead_layers", remove_dead_layers),
-    ("fold_conv_batchnorm", fold_conv_batchnorm),
+    ("fold_affine", fold_affine),
     ("fuse_activations", fuse_activations),
 ]
 

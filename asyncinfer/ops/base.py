@@ -28,6 +28,8 @@ class Op:
       ``shape`` of Reshape, ``axes`` of reductions…): the optimizer keeps their producers on the CPU.
     - ``deterministic``: False for random ops, which must never be constant-folded.
     - ``elementwise_unary``: True for activations that may be fused into the layer before them.
+    - ``multithreaded``: True for kernels that already use every core inside BLAS (GEMM-based);
+      the CPU backend runs those one at a time instead of oversubscribing the cores.
     """
 
     op_type: ClassVar[str] = ""
@@ -35,6 +37,7 @@ class Op:
     value_inputs: ClassVar[tuple[int, ...]] = ()
     deterministic: ClassVar[bool] = True
     elementwise_unary: ClassVar[bool] = False
+    multithreaded: ClassVar[bool] = False
 
     def __init__(self, layer: "Layer"):
         self.layer = layer

@@ -215,6 +215,7 @@ class FlatWindows:
 @register("Conv", versions=(1, 11, 22))
 class Conv(Op):
     """N-D convolution (1-D, 2-D, 3-D…) with groups, dilations, strides, pads and auto_pad."""
+    multithreaded = True  # GEMM in BLAS: already uses every core
 
     def check(self) -> None:
         check_spatial_attrs(self)
@@ -315,6 +316,7 @@ def _grouped_matmul(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
 @register("ConvTranspose", versions=(1, 11, 22))
 class ConvTranspose(Op):
     """Transposed convolution as GEMM (input → per-tap contributions) followed by col2im scatter-adds."""
+    multithreaded = True  # GEMM in BLAS: already uses every core
 
     def check(self) -> None:
         check_spatial_attrs(self)

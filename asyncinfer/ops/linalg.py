@@ -9,6 +9,8 @@ from .registry import register
 
 @register("MatMul", versions=(1, 9, 13))
 class MatMul(Op):
+    multithreaded = True  # GEMM in BLAS: already uses every core
+
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.matmul(a, b)
 
@@ -16,6 +18,7 @@ class MatMul(Op):
 @register("Gemm", versions=(1, 6, 7, 9, 11, 13))
 class Gemm(Op):
     """``alpha * A' @ B' + beta * C`` with optional transposes and a broadcast (optional) C."""
+    multithreaded = True  # GEMM in BLAS: already uses every core
 
     def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
         if int(self.attr("transA", 0)):
@@ -38,6 +41,7 @@ class Gemm(Op):
 @register("Einsum", versions=(12, 28))
 class Einsum(Op):
     """``np.einsum`` with path optimisation; the implicit form is made explicit with ONNX's ordering."""
+    multithreaded = True  # GEMM in BLAS: already uses every core
 
     def check(self) -> None:
         eq = str(self.attr("equation")).replace(" ", "")

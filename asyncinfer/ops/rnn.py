@@ -59,6 +59,7 @@ _KNOWN = {"sigmoid", "tanh", "relu", "softsign", "softplus"} | _USES_ALPHA
 
 class _Recurrent(Op):
     """Attribute handling and the direction/sequence machinery shared by LSTM, GRU and RNN."""
+    multithreaded = True  # GEMM in BLAS: already uses every core
 
     gates: int = 1
     default_activations: tuple[str, ...] = ()
