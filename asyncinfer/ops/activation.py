@@ -35,7 +35,8 @@ def _softplus(x: np.ndarray) -> np.ndarray:
     return np.logaddexp(0, x)  # log(1 + e^x) without overflow
 
 
-_define("Relu", (1, 6, 13, 14), lambda x: np.maximum(x, 0))
+Relu = _define("Relu", (1, 6, 13, 14), lambda x: np.maximum(x, 0))
+Relu.run_inplace = lambda self, x: np.maximum(x, 0, out=x)  # type: ignore[attr-defined]
 _define("Sigmoid", (1, 6, 13), _sigmoid)
 _define("Tanh", (1, 6, 13), np.tanh)
 _define("HardSigmoid", (1, 6, 22), lambda x, alpha, beta: np.clip(alpha * x + beta, 0, 1), alpha=0.2, beta=0.5)

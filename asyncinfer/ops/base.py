@@ -70,6 +70,11 @@ class Op:
         """Compute the outputs from the inputs (``None`` for an omitted optional input)."""
         raise NotImplementedError
 
+    def run_inplace(self, x: np.ndarray, *inputs: np.ndarray | None) -> np.ndarray:
+        """Like :meth:`run` for a single-output op, but free to overwrite ``x`` (a fresh buffer
+        nobody else reads). Fused activations use it to skip an allocation and a memory pass."""
+        return self(x, *inputs)[0]  # type: ignore[return-value]
+
     def __call__(self, *inputs: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
         out = self.run(*inputs)
         return out if isinstance(out, tuple) else (out,)

@@ -265,15 +265,17 @@ class Clip(Op):
     """Bounds are attributes before opset 11, optional inputs since; either may be absent."""
 
     def run(self, x: np.ndarray, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> np.ndarray:
+        return self.run_inplace(np.array(x, copy=True), lo, hi)
+
+    def run_inplace(self, x: np.ndarray, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> np.ndarray:
         if self.version < 11:
             lo, hi = self.attr("min", None), self.attr("max", None)
-        out = x
         with np.errstate(over="ignore"):  # e.g. a float32-lowest bound on a float16 tensor
             if lo is not None:
-                out = np.maximum(out, np.asarray(lo).astype(x.dtype))
+                np.maximum(x, np.asarray(lo).astype(x.dtype), out=x)
             if hi is not None:  # applied last: min > max gives max everywhere, as ONNX specifies
-                out = np.minimum(out, np.asarray(hi).astype(x.dtype))
-        return np.asarray(out)
+                np.minimum(x, np.asarray(hi).astype(x.dtype), out=x)
+        return x
 
 
 @register("Identity", versions=(1, 13, 14, 16, 19, 21, 23, 24, 25))

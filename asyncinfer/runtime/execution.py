@@ -95,8 +95,8 @@ class Execution:
                 raise DisposedError("an input of this layer was released (the worker or a tensor was disposed)")
             with np.errstate(all="ignore"):  # IEEE results (inf/nan) are values, not errors, as in ONNX
                 outputs = list(step.op(*args))
-                for act, extra in step.activations:
-                    outputs[0] = act(outputs[0], *extra)[0]
+                if step.activations:
+                    outputs[0] = _apply_activations(step, outputs[0], args)
             if len(outputs) < len([o for o in step.layer.outputs if o]):
                 raise ValueError(f"kernel returned {len(outputs)} outputs for {len(step.layer.outputs)}")
         except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
@@ -182,6 +182,16 @@ class Execution:
             value = self.futures[ref[0]].peek()[ref[1]]  # type: ignore[union-attr]
             result[info.name] = np.array(value, copy=True)
         return result
+
+
+def _apply_activations(step: Step, y: np.ndarray, args: list) -> np.ndarray:
+    """Run the fused activations on ``y``, in place when ``y`` is a buffer the kernel just made."""
+    fresh = (isinstance(y, np.ndarray) and y.flags.writeable and y.dtype.kind == "f"
+             and not any(isinstance(a, np.ndarray) and np.may_share_memory(y, a) for a in args))
+    for act, extra in step.activations:
+        y = act.run_inplace(y, *extra) if fresh else act(y, *extra)[0]
+        fresh = True
+    return y
 
 
 def _execution_error(step: Step, exc: Exception, args: list) -> BaseException:
