@@ -32,6 +32,10 @@ def test_each_layer_is_a_future_completing_in_dependency_order(add_chain_model):
         layer_futures = execution.futures[: len(model.layers)]
         assert all(f.done() and not f.failed() for f in layer_futures)
         assert [f.label for f in layer_futures] == [l.name for l in model.layers]
+        last = model.layers[-1].name
+        np.testing.assert_array_equal(execution.layer_future(last).result()[0], np.full((1, 4), 4, np.float32))
+        with pytest.raises(ai.AsyncInferError, match="no layer 'nope'"):
+            execution.layer_future("nope")
 
 
 def test_independent_layers_run_in_parallel():

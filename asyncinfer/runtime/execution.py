@@ -121,6 +121,16 @@ class Execution:
                     if values is not None:
                         values[ref[1]] = None
 
+    def layer_future(self, layer: str) -> TaskFuture:
+        """The future of one layer of this run (its value: the list of the layer's outputs)."""
+        for step in self.plan.steps:
+            if step.layer.name == layer:
+                future = self.futures[step.index]
+                if future is None:
+                    raise AsyncInferError(f"layer {layer!r} is not scheduled yet")
+                return future
+        raise AsyncInferError(f"the model has no layer {layer!r} (layers are listed in worker.placement)")
+
     def cancel(self) -> None:
         """Skip every layer that has not started; started kernels finish and are discarded."""
         self._cancelled = True
