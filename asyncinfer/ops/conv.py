@@ -212,15 +212,20 @@ class FlatWindows:
 
 
 # -- Conv ------------------------------------------------------------------------------------------
-@register("Conv", versions=(1, 11, 22))
-class Conv(Op):
-    """N-D convolution (1-D, 2-D, 3-D…) with groups, dilations, strides, pads and auto_pad."""
+class _ConvBase(Op):
+    """Attribute checks shared by Conv and ConvTranspose."""
+
     multithreaded = True  # GEMM in BLAS: already uses every core
 
     def check(self) -> None:
         check_spatial_attrs(self)
         if int(self.attr("group", 1)) < 1:
             self.unsupported(f"group={self.attr('group')}")
+
+
+@register("Conv", versions=(1, 11, 22))
+class Conv(_ConvBase):
+    """N-D convolution (1-D, 2-D, 3-D…) with groups, dilations, strides, pads and auto_pad."""
 
     def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         group = int(self.attr("group", 1))
@@ -314,14 +319,8 @@ def _grouped_matmul(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 # -- ConvTranspose ---------------------------------------------------------------------------------
 @register("ConvTranspose", versions=(1, 11, 22))
-class ConvTranspose(Op):
+class ConvTranspose(_ConvBase):
     """Transposed convolution as GEMM (input → per-tap contributions) followed by col2im scatter-adds."""
-    multithreaded = True  # GEMM in BLAS: already uses every core
-
-    def check(self) -> None:
-        check_spatial_attrs(self)
-        if int(self.attr("group", 1)) < 1:
-            self.unsupported(f"group={self.attr('group')}")
 
     def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         group = int(self.attr("group", 1))
