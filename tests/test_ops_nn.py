@@ -57,7 +57,7 @@ def test_node_case_selection_is_not_empty():
         assert any(op in {n.op_type for n in node_cases()[c].model.graph.node} for c in names), op
 
 
-@pytest.mark.parametrize("name", _case_params())
+@pytest.mark.parametrize("name", list(_case_params()))
 def test_node_case(name):
     check_case(node_cases()[name])
 
