@@ -134,6 +134,8 @@ CONV_CASES = {
     "depthwise_5x5_dilated": ((1, 8, 13, 13), 8, (5, 5), dict(group=8, dilations=[2, 2], pads=[4, 4, 4, 4])),
     "depthwise_multiplier": ((1, 8, 10, 10), 16, (3, 3), dict(group=8, strides=[1, 2])),
     "depthwise_asym": ((1, 6, 9, 11), 6, (3, 5), dict(group=6, strides=[3, 2], pads=[0, 2, 1, 0])),
+    "small_map_exact_im2col": ((2, 8, 7, 7), 16, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "small_map_grouped_strided": ((2, 8, 7, 6), 4, (3, 3), dict(group=2, strides=[2, 1], pads=[1, 0, 2, 1])),
     "conv1d": ((2, 4, 20), 6, (5,), dict(strides=[2], pads=[2, 1])),
     "conv1d_depthwise": ((1, 4, 20), 4, (3,), dict(group=4, strides=[2], pads=[1, 1])),
     "conv3d": ((1, 3, 6, 7, 8), 4, (3, 3, 3), dict(pads=[1, 0, 1, 1, 0, 1], strides=[1, 2, 1])),
@@ -150,6 +152,22 @@ def test_conv_matches_onnxruntime(name, bias, rng):
     w = randn(rng, m, shape[1] // group, *kernel)
     b = randn(rng, m) if bias else None
     compare_with_ort("Conv", [x, w] + ([b] if bias else []), dict(attrs, kernel_shape=list(kernel)))
+
+
+@pytest.mark.parametrize("name", ["small_map_exact_im2col", "small_map_grouped_strided", "grouped", "3x3_pad"])
+def test_conv_im2col_paths_agree(name, rng, monkeypatch):
+    """The exact and the flat-window im2col give the same convolution."""
+    from asyncinfer.ops import conv as conv_module
+
+    shape, m, kernel, attrs = CONV_CASES[name]
+    x = randn(rng, *shape)
+    w = randn(rng, m, shape[1] // attrs.get("group", 1), *kernel)
+    layer = Layer("c", "Conv", ["x", "w"], ["y"], attrs=dict(attrs, kernel_shape=list(kernel)), version=17)
+    results = []
+    for threshold in (0.0, float("inf")):  # always exact, never exact
+        monkeypatch.setattr(conv_module, "EXACT_IM2COL_WASTE", threshold)
+        results.append(ops.create(layer)(x, w)[0])
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
 def test_conv_without_kernel_shape_attribute(rng):

@@ -22,6 +22,9 @@ from .base import Op
 from .registry import register
 
 _AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
+# When the flat-window im2col would compute this many times the real outputs (the garbage columns
+# of small padded maps: 9/7 of the work at 7x7), an exact im2col copy is cheaper than the waste.
+EXACT_IM2COL_WASTE = 1.2
 
 
 # -- geometry shared with pool.py ------------------------------------------------------------------
@@ -251,6 +254,13 @@ class Conv(_ConvBase):
                 y += bias
             return y
         win = flat_windows(x.shape[2:], kernel, strides, dilations, begin, end, out)
+        if cg > 1 and win.length > EXACT_IM2COL_WASTE * p and all(d == 1 for d in dilations):
+            # Small maps: the virtual columns would cost more GEMM work than an exact im2col copy.
+            cols = _exact_columns(x, kernel, strides, begin, end, out)
+            y = _grouped_matmul(w.reshape(group, mg, -1), cols.reshape(n, group, -1, p)).reshape(n, m, *out)
+            if bias is not None:
+                y += bias
+            return y
         buf = win.load(x)
         if cg == 1 and n == 1:
             y = _depthwise(win, buf[0], w.reshape(group, mg, -1))
@@ -264,6 +274,21 @@ class Conv(_ConvBase):
         if bias is not None:  # the bias add doubles as the copy dropping the virtual columns
             return np.add(y, bias, dtype=dtype) if not y.flags.c_contiguous else np.add(y, bias, out=y)
         return np.ascontiguousarray(y)
+
+
+def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], begin: Sequence[int],
+                   end: Sequence[int], out: Sequence[int]) -> np.ndarray:
+    """im2col ``(N, C·taps, P)`` over exactly the P output positions (undilated kernels), in scratch."""
+    n, c = x.shape[:2]
+    nsp = len(kernel)
+    xp = pad_spatial(x, begin, end)
+    # (N, C, k…, o…): window origin on the strided output grid, tap offset inside the window
+    shape = (n, c) + tuple(kernel) + tuple(out)
+    strides_b = xp.strides[:2] + xp.strides[2:] + tuple(st * s for st, s in zip(xp.strides[2:], strides))
+    view = as_strided(xp, shape=shape, strides=strides_b, writeable=False)
+    cols = _scratch((n, c) + tuple(kernel) + tuple(out), x.dtype)
+    np.copyto(cols, view)
+    return cols.reshape(n, c * math.prod(kernel), math.prod(out))
 
 
 _THREAD_SCRATCH = threading.local()
