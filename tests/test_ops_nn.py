@@ -134,6 +134,8 @@ CONV_CASES = {
     "depthwise_5x5_dilated": ((1, 8, 13, 13), 8, (5, 5), dict(group=8, dilations=[2, 2], pads=[4, 4, 4, 4])),
     "depthwise_multiplier": ((1, 8, 10, 10), 16, (3, 3), dict(group=8, strides=[1, 2])),
     "depthwise_asym": ((1, 6, 9, 11), 6, (3, 5), dict(group=6, strides=[3, 2], pads=[0, 2, 1, 0])),
+    "fewer_outputs_tap_gemms": ((1, 16, 12, 12), 4, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "fewer_outputs_strided_batch": ((2, 12, 17, 15), 5, (3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
     "small_map_exact_im2col": ((2, 8, 7, 7), 16, (3, 3), dict(pads=[1, 1, 1, 1])),
     "small_map_grouped_strided": ((2, 8, 7, 6), 4, (3, 3), dict(group=2, strides=[2, 1], pads=[1, 0, 2, 1])),
     "conv1d": ((2, 4, 20), 6, (5,), dict(strides=[2], pads=[2, 1])),
