@@ -73,7 +73,8 @@ def floors(lat: dict[str, Any], ovh: dict[str, Any]) -> list[Floor]:
 def print_summary(lat: dict[str, Any], ovh: dict[str, Any], checks: list[Floor]) -> None:
     print("\nSUMMARY")
     print(f"  latency geomean ratio (asyncinfer/ORT) over {lat['measured']} model(s): "
-          f"await {common.fmt(lat['geomean_ratio_await'])}, blocking {common.fmt(lat['geomean_ratio_blocking'])}")
+          f"await {common.fmt(lat['geomean_ratio_await'])}, blocking {common.fmt(lat['geomean_ratio_blocking'])}, "
+          f"best/best {common.fmt(lat['geomean_ratio_best'])}")
     per_layer = ovh["per_layer"].get("us_per_layer")
     if per_layer:
         print("  per-layer overhead (µs): " + ", ".join(f"{k} {common.fmt(v)}" for k, v in per_layer.items()))
