@@ -23,23 +23,29 @@ BACKEND_CHOICES = [b.value for b in BackendType]
 
 
 class ProgressBar:
-    """A one-line text progress bar on stderr (no dependency, redrawn in place)."""
+    """A one-line text progress bar on stderr (no dependency).
+
+    On a terminal it is redrawn in place whenever it moves; elsewhere (logs, CI) only the final
+    state is written, so captured output stays one line per bar.
+    """
 
     def __init__(self, total: int, label: str, enabled: bool = True, width: int = 30):
         self.total, self.label, self.enabled, self.width = total, label, enabled, width
+        self.live = enabled and sys.stderr.isatty()
         self.count = 0
+        self.drawn = -1
         self.started = time.perf_counter()
 
     def advance(self, n: int = 1) -> None:
         self.count += n
-        if not self.enabled:
-            return
+        done = self.count >= self.total
         filled = int(self.width * self.count / max(self.total, 1))
+        if not self.enabled or not (done or (self.live and filled != self.drawn)):
+            return
+        self.drawn = filled
         rate = self.count / max(time.perf_counter() - self.started, 1e-9)
         sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
-                         f"{self.count}/{self.total} ({rate:,.0f}/s)")
-        if self.count >= self.total:
-            sys.stderr.write("\n")
+                         f"{self.count}/{self.total} ({rate:,.0f}/s)" + ("\n" if done else ""))
         sys.stderr.flush()
 
 

@@ -167,3 +167,28 @@ def test_outputs_that_are_constants_or_inputs():
         out = worker.run_blocking(np.array([5, 6], np.float32))
     np.testing.assert_array_equal(out["y"], [5, 6])
     np.testing.assert_array_equal(out["c"], [1, 2])
+
+
+@pytest.mark.asyncio
+async def test_cancelled_run_skips_unstarted_layers_and_worker_survives(gated_model):
+    model, gate = gated_model
+    async with ai.Worker(model) as worker:
+        task = asyncio.ensure_future(worker.run(np.ones((2, 3), np.float32)))
+        await asyncio.sleep(0.01)  # the run is stuck behind the closed gate
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()  # the gate layer finishes; the Add after it must be skipped, not run
+        out = await worker.run(np.zeros((2, 3), np.float32))
+        np.testing.assert_array_equal(out["y"], np.ones((2, 3), np.float32))
+
+
+def test_execution_cancel_skips_layers_not_started(gated_model):
+    model, gate = gated_model
+    with ai.Worker(model) as worker:
+        execution = worker.schedule(np.ones((2, 3), np.float32))
+        execution.cancel()
+        gate.set()
+        with pytest.raises(ai.ExecutionError, match="cancelled before layer 'add'"):
+            worker.peek_output().readback_and_clone()
+        assert execution.layer_future("gate").done()  # the started kernel finished normally
