@@ -188,6 +188,27 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- conformance -----------------------------------------------------------------------------------
+def _conformance(args: argparse.Namespace) -> int:
+    from . import conformance
+
+    cases = conformance.load_cases(args.filter)
+    engines = [("asyncinfer", conformance.asyncinfer_engine(args.backend))]
+    if args.compare_onnxruntime:
+        engines.append(("onnxruntime", conformance.onnxruntime_engine()))
+    reports = [conformance.run_cases(cases, engine, name) for name, engine in engines]
+    for report in reports:
+        print(conformance.format_report(report, args.backend if report.engine == "asyncinfer" else "cpu",
+                                        per_op=not args.summary, failures=args.failures))
+    if args.write_passing:
+        passing = [r.name for r in reports[0].results if r.passed]
+        args.write_passing.write_text("\n".join(passing) + "\n")
+        print(f"wrote {len(passing)} passing case names to {args.write_passing}")
+    # The closing line: asyncinfer's own count, in the form test tooling reads.
+    print(f"{reports[0].passed} passed, {reports[0].failed} failed")
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description="Async-first ONNX inference engine.")
@@ -211,6 +232,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="inputs, outputs, ops and which backend supports each op")
     info.add_argument("model", type=Path)
+
+    conf = sub.add_parser("conformance", help="run ONNX's backend node test cases and count passes")
+    conf.add_argument("--backend", default="cpu", choices=BACKEND_CHOICES)
+    conf.add_argument("--filter", help="regular expression on case names (e.g. 'conv|pool')")
+    conf.add_argument("--compare-onnxruntime", action="store_true", help="also run ONNX Runtime through the same harness")
+    conf.add_argument("--failures", action="store_true", help="list every failing case with the reason")
+    conf.add_argument("--summary", action="store_true", help="no per-op table")
+    conf.add_argument("--write-passing", type=Path, metavar="FILE", help="write the names of passing cases")
     return parser
 
 
@@ -221,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_demo(args.backend, args.batch_size, not args.no_progress))
         if args.command == "run":
             return asyncio.run(_run(args))
+        if args.command == "conformance":
+            return _conformance(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
