@@ -39,7 +39,16 @@ class CPUTensorData(TensorData):
         self.array = array
 
     def download(self) -> np.ndarray:
-        return np.array(self.array, copy=True)
+        return _copy_value(self.array)
+
+
+def _copy_value(value):
+    """A caller-owned copy of a value: an array, a sequence of arrays, or None (an empty optional)."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [_copy_value(v) for v in value]
+    return np.array(value, copy=True)
 
 
 class _PendingData(TensorData):

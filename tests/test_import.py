@@ -38,9 +38,33 @@ def test_opsets_from_7_to_newest(opset):
     assert model.opsets[""] == opset
 
 
-def test_opset_too_old_is_refused():
-    with pytest.raises(ai.ModelLoadError, match="opset 6 is older"):
-        ai.load_model(_mul_model(6))
+def test_opset_newer_than_onnx_knows_is_refused():
+    with pytest.raises(ai.ModelLoadError, match=f"opset {onnx.defs.onnx_opset_version() + 1} is newer"):
+        ai.load_model(_mul_model(onnx.defs.onnx_opset_version() + 1))
+
+
+def test_subgraph_outer_scope_values_become_layer_inputs():
+    then_graph = helper.make_graph([helper.make_node("Add", ["x", "bias"], ["t"])], "then", [],
+                                   [tensor_info("t", [2])])
+    else_graph = helper.make_graph([helper.make_node("Sub", ["x", "bias"], ["e"])], "else", [],
+                                   [tensor_info("e", [2])])
+    nodes = [helper.make_node("Relu", ["x0"], ["x"]), helper.make_node("Relu", ["b0"], ["bias"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then_graph, else_branch=else_graph, name="branch")]
+    proto = make_model(nodes, [tensor_info("x0", [2]), tensor_info("b0", [2]), tensor_info("cond", [], TensorProto.BOOL)],
+                       [tensor_info("y", [2])], extra_domains=())
+    from asyncinfer.model.onnx_import import import_model
+
+    layer = next(l for l in import_model(proto).layers if l.op_type == "If")
+    assert layer.outer_inputs == ["x", "bias"] and layer.inputs == ["cond", "x", "bias"]
+
+
+def test_subgraph_reading_an_undefined_value_is_refused():
+    body = helper.make_graph([helper.make_node("Add", ["x", "nowhere"], ["t"])], "then", [], [tensor_info("t", [2])])
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=body, else_branch=body, name="branch")]
+    proto = make_model(nodes, [tensor_info("x", [2]), tensor_info("cond", [], TensorProto.BOOL)],
+                       [tensor_info("y", [2])], extra_domains=())
+    with pytest.raises(ai.ModelLoadError, match="reads \\['nowhere'\\]"):
+        ai.load_model(proto)
 
 
 def test_constant_nodes_become_constants():

@@ -21,6 +21,7 @@ class TensorInfo:
     name: str
     dtype: np.dtype | None
     shape: tuple[Dim, ...] | None  # None: rank unknown
+    kind: str = "tensor"  # or "sequence", "optional" (of tensors), "map"
 
     def __repr__(self) -> str:
         dt = "?" if self.dtype is None else np.dtype(self.dtype).name
@@ -46,6 +47,9 @@ class Layer:
     version: int = 0
     fused: list["Layer"] = field(default_factory=list)
     cpu_bound: bool = False
+    # Values from enclosing scopes that this layer's subgraphs read (If/Loop/Scan bodies); they are
+    # also the last entries of ``inputs``, so scheduling waits for them like for any input.
+    outer_inputs: list[str] = field(default_factory=list)
 
     @property
     def kind(self) -> str:

@@ -18,7 +18,7 @@ from .ir import Dim, Layer, Model, TensorInfo
 
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto]
 
-MIN_OPSET = 7
+MIN_OPSET = 1
 DEFAULT_MAX_TENSOR_BYTES = 4 << 30  # 4 GiB: anything larger is almost certainly a corrupt header
 
 
@@ -109,6 +109,9 @@ def _read_external(t: onnx.TensorProto, base_dir: Path | None, max_bytes: int, l
 
 # -- value infos -------------------------------------------------------------------------------
 def value_info_to_tensor_info(vi: onnx.ValueInfoProto) -> TensorInfo:
+    field = vi.type.WhichOneof("value")
+    if field in ("sequence_type", "optional_type", "map_type"):
+        return TensorInfo(vi.name, None, None, kind=field.removesuffix("_type"))
     tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
     if tt is None:
         return TensorInfo(vi.name, None, None)
@@ -155,7 +158,30 @@ def import_model(source: ModelSource, *, max_tensor_bytes: int = DEFAULT_MAX_TEN
     if opsets[""] > newest:
         raise ModelLoadError(f"{label}: opset {opsets['']} is newer than the installed onnx knows ({newest})")
     graph = proto.graph
+    inputs, outputs, layers, constants = import_graph(graph, opsets, base_dir=base_dir, label=label,
+                                                      max_tensor_bytes=max_tensor_bytes)
+    if not outputs:
+        raise ModelLoadError(f"{label}: the graph declares no outputs")
+    value_info = _inferred_infos(proto) if layers else {}
+    for vi in graph.value_info:
+        value_info.setdefault(vi.name, value_info_to_tensor_info(vi))
+    # Outputs without a declared type take the inferred one, so users see dtype/shape where known.
+    outputs = [value_info.get(o.name, o) if o.dtype is None else o for o in outputs]
+    return Model(inputs=inputs, outputs=outputs, layers=layers, constants=constants, opsets=opsets,
+                 value_info=value_info, name=graph.name or Path(label).stem, producer=proto.producer_name,
+                 source=label)
 
+
+def import_graph(graph: onnx.GraphProto, opsets: dict[str, int], *, base_dir: Path | None = None,
+                 label: str = "<graph>", max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+                 outer_scope: frozenset[str] = frozenset()
+                 ) -> tuple[list[TensorInfo], list[TensorInfo], list[Layer], dict[str, np.ndarray]]:
+    """Inputs, outputs, topologically ordered layers and constants of a graph or subgraph.
+
+    ``outer_scope`` names the values a subgraph may read from its enclosing graphs. A layer with
+    subgraph attributes (If, Loop, Scan…) gets the outer values its subgraphs read appended to its
+    inputs, listed in ``Layer.outer_inputs``, so the scheduler waits for them like any input.
+    """
     constants: dict[str, np.ndarray] = {}
     for init in graph.initializer:
         constants[init.name] = tensor_to_array(init, base_dir, max_tensor_bytes, label)
@@ -164,8 +190,7 @@ def import_model(source: ModelSource, *, max_tensor_bytes: int = DEFAULT_MAX_TEN
 
     inputs = [value_info_to_tensor_info(vi) for vi in graph.input if vi.name not in constants]
     outputs = [value_info_to_tensor_info(vi) for vi in graph.output]
-    if not outputs:
-        raise ModelLoadError(f"{label}: the graph declares no outputs")
+    visible = frozenset({i.name for i in inputs} | set(constants) | {o for n in graph.node for o in n.output})
 
     layers: list[Layer] = []
     names_seen: set[str] = set()
@@ -182,23 +207,44 @@ def import_model(source: ModelSource, *, max_tensor_bytes: int = DEFAULT_MAX_TEN
         except ModelLoadError as exc:
             raise ModelLoadError(f"{label}: node {name!r} ({node.op_type}): {exc}") from exc
         domain = node.domain if node.domain != "ai.onnx" else ""
-        layers.append(Layer(name=name, op_type=node.op_type, inputs=list(node.input), outputs=list(node.output),
-                            attrs=attrs, domain=domain, version=opsets.get(domain, 1)))
+        outer = _outer_references(node, visible | outer_scope)
+        layers.append(Layer(name=name, op_type=node.op_type, inputs=list(node.input) + outer,
+                            outputs=list(node.output), attrs=attrs, domain=domain, version=opsets.get(domain, 1),
+                            outer_inputs=outer))
 
-    layers = topological_order(layers, {i.name for i in inputs} | set(constants), label)
-    produced = {o for l in layers for o in l.outputs if o} | {i.name for i in inputs} | set(constants)
+    layers = topological_order(layers, {i.name for i in inputs} | set(constants) | set(outer_scope), label)
+    produced = {o for l in layers for o in l.outputs if o} | {i.name for i in inputs} | set(constants) | outer_scope
     for out in outputs:
         if out.name not in produced:
             raise ModelLoadError(f"{label}: graph output {out.name!r} is produced by no node")
+    return inputs, outputs, layers, constants
 
-    value_info = _inferred_infos(proto) if layers else {}
-    for vi in graph.value_info:
-        value_info.setdefault(vi.name, value_info_to_tensor_info(vi))
-    # Outputs without a declared type take the inferred one, so users see dtype/shape where known.
-    outputs = [value_info.get(o.name, o) if o.dtype is None else o for o in outputs]
-    return Model(inputs=inputs, outputs=outputs, layers=layers, constants=constants, opsets=opsets,
-                 value_info=value_info, name=graph.name or Path(label).stem, producer=proto.producer_name,
-                 source=label)
+
+def _outer_references(node: onnx.NodeProto, available: frozenset[str]) -> list[str]:
+    """Names the node's subgraphs (at any depth) read from outside themselves, in first-use order."""
+    found: dict[str, None] = {}
+
+    def visit(graph: onnx.GraphProto, enclosing_defined: set[str]) -> None:
+        defined = set(enclosing_defined) | {i.name for i in graph.input} | {t.name for t in graph.initializer} \
+            | {t.values.name for t in graph.sparse_initializer} | {o for n in graph.node for o in n.output}
+        for inner in graph.node:
+            for name in inner.input:
+                if name and name not in defined:
+                    found.setdefault(name, None)
+            for attr in inner.attribute:
+                for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                    visit(sub, defined)
+        for out in graph.output:
+            if out.name not in defined:
+                found.setdefault(out.name, None)
+
+    for attr in node.attribute:
+        for sub in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            visit(sub, set())
+    missing = [n for n in found if n not in available]
+    if missing:
+        raise ModelLoadError(f"subgraph of node {node.name or node.op_type!r} reads {missing}, defined nowhere")
+    return list(found)
 
 
 def _constant_node_value(node: onnx.NodeProto, label: str) -> np.ndarray:

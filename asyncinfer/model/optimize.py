@@ -35,12 +35,14 @@ def _rename_input(model: Model, old: str, new: str) -> None:
 def eliminate_identities(model: Model) -> int:
     """Drop Identity and inference-mode Dropout layers, wiring consumers to their input."""
     outputs = _graph_outputs(model)
+    # subgraphs read outer values by name: those names must survive
+    pinned = outputs | {n for layer in model.layers for n in layer.outer_inputs}
     kept, removed = [], 0
     for layer in model.layers:
         passthrough = layer.op_type == "Identity" or (
             layer.op_type == "Dropout" and (len(layer.outputs) < 2 or not layer.outputs[1])
             and not layer.attrs.get("training_mode") and (len(layer.inputs) < 3 or not layer.inputs[2]))
-        if passthrough and layer.domain == "" and layer.outputs[0] not in outputs and layer.inputs and layer.inputs[0]:
+        if passthrough and layer.domain == "" and layer.outputs[0] not in pinned and layer.inputs and layer.inputs[0]:
             _rename_input(model, layer.outputs[0], layer.inputs[0])
             removed += 1
         else:

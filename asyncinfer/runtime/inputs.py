@@ -51,6 +51,8 @@ def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str]) 
             _check_dtype(info, value.dtype)
             return _chained(value)
         value = value.numpy()
+    if info.kind != "tensor":  # a sequence or optional input: checked for its kind, passed as is
+        return TaskFuture.completed([_sequence_or_optional(info, value)], label=info.name)
     try:
         if isinstance(value, np.ndarray):
             array = value
@@ -64,6 +66,16 @@ def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str]) 
     _check_shape(info, array.shape, bindings)
     # A private copy: the caller may reuse its buffer while the run is pending.
     return TaskFuture.completed([np.array(array, copy=True, order="C")], label=info.name)
+
+
+def _sequence_or_optional(info: TensorInfo, value: Any) -> Any:
+    if value is None and info.kind == "optional":
+        return None
+    if info.kind in ("sequence", "optional") and isinstance(value, (list, tuple)):
+        return [np.array(v, copy=True) for v in value]
+    if info.kind == "optional" and isinstance(value, (np.ndarray, Tensor)):
+        return np.array(value, copy=True)
+    raise InputError(f"input {info.name!r} is a {info.kind}; got {type(value).__name__}")
 
 
 def _chained(tensor: Tensor) -> TaskFuture:
