@@ -6,17 +6,27 @@ from __future__ import annotations
 
 from . import (  # noqa: F401  (imported for their @register side effects)
     activation,
+    attention,
+    controlflow,
     conv,
     elementwise,
+    image,
     indexing,
     linalg,
+    loss,
+    ml,
     normalization,
     pool,
+    quantize,
     reduce,
     resize,
     rnn,
+    sequence,
     shape,
+    signal,
     softmax,
+    text,
+    training,
 )
 from .base import Op
 from .registry import create, lookup, register, registered
