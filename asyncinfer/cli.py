@@ -158,13 +158,13 @@ def _parse_dim(spec: str) -> tuple[str, int]:
 
 # -- info ------------------------------------------------------------------------------------------
 def _supported_on(op_type: str, version: int, domain: str) -> list[str]:
-    backends = []
+    from .operators import backends_supporting
+
     try:
         lookup(op_type, version, domain)
-        backends.append("cpu")
     except AsyncInferError:
-        pass
-    return backends
+        return []  # not this version of the op
+    return backends_supporting(domain, op_type)
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -209,6 +209,18 @@ def _conformance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operators(args: argparse.Namespace) -> int:
+    from .operators import markdown
+
+    text = markdown()
+    if args.output:
+        args.output.write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description="Async-first ONNX inference engine.")
@@ -233,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="inputs, outputs, ops and which backend supports each op")
     info.add_argument("model", type=Path)
 
+    operators = sub.add_parser("operators", help="the table of supported operators per backend (markdown)")
+    operators.add_argument("--output", type=Path, help="write it to this file (docs/operators.md)")
+
     conf = sub.add_parser("conformance", help="run ONNX's backend node test cases and count passes")
     conf.add_argument("--backend", default="cpu", choices=BACKEND_CHOICES)
     conf.add_argument("--filter", help="regular expression on case names (e.g. 'conv|pool')")
@@ -252,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_run(args))
         if args.command == "conformance":
             return _conformance(args)
+        if args.command == "operators":
+            return _operators(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -73,6 +73,10 @@ def create(layer: "Layer") -> "Op":
     return cls(layer)
 
 
-def registered() -> dict[tuple[str, str], list[int]]:
-    """Every registered ``(domain, op_type)`` with the schema versions implemented."""
-    return {key: sorted(table) for key, table in sorted(_REGISTRY.items())}
+def registered(builtin_only: bool = False) -> dict[tuple[str, str], list[int]]:
+    """Every registered ``(domain, op_type)`` with the schema versions implemented.
+
+    ``builtin_only`` leaves out ops registered from outside the asyncinfer package (plugins, tests).
+    """
+    return {key: sorted(table) for key, table in sorted(_REGISTRY.items())
+            if not builtin_only or all(c.__module__.startswith("asyncinfer.") for c in table.values())}
