@@ -29,6 +29,10 @@ class Step:
     sources: tuple[int, ...]        # distinct layer/input sources this step waits for
     backend: Backend
     release: list[Ref] = field(default_factory=list)  # values whose last reader is this step
+    n_outputs: int = 0  # outputs the model uses (trailing optional ones may be omitted)
+
+    def __post_init__(self) -> None:
+        self.n_outputs = len([o for o in self.layer.outputs if o])
 
 
 @dataclass

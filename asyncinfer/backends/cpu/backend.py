@@ -18,6 +18,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ...errors import DisposedError
 from ...model.ir import Layer
 from ..base import Backend
@@ -29,6 +31,11 @@ if TYPE_CHECKING:
 Task = tuple["Execution", "Step"]
 
 
+def _quiet_floating_point() -> None:
+    """Pool threads compute ONNX semantics: inf and nan are results, not warnings (set once per thread)."""
+    np.seterr(all="ignore")
+
+
 class CPUBackend(Backend):
     """Thread-pool executor of the NumPy kernels (``threads`` defaults to the core count)."""
 
@@ -37,7 +44,8 @@ class CPUBackend(Backend):
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads or os.cpu_count() or 1)
         tune_allocator()
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="asyncinfer-cpu")
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="asyncinfer-cpu",
+                                        initializer=_quiet_floating_point)
         self._local = threading.local()
         self._closed = False
         self._lane_lock = threading.Lock()
