@@ -15,11 +15,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from .base import Op
-from .conv import Conv, kernel_taps, pad_spatial, tap_slices
+from .conv import kernel_taps, pad_spatial, spatial_attrs, tap_slices, window_geometry
 from .elementwise import compute_dtype
-from .indexing import ScatterElements
+from .indexing import ScatterElements, normalize_indices
 from .registry import register
 from .shape import MaybeArray, check_mode, int_list, normalize_axes, normalize_axis, op_error
+from .signal import scalar_input
 
 Array = np.ndarray
 _CUBIC_A = -0.75  # the cubic convolution coefficient of GridSample's (and PyTorch's) bicubic mode
@@ -220,10 +221,9 @@ class NonMaxSuppression(Op):
         if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3 or \
                 scores.shape[0] != boxes.shape[0] or scores.shape[2] != boxes.shape[1]:
             raise op_error(self, f"boxes {boxes.shape} and scores {scores.shape} do not fit together")
-        limit = 0 if max_per_class is None or np.size(max_per_class) == 0 else int(np.asarray(max_per_class).reshape(-1)[0])
-        iou_max = 0.0 if iou_threshold is None or np.size(iou_threshold) == 0 else float(np.asarray(iou_threshold).reshape(-1)[0])
-        min_score = None if score_threshold is None or np.size(score_threshold) == 0 \
-            else float(np.asarray(score_threshold).reshape(-1)[0])
+        limit = scalar_input(max_per_class, 0)
+        iou_max = scalar_input(iou_threshold, 0.0, float)
+        min_score = scalar_input(score_threshold, None, float)
         if limit <= 0:
             return np.zeros((0, 3), dtype=np.int64)
         corners = self._corners(boxes)
@@ -260,3 +260,260 @@ class NonMaxSuppression(Op):
             suppressed = (iou > iou_max) & (area[best] > 0) & (area[rest] > 0)
             order = rest[~suppressed]
         return picks
+
+
+# -- RoiAlign ------------------------------------------------------------------------------------
+_ROI_CHUNK_ELEMENTS = 1 << 22  # gathered samples held at once: bounds memory on many large RoIs
+
+
+@register("RoiAlign", versions=(10, 16, 22))
+class RoiAlign(Op):
+    """Average (or max) of bilinear samples on a regular grid inside each bin of each RoI.
+
+    The sampling follows Mask R-CNN's reference: points more than one pixel outside the map
+    count as 0, others are clamped into it. Opset 10 has no ``coordinate_transformation_mode`` and
+    behaves as ``output_half_pixel`` (no -0.5 shift, RoIs at least 1x1). RoIs are processed in
+    groups sharing a sampling grid size, a chunk of RoIs at a time.
+    """
+
+    def check(self) -> None:
+        check_mode(self, "mode", "avg", ("avg", "max"))
+        if self.version >= 16:
+            check_mode(self, "coordinate_transformation_mode", "half_pixel", ("half_pixel", "output_half_pixel"))
+
+    def run(self, x: Array, rois: Array, batch_indices: Array) -> Array:
+        if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4 or np.shape(batch_indices) != (rois.shape[0],):
+            raise op_error(self, f"X {x.shape}, rois {rois.shape}, batch_indices {np.shape(batch_indices)} do not fit")
+        out_h, out_w = int(self.attr("output_height", 1)), int(self.attr("output_width", 1))
+        ratio, scale = int(self.attr("sampling_ratio", 0)), float(self.attr("spatial_scale", 1.0))
+        half_pixel = self.version >= 16 and self.attr("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+        dtype = _float_dtype(x.dtype)
+        batch = np.asarray(batch_indices).astype(np.int64)
+        if ((batch < 0) | (batch >= x.shape[0])).any():
+            raise op_error(self, f"batch index out of range for a batch of {x.shape[0]}")
+        box = rois.astype(np.float64) * scale - (0.5 if half_pixel else 0.0)
+        start = box[:, 1::-1]  # (y, x) of the top-left corner
+        extent = box[:, :1:-1] - start  # (height, width)
+        if not half_pixel:
+            extent = np.maximum(extent, 1.0)
+        bins = extent / np.array([out_h, out_w])
+        grid = np.full(bins.shape, ratio, np.int64) if ratio > 0 else np.ceil(bins).astype(np.int64)
+        grid = np.maximum(grid, 1)
+        y = np.zeros((rois.shape[0], x.shape[1], out_h, out_w), dtype=dtype)
+        for gh, gw in {tuple(g) for g in grid.tolist()}:
+            members = np.flatnonzero((grid[:, 0] == gh) & (grid[:, 1] == gw))
+            chunk = max(1, _ROI_CHUNK_ELEMENTS // (x.shape[1] * out_h * gh * out_w * gw))
+            for i in range(0, members.size, chunk):
+                r = members[i:i + chunk]
+                y[r] = self._pool(x, batch[r], start[r], bins[r], (out_h, out_w), (gh, gw), dtype)
+        return y.astype(x.dtype, copy=False)
+
+    def _pool(self, x: Array, batch: Array, start: Array, bins: Array, out: tuple[int, int],
+              grid: tuple[int, int], dtype: np.dtype) -> Array:
+        """Pooled bins ``(R, C, out_h, out_w)`` of RoIs sharing the sampling grid ``grid``."""
+        taps = []
+        for d in range(2):  # y, then x: sample positions (R, out_d * grid_d)
+            cell = (np.arange(out[d])[:, None] + (np.arange(grid[d]) + 0.5) / grid[d]).reshape(-1)
+            taps.append(self._axis_taps(start[:, d, None] + cell * bins[:, d, None], x.shape[2 + d]))
+        (yi, yw), (xi, xw) = taps
+        # corner values weighted: (R, C, out_h*gh, 2, out_w*gw, 2)
+        values = x[batch[:, None, None, None, None, None], np.arange(x.shape[1])[None, :, None, None, None, None],
+                   yi[:, None, :, :, None, None], xi[:, None, None, None, :, :]].astype(dtype, copy=False)
+        weighted = values * (yw[:, None, :, :, None, None] * xw[:, None, None, None, :, :]).astype(dtype)
+        r, c = weighted.shape[:2]
+        shape = (r, c, out[0], grid[0], 2, out[1], grid[1], 2)
+        if self.attr("mode", "avg") == "max":  # ONNX Runtime's max: the largest weighted corner
+            return weighted.reshape(shape).max(axis=(3, 4, 6, 7))
+        return weighted.reshape(shape).sum(axis=(3, 4, 6, 7)) / (grid[0] * grid[1])
+
+    @staticmethod
+    def _axis_taps(pos: Array, size: int) -> tuple[Array, Array]:
+        """Low/high taps ``(R, S, 2)`` and weights: 0 beyond one pixel outside, clamped inside."""
+        outside = (pos < -1.0) | (pos > size)
+        pos = np.maximum(pos, 0.0)
+        low = np.minimum(np.floor(pos), size - 1)
+        pos = np.where(low >= size - 1, low, pos)
+        frac = pos - low
+        index = np.minimum(low[..., None] + np.arange(2), size - 1).astype(np.int64)
+        weight = np.where(outside[..., None], 0.0, np.stack([1 - frac, frac], axis=-1))
+        return index, weight
+
+
+# -- DeformConv ----------------------------------------------------------------------------------
+@register("DeformConv", versions=(19, 22))
+class DeformConv(Op):
+    """Convolution whose kernel taps sample the input at learned offsets (bilinear, zeros outside),
+    optionally modulated by ``mask``: im2col by sampling, then the grouped GEMM of a plain conv."""
+
+    multithreaded = True
+
+    def check(self) -> None:
+        for name in ("group", "offset_group"):
+            if int(self.attr(name, 1)) < 1:
+                self.unsupported(f"attribute {name}={self.attr(name)}")
+        for name in ("strides", "dilations"):
+            if any(int(v) < 1 for v in self.attr(name, None) or []):
+                self.unsupported(f"attribute {name}={list(self.attr(name))}")
+
+    def run(self, x: Array, w: Array, offset: Array, b: MaybeArray = None, mask: MaybeArray = None) -> Array:
+        n, c, spatial = x.shape[0], x.shape[1], x.shape[2:]
+        r = len(spatial)
+        group, og = int(self.attr("group", 1)), int(self.attr("offset_group", 1))
+        kernel = [int(k) for k in (self.attr("kernel_shape", None) or w.shape[2:])]
+        strides, dilations, pads = spatial_attrs(self, r, kernel)
+        _, _, out = window_geometry(spatial, kernel, strides, dilations, pads)
+        taps, points, m = math.prod(kernel), math.prod(out), w.shape[0]
+        if c % og or c % group or m % group or offset.shape != (n, og * taps * r, *out) or \
+                (mask is not None and mask.shape != (n, og * taps, *out)):
+            raise op_error(self, f"X {x.shape}, W {w.shape}, offset {offset.shape} and mask "
+                                 f"{None if mask is None else mask.shape} do not fit group={group}, offset_group={og}")
+        dtype = _float_dtype(x.dtype)
+        # sampling positions (N*og, taps*points) per axis: output grid + tap + learned offset
+        grid = np.stack(np.meshgrid(*(np.arange(o) for o in out), indexing="ij"), axis=0).reshape(r, 1, points)
+        tap = np.array(kernel_taps(kernel), dtype=np.float64).T.reshape(r, taps, 1)
+        base = grid * np.array(strides).reshape(r, 1, 1) - np.array(pads[:r]).reshape(r, 1, 1) \
+            + tap * np.array(dilations).reshape(r, 1, 1)  # (r, taps, points)
+        delta = offset.reshape(n * og, taps, r, points).astype(np.float64)
+        strides_in = [math.prod(spatial[d + 1:]) for d in range(r)]
+        axis_taps = [linear_taps((base[d] + delta[:, :, d]).reshape(n * og, -1), spatial[d]) for d in range(r)]
+        cols = gather_taps(x.reshape(n * og, c // og, -1), axis_taps, strides_in, dtype)
+        cols = cols.reshape(n, og, c // og, taps, points)
+        if mask is not None:
+            cols = cols * mask.reshape(n, og, 1, taps, points).astype(dtype, copy=False)
+        cols = cols.reshape(n, group, (c // group) * taps, points)
+        y = np.matmul(w.reshape(group, m // group, -1).astype(dtype, copy=False), cols).reshape(n, m, *out)
+        if b is not None:
+            y = y + b.reshape((m,) + (1,) * r).astype(dtype, copy=False)
+        return y.astype(x.dtype, copy=False)
+
+
+# -- rearrangements: Col2Im, CenterCropPad, MaxUnpool ---------------------------------------------
+@register("Col2Im", versions=(18,))
+class Col2Im(Op):
+    """Sum the column blocks ``(N, C*prod(block), L)`` back into an image ``(N, C, *image_shape)``."""
+
+    value_inputs = (1, 2)
+
+    def run(self, cols: Array, image_shape: Array, block_shape: Array) -> Array:
+        image, block = int_list(image_shape), int_list(block_shape)
+        r = len(image)
+        strides = [int(v) for v in self.attr("strides", None) or [1] * r]
+        dilations = [int(v) for v in self.attr("dilations", None) or [1] * r]
+        pads = [int(v) for v in self.attr("pads", None) or [0] * (2 * r)]
+        begin, end, out = window_geometry(image, block, strides, dilations, pads)
+        taps = math.prod(block)
+        if len(block) != r or cols.ndim != 3 or cols.shape[1] % taps or cols.shape[2] != math.prod(out):
+            raise op_error(self, f"input {cols.shape} does not fit image {image}, block {block}")
+        n, c = cols.shape[0], cols.shape[1] // taps
+        blocks = cols.reshape(n, c, taps, *out)
+        padded = np.zeros((n, c) + tuple(i + b + e for i, b, e in zip(image, begin, end)), dtype=cols.dtype)
+        for t, tap in enumerate(kernel_taps(block)):  # overlapping blocks add up
+            padded[(Ellipsis,) + tap_slices(tap, strides, dilations, out)] += blocks[:, :, t]
+        return np.ascontiguousarray(pad_spatial(padded, [-b for b in begin], [-e for e in end]))
+
+
+@register("CenterCropPad", versions=(18,))
+class CenterCropPad(Op):
+    """Centre-crop (start rounded down) or zero-pad (extra pixel at the end) ``axes`` to ``shape``."""
+
+    value_inputs = (1,)
+
+    def run(self, x: Array, shape: Array) -> Array:
+        target = int_list(shape)
+        axes = normalize_axes(self, self.attr("axes", None) or range(x.ndim), x.ndim)
+        if len(axes) != len(target) or any(t < 0 for t in target):
+            raise op_error(self, f"shape {target} does not fit axes {axes}")
+        out_shape, src, dst = list(x.shape), [slice(None)] * x.ndim, [slice(None)] * x.ndim
+        for axis, t in zip(axes, target):
+            size = x.shape[axis]
+            out_shape[axis] = t
+            keep = min(size, t)
+            src[axis] = slice((size - keep) // 2, (size - keep) // 2 + keep)
+            dst[axis] = slice((t - keep) // 2, (t - keep) // 2 + keep)
+        out = np.zeros(out_shape, dtype=x.dtype)
+        out[tuple(dst)] = x[tuple(src)]
+        return out
+
+
+@register("MaxUnpool", versions=(9, 11, 22))
+class MaxUnpool(Op):
+    """Scatter ``X`` into zeros at the flat positions ``I`` (as MaxPool's indices output gives them)."""
+
+    value_inputs = (2,)
+
+    def check(self) -> None:
+        kernel = self.attr("kernel_shape")
+        r = len(kernel)
+        if len(self.attr("strides", None) or [1] * r) != r or len(self.attr("pads", None) or [0] * 2 * r) != 2 * r:
+            self.unsupported("strides/pads inconsistent with kernel_shape")
+
+    def run(self, x: Array, indices: Array, output_shape: MaybeArray = None) -> Array:
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        r = len(kernel)
+        strides = [int(v) for v in self.attr("strides", None) or [1] * r]
+        pads = [int(v) for v in self.attr("pads", None) or [0] * (2 * r)]
+        inferred = list(x.shape[:2]) + [(i - 1) * s + k - pads[d] - pads[d + r]
+                                         for d, (i, s, k) in enumerate(zip(x.shape[2:], strides, kernel))]
+        shape = int_list(output_shape) if output_shape is not None and np.size(output_shape) else inferred
+        if indices.shape != x.shape or len(shape) != x.ndim:
+            raise op_error(self, f"indices {indices.shape} / output shape {shape} do not fit X {x.shape}")
+        # the indices address the inferred shape; an explicit output_shape keeps their coordinates
+        flat = normalize_indices(self, indices.reshape(-1), math.prod(inferred))
+        coords = np.unravel_index(flat, inferred)
+        if any((c >= s).any() for c, s in zip(coords, shape)):
+            raise op_error(self, f"an index falls outside output_shape {shape}")
+        out = np.zeros(shape, dtype=x.dtype)
+        out[coords] = x.reshape(-1)
+        return out
+
+
+# -- odds and ends: Det, Scatter, CumProd, ImageDecoder ---------------------------------------------
+@register("Det", versions=(11, 22))
+class Det(Op):
+    """Determinant of the trailing square matrices (LU in LAPACK; narrow floats in float32)."""
+
+    def run(self, x: Array) -> Array:
+        if x.ndim < 2 or x.shape[-1] != x.shape[-2]:
+            raise op_error(self, f"input of shape {x.shape} is not a (batch of) square matrices")
+        return np.asarray(np.linalg.det(x.astype(compute_dtype(x.dtype), copy=False))).astype(x.dtype)
+
+
+@register("Scatter", versions=(9, 11))
+class Scatter(ScatterElements):
+    """The deprecated Scatter: ScatterElements without a reduction attribute."""
+
+    def check(self) -> None:
+        if "reduction" in self.attrs:  # not part of Scatter's schema
+            self.unsupported(f"attribute reduction={self.attr('reduction')!r}")
+
+
+@register("CumProd", versions=(26,))
+class CumProd(Op):
+    """Cumulative product along the axis given as input 1; ``exclusive`` shifts by one (ones first),
+    ``reverse`` runs from the end."""
+
+    value_inputs = (1,)
+
+    def run(self, x: Array, axis: Array) -> Array:
+        ax = normalize_axis(self, int_list(axis)[0], max(x.ndim, 1))
+        data = np.atleast_1d(x)
+        reverse = bool(self.attr("reverse", 0))
+        if reverse:
+            data = np.flip(data, ax)
+        if self.attr("exclusive", 0):
+            ones = np.ones(data.shape[:ax] + (1,) + data.shape[ax + 1:], data.dtype)
+            data = np.concatenate([ones, np.delete(data, -1, axis=ax)], axis=ax)
+        with np.errstate(all="ignore"):
+            out = np.cumprod(data, axis=ax, dtype=compute_dtype(x.dtype))
+        if reverse:
+            out = np.flip(out, ax)
+        return np.ascontiguousarray(out).astype(x.dtype, copy=False).reshape(x.shape)
+
+
+@register("ImageDecoder", versions=(20,))
+class ImageDecoder(Op):
+    """Refused: decoding JPEG/PNG/WebP/TIFF/JPEG2000 needs an image codec library, and asyncinfer
+    depends on none (a partial decoder that fails on most real inputs would be worse)."""
+
+    def check(self) -> None:
+        self.unsupported("decoding images (no image codec library is available)")
