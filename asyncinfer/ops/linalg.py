@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from .base import Op
+from .elementwise import compute_dtype
 from .registry import register
 
 
@@ -12,7 +13,16 @@ class MatMul(Op):
     multithreaded = True  # GEMM in BLAS: already uses every core
 
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return narrow_float_matmul(a, b)
+
+
+def narrow_float_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b``; bfloat16/float8 operands (which NumPy would silently promote) are multiplied in
+    float32 and the result rounded back to the operands' type, as ONNX requires."""
+    work = compute_dtype(a.dtype)
+    if work == a.dtype:
         return np.matmul(a, b)
+    return np.matmul(a.astype(work), b.astype(work)).astype(a.dtype)
 
 
 @register("Gemm", versions=(1, 6, 7, 9, 11, 13))
@@ -26,16 +36,19 @@ class Gemm(Op):
         if int(self.attr("transB", 0)):
             b = b.T
         alpha, beta = float(self.attr("alpha", 1.0)), float(self.attr("beta", 1.0))
-        y = np.matmul(a, b)
+        out_dtype = a.dtype
+        work = compute_dtype(a.dtype)
+        y = np.matmul(a.astype(work, copy=False), b.astype(work, copy=False))
         dt = y.dtype.type
         if alpha != 1.0:
             y *= dt(alpha)
         if c is not None and beta != 0.0:
+            c = c.astype(work, copy=False)
             if beta == 1.0:
                 y += c
             else:
                 y += dt(beta) * c
-        return y
+        return y.astype(out_dtype, copy=False)
 
 
 @register("Einsum", versions=(12, 28))

@@ -6,6 +6,7 @@ from 13 on they normalise along ``axis`` alone (default -1). Softmax subtracts t
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import ClassVar
@@ -17,8 +18,14 @@ from .elementwise import compute_dtype
 from .registry import register
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def _softmax(x: np.ndarray, axis: int, storage: np.dtype | None = None) -> np.ndarray:
+    """Softmax computed in ``x``'s dtype; with ``storage`` (a narrower float), the exponentials
+    and their sum are rounded to it as a kernel keeping its intermediates in that type does,
+    which is what ONNX's float16 reference outputs expect."""
     e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    if storage is not None:
+        e = e.astype(storage).astype(x.dtype)
+        return e / np.sum(e, axis=axis, keepdims=True).astype(storage).astype(x.dtype)
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
@@ -42,6 +49,8 @@ class _Normalise(Op):
             return np.empty_like(x)
         data = x.astype(compute_dtype(x.dtype), copy=False)
         fn = type(self).along
+        if fn is _softmax and data.dtype != x.dtype:
+            fn = functools.partial(_softmax, storage=x.dtype)
         with np.errstate(all="ignore"):
             if self.version >= 13:
                 out = fn(data, self.attr("axis", -1))
