@@ -28,11 +28,7 @@ SEQUENCE_OPS = {
 MY_OPS = CONTROL_FLOW_OPS | SEQUENCE_OPS
 
 # Node cases that cannot pass, with why.
-EXCLUDED = {
-    "test_optional_has_element_empty_optional_input":
-        "the runtime (runtime/execution.py) takes a None layer input for a released value, so an "
-        "empty optional cannot flow between layers; the kernel itself returns False",
-}
+EXCLUDED: dict[str, str] = {}  # every node case of these ops passes
 
 
 def _op_types(graph) -> set[str]:

@@ -17,6 +17,16 @@ if TYPE_CHECKING:
     from .worker import Worker
 
 
+class _Released:
+    """Marks a value freed after its last reader (None is a legitimate value: an empty optional)."""
+
+    def __repr__(self) -> str:
+        return "<released>"
+
+
+RELEASED = _Released()
+
+
 class Execution:
     """The task graph of one ``schedule`` call. Its layers run as their inputs become ready."""
 
@@ -91,7 +101,7 @@ class Execution:
             return
         try:
             args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in step.inputs]  # type: ignore[union-attr]
-            if any(a is None for a, r in zip(args, step.inputs) if r is not None):
+            if any(a is RELEASED for a in args):
                 raise DisposedError("an input of this layer was released (the worker or a tensor was disposed)")
             # (backend threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX)
             outputs = list(step.op(*args))
@@ -119,7 +129,7 @@ class Execution:
                 if left == 0:
                     values = self.futures[ref[0]].peek()  # type: ignore[union-attr]
                     if values is not None:
-                        values[ref[1]] = None
+                        values[ref[1]] = RELEASED
 
     def layer_future(self, layer: str) -> TaskFuture:
         """The future of one layer of this run (its value: the list of the layer's outputs)."""
