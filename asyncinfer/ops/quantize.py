@@ -19,12 +19,17 @@ from ..dtypes import onnx_to_numpy
 from ..errors import ModelLoadError
 from .base import Op
 from .conv import Conv
-from .elementwise import _SATURABLE, cast_array
+from .elementwise import cast_array
 from .registry import register
 from .shape import normalize_axis, op_error
 
 _QUANTIZE_VERSIONS = (10, 13, 19, 21, 23, 24, 25, 28)
 _FLOATS = frozenset(np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64))
+# Quantized float types: float8 obeys ``saturate``; float4/float6 have no inf, so they always saturate.
+_FLOAT8 = frozenset(np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
+                                          ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz))
+_ALWAYS_SATURATED = frozenset(np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn,
+                                                    ml_dtypes.float6_e3m2fn))
 _EXACT_FLOAT32_TERMS = 256  # 256 * 255 * 255 < 2**24: longer 8-bit dot products need float64
 
 
@@ -61,10 +66,10 @@ def to_quantized(v: np.ndarray, zero_point: np.ndarray | float, dtype: np.dtype,
             q = np.rint(v).astype(work, copy=False) + np.asarray(zero_point).astype(work)
             return np.clip(q, *limits).astype(dtype)
         q = v.astype(work, copy=False) + np.asarray(zero_point).astype(work)
-        if dtype in _SATURABLE:
-            return cast_array(q, dtype, saturate=saturate)
-        limit = float(ml_dtypes.finfo(dtype).max)  # float4/float6 have no inf: they always saturate
-        return np.clip(q, -limit, limit).astype(dtype)
+        if dtype in _ALWAYS_SATURATED:
+            limit = float(ml_dtypes.finfo(dtype).max)
+            return np.clip(q, -limit, limit).astype(dtype)
+        return cast_array(q, dtype, saturate=saturate)
 
 
 def _attr_dtype(op: Op, name: str) -> np.dtype | None:
@@ -81,16 +86,17 @@ def _attr_dtype(op: Op, name: str) -> np.dtype | None:
 
 def _expand_param(op: Op, p: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int) -> np.ndarray:
     """A scale or zero point shaped to broadcast against an input of ``shape``: per tensor (one
-    value), per axis (1-D along ``axis``) or blocked (each value repeated ``block_size`` times)."""
-    if block_size > 0:
-        if p.ndim != len(shape):
-            raise op_error(op, f"blocked quantization needs a parameter of rank {len(shape)}, got shape {p.shape}")
-        p = np.repeat(p, block_size, axis=axis)[(slice(None),) * axis + (slice(0, shape[axis]),)]
-        if p.shape != shape:
-            raise op_error(op, f"parameter shape does not match input shape {shape} with block_size={block_size}")
-        return p
-    if p.size == 1:
+    value), per axis (1-D along ``axis``) or blocked (each value repeated ``block_size`` times).
+    ``axis`` is only checked when used: per-tensor parameters of a 1-D input keep the default axis 1."""
+    if p.size == 1 and block_size <= 0:
         return p.reshape(())
+    axis = normalize_axis(op, axis, len(shape))
+    if block_size > 0:
+        blocks = -(-shape[axis] // block_size)
+        if p.shape != shape[:axis] + (blocks,) + shape[axis + 1:]:
+            raise op_error(op, f"parameter shape {p.shape} does not match input shape {shape} with "
+                               f"block_size={block_size} on axis {axis}")
+        return np.repeat(p, block_size, axis=axis)[(slice(None),) * axis + (slice(0, shape[axis]),)]
     if p.ndim == 1 and p.shape[0] == shape[axis]:
         return p.reshape((1,) * axis + (-1,) + (1,) * (len(shape) - axis - 1))
     raise op_error(op, f"parameter of shape {p.shape} is neither per-tensor nor per-axis for input {shape} "
@@ -105,8 +111,7 @@ class _Granular(Op):
             self.unsupported(f"block_size={self.attr('block_size')}")
 
     def params(self, x: np.ndarray, *params: np.ndarray | None) -> list[np.ndarray | None]:
-        axis = normalize_axis(self, self.attr("axis", 1), max(x.ndim, 1)) if x.ndim else 0
-        block = int(self.attr("block_size", 0))
+        axis, block = int(self.attr("axis", 1)), int(self.attr("block_size", 0))
         return [None if p is None else _expand_param(self, p, x.shape, axis, block) for p in params]
 
 
@@ -118,13 +123,16 @@ class QuantizeLinear(_Granular):
         super().check()
         self.output_dtype = _attr_dtype(self, "output_dtype")
         self.precision = _attr_dtype(self, "precision")
-        if self.output_dtype is not None and not (_int_range(self.output_dtype) or "float" in self.output_dtype.name):
+        dtype = self.output_dtype
+        if dtype is not None and _int_range(dtype) is None and dtype not in _FLOAT8 | _ALWAYS_SATURATED:
             self.unsupported(f"output_dtype={self.output_dtype.name}")
 
     def run(self, x: np.ndarray, y_scale: np.ndarray, y_zero_point: np.ndarray | None = None) -> np.ndarray:
         dtype = self.output_dtype or (y_zero_point.dtype if y_zero_point is not None else np.dtype(np.uint8))
         scale, zp = self.params(x, y_scale, y_zero_point)
-        precision = self.precision or scale.dtype
+        # Opset 23 made the scale's type (or ``precision``) the division's precision; before, it was
+        # unspecified and runtimes divide in float32.
+        precision = self.precision or (scale.dtype if self.version >= 23 else np.dtype(np.float32))
         if precision not in _FLOATS:  # integer or e8m0 scales: divide in a float type that holds them
             precision = np.dtype(np.float64 if precision.kind in "iu" else np.float32)
         with np.errstate(all="ignore"):
@@ -293,4 +301,4 @@ class BitCast(Op):
                                  f"({_bit_width(self.dtype)} bits)")
         if bits < 8:  # sub-byte types sit in the low bits of a byte each
             return (x.view(np.uint8) & np.uint8((1 << bits) - 1)).view(self.dtype)
-        return np.ascontiguousarray(x).view(self.dtype)
+        return x.view(self.dtype)  # same item size: a view works whatever the layout
