@@ -282,7 +282,6 @@ def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int],
                    end: Sequence[int], out: Sequence[int]) -> np.ndarray:
     """im2col ``(N, C·taps, P)`` over exactly the P output positions (undilated kernels), in scratch."""
     n, c = x.shape[:2]
-    nsp = len(kernel)
     xp = pad_spatial(x, begin, end)
     # (N, C, k…, o…): window origin on the strided output grid, tap offset inside the window
     shape = (n, c) + tuple(kernel) + tuple(out)

@@ -1,5 +1,5 @@
 """Image and geometry ops: GridSample, AffineGrid, Col2Im, CenterCropPad, RoiAlign, MaxUnpool,
-DeformConv, NonMaxSuppression, plus Det, the deprecated Scatter, CumProd and ImageDecoder.
+DeformConv, NonMaxSuppression, plus Det, the deprecated Scatter and ImageDecoder.
 
 The samplers (GridSample, RoiAlign, DeformConv) share one idea: per spatial axis, compute the
 integer taps and their weights for every sampling point, then gather from the flattened input
@@ -19,8 +19,7 @@ from .conv import kernel_taps, pad_spatial, spatial_attrs, tap_slices, window_ge
 from .elementwise import compute_dtype
 from .indexing import ScatterElements, normalize_indices
 from .registry import register
-from .shape import MaybeArray, check_mode, int_list, normalize_axes, normalize_axis, op_error
-from .signal import scalar_input
+from .shape import MaybeArray, check_mode, int_list, normalize_axes, op_error, scalar_input
 
 Array = np.ndarray
 _CUBIC_A = -0.75  # the cubic convolution coefficient of GridSample's (and PyTorch's) bicubic mode
@@ -467,7 +466,7 @@ class MaxUnpool(Op):
         return out
 
 
-# -- odds and ends: Det, Scatter, CumProd, ImageDecoder ---------------------------------------------
+# -- odds and ends: Det, Scatter, ImageDecoder ---------------------------------------------
 @register("Det", versions=(11, 22))
 class Det(Op):
     """Determinant of the trailing square matrices (LU in LAPACK; narrow floats in float32)."""
@@ -485,29 +484,6 @@ class Scatter(ScatterElements):
     def check(self) -> None:
         if "reduction" in self.attrs:  # not part of Scatter's schema
             self.unsupported(f"attribute reduction={self.attr('reduction')!r}")
-
-
-@register("CumProd", versions=(26,))
-class CumProd(Op):
-    """Cumulative product along the axis given as input 1; ``exclusive`` shifts by one (ones first),
-    ``reverse`` runs from the end."""
-
-    value_inputs = (1,)
-
-    def run(self, x: Array, axis: Array) -> Array:
-        ax = normalize_axis(self, int_list(axis)[0], max(x.ndim, 1))
-        data = np.atleast_1d(x)
-        reverse = bool(self.attr("reverse", 0))
-        if reverse:
-            data = np.flip(data, ax)
-        if self.attr("exclusive", 0):
-            ones = np.ones(data.shape[:ax] + (1,) + data.shape[ax + 1:], data.dtype)
-            data = np.concatenate([ones, np.delete(data, -1, axis=ax)], axis=ax)
-        with np.errstate(all="ignore"):
-            out = np.cumprod(data, axis=ax, dtype=compute_dtype(x.dtype))
-        if reverse:
-            out = np.flip(out, ax)
-        return np.ascontiguousarray(out).astype(x.dtype, copy=False).reshape(x.shape)
 
 
 @register("ImageDecoder", versions=(20,))

@@ -14,7 +14,7 @@ from .base import Op
 from .elementwise import compute_dtype
 from .registry import register
 from .shape import MaybeArray, check_mode, op_error
-from .softmax import _log_softmax
+from .softmax import log_softmax
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -67,6 +67,6 @@ class SoftmaxCrossEntropyLoss(_Loss):
         if data.ndim < 2:
             raise op_error(self, f"scores of shape {scores.shape} have no class axis")
         with np.errstate(all="ignore"):
-            log_prob = _log_softmax(data, 1)
+            log_prob = log_softmax(data, 1)
         loss = nll_loss(self, log_prob, labels, weights)
         return loss.astype(scores.dtype, copy=False), log_prob.astype(scores.dtype, copy=False)

@@ -1,4 +1,4 @@
-"""Reductions (ReduceSum … ReduceSumSquare), ArgMax/ArgMin and CumSum.
+"""Reductions (ReduceSum … ReduceSumSquare), ArgMax/ArgMin, CumSum and CumProd.
 
 Reduce ops took ``axes`` as an attribute until a given opset (13 for ReduceSum, 18 for the others)
 and as an optional input after it; each op gets one class per form, the input form declaring
@@ -14,6 +14,7 @@ import numpy as np
 from .base import Op
 from .elementwise import compute_dtype
 from .registry import register
+from .shape import int_list, normalize_axis
 
 Axes = tuple[int, ...]
 
@@ -105,19 +106,36 @@ register("ArgMax", (1, 11, 12, 13))(type("ArgMax", (_ArgReduce,), {"fn": staticm
 register("ArgMin", (1, 11, 12, 13))(type("ArgMin", (_ArgReduce,), {"fn": staticmethod(np.argmin)}))
 
 
-@register("CumSum", versions=(11, 14))
-class CumSum(Op):
-    """Cumulative sum along the axis given as input 1; ``exclusive`` shifts by one, ``reverse`` runs backwards."""
+class _Cumulative(Op):
+    """Running sum/product along the axis given as input 1: ``exclusive`` shifts by one (the
+    identity first), ``reverse`` runs from the end. Narrow floats accumulate in float32."""
+
+    accumulate: ClassVar[Callable[..., np.ndarray]]
+    identity: ClassVar[int]
 
     def run(self, x: np.ndarray, axis: np.ndarray) -> np.ndarray:
-        ax = int(np.asarray(axis).reshape(-1)[0]) % x.ndim
+        ax = normalize_axis(self, int_list(axis)[0], max(x.ndim, 1))
+        data = np.atleast_1d(x)
         reverse = bool(self.attr("reverse", 0))
-        data = np.flip(x, ax) if reverse else x
+        if reverse:
+            data = np.flip(data, ax)
+        if self.attr("exclusive", 0):
+            first = np.full(data.shape[:ax] + (1,) + data.shape[ax + 1:], self.identity, data.dtype)
+            data = np.concatenate([first, np.delete(data, -1, axis=ax)], axis=ax)
         with np.errstate(all="ignore"):
-            out = np.cumsum(data, axis=ax, dtype=compute_dtype(x.dtype))
-        if self.attr("exclusive", 0):  # shift by one along the axis, zeros first
-            head = np.zeros(out.shape[:ax] + (1,) + out.shape[ax + 1:], out.dtype)
-            out = np.concatenate([head, out], axis=ax).take(np.arange(x.shape[ax]), axis=ax)
+            out = type(self).accumulate(data, axis=ax, dtype=compute_dtype(x.dtype))
         if reverse:
             out = np.flip(out, ax)
-        return np.ascontiguousarray(out).astype(x.dtype, copy=False)
+        return np.ascontiguousarray(out).astype(x.dtype, copy=False).reshape(x.shape)
+
+
+@register("CumSum", versions=(11, 14))
+class CumSum(_Cumulative):
+    accumulate = staticmethod(np.cumsum)
+    identity = 0
+
+
+@register("CumProd", versions=(26,))
+class CumProd(_Cumulative):
+    accumulate = staticmethod(np.cumprod)
+    identity = 1

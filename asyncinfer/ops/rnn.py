@@ -231,7 +231,7 @@ class GRU(_Recurrent):
 
         def step_fn(d, xs, ragged_lens):
             f, g = acts[d]
-            wb = rbz = rbh = None
+            wb = rbh = None
             if b is not None:
                 wb = b[d, :3 * H].copy()
                 wb[:2 * H] += b[d, 3 * H:5 * H]  # z and r recurrent biases fold into the input ones

@@ -49,6 +49,13 @@ def int_list(value: Any) -> list[int]:
     return [int(v) for v in np.asarray(value).reshape(-1)]
 
 
+def scalar_input(value: MaybeArray, default: Any = None, kind: type = int) -> Any:
+    """The single value of a scalar (or 1-element) input as ``kind``; ``default`` when omitted or empty."""
+    if value is None or np.size(value) == 0:
+        return default
+    return kind(np.asarray(value).reshape(-1)[0])
+
+
 def input_or_attr(op: Op, value: np.ndarray | None, name: str, since: int) -> list[int] | None:
     """An int list given as an input from opset ``since`` on, as attribute ``name`` before it."""
     if op.version >= since:

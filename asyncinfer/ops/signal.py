@@ -8,7 +8,7 @@ cast back to the input's dtype; windows and the mel matrix are computed in float
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 from onnx import TensorProto
@@ -16,20 +16,13 @@ from onnx import TensorProto
 from ..dtypes import onnx_to_numpy
 from .base import Op
 from .registry import register
-from .shape import MaybeArray, normalize_axis, op_error
+from .shape import MaybeArray, normalize_axis, op_error, scalar_input
 
 Array = np.ndarray
 # output_datatype values the window and mel ops accept (their T2/T3 type constraint)
 _NUMERIC_OUTPUTS = {TensorProto.UINT8, TensorProto.UINT16, TensorProto.UINT32, TensorProto.UINT64,
                     TensorProto.INT8, TensorProto.INT16, TensorProto.INT32, TensorProto.INT64,
                     TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.BFLOAT16}
-
-
-def scalar_input(value: MaybeArray, default: Any = None, kind: type = int) -> Any:
-    """The single value of a scalar (or 1-element) input as ``kind``; ``default`` when omitted or empty."""
-    if value is None or np.size(value) == 0:
-        return default
-    return kind(np.asarray(value).reshape(-1)[0])
 
 
 def to_complex(op: Op, x: Array) -> Array:

@@ -29,7 +29,7 @@ def _softmax(x: np.ndarray, axis: int, storage: np.dtype | None = None) -> np.nd
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def _log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
+def log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
     shifted = x - np.max(x, axis=axis, keepdims=True)
     return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
 
@@ -60,6 +60,6 @@ class _Normalise(Op):
         return out.astype(x.dtype, copy=False)
 
 
-for _name, _fn in (("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)):
+for _name, _fn in (("Softmax", _softmax), ("LogSoftmax", log_softmax), ("Hardmax", _hardmax)):
     register(_name, (1, 11, 13))(type(_name, (_Normalise,), {
         "along": staticmethod(_fn), "__doc__": f"ONNX {_name} (2-D coercion before opset 13)."}))
