@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import threading
-from functools import lru_cache
 
 import ml_dtypes
 import numpy as np
@@ -19,9 +18,10 @@ from onnx import TensorProto, helper
 
 import asyncinfer as ai
 from asyncinfer import ops
-from asyncinfer.conformance import asyncinfer_engine, case_op, load_cases, run_case
+from asyncinfer.conformance import case_op
 from asyncinfer.errors import UnsupportedOperatorError
 from asyncinfer.model.ir import Layer
+from op_testing import assert_case_passes, case_params, cases_using
 
 OPS = {"Attention", "FlexAttention", "LinearAttention", "RotaryEmbedding", "TensorScatter",
        "CausalConvWithState", "SwiGLU", "Swish"}
@@ -30,15 +30,8 @@ OPS = {"Attention", "FlexAttention", "LinearAttention", "RotaryEmbedding", "Tens
 EXCLUDED: dict[str, str] = {}
 
 
-@lru_cache(maxsize=1)
 def _cases() -> dict[str, object]:
-    return {c.name: c for c in load_cases() if {n.op_type for n in c.model.graph.node} & OPS}
-
-
-def _case_params():
-    for name in sorted(_cases()):
-        marks = [pytest.mark.xfail(strict=True, reason=EXCLUDED[name])] if name in EXCLUDED else []
-        yield pytest.param(name, marks=marks)
+    return cases_using(OPS)
 
 
 def test_node_case_selection_covers_every_op():
@@ -48,10 +41,9 @@ def test_node_case_selection_covers_every_op():
     assert {case_op(c) for c in names.values()} >= OPS
 
 
-@pytest.mark.parametrize("name", list(_case_params()))
+@pytest.mark.parametrize("name", case_params(_cases(), EXCLUDED))
 def test_node_case(name):
-    result = run_case(_cases()[name], asyncinfer_engine("cpu"))
-    assert result.passed, f"{name}: {result.status}: {result.detail}"
+    assert_case_passes(_cases()[name])
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -171,7 +163,7 @@ def test_attention_matches_float64_formula(name):
 
 
 def test_attention_gqa_causal_mask_matches_onnxruntime():
-    ort = pytest.importorskip("onnxruntime")
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the reference")
     rng = np.random.default_rng(7)
     q, k, v = randn(rng, 2, 8, 5, 16), randn(rng, 2, 2, 7, 16), randn(rng, 2, 2, 7, 16)
     mask = randn(rng, 2, 1, 5, 7)

@@ -8,17 +8,15 @@ not implemented is refused at load time.
 """
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import onnx
 import pytest
 
-from asyncinfer.conformance import asyncinfer_engine, load_cases, run_case
 from asyncinfer.errors import UnsupportedOperatorError
-from test_ops_nn import compare_with_ort, make_op, randn
+from op_testing import assert_case_passes, case_params, cases_using, compare_with_ort, make_op, randn
 
-pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the reference")
 
 OPS = set("""NegativeLogLikelihoodLoss SoftmaxCrossEntropyLoss DFT STFT HannWindow HammingWindow
     BlackmanWindow MelWeightMatrix GridSample AffineGrid Col2Im CenterCropPad RoiAlign MaxUnpool DeformConv
@@ -31,15 +29,8 @@ EXCLUDED = {f"test_image_decoder_decode_{fmt}": _NO_CODEC
                         "tiff_rgb", "webp_rgb")}
 
 
-@functools.lru_cache(maxsize=1)
 def _own_cases() -> dict[str, object]:
-    return {c.name: c for c in load_cases() if {n.op_type for n in c.model.graph.node} & OPS}
-
-
-def _case_params():
-    for name in sorted(_own_cases()):
-        marks = [pytest.mark.xfail(strict=True, reason=EXCLUDED[name])] if name in EXCLUDED else []
-        yield pytest.param(name, marks=marks)
+    return cases_using(OPS)
 
 
 def test_node_case_selection():
@@ -50,11 +41,9 @@ def test_node_case_selection():
         assert any(op in {n.op_type for n in c.model.graph.node} for c in names.values()), op
 
 
-@pytest.mark.parametrize("name", list(_case_params()))
+@pytest.mark.parametrize("name", case_params(_own_cases(), EXCLUDED))
 def test_node_case(name):
-    with np.errstate(all="ignore"):
-        result = run_case(_own_cases()[name], asyncinfer_engine("cpu"))
-    assert result.passed, f"{result.status}: {result.detail}"
+    assert_case_passes(_own_cases()[name])
 
 
 # -- GridSample ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import pytest
 
 from asyncinfer.conformance import asyncinfer_engine, load_cases, run_case
 from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
-from test_ops_nn import make_op, ort_run
+from op_testing import make_op, ort_run
 
 CASES = r"^test_(quantizelinear|dequantizelinear|dynamicquantizelinear|qlinear|matmulinteger|convinteger|bitcast)"
 # Node cases that cannot pass here, and why (none at the moment).
