@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     normalization,
     pool,
     quantize,
+    random,
     reduce,
     resize,
     rnn,
