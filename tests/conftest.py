@@ -126,6 +126,12 @@ def digits_samples():
     return assets.default_samples()
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    """Tests marked ``@pytest.mark.anyio`` run under asyncio and under trio."""
+    return request.param
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)

@@ -39,7 +39,7 @@ def test_input_errors_before_scheduling(two_input_worker, args, kwargs, message)
     np.testing.assert_array_equal(two_input_worker.run_blocking(GOOD, GOOD)["y"], 2 * GOOD)
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_async_run_raises_input_error(two_input_worker):
     with pytest.raises(ai.InputError):
         await two_input_worker.run(GOOD)

@@ -12,11 +12,6 @@ import asyncinfer as ai
 EXPECTED = np.full((2, 3), 2, np.float32)
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
-
-
 @pytest.mark.anyio
 async def test_readback_and_clone_async_waits_without_blocking_the_loop(gated_model):
     import anyio

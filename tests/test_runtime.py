@@ -52,13 +52,21 @@ def test_independent_layers_run_in_parallel():
     assert not BARRIERS["pair"].broken
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_concurrent_runs_never_mix_tensors(add_chain_model):
+    import anyio
+
     model = ai.load_model(add_chain_model(20))
+    results: dict[int, dict] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await worker.run(np.full((3, 4), i, np.float32))
+
     async with ai.Worker(model) as worker:
-        xs = [np.full((3, 4), i, np.float32) for i in range(32)]
-        results = await asyncio.gather(*(worker.run(x) for x in xs))
-    for i, out in enumerate(results):
+        async with anyio.create_task_group() as tg:
+            for i in range(32):
+                tg.start_soon(one, i)
+    for i, out in sorted(results.items()):
         np.testing.assert_array_equal(out["y"], np.full((3, 4), i + 20, np.float32))
 
 
@@ -113,7 +121,7 @@ def test_dispose_stops_the_threads_and_refuses_use(add_chain_model):
         worker.schedule(np.zeros((1, 4), np.float32))
 
 
-@pytest.mark.asyncio
+@pytest.mark.anyio
 async def test_async_context_manager_disposes(add_chain_model):
     async with ai.Worker(ai.load_model(add_chain_model(2))) as worker:
         out = await worker.run(np.zeros((1, 4), np.float32))
@@ -195,3 +203,77 @@ def test_execution_cancel_skips_layers_not_started(gated_model):
         with pytest.raises(ai.ExecutionError, match="cancelled before layer '(add|gate)'"):
             worker.peek_output().readback_and_clone()
         assert execution.layer_future("add").failed()
+
+
+def test_schedule_iterable_stopped_early_fails_the_rest_instead_of_hanging(add_chain_model):
+    model = ai.load_model(add_chain_model(4), optimize=False)
+    with ai.Worker(model) as worker:
+        steps = worker.schedule_iterable(np.zeros((1, 4), np.float32))
+        next(steps)
+        steps.close()
+        with pytest.raises(ai.ExecutionError, match="never scheduled"):
+            worker.peek_output().readback_and_clone()
+
+
+@pytest.mark.anyio
+async def test_schedule_iterable_async_yields_to_the_loop_between_layers(add_chain_model):
+    import anyio
+
+    model = ai.load_model(add_chain_model(6), optimize=False)
+    ticks_seen = []
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.sleep(0)
+
+    async with ai.Worker(model) as worker:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            async for _ in worker.schedule_iterable_async(np.zeros((1, 4), np.float32)):
+                ticks_seen.append(ticks)
+            tg.cancel_scope.cancel()
+        out = await worker.peek_output().readback_and_clone_async()
+    np.testing.assert_array_equal(out.numpy(), np.full((1, 4), 6, np.float32))
+    assert len(ticks_seen) == 6 and ticks_seen[-1] > ticks_seen[0]  # other tasks ran in between
+
+
+@pytest.mark.anyio
+async def test_cancelled_async_schedule_iterable_leaves_nothing_pending(add_chain_model):
+    import anyio
+
+    model = ai.load_model(add_chain_model(50), optimize=False)
+    async with ai.Worker(model) as worker:
+        with anyio.move_on_after(0):  # cancelled at its first checkpoint
+            async for _ in worker.schedule_iterable_async(np.zeros((1, 4), np.float32)):
+                pass
+        with pytest.raises(ai.ExecutionError, match="never scheduled"):
+            await worker.peek_output().readback_and_clone_async()
+        out = await worker.run(np.zeros((1, 4), np.float32))  # the worker is fine
+    np.testing.assert_array_equal(out["y"], np.full((1, 4), 50, np.float32))
+
+
+@pytest.mark.anyio
+async def test_timeout_on_a_run_skips_its_rest_and_leaks_nothing(gated_model):
+    import gc
+
+    import anyio
+
+    from asyncinfer.runtime.execution import Execution
+
+    model, gate = gated_model
+    async with ai.Worker(model) as worker:
+        with anyio.move_on_after(0.05) as scope:
+            await worker.run(np.ones((2, 3), np.float32))
+        assert scope.cancelled_caught
+        gate.set()
+        out = await worker.run(np.zeros((2, 3), np.float32))  # the worker is intact
+        np.testing.assert_array_equal(out["y"], np.ones((2, 3), np.float32))
+        for _ in range(100):  # the cancelled run's started layer finishes on the pool, then its graph is freed
+            gc.collect()
+            if not [o for o in gc.get_objects() if isinstance(o, Execution) and o.worker is worker]:
+                break
+            await anyio.sleep(0.01)
+        assert not [o for o in gc.get_objects() if isinstance(o, Execution) and o.worker is worker]

@@ -53,10 +53,27 @@ class Execution:
         return self
 
     def submit_iter(self) -> Iterator[Step]:
-        """Submit the layers in order, yielding after each (Sentis's ``ScheduleIterable``)."""
-        for step in self.plan.steps:
-            self._submit(step)
-            yield step
+        """Submit the layers in order, yielding after each (Sentis's ``ScheduleIterable``).
+
+        If the iteration stops early (``break``, an exception, garbage collection), the layers not
+        yet submitted fail at once, so nothing waits forever on an output that will never come.
+        """
+        try:
+            for step in self.plan.steps:
+                self._submit(step)
+                yield step
+        finally:
+            self.abandon_unsubmitted()
+
+    def abandon_unsubmitted(self) -> None:
+        """Fail every layer not submitted yet (and with it everything downstream)."""
+        for step in self.plan.steps[self._submitted:]:
+            fut = TaskFuture(label=step.layer.name)
+            self.futures[step.index] = fut
+            fut.set_exception(ExecutionError(
+                f"{step.layer.describe()} was never scheduled: the schedule_iterable loop stopped before it",
+                layer=step.layer.name, op_type=step.layer.op_type))
+        self._submitted = len(self.plan.steps)
 
     def _submit(self, step: Step) -> None:
         fut = TaskFuture(label=step.layer.name)

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import anyio.lowlevel
 import numpy as np
 
 from ..backends import BackendType, CPUBackend, create_backend, parse_backend_type
@@ -86,6 +87,24 @@ class Worker:
             self._latest = execution
             for step in execution.submit_iter():
                 yield step.layer.name
+
+        return steps()
+
+    def schedule_iterable_async(self, *inputs: Any, **named: Any) -> AsyncIterator[str]:
+        """Async form of :meth:`schedule_iterable`: ``async for name in ...`` schedules one layer
+        per step and lets the event loop run other tasks between layers. Stopping early (``break``,
+        cancellation) fails the layers never scheduled, so no output is left pending forever."""
+        execution = self._new_execution(inputs, named)
+
+        async def steps() -> AsyncIterator[str]:
+            self._latest = execution
+            iterator = execution.submit_iter()
+            try:
+                for step in iterator:
+                    yield step.layer.name
+                    await anyio.lowlevel.checkpoint()
+            finally:
+                iterator.close()
 
         return steps()
 
