@@ -108,6 +108,7 @@ class Tensor:
 
     @property
     def dtype(self) -> np.dtype | None:
+        """The element type: declared by the model, or the computed value's once known."""
         if self._declared_dtype is not None:
             return self._declared_dtype
         value = self._value_or_none() if self._future.done() and not self._future.failed() else None
@@ -227,6 +228,7 @@ class Tensor:
 
     @property
     def disposed(self) -> bool:
+        """True after :meth:`dispose`; any further use raises DisposedError."""
         return self._disposed
 
     def __repr__(self) -> str:

@@ -277,3 +277,13 @@ async def test_timeout_on_a_run_skips_its_rest_and_leaks_nothing(gated_model):
                 break
             await anyio.sleep(0.01)
         assert not [o for o in gc.get_objects() if isinstance(o, Execution) and o.worker is worker]
+
+
+def test_taken_outputs_of_a_pending_run_survive_dispose(gated_model):
+    model, gate = gated_model
+    worker = ai.Worker(model)
+    worker.schedule(np.ones((2, 3), np.float32))
+    kept = worker.take_output()
+    threading.Timer(0.05, gate.set).start()
+    worker.dispose()  # finishes the run the caller owns an output of, instead of cancelling it
+    np.testing.assert_array_equal(kept.numpy(), np.full((2, 3), 2, np.float32))

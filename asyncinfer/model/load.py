@@ -15,8 +15,11 @@ def load_model(source: ModelSource, *, optimize: bool = True,
 
     Args:
         source: the model.
-        optimize: run the graph optimiser (constant folding, dead-layer removal, Conv+BN folding,
-            activation fusion). Turning it off never changes results beyond float rounding.
+        optimize: run the graph optimiser: Identity/inference-Dropout removal, constant folding
+            (``Shape`` of static tensors included), dead-layer removal, folding of
+            BatchNormalization and per-channel Mul/Add/Sub/Div into the Conv or
+            BatchNormalization before them, and activation fusion. The CPU-bound analysis runs
+            either way. Turning the optimiser off never changes results beyond float rounding.
         max_tensor_bytes: refuse any initializer larger than this (guards against corrupt files).
 
     Raises:

@@ -189,13 +189,30 @@ class Execution:
         return self._outputs[name]
 
     def take_output(self, name: str | None = None) -> Tensor:
-        """The output tensor, owned by the caller: it stays valid after the worker is disposed."""
+        """The output tensor, owned by the caller: it stays valid after the worker is disposed
+        (disposal lets a run whose outputs were taken finish first)."""
         name = self._output_name(name)
         self._taken.add(name)
+        if self.worker is not None:
+            self.worker._keep_until_done(self)
         return self._tensor(name, None)
 
     @property
+    def has_taken_outputs(self) -> bool:
+        """True once ``take_output`` handed one of this run's outputs to the caller."""
+        return bool(self._taken)
+
+    def wait_blocking(self, timeout: float | None = None) -> bool:
+        """Block until every output is computed or failed; True if all are done."""
+        for ref in self.plan.output_refs:
+            fut = self.futures[ref[0]]
+            if fut is None or not fut.wait(timeout):
+                return False
+        return True
+
+    @property
     def outputs(self) -> dict[str, Tensor]:
+        """Every output of this run by name (peeked: they belong to the worker)."""
         return {o.name: self.peek_output(o.name) for o in self.plan.model.outputs}
 
     def done(self) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -43,6 +44,7 @@ class Worker:
             self._close_backends()
             raise
         self._latest: Execution | None = None
+        self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
         self._state_lock = threading.Lock()
         self._disposed = False
 
@@ -54,6 +56,7 @@ class Worker:
 
     @property
     def disposed(self) -> bool:
+        """True once :meth:`dispose` (or ``aclose``) ran; the worker then refuses all calls."""
         return self._disposed
 
     def _check_open(self) -> None:
@@ -155,15 +158,29 @@ class Worker:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def dispose(self) -> None:
-        """Stop the worker: pending layers are skipped, threads end, worker-owned outputs are released."""
+        """Stop the worker: threads end and worker-owned outputs are released.
+
+        Layers of the latest run that have not started are skipped, unless the caller took one of
+        its outputs with ``take_output``: runs with caller-owned outputs are finished first, so
+        nothing the caller owns is lost (this may block until they complete; ``aclose`` waits on a
+        helper thread instead).
+        """
         with self._state_lock:
             if self._disposed:
                 return
             self._disposed = True
-        if self._latest is not None:
+            owned = list(self._owned_runs)
+        if self._latest is not None and not self._latest.has_taken_outputs:
             self._latest.cancel()
-            self._latest = None
+        self._latest = None
+        for execution in owned:
+            execution.wait_blocking()
         self._close_backends()
+
+    def _keep_until_done(self, execution: Execution) -> None:
+        """Remember a run with caller-owned outputs: disposal finishes it instead of cancelling it."""
+        with self._state_lock:
+            self._owned_runs.add(execution)
 
     def _close_backends(self) -> None:
         self._backend.close()

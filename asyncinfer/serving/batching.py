@@ -1,0 +1,388 @@
+"""``DynamicBatcher``: merges concurrent requests to one model into batched engine runs.
+
+Concurrent ``infer`` calls whose inputs differ only along the batch axis (axis 0, declared with
+one symbolic dimension on every input) are concatenated, run once, and the outputs are split
+back per request. A batch is sent when it is full (``max_batch_size`` rows) or when its oldest
+request has waited ``max_delay`` seconds, and at most ``max_concurrent_batches`` batches run at
+once: under load the queue grows while the engine is busy, so batches grow with the load.
+
+Everything awaits (anyio primitives), so it runs under asyncio and trio and never blocks the
+event loop. A background dispatcher task lives inside ``async with DynamicBatcher(...)``.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Hashable
+
+import anyio
+import numpy as np
+
+from ..backends import BackendType
+from ..errors import AsyncInferError, DisposedError
+from ..model.ir import Model
+from ..runtime.inputs import bind_inputs
+from ..runtime.worker import Worker
+
+
+@dataclass
+class BatcherStats:
+    """Counters of a batcher's work since it started (read them, do not write them)."""
+
+    requests: int = 0  # infer calls that reached the engine (batched or alone)
+    engine_runs: int = 0  # calls of the worker's ``run``
+    batched_runs: int = 0  # engine runs that merged two requests or more
+    max_rows: int = 0  # the largest batch sent, in rows along axis 0
+
+    @property
+    def mean_requests_per_run(self) -> float:
+        return self.requests / self.engine_runs if self.engine_runs else math.nan
+
+
+class _Request:
+    """One waiting ``infer`` call: its inputs, and where its result or failure goes."""
+
+    __slots__ = ("inputs", "rows", "key", "enqueued_at", "done", "outputs", "error", "abandoned")
+
+    def __init__(self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, now: float):
+        self.inputs = inputs
+        self.rows = rows
+        self.key = key
+        self.enqueued_at = now
+        self.done = anyio.Event()
+        self.outputs: dict[str, np.ndarray] | None = None
+        self.error: BaseException | None = None
+        self.abandoned = False  # the caller was cancelled: nobody reads the result
+
+    def resolve(self, outputs: dict[str, np.ndarray]) -> None:
+        if not self.done.is_set():
+            self.outputs = outputs
+            self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+class DynamicBatcher:
+    """Serve ``infer`` calls for one model, merging concurrent ones along the batch axis.
+
+    Args:
+        target: a :class:`Worker` (shared, not disposed by the batcher) or a :class:`Model`
+            (the batcher builds a worker on ``backend`` and disposes it when closed).
+        backend: the backend of the worker built for a model.
+        max_batch_size: most rows (along axis 0) merged into one engine run. A request larger
+            than this runs alone.
+        max_delay: seconds the oldest waiting request may wait for batch-mates (default 2 ms).
+        max_concurrent_batches: batches in flight at once; while they run, the queue fills up.
+        threads: CPU thread-pool size of the worker built for a model.
+
+    Use it as an async context manager (it owns a background dispatcher task)::
+
+        async with DynamicBatcher(model, "cpu", max_batch_size=32) as batcher:
+            outputs = await batcher.infer({"image": x})   # {output name: ndarray}
+
+    Requests are merged only when the model is batchable (every input's axis 0 is the same
+    symbolic dimension, found on no other axis) and the requests agree on dtypes and non-batch
+    dims; anything else runs alone. Each request is checked against the model signature before
+    it is queued, so a bad one fails alone with :class:`~asyncinfer.InputError`. If a merged run
+    fails, its requests are retried one by one so a failure stays with the request causing it.
+    The model must treat batch rows independently (true of inference graphs; not of a graph
+    that reduces over axis 0).
+    """
+
+    def __init__(self, target: Worker | Model, backend: BackendType | str = BackendType.CPU, *,
+                 max_batch_size: int = 32, max_delay: float = 0.002, max_concurrent_batches: int = 2,
+                 threads: int | None = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        if max_delay < 0:
+            raise ValueError(f"max_delay must be >= 0 seconds, got {max_delay}")
+        if max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be at least 1, got {max_concurrent_batches}")
+        if isinstance(target, Worker):
+            self.worker, self._owns_worker = target, False
+        elif isinstance(target, Model):
+            self.worker, self._owns_worker = Worker(target, backend, threads=threads), True
+        else:
+            raise TypeError(f"DynamicBatcher wraps a Worker or a Model, got {type(target).__name__}")
+        self.model = self.worker.model
+        self.max_batch_size = max_batch_size
+        self.max_delay = max_delay
+        self.max_concurrent_batches = max_concurrent_batches
+        self.stats = BatcherStats()
+        self._batch_symbol = batch_symbol(self.model)
+        self._queues: dict[Hashable, deque[_Request]] = {}
+        self._state = "new"  # new -> running -> closing -> closed
+        # Events belong to an event loop: made in __aenter__, not here (built outside any loop).
+        self._wakeup: anyio.Event | None = None
+        self._stopped: anyio.Event | None = None
+        self._solo_idle: anyio.Event | None = None
+        self._solo_runs = 0
+        self._stack: AsyncExitStack | None = None
+        self._dispatcher_scope: anyio.CancelScope | None = None
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def batchable(self) -> bool:
+        """Whether the model's signature allows merging requests along axis 0."""
+        return self._batch_symbol is not None
+
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet sent to the engine."""
+        return sum(len(q) for q in self._queues.values())
+
+    async def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run the model on ``inputs`` (``{name: array}``), merged with concurrent calls when possible.
+
+        Returns ``{output name: ndarray}`` for this request's rows only.
+
+        Raises:
+            InputError: the inputs do not match the model signature (only this call fails).
+            DisposedError: the batcher is closed, or closed before this request could run.
+            ExecutionError: the engine failed on this request.
+        """
+        if self._state != "running":
+            raise DisposedError(self._not_running_message())
+        request = self._admit(inputs)
+        self.stats.requests += 1
+        if request is None:  # not mergeable: run alone, in the caller's task
+            return await self._run_solo(inputs)
+        self._queues.setdefault(request.key, deque()).append(request)
+        self._wake()
+        try:
+            await request.done.wait()
+        except BaseException:
+            # Cancelled while waiting: leave the queue, or, when already in a batch, let the
+            # batch finish for the others and drop this result.
+            request.abandoned = True
+            self._discard(request)
+            raise
+        if request.error is not None:
+            raise request.error
+        assert request.outputs is not None
+        return request.outputs
+
+    async def _run_solo(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        self.stats.engine_runs += 1
+        self._solo_runs += 1
+        try:
+            return await self.worker.run(dict(inputs))
+        finally:
+            self._solo_runs -= 1
+            if self._solo_runs == 0 and self._solo_idle is not None:
+                self._solo_idle.set()
+
+    async def aclose(self) -> None:
+        """Stop accepting requests, run those already queued, wait for batches in flight.
+
+        If this call is cancelled, requests still pending fail with :class:`DisposedError`. A
+        worker the batcher built is disposed; a worker it was given is left open.
+        """
+        if self._state == "closed":
+            return
+        was_running = self._state == "running"
+        self._state = "closing"
+        self._wake()
+        try:
+            if was_running:
+                assert self._stopped is not None
+                await self._stopped.wait()
+                while self._solo_runs:  # runs of unmergeable requests, in their callers' tasks
+                    self._solo_idle = anyio.Event()
+                    await self._solo_idle.wait()
+        finally:
+            if self._stopped is not None and not self._stopped.is_set():  # cancelled while draining: fail the rest now
+                self._fail_all(DisposedError("the batcher was closed before this request ran"))
+                if self._dispatcher_scope is not None:
+                    self._dispatcher_scope.cancel()
+            self._state = "closed"
+            if self._owns_worker:
+                with anyio.CancelScope(shield=True):
+                    await self.worker.aclose()
+
+    async def __aenter__(self) -> "DynamicBatcher":
+        if self._state != "new":
+            raise AsyncInferError("a DynamicBatcher can be entered only once")
+        self._wakeup, self._stopped = anyio.Event(), anyio.Event()
+        self._dispatcher_scope = anyio.CancelScope()
+        self._stack = AsyncExitStack()
+        task_group = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.push_async_callback(self.aclose)  # runs first on exit: drain, then join the tasks
+        task_group.start_soon(self._dispatch)
+        self._state = "running"
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool:
+        assert self._stack is not None
+        return await self._stack.__aexit__(*exc)
+
+    def __repr__(self) -> str:
+        return (f"<DynamicBatcher {self.model.name!r} max_batch_size={self.max_batch_size} "
+                f"max_delay={self.max_delay} {self._state}, {self.pending} pending>")
+
+    # -- admission --------------------------------------------------------------------------------
+    def _admit(self, inputs: Mapping[str, Any]) -> _Request | None:
+        """Check ``inputs`` against the model; return a queueable request, or None to run alone."""
+        if not isinstance(inputs, Mapping):
+            raise TypeError(f"infer() takes a mapping {{input name: array}}, got {type(inputs).__name__}")
+        bind_inputs(self.model, (inputs,), {})  # raises InputError naming the input at fault
+        if self._batch_symbol is None or not all(isinstance(v, np.ndarray) for v in inputs.values()):
+            return None
+        arrays = {info.name: inputs[info.name] for info in self.model.inputs}
+        rows = next(iter(arrays.values())).shape[0]
+        if rows < 1 or rows > self.max_batch_size:
+            return None
+        key = tuple((name, a.dtype.str, a.shape[1:]) for name, a in arrays.items())
+        # A private copy: the caller may reuse its buffers while the request waits.
+        arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
+        return _Request(arrays, rows, key, anyio.current_time())
+
+    def _discard(self, request: _Request) -> None:
+        queue = self._queues.get(request.key)
+        if queue is not None and request in queue:
+            queue.remove(request)
+            if not queue:
+                del self._queues[request.key]
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for queue in self._queues.values():
+            for request in queue:
+                request.fail(error)
+        self._queues.clear()
+
+    def _not_running_message(self) -> str:
+        if self._state == "new":
+            return "the DynamicBatcher is not started: use 'async with DynamicBatcher(...) as batcher'"
+        return "the DynamicBatcher is closed"
+
+    # -- dispatching ------------------------------------------------------------------------------
+    async def _dispatch(self) -> None:
+        """The background task: form batches and start them, until closed and drained."""
+        assert self._dispatcher_scope is not None and self._stopped is not None
+        slots = anyio.Semaphore(self.max_concurrent_batches)
+        try:
+            with self._dispatcher_scope:
+                async with anyio.create_task_group() as runners:  # its exit waits for batches in flight
+                    while True:
+                        if not self._queues:
+                            if self._state != "running":
+                                break
+                            await self._wait_for_wakeup(math.inf)
+                            continue
+                        await slots.acquire()
+                        batch = await self._collect()
+                        if batch:
+                            runners.start_soon(self._run_batch, batch, slots)
+                        else:
+                            slots.release()
+        finally:
+            self._fail_all(DisposedError("the batcher stopped before this request ran"))
+            self._stopped.set()
+
+    async def _collect(self) -> list[_Request]:
+        """Wait until the oldest request's batch is full or its delay is over; take the batch."""
+        while self._queues:
+            key = min(self._queues, key=lambda k: self._queues[k][0].enqueued_at)
+            queue = self._queues[key]
+            deadline = queue[0].enqueued_at + self.max_delay
+            full = sum(r.rows for r in queue) >= self.max_batch_size
+            remaining = deadline - anyio.current_time()
+            if full or remaining <= 0 or self._state != "running":
+                return self._take(key)
+            await self._wait_for_wakeup(remaining)  # a new request, a cancellation, or closing
+        return []
+
+    async def _wait_for_wakeup(self, timeout: float) -> None:
+        self._wakeup = anyio.Event()
+        with anyio.move_on_after(timeout):
+            await self._wakeup.wait()
+
+    def _take(self, key: Hashable) -> list[_Request]:
+        queue = self._queues[key]
+        batch, rows = [], 0
+        while queue and rows + queue[0].rows <= self.max_batch_size:
+            request = queue.popleft()
+            batch.append(request)
+            rows += request.rows
+        if not queue:
+            del self._queues[key]
+        return batch
+
+    async def _run_batch(self, batch: list[_Request], slots: anyio.Semaphore) -> None:
+        try:
+            if len(batch) == 1:
+                await self._run_alone(batch[0])
+                return
+            merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
+            try:
+                outputs = await self._engine_run(merged, len(batch))
+                parts = _split(outputs, [r.rows for r in batch])
+            except Exception:
+                # Keep a failure with the request that causes it: retry each one alone.
+                for request in batch:
+                    if not request.abandoned:
+                        await self._run_alone(request)
+                return
+            for request, part in zip(batch, parts):
+                request.resolve(part)
+        finally:
+            slots.release()
+            for request in batch:  # cancelled (batcher shut down) before an answer
+                request.fail(DisposedError("the batcher stopped before this request finished"))
+
+    async def _run_alone(self, request: _Request) -> None:
+        try:
+            request.resolve(await self._engine_run(request.inputs, 1))
+        except Exception as exc:  # noqa: BLE001 - delivered to the request's caller
+            request.fail(exc)
+
+    async def _engine_run(self, inputs: dict[str, np.ndarray], requests: int) -> dict[str, np.ndarray]:
+        rows = next(iter(inputs.values())).shape[0]
+        self.stats.engine_runs += 1
+        self.stats.batched_runs += requests > 1
+        self.stats.max_rows = max(self.stats.max_rows, rows)
+        return await self.worker.run(inputs)
+
+
+def batch_symbol(model: Model) -> str | None:
+    """The symbolic dimension that is axis 0 of every input, or None if the model cannot batch.
+
+    Batchable: at least one input, every input a tensor of known rank >= 1 whose axis 0 is the
+    same symbolic dimension, appearing on no other axis; every output's axis 0 symbolic or unknown.
+    """
+    symbols = set()
+    for info in model.inputs:
+        if info.kind != "tensor" or not info.shape or not isinstance(info.shape[0], str) or not info.shape[0]:
+            return None
+        symbols.add(info.shape[0])
+    if len(symbols) != 1:
+        return None
+    symbol = symbols.pop()
+    if any(symbol in info.shape[1:] for info in model.inputs):  # type: ignore[operator]
+        return None
+    for info in model.outputs:
+        if info.kind != "tensor" or (info.shape is not None and (not info.shape or isinstance(info.shape[0], int))):
+            return None
+    return symbol
+
+
+def _split(outputs: dict[str, np.ndarray], rows: list[int]) -> list[dict[str, np.ndarray]]:
+    """Cut every output back into per-request parts along axis 0."""
+    total = sum(rows)
+    for name, value in outputs.items():
+        if value.ndim == 0 or value.shape[0] != total:
+            raise AsyncInferError(f"output {name!r} has shape {value.shape}: axis 0 is not the batch of {total}")
+    bounds = np.cumsum(rows)[:-1]
+    per_output = {name: np.split(value, bounds) for name, value in outputs.items()}
+    # Copies, so one request's result does not keep the whole batch alive.
+    return [{name: parts[i].copy() for name, parts in per_output.items()} for i in range(len(rows))]

@@ -1,0 +1,84 @@
+"""The ``asyncinfer serve`` subcommand: serve ONNX models over the Open Inference Protocol with uvicorn.
+
+    asyncinfer serve MODEL.onnx [NAME=OTHER.onnx ...] [--backend cpu] [--host 127.0.0.1] [--port 8000]
+                     [--no-batching] [--max-batch-size 32] [--max-delay-ms 2]
+
+Models are served under their file stems (``NAME=PATH`` picks another name); with no model, the
+embedded digits CNN is served as ``digits``. Starlette and uvicorn are imported only when the
+command runs, so the rest of the CLI works without the ``serve`` extra.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..backends import BackendType
+from ..errors import AsyncInferError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def add_serve_command(subparsers: Any) -> None:
+    """Add the ``serve`` subcommand to the ``asyncinfer`` parser's subparsers."""
+    serve = subparsers.add_parser("serve", help="serve models over the Open Inference Protocol (KServe v2 REST)")
+    serve.add_argument("models", nargs="*", metavar="MODEL",
+                       help="ONNX files, served under their file stem, or NAME=PATH (default: the embedded digits CNN)")
+    serve.add_argument("--backend", default="cpu", choices=[b.value for b in BackendType])
+    serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--no-batching", action="store_true", help="run every request on its own")
+    serve.add_argument("--max-batch-size", type=int, default=32, help="most rows merged into one run (default 32)")
+    serve.add_argument("--max-delay-ms", type=float, default=2.0,
+                       help="how long a request may wait for batch-mates, in ms (default 2)")
+    serve.add_argument("--threads", type=int, default=None, help="CPU thread-pool size per model")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def model_sources(specs: list[str]) -> dict[str, Path]:
+    """``{served name: path}`` from ``PATH`` or ``NAME=PATH`` arguments; duplicate names are an error."""
+    if not specs:
+        from .. import assets
+
+        return {"digits": assets.default_model_path()}
+    sources: dict[str, Path] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        path = Path(rest) if sep and not Path(spec).exists() else Path(spec)
+        name = name if sep and not Path(spec).exists() else path.stem
+        if not name or "/" in name:
+            raise AsyncInferError(f"invalid model name {name!r} in {spec!r}")
+        if name in sources:
+            raise AsyncInferError(f"two models would be served as {name!r} ({sources[name]} and {path}): "
+                                  f"name one with NAME=PATH")
+        sources[name] = path
+    return sources
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the models, then serve them with uvicorn until interrupted; returns the exit status."""
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as exc:
+        print(f"asyncinfer: error: serving needs the 'serve' extra (pip install 'asyncinfer[serve]'): {exc}",
+              file=sys.stderr)
+        return 2
+    if args.max_batch_size < 1 or args.max_delay_ms < 0:
+        print("asyncinfer: error: --max-batch-size must be >= 1 and --max-delay-ms >= 0", file=sys.stderr)
+        return 2
+    try:
+        sources = model_sources(args.models)
+        app = create_app(sources, backend=args.backend, batching=not args.no_batching,
+                         max_batch_size=args.max_batch_size, max_delay=args.max_delay_ms / 1000,
+                         threads=args.threads)
+    except AsyncInferError as exc:
+        print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    for name, path in sources.items():
+        print(f"serving {name!r} from {path} at http://{args.host}:{args.port}/v2/models/{name}", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,327 @@
+"""The Open Inference Protocol (KServe v2) wire format: datatypes, requests, responses.
+
+Pure functions over bytes and NumPy arrays, no web framework: the server module routes, this one
+decodes an inference request (JSON tensors, or the binary tensor data extension) into arrays
+checked against the model, and encodes the outputs back.
+
+Binary tensor data extension: the body is a JSON header of ``Inference-Header-Content-Length``
+bytes followed by raw tensors, in the order of the inputs that carry a ``binary_data_size``
+parameter (little-endian, row-major; BYTES elements are each prefixed by a 4-byte length).
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..model.ir import Dim, Model, TensorInfo
+
+try:  # bfloat16 comes with ml_dtypes, an asyncinfer dependency
+    from ml_dtypes import bfloat16 as _bfloat16
+except ImportError:  # pragma: no cover
+    _bfloat16 = None
+
+_BY_DTYPE: dict[np.dtype, str] = {
+    np.dtype(np.bool_): "BOOL",
+    np.dtype(np.uint8): "UINT8", np.dtype(np.uint16): "UINT16",
+    np.dtype(np.uint32): "UINT32", np.dtype(np.uint64): "UINT64",
+    np.dtype(np.int8): "INT8", np.dtype(np.int16): "INT16",
+    np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64",
+    np.dtype(np.float16): "FP16", np.dtype(np.float32): "FP32", np.dtype(np.float64): "FP64",
+    np.dtype(object): "BYTES",
+}
+if _bfloat16 is not None:
+    _BY_DTYPE[np.dtype(_bfloat16)] = "BF16"
+_BY_NAME: dict[str, np.dtype] = {name: dtype for dtype, name in _BY_DTYPE.items()}
+
+
+class ProtocolError(Exception):
+    """A request the server rejects: ``status`` is the HTTP status, the message says why."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# -- datatypes and shapes -------------------------------------------------------------------------
+def datatype_of(dtype: np.dtype | None) -> str:
+    """The KServe datatype name of a NumPy dtype (``FP32``, ``INT64``, ``BOOL``, ``BYTES``…)."""
+    if dtype is None:
+        return "BYTES"  # unknown element type: the protocol has no name for it; BYTES is the catch-all
+    dtype = np.dtype(dtype)
+    if dtype.kind in "US":
+        return "BYTES"
+    try:
+        return _BY_DTYPE[dtype.newbyteorder("=")]
+    except KeyError:
+        raise ProtocolError(500, f"element type {dtype.name} has no Open Inference Protocol datatype") from None
+
+
+def dtype_of(datatype: str) -> np.dtype:
+    """The NumPy dtype of a KServe datatype name; ProtocolError(400) for an unknown name."""
+    try:
+        return _BY_NAME[datatype]
+    except KeyError:
+        raise ProtocolError(400, f"unknown datatype {datatype!r}; expected one of {sorted(_BY_NAME)}") from None
+
+
+def wire_shape(shape: Sequence[Dim] | None) -> list[int]:
+    """A declared shape for metadata: symbolic or unknown dims become -1 (unknown rank: ``[-1]``)."""
+    if shape is None:
+        return [-1]
+    return [d if isinstance(d, int) else -1 for d in shape]
+
+
+def tensor_metadata(info: TensorInfo) -> dict[str, Any]:
+    return {"name": info.name, "datatype": datatype_of(info.dtype), "shape": wire_shape(info.shape)}
+
+
+# -- requests -------------------------------------------------------------------------------------
+@dataclass
+class InferRequest:
+    """A decoded inference request: input arrays and which outputs to return, and how."""
+
+    id: str | None
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]  # output names, in response order
+    binary: dict[str, bool] = field(default_factory=dict)  # output name -> send as binary data
+
+
+def parse_infer_request(body: bytes, header_length: str | None, model: Model,
+                        model_name: str | None = None) -> InferRequest:
+    """Decode an inference request body for ``model``; ProtocolError(400) says what is wrong.
+
+    ``header_length`` is the ``Inference-Header-Content-Length`` header (None: all JSON). Input
+    names, datatypes and element counts are checked here; shapes against the model's declared
+    (symbolic) signature are checked by the engine before it runs. ``model_name`` is the name
+    the model is served under, for messages (default: the model's own name).
+    """
+    model_name = model_name or model.name
+    header, binary = _split_body(body, header_length)
+    request = _load_json(header)
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(400, f"'id' must be a string, got {type(request_id).__name__}")
+    parameters = _parameters(request, "the request")
+
+    raw_inputs = request.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError(400, "the request needs 'inputs': a non-empty list of tensors")
+    declared = {info.name: info for info in model.inputs}
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for index, raw in enumerate(raw_inputs):
+        name, array, used = _decode_input(index, raw, declared, model_name, binary, offset)
+        if name in inputs:
+            raise ProtocolError(400, f"input {name!r} is given twice")
+        inputs[name] = array
+        offset += used
+    if offset != len(binary):
+        raise ProtocolError(400, f"the body has {len(binary)} bytes of binary tensor data, but the inputs' "
+                                 f"'binary_data_size' parameters add up to {offset}")
+    missing = [n for n in declared if n not in inputs]
+    if missing:
+        raise ProtocolError(400, f"missing input(s) {missing}; model {model_name!r} takes {list(declared)}")
+
+    outputs, binary_out = _requested_outputs(request, parameters, model, model_name)
+    return InferRequest(request_id, inputs, outputs, binary_out)
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    if header_length is None:
+        return body, b""
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise ProtocolError(400, f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+    if not 0 <= length <= len(body):
+        raise ProtocolError(400, f"Inference-Header-Content-Length is {length}, but the body has {len(body)} bytes")
+    return body[:length], body[length:]
+
+
+def _load_json(header: bytes) -> dict[str, Any]:
+    try:
+        request = json.loads(header)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(400, f"malformed JSON in the request body: {exc}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError(400, f"the request body must be a JSON object, got {type(request).__name__}")
+    return request
+
+
+def _parameters(obj: Mapping[str, Any], what: str) -> dict[str, Any]:
+    parameters = obj.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise ProtocolError(400, f"'parameters' of {what} must be an object")
+    return parameters
+
+
+def _decode_input(index: int, raw: Any, declared: Mapping[str, TensorInfo], model_name: str,
+                  binary: bytes, offset: int) -> tuple[str, np.ndarray, int]:
+    """One input tensor: (name, array, binary bytes consumed)."""
+    if not isinstance(raw, dict):
+        raise ProtocolError(400, f"inputs[{index}] must be an object with name, shape, datatype and data")
+    for key in ("name", "shape", "datatype"):
+        if key not in raw:
+            raise ProtocolError(400, f"inputs[{index}] has no {key!r}")
+    name = raw["name"]
+    if not isinstance(name, str):
+        raise ProtocolError(400, f"inputs[{index}]: 'name' must be a string")
+    info = declared.get(name)
+    if info is None:
+        raise ProtocolError(400, f"unknown input {name!r}; model {model_name!r} takes {list(declared)}")
+    if info.kind != "tensor":
+        raise ProtocolError(400, f"input {name!r} is a {info.kind}: the protocol carries tensors only")
+    shape = raw["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ProtocolError(400, f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
+    datatype = raw["datatype"]
+    if not isinstance(datatype, str):
+        raise ProtocolError(400, f"input {name!r}: 'datatype' must be a string")
+    dtype = dtype_of(datatype)
+    if info.dtype is not None and datatype != datatype_of(info.dtype):
+        raise ProtocolError(400, f"input {name!r} has datatype {datatype_of(info.dtype)} in model "
+                                 f"{model_name!r}, the request says {datatype}")
+    count = math.prod(shape)
+    size = _parameters(raw, f"input {name!r}").get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ProtocolError(400, f"input {name!r}: 'binary_data_size' must be a non-negative integer")
+        if offset + size > len(binary):
+            raise ProtocolError(400, f"input {name!r}: 'binary_data_size' is {size}, but only "
+                                     f"{len(binary) - offset} bytes of binary data are left")
+        array = _from_binary(name, binary[offset:offset + size], dtype, count)
+        return name, array.reshape(shape), size
+    if "data" not in raw:
+        raise ProtocolError(400, f"input {name!r} has neither 'data' nor a 'binary_data_size' parameter")
+    return name, _from_json(name, raw["data"], datatype, dtype, shape, count), 0
+
+
+def _from_binary(name: str, chunk: bytes, dtype: np.dtype, count: int) -> np.ndarray:
+    if dtype == np.dtype(object):
+        return _unpack_bytes(name, chunk, count)
+    expected = count * dtype.itemsize
+    if len(chunk) != expected:
+        raise ProtocolError(400, f"input {name!r}: shape needs {count} elements = {expected} bytes of "
+                                 f"{datatype_of(dtype)}, 'binary_data_size' is {len(chunk)}")
+    return np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).astype(dtype, copy=True)
+
+
+def _unpack_bytes(name: str, chunk: bytes, count: int) -> np.ndarray:
+    items: list[bytes] = []
+    pos = 0
+    while pos < len(chunk):
+        if pos + 4 > len(chunk):
+            raise ProtocolError(400, f"input {name!r}: BYTES data ends inside a 4-byte length prefix")
+        (length,) = struct.unpack_from("<I", chunk, pos)
+        pos += 4
+        if pos + length > len(chunk):
+            raise ProtocolError(400, f"input {name!r}: a BYTES element of {length} bytes overruns the data")
+        items.append(chunk[pos:pos + length])
+        pos += length
+    if len(items) != count:
+        raise ProtocolError(400, f"input {name!r}: shape needs {count} elements, the BYTES data holds {len(items)}")
+    array = np.empty(count, dtype=object)
+    array[:] = items
+    return array
+
+
+def _from_json(name: str, data: Any, datatype: str, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
+    try:
+        raw = np.array(data, dtype=object if dtype == np.dtype(object) else None)
+    except ValueError as exc:  # ragged nesting
+        raise ProtocolError(400, f"input {name!r}: 'data' is not a regular (flat or nested) list: {exc}") from None
+    if raw.size != count:
+        raise ProtocolError(400, f"input {name!r}: shape {shape} needs {count} elements, 'data' has {raw.size}")
+    raw = raw.reshape(shape)
+    if dtype == np.dtype(object):
+        if not all(isinstance(v, str) for v in raw.flat):
+            raise ProtocolError(400, f"input {name!r}: BYTES data must be strings")
+        return np.vectorize(lambda s: s.encode("utf-8"), otypes=[object])(raw) if raw.size else raw
+    wanted = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf", "BF16": "iuf"}.get(datatype, "iu")
+    if raw.size and raw.dtype.kind not in wanted:
+        kind = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[wanted]
+        raise ProtocolError(400, f"input {name!r}: {datatype} data must be {kind}, got {_kind_name(raw)}")
+    array = raw.astype(dtype)
+    if dtype.kind in "iu" and raw.size and not np.array_equal(array, raw):
+        raise ProtocolError(400, f"input {name!r}: a value is out of the range of {datatype}")
+    return array
+
+
+def _kind_name(raw: np.ndarray) -> str:
+    return {"b": "booleans", "i": "integers", "u": "integers", "f": "non-integer numbers",
+            "U": "strings", "O": "mixed or non-numeric values"}.get(raw.dtype.kind, raw.dtype.name)
+
+
+def _requested_outputs(request: Mapping[str, Any], parameters: Mapping[str, Any], model: Model,
+                       model_name: str) -> tuple[list[str], dict[str, bool]]:
+    default_binary = parameters.get("binary_data_output", False)
+    if not isinstance(default_binary, bool):
+        raise ProtocolError(400, "'binary_data_output' must be true or false")
+    names = [info.name for info in model.outputs]
+    raw_outputs = request.get("outputs")
+    if raw_outputs is None:
+        return names, {n: default_binary for n in names}
+    if not isinstance(raw_outputs, list):
+        raise ProtocolError(400, "'outputs' must be a list of {\"name\": ...} objects")
+    chosen: dict[str, bool] = {}
+    for index, raw in enumerate(raw_outputs):
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise ProtocolError(400, f"outputs[{index}] must be an object with a string 'name'")
+        name = raw["name"]
+        if name not in names:
+            raise ProtocolError(400, f"unknown output {name!r}; model {model_name!r} has outputs {names}")
+        as_binary = _parameters(raw, f"output {name!r}").get("binary_data", default_binary)
+        if not isinstance(as_binary, bool):
+            raise ProtocolError(400, f"output {name!r}: 'binary_data' must be true or false")
+        chosen[name] = as_binary
+    return list(chosen), chosen
+
+
+# -- responses ------------------------------------------------------------------------------------
+def encode_infer_response(model_name: str, version: str, request: InferRequest,
+                          outputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
+    """The response body and its headers (binary tensor data appended when asked for)."""
+    tensors, chunks = [], []
+    for name in request.outputs:
+        array = np.asarray(outputs[name])
+        tensor: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
+        if request.binary.get(name, False):
+            chunk = _to_binary(array)
+            tensor["parameters"] = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        else:
+            tensor["data"] = _to_json_data(array)
+        tensors.append(tensor)
+    response: dict[str, Any] = {"model_name": model_name, "model_version": version, "outputs": tensors}
+    if request.id is not None:
+        response["id"] = request.id
+    header = json.dumps(response, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {"content-type": "application/json"}
+    return header + b"".join(chunks), {"content-type": "application/octet-stream",
+                                       "inference-header-content-length": str(len(header))}
+
+
+def _to_binary(array: np.ndarray) -> bytes:
+    if datatype_of(array.dtype) == "BYTES":
+        parts = []
+        for item in array.flat:
+            raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+            parts.append(struct.pack("<I", len(raw)) + raw)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def _to_json_data(array: np.ndarray) -> list[Any]:
+    if datatype_of(array.dtype) == "BYTES":
+        return [item.decode("utf-8", "replace") if isinstance(item, bytes) else str(item) for item in array.flat]
+    if array.dtype.kind == "V" or array.dtype.name == "bfloat16":
+        array = array.astype(np.float32)
+    return array.ravel().tolist()
