@@ -1,4 +1,4 @@
-"""The ``asyncinfer`` command: ``demo``, ``run`` and ``info``."""
+"""The ``asyncinfer`` command: ``demo``, ``run``, ``info``, ``serve``, ``operators``, ``conformance``."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,7 @@ from .model.ir import Model, TensorInfo
 from .model.load import load_model
 from .ops.registry import lookup
 from .runtime.worker import Worker
+from .serving.cli import add_serve_command, run_serve
 
 BACKEND_CHOICES = [b.value for b in BackendType]
 
@@ -245,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="inputs, outputs, ops and which backend supports each op")
     info.add_argument("model", type=Path)
 
+    add_serve_command(sub)
+
     operators = sub.add_parser("operators", help="the table of supported operators per backend (markdown)")
     operators.add_argument("--output", type=Path, help="write it to this file (docs/operators.md)")
 
@@ -269,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _conformance(args)
         if args.command == "operators":
             return _operators(args)
+        if args.command == "serve":
+            return run_serve(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
