@@ -26,7 +26,7 @@ from asyncinfer.ops.registry import register
 from asyncinfer.serving import DynamicBatcher, create_app
 from asyncinfer.serving.batching import batch_symbol
 from asyncinfer.serving.cli import add_serve_command, model_sources
-from conftest import GATES, TEST_DOMAIN, make_model, tensor_info
+from conftest import TEST_DOMAIN, make_model, tensor_info
 
 RTOL, ATOL = 1e-5, 1e-5  # a batched GEMM may sum in another order than a batch of one (float32 ulps)
 
