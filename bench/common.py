@@ -296,6 +296,20 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def add_engine_args(parser: Any, results: str) -> None:
+    """The options every benchmark script shares: thread count and whether to write results."""
+    parser.add_argument("--threads", type=int, default=None, help="threads for both engines (default: cores)")
+    parser.add_argument("--no-write", action="store_true", help=f"do not write bench/results/{results}")
+
+
+def report(name: str, result: Mapping[str, Any], printer: Callable[[Any], None], write: bool) -> int:
+    """Print a benchmark's report and, unless told not to, write ``bench/results/<name>.json``."""
+    printer(result)
+    if write:
+        print(f"\nwrote {write_results(name, result)}")
+    return 0
+
+
 def write_results(name: str, data: Mapping[str, Any], results_dir: Path | None = None) -> Path:
     """Write ``{"environment": ..., "results": data}`` to ``bench/results/<name>.json``."""
     folder = results_dir or RESULTS_DIR

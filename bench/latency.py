@@ -117,14 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"light models to run (default: {' '.join(common.LIGHT_MODELS)})")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per engine and model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per engine first")
-    parser.add_argument("--threads", type=int, default=None, help="threads for both engines (default: cores)")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results/latency.json")
+    common.add_engine_args(parser, "latency.json")
     args = parser.parse_args(argv)
     result = run(args.models, repeats=args.repeats, warmup=args.warmup, threads=args.threads)
-    print_report(result)
-    if not args.no_write:
-        print(f"\nwrote {common.write_results('latency', result)}")
-    return 0
+    return common.report("latency", result, print_report, write=not args.no_write)
 
 
 if __name__ == "__main__":

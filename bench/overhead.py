@@ -250,15 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=30, help="timed runs per measurement")
     parser.add_argument("--lag-seconds", type=float, default=3.0, help="duration of each loop-lag window")
     parser.add_argument("--model", default="resnet50", help="light model for schedule() and loop lag")
-    parser.add_argument("--threads", type=int, default=None, help="threads for both engines (default: cores)")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results/overhead.json")
+    common.add_engine_args(parser, "overhead.json")
     args = parser.parse_args(argv)
     result = run(layers=args.layers, repeats=args.repeats, lag_seconds=args.lag_seconds, model=args.model,
                  threads=args.threads)
-    print_report(result)
-    if not args.no_write:
-        print(f"\nwrote {common.write_results('overhead', result)}")
-    return 0
+    return common.report("overhead", result, print_report, write=not args.no_write)
 
 
 if __name__ == "__main__":

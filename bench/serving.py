@@ -170,16 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-delay-ms", type=float, default=2.0)
     parser.add_argument("--max-concurrent-batches", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="threads for both engines (default: cores)")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results/serving.json")
+    common.add_engine_args(parser, "serving.json")
     args = parser.parse_args(argv)
     result = run(args.models, clients=args.clients, requests=args.requests, rounds=args.rounds,
                  max_batch_size=args.max_batch_size, max_delay=args.max_delay_ms / 1e3,
                  max_concurrent_batches=args.max_concurrent_batches, threads=args.threads)
-    print_report(result)
-    if not args.no_write:
-        print(f"\nwrote {common.write_results('serving', result)}")
-    return 0
+    return common.report("serving", result, print_report, write=not args.no_write)
 
 
 if __name__ == "__main__":
