@@ -168,6 +168,16 @@ def _masked_update(new: np.ndarray, old: np.ndarray, mask: np.ndarray | None) ->
     return new if mask is None else np.where(mask, new, old)
 
 
+def _step_mask(t: int, ragged_lens: np.ndarray | None) -> np.ndarray | None:
+    """Which batch rows are still inside their sequence at step ``t`` (None: all of them)."""
+    return None if ragged_lens is None else (t < ragged_lens)[:, None]
+
+
+def _emit(ys: np.ndarray, t: int, h_new: np.ndarray, mask: np.ndarray | None) -> None:
+    """Write step ``t``'s output; rows past their sequence length output zeros."""
+    ys[t] = h_new if mask is None else np.where(mask, h_new, 0)
+
+
 @register("LSTM", versions=(1, 7, 14, 22))
 class LSTM(_Recurrent):
     """LSTM with gate order i, o, f, c; peepholes P = (i, o, f); optional coupled input/forget gate."""
@@ -206,10 +216,10 @@ class LSTM(_Recurrent):
                     go = go + po * c_new
                 o = f(self.clip(go))
                 h_new = o * h_act(c_new)
-                mask = None if ragged_lens is None else (t < ragged_lens)[:, None]
+                mask = _step_mask(t, ragged_lens)
                 h = _masked_update(h_new, h, mask)
                 c = _masked_update(c_new, c, mask)
-                ys[t] = h_new if mask is None else np.where(mask, h_new, 0)
+                _emit(ys, t, h_new, mask)
             return ys, [h, c]
 
         ys, finals = self.run_directions(x, lens, step_fn)
@@ -255,9 +265,9 @@ class GRU(_Recurrent):
                         cand = cand + rbh
                 hh = g(self.clip(cand))
                 h_new = (1 - z) * hh + z * h
-                mask = None if ragged_lens is None else (t < ragged_lens)[:, None]
+                mask = _step_mask(t, ragged_lens)
                 h = _masked_update(h_new, h, mask)
-                ys[t] = h_new if mask is None else np.where(mask, h_new, 0)
+                _emit(ys, t, h_new, mask)
             return ys, [h]
 
         ys, finals = self.run_directions(x, lens, step_fn)
@@ -285,9 +295,9 @@ class RNN(_Recurrent):
             ys = np.zeros((xs.shape[0],) + h.shape, dtype=x.dtype)
             for t in range(xs.shape[0]):
                 h_new = f(self.clip(proj[t] + h @ rt))
-                mask = None if ragged_lens is None else (t < ragged_lens)[:, None]
+                mask = _step_mask(t, ragged_lens)
                 h = _masked_update(h_new, h, mask)
-                ys[t] = h_new if mask is None else np.where(mask, h_new, 0)
+                _emit(ys, t, h_new, mask)
             return ys, [h]
 
         ys, finals = self.run_directions(x, lens, step_fn)
