@@ -126,6 +126,20 @@ def digits_samples():
     return assets.default_samples()
 
 
+class LoopTicker:
+    """Counts turns of the event loop: proof, without timing, that the loop kept running."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    async def run(self) -> None:
+        import anyio
+
+        while True:
+            self.ticks += 1
+            await anyio.sleep(0)
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request):
     """Tests marked ``@pytest.mark.anyio`` run under asyncio and under trio."""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import asyncinfer as ai
+from conftest import LoopTicker
 
 EXPECTED = np.full((2, 3), 2, np.float32)
 
@@ -20,22 +21,15 @@ async def test_readback_and_clone_async_waits_without_blocking_the_loop(gated_mo
     async with ai.Worker(model) as worker:
         worker.schedule(np.ones((2, 3), np.float32))
         y = worker.peek_output()
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await anyio.sleep(0)
-
+        ticker = LoopTicker()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
-            while ticks < 50:  # the loop keeps running other tasks while the run is gated
+            tg.start_soon(ticker.run)
+            while ticker.ticks < 50:  # the loop keeps running other tasks while the run is gated
                 await anyio.sleep(0)
             gate.set()
             clone = await y.readback_and_clone_async()
             tg.cancel_scope.cancel()
-    assert ticks >= 50
+    assert ticker.ticks >= 50
     np.testing.assert_array_equal(clone.numpy(), EXPECTED)
     assert not clone.is_pending
 

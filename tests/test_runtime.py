@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import asyncinfer as ai
-from conftest import BARRIERS, TEST_DOMAIN, make_model, tensor_info
+from conftest import BARRIERS, TEST_DOMAIN, LoopTicker, make_model, tensor_info
 
 
 def test_schedule_returns_before_the_work_is_done(gated_model):
@@ -221,19 +221,12 @@ async def test_schedule_iterable_async_yields_to_the_loop_between_layers(add_cha
 
     model = ai.load_model(add_chain_model(6), optimize=False)
     ticks_seen = []
-    ticks = 0
-
-    async def ticker():
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await anyio.sleep(0)
-
+    ticker = LoopTicker()
     async with ai.Worker(model) as worker:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
+            tg.start_soon(ticker.run)
             async for _ in worker.schedule_iterable_async(np.zeros((1, 4), np.float32)):
-                ticks_seen.append(ticks)
+                ticks_seen.append(ticker.ticks)
             tg.cancel_scope.cancel()
         out = await worker.peek_output().readback_and_clone_async()
     np.testing.assert_array_equal(out.numpy(), np.full((1, 4), 6, np.float32))
