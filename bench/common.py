@@ -296,6 +296,25 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+def measure_each(models: Sequence[str], label: str, measure: Callable[[str], dict[str, Any]],
+                 verbose: bool = True) -> dict[str, Any]:
+    """``measure(name)`` for every model; one that cannot load or disagrees with ORT is recorded as
+    ``{"error": ...}`` and the others still run."""
+    import asyncinfer as ai
+
+    per_model: dict[str, Any] = {}
+    for name in models:
+        if verbose:
+            print(f"{label}: {name} ...", flush=True)
+        try:
+            per_model[name] = measure(name)
+        except (ai.AsyncInferError, OutputMismatch, FileNotFoundError) as exc:
+            per_model[name] = {"error": error_text(exc)}
+            if verbose:
+                print(f"  skipped: {per_model[name]['error']}", flush=True)
+    return per_model
+
+
 def add_engine_args(parser: Any, results: str) -> None:
     """The options every benchmark script shares: thread count and whether to write results."""
     parser.add_argument("--threads", type=int, default=None, help="threads for both engines (default: cores)")

@@ -71,16 +71,9 @@ def measure_light_model(name: str, *, repeats: int = 20, warmup: int = 2,
 def run(models: Sequence[str] = common.LIGHT_MODELS, *, repeats: int = 20, warmup: int = 2,
         threads: int | None = None, verbose: bool = True) -> dict[str, Any]:
     """Measure every model; a model that fails to load or mismatches is recorded as an error."""
-    per_model: dict[str, Any] = {}
-    for name in models:
-        if verbose:
-            print(f"latency: {name} ...", flush=True)
-        try:
-            per_model[name] = measure_light_model(name, repeats=repeats, warmup=warmup, threads=threads)
-        except (ai.AsyncInferError, common.OutputMismatch, FileNotFoundError) as exc:
-            per_model[name] = {"error": common.error_text(exc)}
-            if verbose:
-                print(f"  skipped: {per_model[name]['error']}", flush=True)
+    per_model = common.measure_each(
+        models, "latency", lambda name: measure_light_model(name, repeats=repeats, warmup=warmup, threads=threads),
+        verbose)
     measured = [r for r in per_model.values() if "error" not in r]
     return {
         "repeats": repeats,

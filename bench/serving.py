@@ -126,20 +126,14 @@ def run(models: Sequence[str] = ("digits", "squeezenet"), *, clients: int = 64, 
         rounds: int = 3, max_batch_size: int = 32, max_delay: float = 0.002, max_concurrent_batches: int = 2,
         threads: int | None = None, verbose: bool = True) -> dict[str, Any]:
     """Measure every model; one that cannot load or mismatches ORT is recorded as an error."""
-    per_model: dict[str, Any] = {}
-    for name in models:
-        if verbose:
-            print(f"serving: {name} ...", flush=True)
-        try:
-            proto, inputs = model_and_input(name)
-            per_model[name] = asyncio.run(measure_model_async(
-                proto, inputs, clients=clients, requests=requests or DEFAULT_REQUESTS.get(name, 256),
-                rounds=rounds, max_batch_size=max_batch_size, max_delay=max_delay,
-                max_concurrent_batches=max_concurrent_batches, threads=threads))
-        except (ai.AsyncInferError, common.OutputMismatch, FileNotFoundError) as exc:
-            per_model[name] = {"error": common.error_text(exc)}
-            if verbose:
-                print(f"  skipped: {per_model[name]['error']}", flush=True)
+    def measure(name: str) -> dict[str, Any]:
+        proto, inputs = model_and_input(name)
+        return asyncio.run(measure_model_async(
+            proto, inputs, clients=clients, requests=requests or DEFAULT_REQUESTS.get(name, 256),
+            rounds=rounds, max_batch_size=max_batch_size, max_delay=max_delay,
+            max_concurrent_batches=max_concurrent_batches, threads=threads))
+
+    per_model = common.measure_each(models, "serving", measure, verbose)
     return {"clients": clients, "rounds": rounds, "blas_threads_env": {k: os.environ.get(k) for k in BLAS_ENV},
             "models": per_model}
 
