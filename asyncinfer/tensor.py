@@ -2,8 +2,9 @@
 
 A :class:`Tensor` returned by a worker wraps the future of the layer that produces it. Reading it
 (`readback_and_clone`, `download_to_array`, `numpy()`) waits for that layer; the async and polling
-forms never block. :class:`TensorData` is the storage on a backend; only the CPU backend exists
-in this module, other backends subclass it.
+forms never block. :class:`TensorData` is the storage on a backend: NumPy arrays on the CPU;
+device backends subclass it for their device tensors, and a tensor computed on a device is
+read back by an asynchronous download that completes from a device fence or event.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ ReadbackCallback = Callable[[bool], Any]
 
 
 class TensorData:
-    """A tensor's storage on its backend. ``download()`` returns a NumPy copy and may block."""
+    """A tensor's storage on its backend. ``download()`` returns a NumPy copy and may block.
+
+    Device storage also has ``shape`` and ``dtype`` (the logical NumPy dtype of its values).
+    """
 
     backend: str = "cpu"
 
@@ -69,11 +73,11 @@ class Tensor:
     """
 
     __slots__ = ("_future", "_index", "_declared_shape", "_declared_dtype", "name", "backend",
-                 "_readback", "_lock", "_disposed", "_owner", "__weakref__")
+                 "_readback", "_lock", "_disposed", "_owner", "_device", "__weakref__")
 
     def __init__(self, data: Any = None, *, name: str = "", _future: TaskFuture | None = None, _index: int = 0,
                  _shape: tuple[Dim, ...] | None = None, _dtype: np.dtype | None = None, _backend: str = "cpu",
-                 _owner: Any = None):
+                 _owner: Any = None, _device: Any = None):
         if _future is None:
             if data is None:
                 raise TypeError("Tensor() needs an array-like")
@@ -90,6 +94,7 @@ class Tensor:
         self._lock = threading.Lock()
         self._disposed = False
         self._owner = _owner  # the Worker a peeked tensor belongs to (None: caller-owned)
+        self._device = _device  # the DeviceBackend holding the value (None: host memory)
 
     @classmethod
     def from_numpy(cls, array: np.ndarray, name: str = "") -> "Tensor":
@@ -140,8 +145,35 @@ class Tensor:
             return self._readback
 
     def _start_readback(self) -> TaskFuture:
-        # CPU storage is already host memory: the readback is complete when the layer is.
-        return self._future
+        if self._device is None:
+            # Host memory already: the readback is complete when the layer is.
+            return self._future
+        # A device value: once the layer is done, the device copies it to the host and completes
+        # the readback from its own fence/event. Nothing here waits.
+        readback = TaskFuture(label=f"readback {self.name}")
+        device, index = self._device, self._index
+
+        def downloaded(download: TaskFuture) -> None:
+            if download.failed():
+                readback.set_exception(download.exception())  # type: ignore[arg-type]
+            else:
+                readback.set_result(download.peek())
+
+        def computed(layer: TaskFuture) -> None:
+            if layer.failed():
+                readback.set_exception(layer.exception())  # type: ignore[arg-type]
+                return
+            try:
+                device.start_download(layer.peek()[index]).add_done_callback(downloaded)
+            except Exception as exc:  # noqa: BLE001 - e.g. the device was closed
+                readback.set_exception(exc)
+
+        self._future.add_done_callback(computed)
+        return readback
+
+    def _host_value(self, fut: TaskFuture) -> Any:
+        """The host value a completed readback future carries."""
+        return fut.peek()[self._index] if fut is self._future else fut.peek()
 
     def readback_request(self, callback: ReadbackCallback | None = None) -> None:
         """Start a non-blocking download; ``callback(success)`` runs when it is done.
@@ -182,7 +214,7 @@ class Tensor:
     def _storage_now(self, fut: TaskFuture) -> TensorData:
         if fut.failed():
             raise _reraise(fut.exception(), self.name)
-        return CPUTensorData(fut.peek()[self._index])
+        return CPUTensorData(self._host_value(fut))
 
     def readback_and_clone(self) -> "Tensor":
         """Blocking: wait for the value and return a caller-owned CPU copy."""
@@ -206,12 +238,14 @@ class Tensor:
         self._check_alive()
         fut = self._future
         if fut.done():
+            if self._device is not None and not fut.failed():
+                return fut.peek()[self._index]  # the device storage itself
             return self._storage_now(fut)
         return _PendingData(self)
 
     def numpy(self) -> np.ndarray:
         """Blocking: the value as a NumPy array (a copy for worker-owned tensors)."""
-        if self._owner is None and self._future.done() and not self._future.failed():
+        if self._owner is None and self._device is None and self._future.done() and not self._future.failed():
             self._check_alive()
             return self._future.peek()[self._index]
         return self.download_to_array()

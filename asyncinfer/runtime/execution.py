@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..backends.base import DeviceBackend
 from ..errors import AsyncInferError, DisposedError, ExecutionError
 from ..tensor import Tensor
 from .bridge import wait_done
@@ -45,6 +46,7 @@ class Execution:
         self._submitted = 0
         self._outputs: dict[str, Tensor] = {}
         self._taken: set[str] = set()
+        self._taken_tensors: list[Tensor] = []
 
     # -- scheduling ----------------------------------------------------------------------------------
     def submit_all(self) -> "Execution":
@@ -110,27 +112,48 @@ class Execution:
 
     # -- running (called by backends, on their threads) --------------------------------------------
     def run_step(self, step: Step) -> None:
-        """Run a ready step's kernel and complete its future. Never raises."""
-        fut = self.futures[step.index]
+        """Run a ready step's host kernel and complete its future. Never raises."""
+        args = self.begin_step(step)
+        if args is None:
+            return
+        try:
+            # (backend threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX)
+            outputs = list(step.op(*args))  # type: ignore[misc]
+            if step.activations:
+                outputs[0] = _apply_activations(step, outputs[0], args)
+        except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
+            self.fail_step(step, self.kernel_error(step, exc, args))
+            return
+        self.end_step(step, outputs)
+
+    def begin_step(self, step: Step) -> list | None:
+        """The input values of a ready step, or None if the step was failed instead (its run was
+        cancelled, or an input was released). Device backends call this, run their kernel, then
+        :meth:`end_step` (or :meth:`fail_step` with :meth:`kernel_error`)."""
         if self._cancelled:
             self.fail_step(step, ExecutionError(f"run cancelled before {step.layer.describe()} started",
                                                 layer=step.layer.name, op_type=step.layer.op_type))
-            return
-        try:
-            args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in step.inputs]  # type: ignore[union-attr]
-            if any(a is RELEASED for a in args):
-                raise DisposedError("an input of this layer was released (the worker or a tensor was disposed)")
-            # (backend threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX)
-            outputs = list(step.op(*args))
-            if step.activations:
-                outputs[0] = _apply_activations(step, outputs[0], args)
-            if len(outputs) < step.n_outputs:
-                raise ValueError(f"kernel returned {len(outputs)} outputs for {len(step.layer.outputs)}")
-        except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
-            self.fail_step(step, _execution_error(step, exc, args if "args" in locals() else []))
+            return None
+        args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in step.inputs]  # type: ignore[union-attr]
+        if any(a is RELEASED for a in args):
+            self.fail_step(step, DisposedError(
+                "an input of this layer was released (the worker or a tensor was disposed)"))
+            return None
+        return args
+
+    def end_step(self, step: Step, outputs: list) -> None:
+        """Complete a step with its output values (host arrays or device values)."""
+        if len(outputs) < step.n_outputs:
+            self.fail_step(step, self.kernel_error(step, ValueError(
+                f"kernel returned {len(outputs)} outputs for {len(step.layer.outputs)}"), []))
             return
         self._release_inputs(step)
-        fut.set_result(outputs)  # type: ignore[union-attr]
+        self.futures[step.index].set_result(outputs)  # type: ignore[union-attr]
+
+    @staticmethod
+    def kernel_error(step: Step, exc: BaseException, args: list) -> BaseException:
+        """The error a failed kernel reports: an ExecutionError naming the layer and op."""
+        return _execution_error(step, exc, args)  # type: ignore[arg-type]
 
     def fail_step(self, step: Step, error: BaseException) -> None:
         self._release_inputs(step)
@@ -169,9 +192,11 @@ class Execution:
         future = self.futures[ref[0]]
         if future is None:
             raise AsyncInferError(f"output {name!r} is not scheduled yet (schedule_iterable not finished)")
-        backend = self.plan.steps[ref[0]].backend.name if ref[0] < len(self.plan.steps) else "cpu"
+        backend = self.plan.steps[ref[0]].backend if ref[0] < len(self.plan.steps) else None
+        on_device = isinstance(backend, DeviceBackend)
         return Tensor(_future=future, _index=ref[1], name=name, _shape=info.shape, _dtype=info.dtype,
-                      _backend=backend, _owner=owner)
+                      _backend=backend.name if backend is not None else "cpu",
+                      _device=backend if on_device else None, _owner=owner)
 
     def _output_name(self, name: str | None) -> str:
         names = [o.name for o in self.plan.model.outputs]
@@ -195,7 +220,9 @@ class Execution:
         self._taken.add(name)
         if self.worker is not None:
             self.worker._keep_until_done(self)
-        return self._tensor(name, None)
+        tensor = self._tensor(name, None)
+        self._taken_tensors.append(tensor)
+        return tensor
 
     @property
     def has_taken_outputs(self) -> bool:
@@ -203,12 +230,13 @@ class Execution:
         return bool(self._taken)
 
     def wait_blocking(self, timeout: float | None = None) -> bool:
-        """Block until every output is computed or failed; True if all are done."""
+        """Block until every output is computed or failed, and the outputs taken by the caller are
+        on the host (a device is closed after this); True if all are done."""
         for ref in self.plan.output_refs:
             fut = self.futures[ref[0]]
             if fut is None or not fut.wait(timeout):
                 return False
-        return True
+        return all(t.disposed or t._readback_future().wait(timeout) for t in self._taken_tensors)
 
     @property
     def outputs(self) -> dict[str, Tensor]:
@@ -229,13 +257,17 @@ class Execution:
 
                 raise _reraise(fut.exception(), "output")  # type: ignore[union-attr]
 
+    async def read_outputs(self) -> dict[str, np.ndarray]:
+        """Await every output and its download to the host (never blocks the loop); caller-owned
+        NumPy arrays by name. Raises the first failure."""
+        tensors = [self._tensor(info.name, None) for info in self.plan.model.outputs]
+        for tensor in tensors:
+            await wait_done(tensor._readback_future())
+        return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
+
     def output_arrays(self) -> dict[str, np.ndarray]:
-        """Outputs of a completed execution as caller-owned NumPy arrays."""
-        result = {}
-        for info, ref in zip(self.plan.model.outputs, self.plan.output_refs):
-            value = self.futures[ref[0]].peek()[ref[1]]  # type: ignore[union-attr]
-            result[info.name] = np.array(value, copy=True)
-        return result
+        """Blocking: the outputs as caller-owned NumPy arrays (downloaded from a device if needed)."""
+        return {info.name: self._tensor(info.name, None).download_to_array() for info in self.plan.model.outputs}
 
 
 def _apply_activations(step: Step, y: np.ndarray, args: list) -> np.ndarray:

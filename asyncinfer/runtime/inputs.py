@@ -79,15 +79,21 @@ def _sequence_or_optional(info: TensorInfo, value: Any) -> Any:
 
 
 def _chained(tensor: Tensor) -> TaskFuture:
-    fut = TaskFuture(label=tensor.name)
+    """A host copy of a pending tensor from another run, as soon as its readback completes.
 
-    def forward(_: TaskFuture) -> None:
+    The forwarding runs on whichever thread completes the readback (perhaps a device thread), so
+    it must not wait: it reads the already-downloaded value.
+    """
+    fut = TaskFuture(label=tensor.name)
+    readback = tensor._readback_future()
+
+    def forward(done: TaskFuture) -> None:
         try:
-            fut.set_result([tensor.download_to_array()])
+            fut.set_result([tensor._storage_now(done).download()])
         except Exception as exc:  # noqa: BLE001 - the upstream failure flows into this run
             fut.set_exception(exc)
 
-    tensor._future.add_done_callback(forward)
+    readback.add_done_callback(forward)
     return fut
 
 

@@ -141,11 +141,10 @@ class Worker:
         execution = self._new_execution(inputs, named)
         execution.submit_all()
         try:
-            await execution.wait()
+            return await execution.read_outputs()
         except BaseException:
             execution.cancel()
             raise
-        return execution.output_arrays()
 
     def run_blocking(self, *inputs: Any, **named: Any) -> dict[str, np.ndarray]:
         """Blocking twin of :meth:`run`: waits on the calling thread. Do not call it on an event loop."""

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...errors import DisposedError
 from ...model.ir import Layer
-from ..base import Backend
+from ..base import Backend, ValueTypes
 from .memory import tune_allocator
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class CPUBackend(Backend):
         self._lane_busy = False
         self._lane_queue: deque[Task] = deque()
 
-    def supports(self, layer: Layer) -> bool:
+    def supports(self, layer: Layer, types: ValueTypes) -> bool:
         return True  # the op registry is the CPU backend's kernel table; load_model checked support
 
     def dispatch(self, execution: "Execution", step: "Step") -> None:
