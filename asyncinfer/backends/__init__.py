@@ -31,7 +31,9 @@ def create_backend(backend: "BackendType | str", *, threads: int | None = None) 
         return CPUBackend(threads)
     if kind is BackendType.GPU_COMPUTE:
         return _unavailable_gpu_compute()
-    return _unavailable_gpu_pixel()
+    from .pixel import PixelBackend
+
+    return PixelBackend()
 
 
 def _unavailable_gpu_compute() -> Backend:
@@ -41,16 +43,6 @@ def _unavailable_gpu_compute() -> Backend:
         raise BackendUnavailableError(
             "gpu_compute needs CuPy and a CUDA device: CuPy is not installed (pip install 'asyncinfer[gpu]')") from None
     raise BackendUnavailableError("gpu_compute: this build of asyncinfer has no CuPy kernels yet")
-
-
-def _unavailable_gpu_pixel() -> Backend:
-    try:
-        import moderngl  # noqa: F401
-    except Exception:
-        raise BackendUnavailableError(
-            "gpu_pixel needs moderngl and an EGL/OpenGL 3.3 context: moderngl is not installed "
-            "(pip install 'asyncinfer[pixel]')") from None
-    raise BackendUnavailableError("gpu_pixel: this build of asyncinfer has no fragment-shader kernels yet")
 
 
 __all__ = ["Backend", "BackendType", "CPUBackend", "create_backend", "parse_backend_type"]
