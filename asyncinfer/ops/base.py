@@ -30,6 +30,8 @@ class Op:
     - ``elementwise_unary``: True for activations that may be fused into the layer before them.
     - ``multithreaded``: True for kernels that already use every core inside BLAS (GEMM-based);
       the CPU backend runs those one at a time instead of oversubscribing the cores.
+    - ``metadata_inputs``: input indices of which only the shape is read (Shape, Size): a value
+      on a device is passed as it is (its storage knows its shape), never downloaded.
     """
 
     op_type: ClassVar[str] = ""
@@ -38,6 +40,7 @@ class Op:
     deterministic: ClassVar[bool] = True
     elementwise_unary: ClassVar[bool] = False
     multithreaded: ClassVar[bool] = False
+    metadata_inputs: ClassVar[tuple[int, ...]] = ()
 
     def __init__(self, layer: "Layer"):
         self.layer = layer

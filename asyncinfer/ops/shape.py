@@ -74,6 +74,8 @@ def check_mode(op: Op, name: str, default: str, allowed: Sequence[str]) -> None:
 # -- shape queries --------------------------------------------------------------------------------
 @register("Shape", versions=(1, 13, 15, 19, 21, 23, 24, 25))
 class Shape(Op):
+    metadata_inputs = (0,)
+
     def run(self, data: Array) -> Array:
         # Python slicing clamps start/end exactly as the spec asks (versions before 15 have neither).
         start, end = self.attr("start", 0), self.attr("end", None)
@@ -82,6 +84,8 @@ class Shape(Op):
 
 @register("Size", versions=(1, 13, 19, 21, 23, 24, 25))
 class Size(Op):
+    metadata_inputs = (0,)
+
     def run(self, data: Array) -> Array:
         return np.array(np.size(data), dtype=np.int64)
 

@@ -118,6 +118,7 @@ class Plan:
             if target is not backend:
                 fallback_layers.append(layer.name)
             host_inputs = target.host_inputs(layer) if isinstance(target, DeviceBackend) else frozenset()
+            op = ops.create(layer)
             inputs: list[Any] = []
             for i, name in enumerate(layer.inputs):
                 if not name:
@@ -125,7 +126,7 @@ class Plan:
                     continue
                 want = HOST if target.device == HOST or i in host_inputs else target.device
                 ref, where = home[name]
-                if where == want:
+                if where == want or i in op.metadata_inputs:  # Shape/Size read a device value's shape as is
                     inputs.append(ref)
                 elif (name, want) in copies:
                     inputs.append(copies[(name, want)])
@@ -141,7 +142,7 @@ class Plan:
                     inputs.append(copies[(name, want)])
             activations = [(ops.create(f), [model.constants[n] if n else None for n in f.inputs[1:]])
                            for f in layer.fused]
-            step = Step(index=len(self.steps), layer=layer, op=ops.create(layer), activations=activations,
+            step = Step(index=len(self.steps), layer=layer, op=op, activations=activations,
                         inputs=inputs, sources=(), backend=target)
             self.steps.append(step)
             placement[layer.name] = target.name
