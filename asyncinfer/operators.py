@@ -12,10 +12,16 @@ def _pixel_kernels() -> set[tuple[str, str]]:
     return {("", op_type) for op_type in KERNELS}
 
 
+def _cupy_kernels() -> set[tuple[str, str]]:
+    from .backends.cupy.kernels import SUPPORTED_OPS  # plain Python: importable without CuPy
+
+    return {("", op_type) for op_type in SUPPORTED_OPS}
+
+
 # Backends whose kernels are not in this build yet support nothing; the table says so honestly.
 _BACKEND_KERNELS: dict[str, "set[tuple[str, str]] | None"] = {
     BackendType.CPU.value: None,  # None: every registered op (the registry is the CPU kernel table)
-    BackendType.GPU_COMPUTE.value: set(),
+    BackendType.GPU_COMPUTE.value: _cupy_kernels(),
     BackendType.GPU_PIXEL.value: _pixel_kernels(),
 }
 
@@ -42,7 +48,7 @@ def markdown() -> str:
              "Versions are the ONNX schema versions (`since_version`) implemented; a model whose opset",
              "resolves to another version of an op is refused with `UnsupportedOperatorError`.",
              "Layers a backend has no kernel for fall back to the CPU, and so do layers whose value types",
-             "or attributes a kernel does not handle (e.g. gpu_pixel computes in float32 only).", "",
+             "or attributes a kernel does not handle (e.g. gpu_pixel does arithmetic in float32 only).", "",
              f"{len(rows)} operators.", "",
              "| domain | operator | versions | " + " | ".join(backends) + " |",
              "| --- | --- | --- | " + " | ".join("---" for _ in backends) + " |"]

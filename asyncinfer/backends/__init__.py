@@ -30,19 +30,17 @@ def create_backend(backend: "BackendType | str", *, threads: int | None = None) 
     if kind is BackendType.CPU:
         return CPUBackend(threads)
     if kind is BackendType.GPU_COMPUTE:
-        return _unavailable_gpu_compute()
+        return _build_gpu_compute()
     from .pixel import PixelBackend
 
     return PixelBackend()
 
 
-def _unavailable_gpu_compute() -> Backend:
-    try:
-        import cupy  # noqa: F401
-    except Exception:
-        raise BackendUnavailableError(
-            "gpu_compute needs CuPy and a CUDA device: CuPy is not installed (pip install 'asyncinfer[gpu]')") from None
-    raise BackendUnavailableError("gpu_compute: this build of asyncinfer has no CuPy kernels yet")
+def _build_gpu_compute() -> Backend:
+    """The CuPy backend; BackendUnavailableError says what is missing (CuPy, a CUDA device, the driver)."""
+    from .cupy import create_gpu_compute_backend  # imported here: CuPy itself is only imported if present
+
+    return create_gpu_compute_backend()
 
 
 __all__ = ["Backend", "BackendType", "CPUBackend", "create_backend", "parse_backend_type"]
