@@ -205,6 +205,10 @@ def _conformance(args: argparse.Namespace) -> int:
         passing = [r.name for r in reports[0].results if r.passed]
         args.write_passing.write_text("\n".join(passing) + "\n")
         print(f"wrote {len(passing)} passing case names to {args.write_passing}")
+    if args.write_wholly:
+        wholly = [r.name for r in reports[0].results if r.passed and r.wholly_on_backend]
+        args.write_wholly.write_text("\n".join(wholly) + "\n")
+        print(f"wrote {len(wholly)} names of cases passing wholly on {args.backend} to {args.write_wholly}")
     # The closing line: asyncinfer's own count, in the form test tooling reads.
     print(f"{reports[0].passed} passed, {reports[0].failed} failed")
     return 0
@@ -258,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--failures", action="store_true", help="list every failing case with the reason")
     conf.add_argument("--summary", action="store_true", help="no per-op table")
     conf.add_argument("--write-passing", type=Path, metavar="FILE", help="write the names of passing cases")
+    conf.add_argument("--write-wholly", type=Path, metavar="FILE",
+                      help="write the names of cases that pass with every layer on the backend (no CPU fallback)")
     return parser
 
 

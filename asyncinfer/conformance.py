@@ -144,7 +144,7 @@ def asyncinfer_engine(backend: str = "cpu") -> Engine:
             outputs = []
             for info in loaded.outputs:
                 tensor = execution.take_output(info.name)
-                if not tensor._future.wait(CASE_TIMEOUT_S):
+                if not tensor._readback_future().wait(CASE_TIMEOUT_S):  # computed and downloaded
                     raise TimeoutError(f"no result after {CASE_TIMEOUT_S} s")
                 outputs.append(tensor.download_to_array())
             return outputs, not worker.placement.fallback
