@@ -135,3 +135,21 @@ def test_floors_report_every_target():
            "schedule": {"chain": {"ratio": 0.2}, "m": {"ratio": 0.01}}}
     verdicts = {f.name: f.verdict for f in run_all.floors(lat, ovh)}
     assert sorted(verdicts.values()) == ["MISS", "MISS", "N/A", "PASS", "PASS"]
+
+
+def test_pixel_benchmark_on_squeezenet():
+    pytest.importorskip("onnxruntime", reason="the pixel benchmark compares against onnxruntime")
+    from pixel_testing import require_pixel
+
+    require_pixel()
+    from bench import pixel
+
+    result = pixel.run(["squeezenet"], repeats=1, warmup=0, verbose=False)
+    r = result["models"]["squeezenet"]
+    assert "error" not in r, r.get("error")
+    assert set(r["timings"]) == {"gpu_pixel", "cpu", "ort"}
+    for timing in r["timings"].values():
+        assert_timing(timing, 1)
+    assert r["fallback_layers"] == 0 and r["transfers"] == 1  # the input's upload only
+    assert_positive(r["ratio_pixel_cpu"])
+    assert result["geomean_pixel_ort"] == pytest.approx(r["ratio_pixel_ort"])

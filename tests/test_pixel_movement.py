@@ -362,3 +362,23 @@ def test_pad_of_an_empty_tensor_is_all_fill() -> None:
 def test_dropout_with_a_mask_is_a_view_and_ones(opset: int) -> None:
     """The optimizer keeps Dropout when its mask is named; the mask is float before opset 10."""
     assert check("Dropout", [data((2, 5))], opset=opset, n_outputs=2) == 1
+
+
+@pytest.mark.parametrize("op_type", ["Gather", "GatherElements"])
+def test_out_of_range_indices_are_an_error_naming_the_index_and_the_worker_stays_usable(op_type) -> None:
+    import asyncinfer as ai
+    from pixel_testing import require_pixel
+
+    require_pixel()
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    good = np.array([[0, -1], [2, 1], [1, 0]], np.int64)
+    bad = good.copy()
+    bad[1, 0] = 3 if op_type == "Gather" else 4  # one past the end of the gathered axis
+    model = ai.load_model(one_node_model(op_type, [data, good], {"axis": 0 if op_type == "Gather" else 1}))
+    with ai.Worker(model, "gpu_pixel") as worker:
+        assert not worker.placement.fallback
+        with pytest.raises(ai.ExecutionError, match=f"{op_type}.*index . is out of range"):
+            worker.run_blocking({"i0": data, "i1": bad})
+        got = worker.run_blocking({"i0": data, "i1": good})["o0"]
+    expected = np.take(data, good, axis=0) if op_type == "Gather" else np.take_along_axis(data, good % 4, axis=1)
+    np.testing.assert_array_equal(got, expected)

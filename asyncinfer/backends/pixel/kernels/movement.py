@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 # ``_onnx_slice`` is the CPU op's own clamping rule: sharing it keeps both backends identical.
+from ....ops.indexing import normalize_indices
 from ....ops.shape import _onnx_slice, int_list, normalize_axes, normalize_axis, op_error
 from ..layout import axis_layout, natural_layout
 from .base import BOOL, FLOAT32, INDEX_TYPES, PixelKernel, coordinate, glsl_float, pixel_kernel, strides
@@ -181,8 +182,8 @@ def _condition(ranges: list[tuple[int, int, int]], shape: tuple[int, ...]) -> st
 
 def index_helper(name: str, dim: int) -> str:
     """GLSL ``int {name}_index(int k)``: element ``k`` of index tensor ``name`` as a coordinate on
-    an axis of ``dim``; negative values count from the end, and out-of-range ones are clamped
-    (a shader cannot raise: the CPU backend reports them as errors)."""
+    an axis of ``dim``. The host already checked the indices; negative values and the clamp stay
+    as a guard, so a shader never reads outside its texture."""
     return (f"int {name}_index(int k) {{ int v = int({name}_at(k)); "
             f"return clamp(v < 0 ? v + {dim} : v, 0, {max(dim - 1, 0)}); }}")
 
@@ -359,17 +360,34 @@ class Split(_Movement):
         return outputs
 
 
-@pixel_kernel("Gather")
-class Gather(_Movement):
-    """``np.take`` along ``axis``; indices (int32/int64, constant or computed) may be negative.
-    Out-of-range indices are clamped here (the CPU backend raises)."""
+class _HostIndices(_Movement):
+    """Gathers whose indices (input 1, int32/int64) are read on the host: there they are checked
+    like the CPU op checks them (an out-of-range index is an error naming it, never a silently
+    clamped read), made non-negative, then uploaded. Indices from the model's inputs or constants
+    are on the host anyway; computed ones cost a download."""
 
-    index_inputs = frozenset({1})
+    def __init__(self, layer, op):  # type: ignore[no-untyped-def]
+        super().__init__(layer, op)
+        self.host_inputs = self.host_inputs | {1}
+
+    def supports(self, types: Mapping[str, np.dtype | None]) -> bool:
+        indices = types.get(self.layer.inputs[1]) if len(self.layer.inputs) > 1 else None
+        return indices is not None and np.dtype(indices) in INDEX_TYPES and super().supports(types)
+
+    def device_indices(self, device: "PixelDevice", indices: np.ndarray, dim: int) -> "PixelTensor":
+        """(GL thread) The checked, non-negative indices as a texture."""
+        return device.upload(normalize_indices(self.op, indices, dim))
+
+
+@pixel_kernel("Gather")
+class Gather(_HostIndices):
+    """``np.take`` along ``axis``; indices may be negative."""
 
     def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
-        data, indices = inputs[0], inputs[1]
+        data = inputs[0]
         rank = len(data.shape)
         axis = normalize_axis(self.op, self.op.attr("axis", 0), rank)
+        indices = self.device_indices(device, inputs[1], data.shape[axis])
         q = len(indices.shape)
         out_shape = data.shape[:axis] + indices.shape + data.shape[axis + 1:]
         flat = " + ".join(f"c{axis + k} * {s}" for k, s in enumerate(strides(indices.shape))
@@ -382,17 +400,16 @@ class Gather(_Movement):
 
 
 @pixel_kernel("GatherElements")
-class GatherElements(_Movement):
+class GatherElements(_HostIndices):
     """``np.take_along_axis``: the output has the indices' shape; indices as in Gather."""
 
-    index_inputs = frozenset({1})
-
     def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
-        data, indices = inputs[0], inputs[1]
+        data = inputs[0]
         rank = len(data.shape)
-        if len(indices.shape) != rank:
-            raise op_error(self.op, f"indices of rank {len(indices.shape)} for data of rank {rank}")
+        if np.ndim(inputs[1]) != rank:
+            raise op_error(self.op, f"indices of rank {np.ndim(inputs[1])} for data of rank {rank}")
         axis = normalize_axis(self.op, self.op.attr("axis", 0), rank)
+        indices = self.device_indices(device, inputs[1], data.shape[axis])
         terms = [follow(j, j) if j != axis else Term(axis, "I_index(i)") for j in range(rank)]
         copy = Copy(indices.shape, [Source(data, data.shape, terms)], extra={"I": indices},
                     helpers=index_helper("I", data.shape[axis]))
