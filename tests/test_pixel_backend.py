@@ -294,3 +294,14 @@ def test_disposed_worker_refuses_and_its_gl_thread_is_gone(elementwise, x):
     assert not thread.is_alive()
     with pytest.raises(ai.DisposedError):
         worker.schedule(x)
+
+
+def test_a_worker_takes_a_backend_instance_and_owns_it(elementwise, x):
+    from asyncinfer.backends.pixel import PixelBackend
+
+    backend = PixelBackend()
+    with ai.Worker(elementwise, backend) as worker:
+        assert worker.backend_type is ai.BackendType.GPU_PIXEL and worker._backend is backend
+        got = worker.run_blocking(x)
+    assert not backend.gpu.gl.thread.is_alive()  # closed with the worker
+    np.testing.assert_allclose(got["y"], cpu_reference(elementwise, x)["y"], rtol=RTOL, atol=ATOL)

@@ -9,7 +9,7 @@ from typing import Any
 import anyio.lowlevel
 import numpy as np
 
-from ..backends import BackendType, CPUBackend, create_backend, parse_backend_type
+from ..backends import Backend, BackendType, CPUBackend, create_backend, parse_backend_type
 from ..errors import AsyncInferError, DisposedError
 from ..model.ir import Model
 from ..tensor import Tensor
@@ -26,17 +26,24 @@ class Worker:
 
     Args:
         model: a model from :func:`asyncinfer.load_model`.
-        backend: a :class:`BackendType` or its name (``"cpu"``, ``"gpu_compute"``, ``"gpu_pixel"``).
+        backend: a :class:`BackendType` or its name (``"cpu"``, ``"gpu_compute"``, ``"gpu_pixel"``),
+            or a backend instance built with options (e.g. ``CuPyBackend(device_id=1)``); the worker
+            owns it from then on and closes it when disposed.
         threads: CPU thread-pool size (default: the core count).
 
     Raises:
         BackendUnavailableError: the backend cannot run on this machine (says what is missing).
     """
 
-    def __init__(self, model: Model, backend: BackendType | str = BackendType.CPU, *, threads: int | None = None):
+    def __init__(self, model: Model, backend: BackendType | str | Backend = BackendType.CPU, *,
+                 threads: int | None = None):
         self.model = model
-        self.backend_type = parse_backend_type(backend)
-        self._backend = create_backend(self.backend_type, threads=threads)
+        if isinstance(backend, Backend):
+            self.backend_type = parse_backend_type(backend.name)
+            self._backend = backend
+        else:
+            self.backend_type = parse_backend_type(backend)
+            self._backend = create_backend(self.backend_type, threads=threads)
         self._fallback = None if isinstance(self._backend, CPUBackend) else CPUBackend(threads)
         try:
             self._plan = Plan(model, self._backend, self._fallback)
