@@ -61,6 +61,23 @@ def tensor_info(name, shape, dtype=TensorProto.FLOAT):
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
+def shape_arithmetic_model() -> onnx.ModelProto:
+    """``y = Reshape(r, Concat(Shape(r)[0:1], [-1]))`` with ``r = Relu(x)``, x of shape (N, 2, 3):
+    the Shape/Slice/Concat layers compute a shape (CPU-bound), Relu and Reshape compute values."""
+    from onnx import numpy_helper
+
+    minus_one = numpy_helper.from_array(np.array([-1], np.int64), "minus_one")
+    starts = numpy_helper.from_array(np.array([0], np.int64), "starts")
+    ends = numpy_helper.from_array(np.array([1], np.int64), "ends")
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Shape", ["r"], ["s"], name="shape"),
+             helper.make_node("Slice", ["s", "starts", "ends"], ["s0"], name="slice"),
+             helper.make_node("Concat", ["s0", "minus_one"], ["target"], axis=0, name="concat"),
+             helper.make_node("Reshape", ["r", "target"], ["y"], name="reshape")]
+    return make_model(nodes, [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", 6])],
+                      [minus_one, starts, ends], extra_domains=())
+
+
 @pytest.fixture
 def gate():
     """A fresh named gate; opened at teardown so no pool thread stays stuck."""

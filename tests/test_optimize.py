@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import asyncinfer as ai
-from conftest import make_model, tensor_info
+from conftest import make_model, shape_arithmetic_model, tensor_info
 
 
 def _run(model, *inputs):
@@ -87,16 +87,7 @@ def test_fusion_skipped_when_the_intermediate_is_an_output():
 
 def test_cpu_bound_analysis_marks_shape_producers():
     # shape = Concat(Shape(x)[0:1], [-1]) feeds Reshape: Shape/Slice/Concat are CPU-bound, Relu is not.
-    minus_one = numpy_helper.from_array(np.array([-1], np.int64), "minus_one")
-    starts = numpy_helper.from_array(np.array([0], np.int64), "starts")
-    ends = numpy_helper.from_array(np.array([1], np.int64), "ends")
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Shape", ["r"], ["s"], name="shape"),
-             helper.make_node("Slice", ["s", "starts", "ends"], ["s0"], name="slice"),
-             helper.make_node("Concat", ["s0", "minus_one"], ["target"], axis=0, name="concat"),
-             helper.make_node("Reshape", ["r", "target"], ["y"], name="reshape")]
-    proto = make_model(nodes, [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", 6])],
-                       [minus_one, starts, ends], extra_domains=())
+    proto = shape_arithmetic_model()
     model = ai.load_model(proto)
     marks = {l.name: l.cpu_bound for l in model.layers}
     assert marks == {"relu": False, "shape": True, "slice": True, "concat": True, "reshape": False}

@@ -13,7 +13,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import asyncinfer as ai
-from conftest import LoopTicker, make_model, tensor_info
+from conftest import LoopTicker, make_model, shape_arithmetic_model, tensor_info
 from pixel_testing import require_pixel
 
 RTOL, ATOL = 1e-5, 1e-6  # element-wise float32 math on llvmpipe vs NumPy
@@ -86,16 +86,7 @@ def test_layers_without_a_shader_fall_back_with_explicit_transfers(rng):
 
 def test_cpu_bound_shape_arithmetic_stays_on_the_cpu_and_shape_needs_no_download(rng):
     # Reshape(r, Concat(Shape(r)[0:1], [-1])): Shape reads the texture's shape, not its values.
-    minus_one = numpy_helper.from_array(np.array([-1], np.int64), "minus_one")
-    starts = numpy_helper.from_array(np.array([0], np.int64), "starts")
-    ends = numpy_helper.from_array(np.array([1], np.int64), "ends")
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Shape", ["r"], ["s"], name="shape"),
-             helper.make_node("Slice", ["s", "starts", "ends"], ["s0"], name="slice"),
-             helper.make_node("Concat", ["s0", "minus_one"], ["target"], axis=0, name="concat"),
-             helper.make_node("Reshape", ["r", "target"], ["y"], name="reshape")]
-    proto = make_model(nodes, [tensor_info("x", ["N", 2, 3])], [tensor_info("y", ["N", 6])],
-                       [minus_one, starts, ends], extra_domains=())
+    proto = shape_arithmetic_model()
     model = ai.load_model(proto)
     x = rng.standard_normal((4, 2, 3)).astype(np.float32)
     with ai.Worker(model, "gpu_pixel") as worker:

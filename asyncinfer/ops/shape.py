@@ -219,6 +219,12 @@ class Slice(Op):
             starts: MaybeArray = None, ends: MaybeArray = None,
             axes: MaybeArray = None, steps: MaybeArray = None) -> Array:
         data = np.asarray(data)
+        return data[self.index(data.shape, starts, ends, axes, steps)]
+
+    def index(self, shape: tuple[int, ...], starts: MaybeArray = None, ends: MaybeArray = None,
+              axes: MaybeArray = None, steps: MaybeArray = None) -> tuple[slice, ...]:
+        """The Python slices, one per axis of ``shape``, that this Slice takes (device backends
+        use it too, so every backend clamps and checks alike)."""
         if self.version < 10:
             starts, ends, axes = self.attr("starts"), self.attr("ends"), self.attr("axes", None)
         starts, ends = int_list(starts), int_list(ends)
@@ -226,12 +232,12 @@ class Slice(Op):
         steps = [1] * len(starts) if steps is None else int_list(steps)
         if not len(starts) == len(ends) == len(axes) == len(steps):
             raise op_error(self, "starts, ends, axes and steps differ in length")
-        index = [slice(None)] * data.ndim
-        for axis, start, end, step in zip(normalize_axes(self, axes, data.ndim), starts, ends, steps):
+        index = [slice(None)] * len(shape)
+        for axis, start, end, step in zip(normalize_axes(self, axes, len(shape)), starts, ends, steps):
             if step == 0:
                 raise op_error(self, "step 0")
-            index[axis] = _onnx_slice(start, end, step, data.shape[axis])
-        return data[tuple(index)]
+            index[axis] = _onnx_slice(start, end, step, shape[axis])
+        return tuple(index)
 
 
 def _onnx_slice(start: int, end: int, step: int, dim: int) -> slice:

@@ -17,7 +17,7 @@ import numpy as np
 from ....model.ir import Layer
 from ....ops.base import Op
 from ....ops.indexing import normalize_indices
-from ....ops.shape import _onnx_slice, input_or_attr, int_list, normalize_axes, normalize_axis, op_error
+from ....ops.shape import input_or_attr, int_list, normalize_axes, normalize_axis, op_error
 from ...base import ValueTypes
 from .base import PLAIN, Kernel, KernelContext, all_typed, register
 
@@ -126,20 +126,7 @@ class SliceKernel(_Movement):
 
     def run(self, ctx: KernelContext, x: Any, starts: Any = None, ends: Any = None, axes: Any = None,
             steps: Any = None) -> Any:
-        op = self.op
-        if op.version < 10:
-            starts, ends, axes = op.attr("starts"), op.attr("ends"), op.attr("axes", None)
-        starts, ends = int_list(starts), int_list(ends)
-        axes = list(range(len(starts))) if axes is None else int_list(axes)
-        steps = [1] * len(starts) if steps is None else int_list(steps)
-        if not len(starts) == len(ends) == len(axes) == len(steps):
-            raise op_error(op, "starts, ends, axes and steps differ in length")
-        index = [slice(None)] * x.ndim
-        for axis, start, end, step in zip(normalize_axes(op, axes, x.ndim), starts, ends, steps):
-            if step == 0:
-                raise op_error(op, "step 0")
-            index[axis] = _onnx_slice(start, end, step, x.shape[axis])
-        return x[tuple(index)]
+        return x[self.op.index(tuple(x.shape), starts, ends, axes, steps)]
 
 
 @register

@@ -32,7 +32,7 @@ import numpy as np
 
 # ``_onnx_slice`` is the CPU op's own clamping rule: sharing it keeps both backends identical.
 from ....ops.indexing import normalize_indices
-from ....ops.shape import _onnx_slice, int_list, normalize_axes, normalize_axis, op_error
+from ....ops.shape import int_list, normalize_axes, normalize_axis, op_error
 from ..layout import axis_layout, natural_layout
 from .base import BOOL, FLOAT32, INDEX_TYPES, PixelKernel, coordinate, glsl_float, pixel_kernel, strides
 
@@ -325,21 +325,7 @@ class Slice(_Movement):
 
     def ranges(self, shape: tuple[int, ...], args: list) -> list[range]:
         """The input indices kept on each axis."""
-        op = self.op
-        starts, ends, axes, steps = args[:4]
-        if op.version < 10:
-            starts, ends, axes = op.attr("starts"), op.attr("ends"), op.attr("axes", None)
-        starts, ends = int_list(starts), int_list(ends)
-        axes = list(range(len(starts))) if axes is None else int_list(axes)
-        steps = [1] * len(starts) if steps is None else int_list(steps)
-        if not len(starts) == len(ends) == len(axes) == len(steps):
-            raise op_error(op, "starts, ends, axes and steps differ in length")
-        result = [range(d) for d in shape]
-        for axis, start, end, step in zip(normalize_axes(op, axes, len(shape)), starts, ends, steps):
-            if step == 0:
-                raise op_error(op, "step 0")
-            result[axis] = range(shape[axis])[_onnx_slice(start, end, step, shape[axis])]
-        return result
+        return [range(dim)[cut] for dim, cut in zip(shape, self.op.index(shape, *args[:4]))]
 
 
 @pixel_kernel("Split")
