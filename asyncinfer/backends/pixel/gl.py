@@ -1,10 +1,11 @@
 """The GL thread: one thread owns the headless moderngl context and makes every GL call.
 
 OpenGL contexts are bound to one thread, so everything that touches GL (uploads, draws,
-downloads, freeing textures) is a closure put on this thread's queue. Between closures the
-thread polls the GL sync fences of downloads in flight and completes their futures, so a
-download never makes anybody wait: not the caller, not the event loop, not even this thread
-(it polls with a zero timeout and keeps executing queued work).
+downloads, freeing textures) is a closure put on this thread's queue (a
+:class:`~asyncinfer.backends.device_thread.DeviceThread`). Between closures the thread polls the
+GL sync fences of downloads in flight and completes their futures, so a download never makes
+anybody wait: not the caller, not the event loop, not even this thread (it polls with a zero
+timeout and keeps executing queued work).
 
 moderngl has no fence object, so fences come from the GL library itself through ctypes:
 ``eglGetProcAddress`` returns ``glFenceSync``/``glClientWaitSync``/``glDeleteSync`` for the
@@ -14,14 +15,12 @@ calls go through. They are only ever called on this thread.
 from __future__ import annotations
 
 import ctypes
-import logging
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from ...errors import BackendUnavailableError, DisposedError
 from ...runtime.future import TaskFuture
+from ..device_thread import DeviceThread
 
 GL_SYNC_GPU_COMMANDS_COMPLETE = 0x9117
 GL_SYNC_FLUSH_COMMANDS_BIT = 0x00000001
@@ -29,11 +28,6 @@ GL_ALREADY_SIGNALED = 0x911A
 GL_CONDITION_SATISFIED = 0x911C
 GL_WAIT_FAILED = 0x911D
 
-#: How often (seconds) the GL thread looks at its fences while nothing else is queued.
-FENCE_POLL_INTERVAL = 0.0002
-
-_STOP = object()
-_log = logging.getLogger(__name__)
 
 
 def create_context() -> Any:
@@ -98,121 +92,57 @@ class Fences:
         self._delete(sync)
 
 
-class _Pending:
-    """A fence and what to do once it signals."""
-
-    __slots__ = ("sync", "complete", "future")
-
-    def __init__(self, sync: int, complete: Callable[[], Any], future: TaskFuture):
-        self.sync, self.complete, self.future = sync, complete, future
-
-
-class GLThread:
-    """Owns the context; runs queued closures in order; completes fenced futures."""
+class GLThread(DeviceThread):
+    """Owns the context: runs queued closures in order and completes fenced futures."""
 
     def __init__(self, name: str = "asyncinfer-gl"):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: list[_Pending] = []
-        self._closed = False
-        self._lock = threading.Lock()
         self.ctx: Any = None
         self.fences: Fences | None = None
-        started: TaskFuture = TaskFuture(label="GL context")
-        self._thread = threading.Thread(target=self._main, args=(started,), name=name, daemon=True)
-        self._thread.start()
-        started.result()  # raises BackendUnavailableError when there is no usable context
+        super().__init__(name)  # raises BackendUnavailableError when there is no usable context
 
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
+    def start_device(self) -> None:
+        self.ctx = create_context()
+        self.fences = Fences()
 
-    def on_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    # -- submitting work -----------------------------------------------------------------------
-    def submit(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn()`` on the GL thread, after everything submitted before it."""
-        with self._lock:  # nothing may be queued behind the stop marker: it would never run
-            if self._closed:
-                raise DisposedError("the gpu_pixel backend was closed")
-            self._queue.put(fn)
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` on the GL thread and wait for its result (worker creation only)."""
-        if self.on_thread():
-            return fn()
-        future: TaskFuture = TaskFuture(label="GL call")
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                future.set_exception(exc)
-
-        self.submit(run)
-        return future.result()
-
-    def after_fence(self, complete: Callable[[], Any], future: TaskFuture) -> None:
-        """(GL thread) Insert a fence now; once it signals, complete ``future`` with ``complete()``."""
-        assert self.fences is not None
-        self._pending.append(_Pending(self.fences.insert(), complete, future))
-
-    # -- the thread ------------------------------------------------------------------------------
-    def _main(self, started: TaskFuture) -> None:
-        try:
-            self.ctx = create_context()
-            self.fences = Fences()
-        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
-            started.set_exception(exc)
-            return
-        started.set_result(None)
-        while True:
-            try:
-                fn = self._queue.get(timeout=FENCE_POLL_INTERVAL if self._pending else None)
-            except queue.Empty:
-                fn = None
-            if fn is _STOP:
-                break
-            if fn is not None:
-                try:
-                    fn()
-                except BaseException:  # noqa: BLE001 - closures fail their own futures; never kill the thread
-                    _log.exception("uncaught error on the GL thread")
-            if self._pending:
-                self._poll_fences()
-        self._shutdown()
-
-    def _poll_fences(self) -> None:
-        assert self.fences is not None
-        still: list[_Pending] = []
-        for pending in self._pending:
-            try:
-                if not self.fences.signaled(pending.sync):
-                    still.append(pending)
-                    continue
-                self.fences.delete(pending.sync)
-                value = pending.complete()
-            except Exception as exc:  # noqa: BLE001 - a failed download fails its future
-                pending.future.set_exception(exc)
-                continue
-            pending.future.set_result(value)
-        self._pending = still
-
-    def _shutdown(self) -> None:
-        # Downloads in flight still deliver: wait for their fences (we are closing anyway).
-        while self._pending:
-            self._poll_fences()
+    def stop_device(self) -> None:
         try:
             self.ctx.release()
         except Exception:  # noqa: BLE001 - closing a context that failed is not worth a traceback
             pass
 
-    def close(self) -> None:
-        """Run what is queued, deliver downloads in flight, release the context, join the thread."""
-        with self._lock:
-            if self._closed:
+    def submit(self, fn: Callable[[], Any]) -> bool:
+        """Run ``fn()`` on the GL thread, after everything submitted before it."""
+        if not super().submit(fn):
+            raise self.closed_error()
+        return True
+
+    def closed_error(self) -> BaseException:
+        return DisposedError("the gpu_pixel backend was closed")
+
+    def after_fence(self, complete: Callable[[], Any], future: TaskFuture) -> None:
+        """(GL thread) Insert a fence now; once it signals, complete ``future`` with ``complete()``."""
+        fences = self.fences
+        assert fences is not None
+        sync = fences.insert()
+        failure: list[BaseException] = []
+
+        def signaled() -> bool:
+            try:
+                return fences.signaled(sync)
+            except Exception as exc:  # noqa: BLE001 - a failed wait fails the download
+                failure.append(exc)
+                return True
+
+        def finish() -> None:
+            fences.delete(sync)
+            if failure:
+                future.set_exception(failure[0])
                 return
-            self._closed = True
-            self._queue.put(_STOP)
-        if not self.on_thread():
-            self._thread.join()
+            try:
+                value = complete()
+            except Exception as exc:  # noqa: BLE001 - a failed download fails its future
+                future.set_exception(exc)
+                return
+            future.set_result(value)
+
+        self.watch(signaled, finish)
