@@ -281,16 +281,7 @@ class Pad(Op):
             pads: MaybeArray = None, constant_value: MaybeArray = None,
             axes: MaybeArray = None) -> Array:
         data = np.asarray(data)
-        if self.version < 11:
-            pads = self.attr("paddings" if self.version < 2 else "pads")
-            constant_value = self.attr("value", 0.0)
-        pads = int_list(pads)
-        axes = list(range(data.ndim)) if axes is None else normalize_axes(self, int_list(axes), data.ndim)
-        if len(pads) != 2 * len(axes):
-            raise op_error(self, f"{len(pads)} pads for {len(axes)} axes")
-        widths = [[0, 0] for _ in range(data.ndim)]
-        for i, axis in enumerate(axes):
-            widths[axis] = [pads[i], pads[i + len(axes)]]
+        widths, constant_value = self.widths(data.ndim, pads, constant_value, axes)
         # Negative pads crop: apply them first as a slice, then pad with the positive ones.
         data = data[tuple(slice(max(-b, 0), data.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))]
         widths = [(max(b, 0), max(e, 0)) for b, e in widths]
@@ -299,11 +290,30 @@ class Pad(Op):
             if any((b or e) and data.shape[i] == 0 for i, (b, e) in enumerate(widths)):
                 raise op_error(self, f"mode {mode!r} cannot pad an empty axis")
             return np.pad(data, widths, mode=mode)
-        if constant_value is None or np.size(constant_value) == 0:
+        if constant_value is None:
             fill = "" if data.dtype == object else np.zeros((), data.dtype)
         else:
             fill = np.asarray(constant_value).reshape(-1)[0]
         return np.pad(data, widths, mode="constant", constant_values=fill)
+
+    def widths(self, rank: int, pads: MaybeArray = None, constant_value: MaybeArray = None,
+               axes: MaybeArray = None) -> tuple[list[list[int]], MaybeArray]:
+        """``[before, after]`` per axis (negative values crop) and the constant value (None when
+        not given), from the inputs or the attributes of older opsets. Device backends use it too,
+        so every backend reads and checks pads alike."""
+        if self.version < 11:
+            pads = self.attr("paddings" if self.version < 2 else "pads")
+            constant_value = self.attr("value", 0.0)
+        pads = int_list(pads)
+        axes = list(range(rank)) if axes is None else normalize_axes(self, int_list(axes), rank)
+        if len(pads) != 2 * len(axes):
+            raise op_error(self, f"{len(pads)} pads for {len(axes)} axes")
+        widths = [[0, 0] for _ in range(rank)]
+        for i, axis in enumerate(axes):
+            widths[axis] = [pads[i], pads[i + len(axes)]]
+        if constant_value is not None and np.size(constant_value) == 0:
+            constant_value = None
+        return widths, constant_value
 
 
 # -- tensor creation ------------------------------------------------------------------------------

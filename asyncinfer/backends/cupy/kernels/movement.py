@@ -208,16 +208,7 @@ class PadKernel(_Movement):
 
     def run(self, ctx: KernelContext, x: Any, pads: Any = None, constant_value: Any = None, axes: Any = None) -> Any:
         op = self.op
-        if op.version < 11:
-            pads = op.attr("paddings" if op.version < 2 else "pads")
-            constant_value = op.attr("value", 0.0)
-        pads = int_list(pads)
-        axes = list(range(x.ndim)) if axes is None else normalize_axes(op, int_list(axes), x.ndim)
-        if len(pads) != 2 * len(axes):
-            raise op_error(op, f"{len(pads)} pads for {len(axes)} axes")
-        widths = [[0, 0] for _ in range(x.ndim)]
-        for i, axis in enumerate(axes):
-            widths[axis] = [pads[i], pads[i + len(axes)]]
+        widths, constant_value = op.widths(x.ndim, pads, constant_value, axes)
         x = x[tuple(slice(max(-b, 0), x.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))]
         widths = [(max(b, 0), max(e, 0)) for b, e in widths]
         mode = op.attr("mode", "constant")
@@ -225,8 +216,7 @@ class PadKernel(_Movement):
             if any((b or e) and x.shape[i] == 0 for i, (b, e) in enumerate(widths)):
                 raise op_error(op, f"mode {mode!r} cannot pad an empty axis")
             return ctx.xp.pad(x, widths, mode=_PAD_MODES[mode])
-        given = constant_value is not None and np.size(constant_value) > 0
-        fill = np.asarray(constant_value).reshape(-1)[0] if given else 0
+        fill = 0 if constant_value is None else np.asarray(constant_value).reshape(-1)[0]
         out = ctx.xp.full(tuple(s + b + e for s, (b, e) in zip(x.shape, widths)), fill, dtype=x.dtype)
         out[tuple(slice(b, b + s) for s, (b, _) in zip(x.shape, widths))] = x
         return out

@@ -487,19 +487,9 @@ class Pad(_Movement):
 
     def widths(self, shape: tuple[int, ...], args: list) -> tuple[list[tuple[int, int]], float]:
         """``(before, after)`` per axis, and the constant value."""
-        op = self.op
-        pads, value, axes = args[:3]
-        if op.version < 11:
-            pads, value = op.attr("paddings" if op.version < 2 else "pads"), op.attr("value", 0.0)
-        pads = int_list(pads)
-        axes = list(range(len(shape))) if axes is None else normalize_axes(op, int_list(axes), len(shape))
-        if len(pads) != 2 * len(axes):
-            raise op_error(op, f"{len(pads)} pads for {len(axes)} axes")
-        widths = [(0, 0)] * len(shape)
-        for k, axis in enumerate(axes):
-            widths[axis] = (pads[k], pads[k + len(axes)])
-        fill = 0.0 if value is None or np.size(value) == 0 else float(np.asarray(value).reshape(-1)[0])
-        return widths, fill
+        widths, value = self.op.widths(len(shape), *args[:3])
+        fill = 0.0 if value is None else float(np.asarray(value).reshape(-1)[0])
+        return [(b, e) for b, e in widths], fill
 
 
 class _Blocks(_Movement):
