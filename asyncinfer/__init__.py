@@ -20,7 +20,7 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .model.ir import Layer, Model, TensorInfo
-from .model.load import load_model
+from .loader import load_model
 from .runtime.execution import Execution
 from .runtime.plan import Placement
 from .runtime.worker import Worker

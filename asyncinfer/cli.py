@@ -15,7 +15,7 @@ from . import assets
 from .backends import BackendType
 from .errors import AsyncInferError
 from .model.ir import Model, TensorInfo
-from .model.load import load_model
+from .loader import load_model
 from .ops.registry import lookup
 from .runtime.worker import Worker
 from .serving.cli import add_serve_command, run_serve

@@ -3,26 +3,17 @@ from __future__ import annotations
 
 from . import ops
 from .backends import BackendType
-
-
-
-def _pixel_kernels() -> set[tuple[str, str]]:
-    from .backends.pixel.kernels import KERNELS  # plain Python: importable without moderngl
-
-    return {("", op_type) for op_type in KERNELS}
-
-
-def _cupy_kernels() -> set[tuple[str, str]]:
-    from .backends.cupy.kernels import SUPPORTED_OPS  # plain Python: importable without CuPy
-
-    return {("", op_type) for op_type in SUPPORTED_OPS}
-
+from .backends.base import KERNELS
+# Importing the device backends' kernel packages registers their kernels in the table (plain
+# Python: importable without moderngl or CuPy).
+from .backends.cupy import kernels as _cupy_kernels  # noqa: F401
+from .backends.pixel import kernels as _pixel_kernels  # noqa: F401
 
 # Backends whose kernels are not in this build yet support nothing; the table says so honestly.
 _BACKEND_KERNELS: dict[str, "set[tuple[str, str]] | None"] = {
     BackendType.CPU.value: None,  # None: every registered op (the registry is the CPU kernel table)
-    BackendType.GPU_COMPUTE.value: _cupy_kernels(),
-    BackendType.GPU_PIXEL.value: _pixel_kernels(),
+    BackendType.GPU_COMPUTE.value: set(KERNELS.op_types(BackendType.GPU_COMPUTE.value)),
+    BackendType.GPU_PIXEL.value: set(KERNELS.op_types(BackendType.GPU_PIXEL.value)),
 }
 
 

@@ -16,8 +16,8 @@ import numpy as np
 
 from .errors import AsyncInferError, DisposedError, ExecutionError
 from .model.ir import Dim
-from .runtime.bridge import loop_dispatcher, wait_done
-from .runtime.future import TaskFuture
+from .concurrency.bridge import loop_dispatcher, wait_done
+from .concurrency.future import TaskFuture
 
 ReadbackCallback = Callable[[bool], Any]
 
@@ -213,7 +213,7 @@ class Tensor:
 
     def _storage_now(self, fut: TaskFuture) -> TensorData:
         if fut.failed():
-            raise _reraise(fut.exception(), self.name)
+            raise reraise(fut.exception(), self.name)
         return CPUTensorData(self._host_value(fut))
 
     def readback_and_clone(self) -> "Tensor":
@@ -272,7 +272,7 @@ class Tensor:
         return f"<Tensor {self.name!r} {dtype}{list(self.shape or [])} on {self.backend}, {state}>"
 
 
-def _reraise(error: BaseException | None, name: str) -> AsyncInferError:
+def reraise(error: BaseException | None, name: str) -> AsyncInferError:
     """A fresh error for this reader (the original is shared by every dependent tensor)."""
     if isinstance(error, ExecutionError):
         fresh = ExecutionError(str(error), layer=error.layer, op_type=error.op_type)

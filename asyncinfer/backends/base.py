@@ -1,79 +1,179 @@
-"""What a backend provides to the runtime.
+"""What a backend provides to the runtime, the step it is handed, and the one kernel table.
 
-There are two kinds of backend:
+A backend sees only what is defined here (and the layers below: the IR, the ops, tensors): it
+never sees the runtime's objects. The runtime hands it a :class:`Step` whose inputs are ready,
+the input values, and a :class:`StepDone` to report back through::
 
-- a *host* backend (``device == "cpu"``) computes on NumPy arrays: the values in its layers'
-  futures are arrays, readable at once;
-- a *device* backend (:class:`DeviceBackend`, e.g. ``gpu_pixel``, ``gpu_compute``) keeps values in
-  device memory: its layers' futures hold :class:`~asyncinfer.tensor.TensorData` handles, and
-  getting a value to the host is an asynchronous download that completes from a device fence.
+    backend.dispatch(step, args, done)   # must not block
+    # ... later, on any thread:
+    if done.begin():                      # False: the run was cancelled (the step is failed already)
+        done(outputs)                     # or done.fail(error)
 
-The plan (``runtime/plan.py``) inserts explicit ``Upload``/``Download`` steps wherever a value
-crosses between the host and a device, and asks the device backend to upload each constant it
-needs once, when the worker is created.
+:func:`run_kernel` is that sequence for a kernel that computes synchronously; every backend uses it.
+
+**The kernel table.** :data:`KERNELS` maps ``(backend, domain, op_type, since_version)`` to a
+kernel class. The CPU's column is the operator registry itself (``asyncinfer.ops``: every op's
+reference kernel); a device backend registers only the ops it overrides, and a layer it has no
+kernel for falls back to the CPU. Lookups happen once per layer, when the worker's plan is built.
 """
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import AsyncInferError, ExecutionError
 from ..model.ir import Layer
-
-if TYPE_CHECKING:
-    from ..runtime.execution import Execution, Step
-    from ..runtime.future import TaskFuture
+from ..ops.base import Op
+from ..ops.schema import normalise_domain, schema_version
 
 #: Element type of each value of a model, as far as shape inference knows it (None: unknown).
 ValueTypes = Mapping[str, "np.dtype | None"]
 
+#: Where host (NumPy) values live; a device backend names its own device.
+HOST = "cpu"
+
+
+class StepKind(enum.Enum):
+    """What a step does: run a layer, or move a value between the host and a device."""
+
+    LAYER = "layer"
+    UPLOAD = "upload"      # host array -> device value
+    DOWNLOAD = "download"  # device value -> host array
+
+
+@dataclass(eq=False)
+class Step:
+    """One unit of work as a backend sees it.
+
+    ``op`` is the layer's reference op (its attributes parsed once; None for transfers) and
+    ``kernel`` what the backend's :meth:`Backend.prepare` chose for the layer (on the CPU, the op
+    itself). ``activations`` are the activations the optimizer fused into the layer, each with its
+    constant extra inputs. ``n_outputs`` counts the outputs the model uses.
+    """
+
+    index: int
+    layer: Layer
+    kind: StepKind = StepKind.LAYER
+    op: Op | None = None
+    kernel: Any = None
+    activations: tuple[tuple[Op, list], ...] = ()
+    n_outputs: int = 0
+
+    def __post_init__(self) -> None:
+        self.n_outputs = len([o for o in self.layer.outputs if o])
+
+
+class StepDone(Protocol):
+    """How a backend reports a dispatched step back to the runtime (callable from any thread)."""
+
+    def begin(self) -> bool:
+        """Call right before the step's work starts: False if its run was cancelled meanwhile (the
+        step has then been failed, and the work must be skipped)."""
+
+    def __call__(self, outputs: list) -> None:
+        """The step finished with ``outputs`` (host arrays or device values, one per output)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The step failed with ``error``."""
+
 
 class Backend(ABC):
-    """Runs layers whose inputs are ready. One backend instance belongs to one worker."""
+    """Runs steps whose inputs are ready. One backend instance belongs to one worker."""
 
     name: str = ""
-    #: Where this backend's values live: ``"cpu"`` (NumPy arrays) or a device name.
-    device: str = "cpu"
+    #: Where this backend's values live: :data:`HOST` (NumPy arrays) or a device name.
+    device: str = HOST
 
     @abstractmethod
-    def supports(self, layer: Layer, types: ValueTypes) -> bool:
-        """Whether this backend has a kernel for ``layer`` with the value types ``types``
-        (else the layer falls back to the CPU)."""
+    def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Any:
+        """The kernel that runs ``layer`` here (``op`` is its reference op, ``types`` the value
+        types), or None when this backend cannot run it (the layer then falls back to the CPU).
+        Called once per layer while the plan is built; it keeps no state."""
 
     @abstractmethod
-    def dispatch(self, execution: "Execution", step: "Step") -> None:
-        """Run ``step`` of ``execution`` soon; its inputs are all complete. Must not block."""
+    def dispatch(self, step: Step, args: list, done: StepDone) -> None:
+        """Run ``step`` on ``args`` (its input values, all ready) soon, and report through
+        ``done``. Must not block."""
 
     @abstractmethod
     def close(self) -> None:
         """Release threads and device resources; waits for kernels already running."""
 
 
-class DeviceBackend(Backend):
-    """A backend whose values live in device memory.
+def run_kernel(step: Step, args: list, done: StepDone, compute: Callable[[], list]) -> None:
+    """Run ``compute()`` for ``step`` and report it: its outputs, or its failure as an
+    :class:`ExecutionError` naming the layer. Skipped when the run was cancelled. Never raises."""
+    if not done.begin():
+        return
+    try:
+        outputs = compute()
+    except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
+        done.fail(kernel_error(step, exc, args))
+        return
+    if len(outputs) < step.n_outputs:
+        done.fail(kernel_error(step, ValueError(
+            f"kernel returned {len(outputs)} outputs for {step.n_outputs}"), args))
+        return
+    done(outputs)
 
-    ``dispatch`` receives three kinds of step: the model's layers, and the transfer steps the
-    plan inserted (``step.transfer`` is ``"upload"`` or ``"download"``). Uploads turn a host array
-    into a device value; downloads must complete from a device fence or event, never by waiting.
-    """
 
-    device = "device"
+def kernel_error(step: Step, exc: BaseException, args: list) -> BaseException:
+    """The error a failed kernel reports: an ExecutionError naming the layer, its op and the
+    inputs it saw (asyncinfer's own errors other than ExecutionError pass through as they are)."""
+    if isinstance(exc, AsyncInferError) and not isinstance(exc, ExecutionError):
+        return exc
+    layer = step.layer
+    seen = ", ".join("None" if a is None else f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', []))}"
+                     for a in args)
+    error = ExecutionError(f"{layer.describe()} failed: {type(exc).__name__}: {exc} (inputs: {seen})",
+                           layer=layer.name, op_type=layer.op_type)
+    error.__cause__ = exc
+    return error
 
-    def host_inputs(self, layer: Layer) -> frozenset[int]:
-        """Input indices of ``layer`` that the kernel reads on the host (shape-like values, such
-        as Reshape's ``shape``): they are never uploaded. Default: the op's ``value_inputs``."""
-        from ..ops.registry import lookup
 
-        return frozenset(lookup(layer.op_type, layer.version, layer.domain).value_inputs)
+class KernelTable:
+    """``(backend, domain, op_type, since_version)`` → kernel class, for the backends that override
+    the reference ops. A registration without versions covers every version the reference op has."""
 
-    @abstractmethod
-    def upload_constant(self, layer: Layer, input_index: int, array: np.ndarray) -> Any:
-        """The device form of constant input ``input_index`` of ``layer``, made once when the
-        worker is created (it may block then). A kernel may choose a special layout for it."""
+    _ANY_VERSION = 0
 
-    @abstractmethod
-    def start_download(self, value: Any) -> "TaskFuture":
-        """Start copying a device value to the host; the returned future completes with a NumPy
-        array (or fails). Callable from any thread; never blocks."""
+    def __init__(self) -> None:
+        self._table: dict[tuple[str, str, str], dict[int, type]] = {}
+
+    def register(self, backend: str, op_types: Iterable[str], *, domain: str = "",
+                 versions: Iterable[int] | None = None) -> Callable[[type], type]:
+        """Class decorator: ``cls`` is ``backend``'s kernel for each of ``op_types``."""
+        def decorate(cls: type) -> type:
+            for op_type in op_types:
+                entry = self._table.setdefault((backend, normalise_domain(domain), op_type), {})
+                for version in (self._ANY_VERSION,) if versions is None else versions:
+                    if version in entry and entry[version] is not cls:
+                        raise ValueError(f"two {backend} kernels for {op_type} version {version}: "
+                                         f"{entry[version].__name__} and {cls.__name__}")
+                    entry[version] = cls
+            return cls
+
+        return decorate
+
+    def lookup(self, backend: str, layer: Layer) -> type | None:
+        """``backend``'s kernel class for ``layer`` at the layer's opset, or None (CPU fallback)."""
+        domain = normalise_domain(layer.domain)
+        entry = self._table.get((backend, domain, layer.op_type))
+        if not entry:
+            return None
+        if self._ANY_VERSION in entry:
+            return entry[self._ANY_VERSION]
+        return entry.get(schema_version(layer.op_type, layer.version, domain) or layer.version)
+
+    def op_types(self, backend: str) -> list[tuple[str, str]]:
+        """Every ``(domain, op_type)`` for which ``backend`` registered a kernel, sorted."""
+        return sorted({(domain, op_type) for (name, domain, op_type) in self._table if name == backend})
+
+
+#: The one kernel table (the device backends' kernel packages register into it when imported).
+KERNELS = KernelTable()

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..errors import UnsupportedOperatorError
+from .schema import attribute_defaults, schema_version
 
 if TYPE_CHECKING:
     from ..model.ir import Layer
@@ -50,17 +51,20 @@ class Op:
 
     # -- attribute helpers ------------------------------------------------------------------
     def attr(self, name: str, default: Any = _REQUIRED) -> Any:
-        """The attribute ``name``; a missing required attribute is an UnsupportedOperatorError."""
+        """The attribute ``name``: the layer's value, else ``default`` if given, else the default
+        of ONNX's schema for this op and opset (so kernels never restate the standard's defaults).
+        A missing attribute with no default is an UnsupportedOperatorError."""
         if name in self.attrs:
             return self.attrs[name]
-        if default is _REQUIRED:
-            raise UnsupportedOperatorError([f"{self.layer.describe()}: required attribute {name!r} is missing"])
-        return default
+        if default is not _REQUIRED:
+            return default
+        defaults = attribute_defaults(self.op_type, self.version, self.domain)
+        if name in defaults:
+            return defaults[name]
+        raise UnsupportedOperatorError([f"{self.layer.describe()}: required attribute {name!r} is missing"])
 
     def unsupported(self, what: str) -> None:
         """Refuse this layer: ``what`` names the attribute or combination that is not implemented."""
-        from .registry import schema_version
-
         since = schema_version(self.op_type, self.version, self.domain) or self.version
         raise UnsupportedOperatorError([f"{self.op_type} version {since} (opset {self.version}) in "
                                         f"{self.layer.describe()}: {what} is not supported"])

@@ -10,19 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-import onnx.defs
-
 from ..errors import UnsupportedOperatorError
+from .schema import normalise_domain as _normalise_domain
+from .schema import schema_version
 
 if TYPE_CHECKING:
     from ..model.ir import Layer
     from .base import Op
 
 _REGISTRY: dict[tuple[str, str], dict[int, type["Op"]]] = {}
-
-
-def _normalise_domain(domain: str) -> str:
-    return "" if domain in ("", "ai.onnx") else domain
 
 
 def register(op_type: str, versions: Iterable[int], domain: str = "") -> Callable[[type["Op"]], type["Op"]]:
@@ -37,14 +33,6 @@ def register(op_type: str, versions: Iterable[int], domain: str = "") -> Callabl
         return cls
 
     return decorate
-
-
-def schema_version(op_type: str, opset: int, domain: str = "") -> int | None:
-    """The ``since_version`` of the schema ONNX uses for ``op_type`` at ``opset``, or None if unknown."""
-    try:
-        return onnx.defs.get_schema(op_type, opset, _normalise_domain(domain)).since_version
-    except Exception:
-        return None
 
 
 def lookup(op_type: str, opset: int, domain: str = "") -> type["Op"]:

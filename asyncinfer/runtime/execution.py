@@ -3,19 +3,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import DeviceBackend
+from ..backends.base import HOST
+from ..concurrency.bridge import wait_done
+from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError, DisposedError, ExecutionError
-from ..tensor import Tensor
-from .bridge import wait_done
-from .future import TaskFuture
-from .plan import Plan, Step
+from ..tensor import Tensor, reraise
+from .plan import Node, Plan
 
-if TYPE_CHECKING:
-    from .worker import Worker
+
+
+class Owner(Protocol):
+    """The worker a run belongs to (the Worker, which creates runs): its peeked outputs check
+    ``disposed``, and runs whose outputs the caller took are kept until done."""
+
+    @property
+    def disposed(self) -> bool: ...
+
+    def _keep_until_done(self, execution: "Execution") -> None: ...
 
 
 class _Released:
@@ -28,18 +36,45 @@ class _Released:
 RELEASED = _Released()
 
 
-class Execution:
-    """The task graph of one ``schedule`` call. Its layers run as their inputs become ready."""
+class _StepDone:
+    """How a backend reports one dispatched step of this run (the ``StepDone`` of backends/base)."""
 
-    def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: "Worker | None" = None):
+    __slots__ = ("_execution", "_node")
+
+    def __init__(self, execution: "Execution", node: Node):
+        self._execution = execution
+        self._node = node
+
+    def begin(self) -> bool:
+        return self._execution._begin(self._node)
+
+    def __call__(self, outputs: list) -> None:
+        self._execution._end(self._node, outputs)
+
+    def fail(self, error: BaseException) -> None:
+        self._execution._fail(self._node, error)
+
+
+class Execution:
+    """The task graph of one ``schedule`` call. Its layers run as their inputs become ready.
+
+    Its life: ``submit_all``/``submit_iter`` give every step a future and wire it to its inputs'
+    futures; a step whose inputs are done is *dispatched* to its backend with their values; the
+    backend *begins* it (skipped if the run was cancelled), runs it and *ends* it (or fails it);
+    ending releases values no later step reads and completes the step's future, which may make
+    other steps ready. A failure completes the step's future with the error, and every step that
+    reads it fails in turn when it becomes ready.
+    """
+
+    def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: Owner | None = None):
         self.plan = plan
         self.worker = worker
-        n_layers = len(plan.steps)
+        n_steps = len(plan.nodes)
         self.futures: list[TaskFuture | None] = [None] * plan.n_sources
         for name, source in plan.input_sources.items():
             self.futures[source] = inputs[name]
-        self.futures[n_layers + len(plan.input_sources):] = plan.constant_futures
-        self._missing = [0] * n_layers
+        self.futures[n_steps + len(plan.input_sources):] = plan.constant_futures
+        self._missing = [0] * n_steps
         self._readers = dict(plan.reader_counts)
         self._lock = threading.Lock()
         self._cancelled = False
@@ -54,116 +89,91 @@ class Execution:
             pass
         return self
 
-    def submit_iter(self) -> Iterator[Step]:
-        """Submit the layers in order, yielding after each (Sentis's ``ScheduleIterable``).
+    def submit_iter(self) -> Iterator[Node]:
+        """Submit the steps in order, yielding after each (Sentis's ``ScheduleIterable``).
 
-        If the iteration stops early (``break``, an exception, garbage collection), the layers not
+        If the iteration stops early (``break``, an exception, garbage collection), the steps not
         yet submitted fail at once, so nothing waits forever on an output that will never come.
         """
         try:
-            for step in self.plan.steps:
-                self._submit(step)
-                yield step
+            for node in self.plan.nodes:
+                self._submit(node)
+                yield node
         finally:
             self.abandon_unsubmitted()
 
     def abandon_unsubmitted(self) -> None:
-        """Fail every layer not submitted yet (and with it everything downstream)."""
-        for step in self.plan.steps[self._submitted:]:
-            fut = TaskFuture(label=step.layer.name)
-            self.futures[step.index] = fut
+        """Fail every step not submitted yet (and with it everything downstream)."""
+        for node in self.plan.nodes[self._submitted:]:
+            fut = TaskFuture(label=node.layer.name)
+            self.futures[node.index] = fut
             fut.set_exception(ExecutionError(
-                f"{step.layer.describe()} was never scheduled: the schedule_iterable loop stopped before it",
-                layer=step.layer.name, op_type=step.layer.op_type))
-        self._submitted = len(self.plan.steps)
+                f"{node.layer.describe()} was never scheduled: the schedule_iterable loop stopped before it",
+                layer=node.layer.name, op_type=node.layer.op_type))
+        self._submitted = len(self.plan.nodes)
 
-    def _submit(self, step: Step) -> None:
-        fut = TaskFuture(label=step.layer.name)
-        self.futures[step.index] = fut
+    def _submit(self, node: Node) -> None:
+        fut = TaskFuture(label=node.layer.name)
+        self.futures[node.index] = fut
         self._submitted += 1
-        deps = [self.futures[s] for s in step.sources]
-        pending = [d for d in deps if not d.done()]  # type: ignore[union-attr]
+        pending = [d for d in (self.futures[s] for s in node.sources) if not d.done()]  # type: ignore[union-attr]
         if not pending:
-            self._ready(step)
+            self._ready(node)
             return
-        self._missing[step.index] = len(pending)
+        self._missing[node.index] = len(pending)
         for dep in pending:
-            dep.add_done_callback(lambda _f, step=step: self._input_done(step))  # type: ignore[union-attr]
+            dep.add_done_callback(lambda _f, node=node: self._input_done(node))  # type: ignore[union-attr]
 
-    def _input_done(self, step: Step) -> None:
+    def _input_done(self, node: Node) -> None:
         with self._lock:
-            self._missing[step.index] -= 1
-            ready = self._missing[step.index] == 0
+            self._missing[node.index] -= 1
+            ready = self._missing[node.index] == 0
         if ready:
-            self._ready(step)
+            self._ready(node)
 
-    def _ready(self, step: Step) -> None:
-        for ref in step.inputs:
+    def _ready(self, node: Node) -> None:
+        """Every input of ``node`` is done: dispatch it to its backend with their values."""
+        for ref in node.inputs:
             if ref is not None:
                 dep = self.futures[ref[0]]
                 if dep.failed():  # type: ignore[union-attr]
-                    self.fail_step(step, dep.exception())  # type: ignore[union-attr,arg-type]
+                    self._fail(node, dep.exception())  # type: ignore[union-attr,arg-type]
                     return
         if self._cancelled:
-            self.fail_step(step, ExecutionError(f"run cancelled before {step.layer.describe()} started",
-                                                layer=step.layer.name, op_type=step.layer.op_type))
+            self._fail(node, self._cancelled_error(node))
             return
-        step.backend.dispatch(self, step)
-
-    # -- running (called by backends, on their threads) --------------------------------------------
-    def run_step(self, step: Step) -> None:
-        """Run a ready step's host kernel and complete its future. Never raises."""
-        args = self.begin_step(step)
-        if args is None:
-            return
-        try:
-            # (backend threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX)
-            outputs = list(step.op(*args))  # type: ignore[misc]
-            if step.activations:
-                outputs[0] = _apply_activations(step, outputs[0], args)
-        except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
-            self.fail_step(step, self.kernel_error(step, exc, args))
-            return
-        self.end_step(step, outputs)
-
-    def begin_step(self, step: Step) -> list | None:
-        """The input values of a ready step, or None if the step was failed instead (its run was
-        cancelled, or an input was released). Device backends call this, run their kernel, then
-        :meth:`end_step` (or :meth:`fail_step` with :meth:`kernel_error`)."""
-        if self._cancelled:
-            self.fail_step(step, ExecutionError(f"run cancelled before {step.layer.describe()} started",
-                                                layer=step.layer.name, op_type=step.layer.op_type))
-            return None
-        args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in step.inputs]  # type: ignore[union-attr]
+        args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr]
         if any(a is RELEASED for a in args):
-            self.fail_step(step, DisposedError(
+            self._fail(node, DisposedError(
                 "an input of this layer was released (the worker or a tensor was disposed)"))
-            return None
-        return args
-
-    def end_step(self, step: Step, outputs: list) -> None:
-        """Complete a step with its output values (host arrays or device values)."""
-        if len(outputs) < step.n_outputs:
-            self.fail_step(step, self.kernel_error(step, ValueError(
-                f"kernel returned {len(outputs)} outputs for {len(step.layer.outputs)}"), []))
             return
-        self._release_inputs(step)
-        self.futures[step.index].set_result(outputs)  # type: ignore[union-attr]
+        node.backend.dispatch(node.step, args, _StepDone(self, node))
+
+    # -- reported by backends, on their threads ------------------------------------------------------
+    def _begin(self, node: Node) -> bool:
+        if self._cancelled:
+            self._fail(node, self._cancelled_error(node))
+            return False
+        return True
+
+    def _end(self, node: Node, outputs: list) -> None:
+        self._release_inputs(node)
+        self.futures[node.index].set_result(outputs)  # type: ignore[union-attr]
+
+    def _fail(self, node: Node, error: BaseException) -> None:
+        self._release_inputs(node)
+        self.futures[node.index].set_exception(error)  # type: ignore[union-attr]
 
     @staticmethod
-    def kernel_error(step: Step, exc: BaseException, args: list) -> BaseException:
-        """The error a failed kernel reports: an ExecutionError naming the layer and op."""
-        return _execution_error(step, exc, args)  # type: ignore[arg-type]
+    def _cancelled_error(node: Node) -> ExecutionError:
+        return ExecutionError(f"run cancelled before {node.layer.describe()} started",
+                              layer=node.layer.name, op_type=node.layer.op_type)
 
-    def fail_step(self, step: Step, error: BaseException) -> None:
-        self._release_inputs(step)
-        self.futures[step.index].set_exception(error)  # type: ignore[union-attr]
-
-    def _release_inputs(self, step: Step) -> None:
-        if not step.release:
+    def _release_inputs(self, node: Node) -> None:
+        if not node.release:
             return
         with self._lock:
-            for ref in step.release:
+            for ref in node.release:
                 left = self._readers[ref] - 1
                 self._readers[ref] = left
                 if left == 0:
@@ -173,9 +183,9 @@ class Execution:
 
     def layer_future(self, layer: str) -> TaskFuture:
         """The future of one layer of this run (its value: the list of the layer's outputs)."""
-        for step in self.plan.steps:
-            if step.layer.name == layer:
-                future = self.futures[step.index]
+        for node in self.plan.nodes:
+            if node.layer.name == layer:
+                future = self.futures[node.index]
                 if future is None:
                     raise AsyncInferError(f"layer {layer!r} is not scheduled yet")
                 return future
@@ -192,8 +202,8 @@ class Execution:
         future = self.futures[ref[0]]
         if future is None:
             raise AsyncInferError(f"output {name!r} is not scheduled yet (schedule_iterable not finished)")
-        backend = self.plan.steps[ref[0]].backend if ref[0] < len(self.plan.steps) else None
-        on_device = isinstance(backend, DeviceBackend)
+        backend = self.plan.nodes[ref[0]].backend if ref[0] < len(self.plan.nodes) else None
+        on_device = backend is not None and backend.device != HOST
         return Tensor(_future=future, _index=ref[1], name=name, _shape=info.shape, _dtype=info.dtype,
                       _backend=backend.name if backend is not None else "cpu",
                       _device=backend if on_device else None, _owner=owner)
@@ -253,9 +263,7 @@ class Execution:
             fut = self.futures[ref[0]]
             await wait_done(fut)  # type: ignore[arg-type]
             if fut.failed():  # type: ignore[union-attr]
-                from ..tensor import _reraise
-
-                raise _reraise(fut.exception(), "output")  # type: ignore[union-attr]
+                raise reraise(fut.exception(), "output")  # type: ignore[union-attr]
 
     async def read_outputs(self) -> dict[str, np.ndarray]:
         """Await every output and its download to the host (never blocks the loop); caller-owned
@@ -269,22 +277,3 @@ class Execution:
         """Blocking: the outputs as caller-owned NumPy arrays (downloaded from a device if needed)."""
         return {info.name: self._tensor(info.name, None).download_to_array() for info in self.plan.model.outputs}
 
-
-def _apply_activations(step: Step, y: np.ndarray, args: list) -> np.ndarray:
-    """Run the fused activations on ``y``, in place when ``y`` is a buffer the kernel just made."""
-    fresh = (isinstance(y, np.ndarray) and y.flags.writeable and y.dtype.kind == "f"
-             and not any(isinstance(a, np.ndarray) and np.may_share_memory(y, a) for a in args))
-    for act, extra in step.activations:
-        y = act.run_inplace(y, *extra) if fresh else act(y, *extra)[0]
-        fresh = True
-    return y
-
-
-def _execution_error(step: Step, exc: Exception, args: list) -> BaseException:
-    if isinstance(exc, AsyncInferError) and not isinstance(exc, ExecutionError):
-        return exc
-    layer = step.layer
-    seen = ", ".join("None" if a is None else f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', []))}"
-                     for a in args)
-    return ExecutionError(f"{layer.describe()} failed: {type(exc).__name__}: {exc} (inputs: {seen})",
-                          layer=layer.name, op_type=layer.op_type)

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import InputError
 from ..model.ir import Model, TensorInfo
 from ..tensor import Tensor
-from .future import TaskFuture
+from ..concurrency.future import TaskFuture
 
 
 def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, TaskFuture]:

@@ -19,32 +19,31 @@ from typing import Any
 import numpy as np
 
 from .. import ops
-from ..backends.base import Backend, DeviceBackend
+from ..backends.base import HOST, Backend, Step, StepKind
+from ..backends.device import DeviceBackend
+from ..concurrency.future import TaskFuture
 from ..model.ir import Layer, Model
-from ..ops.base import Op
-from .future import TaskFuture
 
 Ref = tuple[int, int]
-HOST = "cpu"
 
 
-@dataclass
-class Step:
-    """One layer (or one transfer) in the plan."""
+@dataclass(eq=False)
+class Node:
+    """A step placed in the task graph: the backend that runs it and where its inputs come from."""
 
-    index: int
-    layer: Layer
-    op: Op | None                   # None for transfer steps
-    activations: list[tuple[Op, list]]  # fused activations with their constant extra inputs
-    inputs: list[Ref | None]        # None: omitted optional input
-    sources: tuple[int, ...]        # distinct step/input sources this step waits for
+    step: Step
     backend: Backend
+    inputs: list[Ref | None]        # None: omitted optional input
+    sources: tuple[int, ...] = ()   # distinct step/input sources this step waits for
     release: list[Ref] = field(default_factory=list)  # values whose last reader is this step
-    n_outputs: int = 0  # outputs the model uses (trailing optional ones may be omitted)
-    transfer: str | None = None     # "upload" or "download" for transfer steps
 
-    def __post_init__(self) -> None:
-        self.n_outputs = len([o for o in self.layer.outputs if o])
+    @property
+    def index(self) -> int:
+        return self.step.index
+
+    @property
+    def layer(self) -> Layer:
+        return self.step.layer
 
 
 @dataclass
@@ -96,29 +95,31 @@ class Plan:
             home[name] = ((("const", const_index[name]), 0), HOST)
         copies: dict[tuple[str, str], Any] = {}
         device_constants: list[Any] = []
-        self.steps: list[Step] = []
+        self.nodes: list[Node] = []
         placement: dict[str, str] = {}
         fallback_layers: list[str] = []
         transfer_names: list[str] = []
 
-        def transfer(name: str, ref: Any, direction: str, device_backend: Backend, want: str) -> Any:
-            to = device_backend.name if direction == "upload" else HOST
-            layer = Layer(name=f"{direction} {name} to {to}", op_type=direction.capitalize(),
+        def transfer(name: str, ref: Any, kind: StepKind, device_backend: Backend, want: str) -> Any:
+            to = device_backend.name if kind is StepKind.UPLOAD else HOST
+            layer = Layer(name=f"{kind.value} {name} to {to}", op_type=kind.value.capitalize(),
                           inputs=[name], outputs=[f"{name}@{want}"])
-            step = Step(index=len(self.steps), layer=layer, op=None, activations=[], inputs=[ref],
-                        sources=(), backend=device_backend, transfer=direction)
-            self.steps.append(step)
+            node = Node(Step(index=len(self.nodes), layer=layer, kind=kind), device_backend, inputs=[ref])
+            self.nodes.append(node)
             transfer_names.append(layer.name)
-            return (step.index, 0)
+            return (node.index, 0)
 
         for layer in model.layers:
+            op = ops.create(layer)
             on_device = backend.device != HOST
-            use_device = on_device and backend.supports(layer, types) and not (layer.cpu_bound and fallback is not None)
-            target = backend if (use_device or not on_device) else (fallback or backend)
+            keep_on_host = on_device and layer.cpu_bound and fallback is not None
+            target, kernel = backend, None if keep_on_host else backend.prepare(layer, op, types)
+            if kernel is None:  # no kernel here (or a value the scheduler needs): the CPU runs it
+                target = fallback or backend
+                kernel = target.prepare(layer, op, types)
             if target is not backend:
                 fallback_layers.append(layer.name)
-            host_inputs = target.host_inputs(layer) if isinstance(target, DeviceBackend) else frozenset()
-            op = ops.create(layer)
+            host_inputs = target.host_inputs(kernel) if isinstance(target, DeviceBackend) else frozenset()
             inputs: list[Any] = []
             for i, name in enumerate(layer.inputs):
                 if not name:
@@ -132,19 +133,18 @@ class Plan:
                     inputs.append(copies[(name, want)])
                 elif name in model.constants:  # uploaded once now, in the layout the kernel wants
                     assert isinstance(target, DeviceBackend)
-                    device_constants.append(target.upload_constant(layer, i, model.constants[name]))
+                    device_constants.append(target.upload_constant(kernel, i, model.constants[name]))
                     inputs.append((("device_const", len(device_constants) - 1), 0))
                 elif want == HOST:
-                    copies[(name, want)] = transfer(name, ref, "download", self._backend_of(ref), want)
+                    copies[(name, want)] = transfer(name, ref, StepKind.DOWNLOAD, self._backend_of(ref), want)
                     inputs.append(copies[(name, want)])
                 else:
-                    copies[(name, want)] = transfer(name, ref, "upload", target, want)
+                    copies[(name, want)] = transfer(name, ref, StepKind.UPLOAD, target, want)
                     inputs.append(copies[(name, want)])
-            activations = [(ops.create(f), [model.constants[n] if n else None for n in f.inputs[1:]])
-                           for f in layer.fused]
-            step = Step(index=len(self.steps), layer=layer, op=op, activations=activations,
-                        inputs=inputs, sources=(), backend=target)
-            self.steps.append(step)
+            activations = tuple((ops.create(f), [model.constants[n] if n else None for n in f.inputs[1:]])
+                                for f in layer.fused)
+            step = Step(index=len(self.nodes), layer=layer, op=op, kernel=kernel, activations=activations)
+            self.nodes.append(Node(step, target, inputs))
             placement[layer.name] = target.name
             for k, out in enumerate(layer.outputs):
                 if out:
@@ -157,13 +157,13 @@ class Plan:
                                    len(device_constants))
 
     def _backend_of(self, ref: Any) -> Backend:
-        return self.steps[ref[0]].backend
+        return self.nodes[ref[0]].backend
 
     def _number_sources(self, home: dict[str, tuple[Any, str]], constant_names: list[str],
                         device_constants: list[Any]) -> None:
         """Give inputs and constants their source numbers, after the steps."""
         model = self.model
-        n_steps = len(self.steps)
+        n_steps = len(self.nodes)
         self.input_sources = {info.name: n_steps + i for i, info in enumerate(model.inputs)}
         first_constant = n_steps + len(model.inputs)
         self.constant_futures = [TaskFuture.completed([model.constants[n]], label=n) for n in constant_names]
@@ -180,19 +180,19 @@ class Plan:
                 return (first_constant + key, 0)
             return (first_constant + len(constant_names) + key, 0)
 
-        for step in self.steps:
-            step.inputs = [resolve(r) for r in step.inputs]
+        for node in self.nodes:
+            node.inputs = [resolve(r) for r in node.inputs]
             # Model inputs count too: one may be a pending tensor chained from another run.
-            step.sources = tuple(sorted({r[0] for r in step.inputs if r is not None and r[0] < first_constant}))
+            node.sources = tuple(sorted({r[0] for r in node.inputs if r is not None and r[0] < first_constant}))
         self.refs: dict[str, Ref] = {name: resolve(ref) for name, (ref, _) in home.items()}  # type: ignore[misc]
 
     def _plan_releases(self) -> None:
         """Free each intermediate value after its last reader, so a run holds only live tensors."""
-        n_steps = len(self.steps)
+        n_steps = len(self.nodes)
         keep = set(self.output_refs)
         # Steps complete out of order, so "last in plan order" is not "last in time": count readers.
         self.reader_counts: dict[Ref, int] = {}
-        for step in self.steps:
-            for ref in set(r for r in step.inputs if r is not None and r[0] < n_steps and r not in keep):
+        for node in self.nodes:
+            for ref in set(r for r in node.inputs if r is not None and r[0] < n_steps and r not in keep):
                 self.reader_counts[ref] = self.reader_counts.get(ref, 0) + 1
-                step.release.append(ref)
+                node.release.append(ref)

@@ -213,4 +213,4 @@ class Worker:
 
     def __repr__(self) -> str:
         state = "disposed" if self._disposed else "open"
-        return f"<Worker {self.model.name!r} on {self.backend_type.value}, {len(self._plan.steps)} layers, {state}>"
+        return f"<Worker {self.model.name!r} on {self.backend_type.value}, {len(self._plan.nodes)} layers, {state}>"

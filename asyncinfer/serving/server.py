@@ -37,7 +37,7 @@ from .. import __version__
 from ..backends import BackendType
 from ..errors import AsyncInferError, DisposedError, InputError
 from ..model.ir import Model
-from ..model.load import load_model
+from ..loader import load_model
 from ..runtime.worker import Worker
 from .batching import DynamicBatcher
 from .protocol import (

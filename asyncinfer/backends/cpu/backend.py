@@ -16,19 +16,17 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from ...errors import DisposedError
 from ...model.ir import Layer
-from ..base import Backend, ValueTypes
+from ...ops.base import Op
+from ..base import Backend, Step, StepDone, ValueTypes, run_kernel
 from .memory import tune_allocator
 
-if TYPE_CHECKING:
-    from ...runtime.execution import Execution, Step
-
-Task = tuple["Execution", "Step"]
+Task = tuple[Step, list, StepDone]
 
 
 def _quiet_floating_point() -> None:
@@ -52,53 +50,76 @@ class CPUBackend(Backend):
         self._lane_busy = False
         self._lane_queue: deque[Task] = deque()
 
-    def supports(self, layer: Layer, types: ValueTypes) -> bool:
-        return True  # the op registry is the CPU backend's kernel table; load_model checked support
+    def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Op:
+        return op  # the reference op is the CPU kernel (load_model checked every op has one)
 
-    def dispatch(self, execution: "Execution", step: "Step") -> None:
+    def dispatch(self, step: Step, args: list, done: StepDone) -> None:
+        task = (step, args, done)
         chain = getattr(self._local, "chain", None)
         if chain is not None:  # called while this pool thread finishes a layer: keep the work here
-            chain.append((execution, step))
+            chain.append(task)
             return
-        self._submit(execution, step)
+        self._submit(task)
 
-    def _submit(self, execution: "Execution", step: "Step") -> None:
+    def _submit(self, task: Task) -> None:
         try:
-            self._pool.submit(self._run_chain, execution, step)
+            self._pool.submit(self._run_chain, task)
         except RuntimeError:  # pool shut down by dispose()
-            execution.fail_step(step, DisposedError("the worker was disposed before this layer could run"))
+            task[2].fail(DisposedError("the worker was disposed before this layer could run"))
 
-    def _run_chain(self, execution: "Execution", step: "Step") -> None:
+    def _run_chain(self, task: Task) -> None:
         chain: list[Task] = []
         self._local.chain = chain
         try:
-            self._execute(execution, step)
+            self._execute(task)
             while chain:
-                (execution, step), rest = chain[0], chain[1:]
+                task, rest = chain[0], chain[1:]
                 chain.clear()
                 for other in rest:
-                    self._submit(*other)
-                self._execute(execution, step)
+                    self._submit(other)
+                self._execute(task)
         finally:
             self._local.chain = None
 
-    def _execute(self, execution: "Execution", step: "Step") -> None:
-        if not step.op.multithreaded or self.threads == 1:
-            execution.run_step(step)
+    def _execute(self, task: Task) -> None:
+        if not task[0].kernel.multithreaded or self.threads == 1:
+            _run(*task)
             return
         with self._lane_lock:
             if self._lane_busy:
-                self._lane_queue.append((execution, step))  # the lane holder will run it
+                self._lane_queue.append(task)  # the lane holder will run it
                 return
             self._lane_busy = True
-        task: Task | None = (execution, step)
-        while task is not None:
-            task[0].run_step(task[1])
+        next_task: Task | None = task
+        while next_task is not None:
+            _run(*next_task)
             with self._lane_lock:
-                task = self._lane_queue.popleft() if self._lane_queue else None
-                self._lane_busy = task is not None
+                next_task = self._lane_queue.popleft() if self._lane_queue else None
+                self._lane_busy = next_task is not None
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=False)
+
+
+def _run(step: Step, args: list, done: StepDone) -> None:
+    """Run one layer's NumPy kernel, then its fused activations, and report it."""
+    def compute() -> list:
+        # (pool threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX)
+        outputs = list(step.kernel(*args))
+        if step.activations:
+            outputs[0] = _apply_activations(step, outputs[0], args)
+        return outputs
+
+    run_kernel(step, args, done, compute)
+
+
+def _apply_activations(step: Step, y: Any, args: list) -> Any:
+    """Run the fused activations on ``y``, in place when ``y`` is a buffer the kernel just made."""
+    fresh = (isinstance(y, np.ndarray) and y.flags.writeable and y.dtype.kind == "f"
+             and not any(isinstance(a, np.ndarray) and np.may_share_memory(y, a) for a in args))
+    for act, extra in step.activations:
+        y = act.run_inplace(y, *extra) if fresh else act(y, *extra)[0]
+        fresh = True
+    return y

@@ -10,22 +10,20 @@ goes back to CuPy's memory pool when the run drops its last reference.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ... import ops
+from ...concurrency.future import TaskFuture
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
-from ...runtime.future import TaskFuture
-from ..base import DeviceBackend, ValueTypes
+from ...ops.base import Op
+from ..base import Step, ValueTypes
+from ..device import DeviceBackend
 from .device import DeviceRuntime, Readback
 from .dispatcher import Dispatcher
 from .kernels import Kernel, KernelContext, apply_activations, can_fuse, kernel_class
 from .tensor import DeviceTensorData
-
-if TYPE_CHECKING:
-    from ...runtime.execution import Execution, Step
 
 
 class CuPyBackend(DeviceBackend):
@@ -53,11 +51,8 @@ class CuPyBackend(DeviceBackend):
                 use_cudnn = os.environ.get("ASYNCINFER_CUDNN", "1") != "0"
             runtime = CudaRuntime(device_id, use_cudnn=use_cudnn)
         self.runtime = runtime
-        # layer id -> (layer, its kernel, the input indices it reads on the host); filled by
-        # supports() while the plan is built, read on the dispatcher thread afterwards
-        self._kernels: dict[int, tuple[Layer, Kernel, frozenset[int]]] = {}
         self._constants: dict[int, tuple[np.ndarray, DeviceTensorData]] = {}
-        self._dispatcher = Dispatcher(runtime)
+        self.thread = self._dispatcher = Dispatcher(runtime)
         self._ctx: KernelContext = self._dispatcher.context  # type: ignore[assignment]
 
     @property
@@ -66,64 +61,33 @@ class CuPyBackend(DeviceBackend):
         return self.runtime.description
 
     # -- planning (worker creation) --------------------------------------------------------------
-    def supports(self, layer: Layer, types: ValueTypes) -> bool:
+    def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Kernel | None:
         cls = kernel_class(layer)
         if cls is None or not all(can_fuse(f.op_type) and f.domain in ("", "ai.onnx") for f in layer.fused):
-            return False
-        try:
-            op = ops.create(layer)
-        except AsyncInferError:
-            return False
-        host = super().host_inputs(layer) | cls.host_inputs
+            return None
+        host = frozenset(op.value_inputs) | cls.host_inputs
         if not cls.accepts(layer, op, types, host):
-            return False
-        self._kernels[id(layer)] = (layer, cls(layer, op), host)
-        return True
+            return None
+        kernel = cls(layer, op)
+        kernel.host_inputs = host  # the inputs this layer reads on the host: the op's and the kernel's own
+        return kernel
 
-    def host_inputs(self, layer: Layer) -> frozenset[int]:
-        entry = self._kernels.get(id(layer))
-        if entry is not None and entry[0] is layer:
-            return entry[2]
-        return super().host_inputs(layer)
-
-    def upload_constant(self, layer: Layer, input_index: int, array: np.ndarray) -> DeviceTensorData:
+    def prepare_constant(self, kernel: Kernel, input_index: int, array: np.ndarray) -> DeviceTensorData:
         """A device copy of a constant, made once (and shared by every layer reading it)."""
         cached = self._constants.get(id(array))
         if cached is not None and cached[0] is array:
             return cached[1]
-        data = self._dispatcher.call(lambda: self._wrap(self._ctx.to_device(np.asarray(array))))
+        data = self.upload(array)
         self._constants[id(array)] = (array, data)  # holding the array keeps its id unique
         return data
 
-    # -- running ---------------------------------------------------------------------------------
-    def dispatch(self, execution: "Execution", step: "Step") -> None:
-        if not self._dispatcher.submit(lambda: self._run_step(execution, step)):
-            execution.fail_step(step, DisposedError("the gpu_compute backend was closed before this layer could run"))
+    def upload(self, array: np.ndarray) -> DeviceTensorData:
+        return self._wrap(self._ctx.to_device(np.asarray(_host_array(array))))
 
-    def _run_step(self, execution: "Execution", step: "Step") -> None:
-        """On the dispatcher thread: enqueue one step's work; complete it unless it is a download."""
-        args = execution.begin_step(step)
-        if args is None:
-            return
-        try:
-            if step.transfer == "download":
-                readback = self.runtime.start_readback(_device_array(args[0]))
-                self._dispatcher.watch(readback, lambda: self._downloaded(execution, step, readback, args))
-                return
-            if step.transfer == "upload":
-                outputs = [self._wrap(self._ctx.to_device(_host_array(args[0])))]
-            else:
-                outputs = self._run_layer(step, args)
-        except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
-            execution.fail_step(step, execution.kernel_error(step, exc, args))
-            return
-        execution.end_step(step, outputs)
-
-    def _run_layer(self, step: "Step", args: list) -> list:
-        entry = self._kernels.get(id(step.layer))
-        if entry is None or entry[0] is not step.layer:
-            raise AsyncInferError(f"gpu_compute has no kernel prepared for {step.layer.describe()}")
-        _, kernel, host = entry
+    # -- running (dispatcher thread) ---------------------------------------------------------------
+    def run_layer(self, step: Step, args: list) -> list:
+        kernel: Kernel = step.kernel
+        host = kernel.host_inputs
         inputs = [None if a is None else (_host_array(a) if i in host else _device_array(a))
                   for i, a in enumerate(args)]
         xp = self._ctx.xp
@@ -136,15 +100,6 @@ class CuPyBackend(DeviceBackend):
             outputs[0] = apply_activations(self._ctx, outputs[0], step.activations, fresh)
         # outputs the model does not use (unnamed) are dropped now, so their buffers go back at once
         return [None if o is None or not name else self._wrap(o) for o, name in zip(outputs, step.layer.outputs)]
-
-    def _downloaded(self, execution: "Execution", step: "Step", readback: Readback, args: list) -> None:
-        """A download step's event completed: its host copy is the step's output."""
-        try:
-            host = readback.result()
-        except Exception as exc:  # noqa: BLE001
-            execution.fail_step(step, execution.kernel_error(step, exc, args))
-            return
-        execution.end_step(step, [host])
 
     def _wrap(self, array: Any) -> DeviceTensorData:
         xp = self._ctx.xp

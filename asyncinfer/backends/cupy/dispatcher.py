@@ -1,6 +1,6 @@
 """The dispatcher thread: the one thread that owns the device, its stream, and every CUDA call.
 
-A :class:`~asyncinfer.backends.device_thread.DeviceThread`: work arrives on a queue (layers to
+A :class:`~asyncinfer.concurrency.device_thread.DeviceThread`: work arrives on a queue (layers to
 enqueue, downloads to start, constants to upload) from any thread, without ever blocking the
 sender; between work items the thread polls the events of the copies in flight and runs their
 completions.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import BackendUnavailableError
-from ..device_thread import DeviceThread
+from ...concurrency.device_thread import DeviceThread
 from .device import DeviceRuntime
 from .kernels.base import KernelContext
 

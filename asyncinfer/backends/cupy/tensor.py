@@ -1,14 +1,19 @@
 """The storage of a tensor on the gpu_compute backend: a device array and the backend owning it."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ...tensor import TensorData
 
-if TYPE_CHECKING:
-    from .backend import CuPyBackend
+
+class _Owner(Protocol):
+    """The backend holding a value (the CuPy backend): it describes its device and downloads."""
+
+    description: str
+
+    def download_blocking(self, value: "DeviceTensorData") -> np.ndarray: ...
 
 
 class DeviceTensorData(TensorData):
@@ -18,7 +23,7 @@ class DeviceTensorData(TensorData):
     backend = "gpu_compute"
     __slots__ = ("array", "_owner")
 
-    def __init__(self, array: Any, owner: "CuPyBackend"):
+    def __init__(self, array: Any, owner: _Owner):
         self.array = array
         self._owner = owner
 

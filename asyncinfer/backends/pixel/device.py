@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from ...runtime.future import TaskFuture
+from ...concurrency.future import TaskFuture
 from .gl import GLThread
 from .layout import Layout, natural_layout
 from .shader import ProgramCache, fragment_source

@@ -2,7 +2,7 @@
 
 OpenGL contexts are bound to one thread, so everything that touches GL (uploads, draws,
 downloads, freeing textures) is a closure put on this thread's queue (a
-:class:`~asyncinfer.backends.device_thread.DeviceThread`). Between closures the thread polls the
+:class:`~asyncinfer.concurrency.device_thread.DeviceThread`). Between closures the thread polls the
 GL sync fences of downloads in flight and completes their futures, so a download never makes
 anybody wait: not the caller, not the event loop, not even this thread (it polls with a zero
 timeout and keeps executing queued work).
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import BackendUnavailableError, DisposedError
-from ...runtime.future import TaskFuture
-from ..device_thread import DeviceThread
+from ...concurrency.future import TaskFuture
+from ...concurrency.device_thread import DeviceThread
 
 GL_SYNC_GPU_COMMANDS_COMPLETE = 0x9117
 GL_SYNC_FLUSH_COMMANDS_BIT = 0x00000001

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import queue
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -10,8 +10,6 @@ from ...errors import AsyncInferError
 from ...tensor import TensorData
 from .layout import Layout
 
-if TYPE_CHECKING:
-    from .device import PixelDevice
 
 
 class Surface:
@@ -80,6 +78,15 @@ class TexturePool:
         self._free.clear()
 
 
+class _Device(Protocol):
+    """What a tensor needs of the device holding it (the PixelDevice, which builds tensors)."""
+
+    gl: Any
+    pool: TexturePool
+
+    def start_download(self, tensor: "PixelTensor") -> Any: ...
+
+
 class PixelTensor(TensorData):
     """A tensor stored in a texture: ``shape``, logical ``dtype`` and the :class:`Layout`.
 
@@ -92,7 +99,7 @@ class PixelTensor(TensorData):
     backend = "gpu_pixel"
     __slots__ = ("shape", "dtype", "layout", "surface", "tag", "_device", "_owner")
 
-    def __init__(self, device: "PixelDevice", surface: Surface, shape: tuple[int, ...], dtype: np.dtype,
+    def __init__(self, device: _Device, surface: Surface, shape: tuple[int, ...], dtype: np.dtype,
                  layout: Layout, tag: str = "", owner: "PixelTensor | None" = None):
         self._device = device
         self.surface = surface

@@ -17,7 +17,7 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
-from ...base import ValueTypes
+from ...base import KERNELS, ValueTypes
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 #: Element types the math kernels compute on (anything else falls back to the CPU).
@@ -108,28 +108,23 @@ def same_type(types: ValueTypes, names: Iterable[str]) -> bool:
     return len(found) == 1 and None not in found
 
 
-_REGISTRY: dict[str, type[Kernel]] = {}
+BACKEND = "gpu_compute"
 
 
 def register(cls: type[Kernel]) -> type[Kernel]:
-    """Class decorator: make ``cls`` the device kernel of each of its ``op_types``."""
-    for op_type in cls.op_types:
-        if op_type in _REGISTRY:
-            raise ValueError(f"two gpu_compute kernels for {op_type}: {_REGISTRY[op_type].__name__}, {cls.__name__}")
-        _REGISTRY[op_type] = cls
-    return cls
+    """Class decorator: make ``cls`` the gpu_compute kernel of each of its ``op_types`` in the
+    kernel table (default domain, every version the CPU op implements)."""
+    return KERNELS.register(BACKEND, cls.op_types)(cls)
 
 
 def kernel_class(layer: Layer) -> type[Kernel] | None:
-    """The kernel class for ``layer``'s op type (default domain only), or None."""
-    if layer.domain not in ("", "ai.onnx"):
-        return None
-    return _REGISTRY.get(layer.op_type)
+    """The kernel class for ``layer`` in the kernel table, or None."""
+    return KERNELS.lookup(BACKEND, layer)
 
 
 def registered_op_types() -> list[str]:
     """Every op type with a device kernel, sorted."""
-    return sorted(_REGISTRY)
+    return [op_type for _, op_type in KERNELS.op_types(BACKEND)]
 
 
 def channel_shape(x: Any, m: int) -> tuple[int, ...]:

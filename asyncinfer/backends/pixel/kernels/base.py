@@ -9,6 +9,7 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
+from ...base import KERNELS
 
 if TYPE_CHECKING:
     from ..device import PixelDevice
@@ -18,18 +19,13 @@ FLOAT32 = np.dtype(np.float32)
 BOOL = np.dtype(bool)
 INDEX_TYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
-KERNELS: dict[str, type["PixelKernel"]] = {}
+BACKEND = "gpu_pixel"
 
 
 def pixel_kernel(*op_types: str) -> Callable[[type["PixelKernel"]], type["PixelKernel"]]:
-    """Register a kernel class for ``op_types`` (default domain, every opset the CPU op accepts)."""
-
-    def register(cls: type["PixelKernel"]) -> type["PixelKernel"]:
-        for op_type in op_types:
-            KERNELS[op_type] = cls
-        return cls
-
-    return register
+    """Register a kernel class for ``op_types`` in the kernel table (default domain, every opset
+    the CPU op accepts)."""
+    return KERNELS.register(BACKEND, op_types)  # type: ignore[return-value]
 
 
 class PixelKernel:

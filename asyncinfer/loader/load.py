@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from .. import ops
 from ..errors import UnsupportedOperatorError
-from .ir import Layer, Model
-from .onnx_import import DEFAULT_MAX_TENSOR_BYTES, ModelSource, import_model
+from ..model.ir import Layer, Model
+from ..model.onnx_import import DEFAULT_MAX_TENSOR_BYTES, ModelSource, import_model
 from .optimize import mark_cpu_bound
 from .optimize import optimize as run_passes
 

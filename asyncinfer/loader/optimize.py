@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import AsyncInferError
-from .ir import Layer, Model
+from ..model.ir import Layer, Model
 
 # Folding is skipped for layers producing more than this: a 1-GiB broadcast is cheaper to compute
 # at run time than to keep resident. ConstantOfShape weights of real models are far below it.
