@@ -1,6 +1,6 @@
-"""``python3 -m bench``: run every benchmark (see bench/run_all.py)."""
+"""``python3 -m bench``: the one benchmark entry point (see bench/runner.py and bench/README.md)."""
 import sys
 
-from bench.run_all import main
+from bench.runner import main
 
 sys.exit(main())

@@ -257,12 +257,25 @@ def print_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], title: st
         print(line(row), file=file)
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name: /proc/cpuinfo's "model name" on Linux, else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass  # not Linux: fall through
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def environment() -> dict[str, Any]:
     """What the numbers were measured on, stored next to them."""
     env: dict[str, Any] = {
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "numpy": np.__version__,
         "onnx": onnx.__version__,
@@ -315,10 +328,53 @@ def measure_each(models: Sequence[str], label: str, measure: Callable[[str], dic
     return per_model
 
 
+def backend_unavailable_reason(backend: str) -> str | None:
+    """Why an asyncinfer ``backend`` cannot start here (its BackendUnavailableError), or None.
+
+    Probes through the public API, a Worker on a one-Relu model, so the benchmarks do not depend
+    on where each backend keeps its own device checks.
+    """
+    import asyncinfer as ai
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    try:
+        with ai.Worker(model, backend):
+            return None
+    except ai.BackendUnavailableError as exc:
+        return str(exc)
+
+
+def dig(result: Any, *keys: str) -> float | None:
+    """``result[k1][k2]...`` as a float, or None when a step is missing (a skipped measurement)."""
+    for key in keys:
+        if not isinstance(result, Mapping) or key not in result:
+            return None
+        result = result[key]
+    return float(result) if isinstance(result, (int, float)) and not isinstance(result, bool) else None
+
+
+def missing_modules(*names: str) -> str | None:
+    """``"needs a, b (not installed)"`` for the named modules that cannot be found here, else None."""
+    import importlib.util
+
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    return f"needs {', '.join(missing)} (not installed)" if missing else None
+
+
 def add_engine_args(parser: Any, results: str) -> None:
     """The options every benchmark script shares: thread count and whether to write results."""
     parser.add_argument("--threads", type=int, default=None, help="threads for both engines (default: cores)")
     parser.add_argument("--no-write", action="store_true", help=f"do not write bench/results/{results}")
+
+
+def cannot_run(script: str, reason: str) -> int:
+    """Say on stderr why a benchmark script cannot run on this machine; the exit status to return (2)."""
+    print(f"bench/{Path(script).name} cannot run here: {reason}", file=sys.stderr)
+    return 2
 
 
 def report(name: str, result: Mapping[str, Any], printer: Callable[[Any], None], write: bool) -> int:
@@ -329,12 +385,16 @@ def report(name: str, result: Mapping[str, Any], printer: Callable[[Any], None],
     return 0
 
 
-def write_results(name: str, data: Mapping[str, Any], results_dir: Path | None = None) -> Path:
-    """Write ``{"environment": ..., "results": data}`` to ``bench/results/<name>.json``."""
+def write_results(name: str, data: Mapping[str, Any], results_dir: Path | None = None,
+                  env: Mapping[str, Any] | None = None) -> Path:
+    """Write ``{"environment": env, "results": data}`` to ``bench/results/<name>.json``.
+
+    ``env`` defaults to :func:`environment` now; pass one to keep several files on one timestamp.
+    """
     folder = results_dir or RESULTS_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
-    payload = {"benchmark": name, "environment": environment(), "results": _jsonable(data)}
+    payload = {"benchmark": name, "environment": dict(env or environment()), "results": _jsonable(data)}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

@@ -176,6 +176,22 @@ def print_report(result: dict[str, Any]) -> None:
         print(f"no ORT ratio: {note}")
 
 
+# -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
+# The --quick profile: a few repeats (the warm-up stays: it compiles the kernels).
+QUICK: dict[str, Any] = {"repeats": 3}
+
+
+def unavailable_reason() -> str | None:
+    """Why this benchmark cannot run here (no CuPy, no CUDA device), or None."""
+    return common.missing_modules("onnxruntime") or common.backend_unavailable_reason("gpu_compute")
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """Geometric means over (model, batch) of asyncinfer/ORT-CUDA median latency (lower is better)."""
+    return {"await/ORT CUDA": result["geomean_ratio_await"], "blocking/ORT CUDA": result["geomean_ratio_blocking"],
+            "best/best": result["geomean_ratio_best"], "rated": result["rated"], "measured": result["measured"]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help=f"light models (default: {' '.join(MODELS)})")
@@ -185,12 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-cudnn", action="store_true", help="convolutions through im2col + cuBLAS, not cuDNN")
     parser.add_argument("--no-write", action="store_true", help="do not write bench/results/gpu_compute.json")
     args = parser.parse_args(argv)
-    from asyncinfer.backends.cupy.device import cuda_unavailable_reason
-
-    reason = cuda_unavailable_reason()
-    if reason is not None:
-        print(f"bench/gpu_compute.py cannot run here: {reason}", file=sys.stderr)
-        return 2
+    if (reason := unavailable_reason()) is not None:
+        return common.cannot_run(__file__, reason)
     if args.no_cudnn:
         os.environ["ASYNCINFER_CUDNN"] = "0"
     result = run(args.models, args.batches, repeats=args.repeats, warmup=args.warmup)

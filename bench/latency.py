@@ -104,6 +104,22 @@ def print_report(result: dict[str, Any]) -> None:
                              f"{result['threads']} threads each")
 
 
+# -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
+# The --quick profile: every model, a few repeats (a smoke run, not a measurement).
+QUICK: dict[str, Any] = {"repeats": 3, "warmup": 1}
+
+
+def unavailable_reason() -> str | None:
+    """Why this benchmark cannot run here, or None."""
+    return common.missing_modules("onnxruntime")
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """Geometric means over the models of asyncinfer/ORT median latency (lower is better)."""
+    return {"await/ORT": result["geomean_ratio_await"], "blocking/ORT": result["geomean_ratio_blocking"],
+            "best/best": result["geomean_ratio_best"], "models": result["measured"]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(common.LIGHT_MODELS),
@@ -112,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs per engine first")
     common.add_engine_args(parser, "latency.json")
     args = parser.parse_args(argv)
+    if (reason := unavailable_reason()) is not None:
+        return common.cannot_run(__file__, reason)
     result = run(args.models, repeats=args.repeats, warmup=args.warmup, threads=args.threads)
     return common.report("latency", result, print_report, write=not args.no_write)
 

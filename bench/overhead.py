@@ -244,6 +244,28 @@ def print_report(result: dict[str, Any]) -> None:
                        title="(c) event-loop lag of a 1 ms asyncio.sleep ticker")
 
 
+# -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
+# The --quick profile: a few repeats and half-second loop-lag windows.
+QUICK: dict[str, Any] = {"repeats": 5, "lag_seconds": 0.5}
+
+
+def unavailable_reason() -> str | None:
+    """Why this benchmark cannot run here, or None."""
+    return common.missing_modules("onnxruntime")
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """Per-layer cost asyncinfer/ORT, and the absolute overheads the floors are about."""
+    await_us = common.dig(result, "per_layer", "us_per_layer", "asyncinfer_await")
+    ort_us = common.dig(result, "per_layer", "us_per_layer", "ort")
+    model = result["model"]
+    return {"per-layer await/ORT": await_us / ort_us if await_us and ort_us else None,
+            "µs/layer await": await_us,
+            f"loop-lag p99 ms ({model})": common.dig(result, "loop_lag", model, "p99_ms"),
+            "loop-lag p99 ms (no model)": common.dig(result, "loop_lag", "baseline", "p99_ms"),
+            f"schedule/run ({model})": common.dig(result, "schedule", model, "ratio")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=1000, help="length of the Add chain")
@@ -252,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="resnet50", help="light model for schedule() and loop lag")
     common.add_engine_args(parser, "overhead.json")
     args = parser.parse_args(argv)
+    if (reason := unavailable_reason()) is not None:
+        return common.cannot_run(__file__, reason)
     result = run(layers=args.layers, repeats=args.repeats, lag_seconds=args.lag_seconds, model=args.model,
                  threads=args.threads)
     return common.report("overhead", result, print_report, write=not args.no_write)

@@ -95,6 +95,22 @@ def print_report(result: dict[str, Any]) -> None:
                              f"interleaved runs, {result['threads']} threads for the CPU engines")
 
 
+# -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
+# The --quick profile: squeezenet only, once (Mesa's llvmpipe makes every pixel run costly on a CPU).
+QUICK: dict[str, Any] = {"models": ["squeezenet"], "repeats": 1, "warmup": 0}
+
+
+def unavailable_reason() -> str | None:
+    """Why this benchmark cannot run here (no onnxruntime, no EGL/OpenGL 3.3 context), or None."""
+    return common.missing_modules("onnxruntime") or common.backend_unavailable_reason("gpu_pixel")
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """Geometric means over the models of gpu_pixel median latency over ORT's and the CPU backend's."""
+    return {"pixel/ORT": result["geomean_pixel_ort"], "pixel/cpu": result["geomean_pixel_cpu"],
+            "models": result["measured"]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(common.LIGHT_MODELS),
@@ -103,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs per engine first")
     common.add_engine_args(parser, "pixel.json")
     args = parser.parse_args(argv)
+    if (reason := unavailable_reason()) is not None:
+        return common.cannot_run(__file__, reason)
     result = run(args.models, repeats=args.repeats, warmup=args.warmup, threads=args.threads)
     return common.report("pixel", result, print_report, write=not args.no_write)
 

@@ -153,6 +153,22 @@ def print_report(result: dict[str, Any]) -> None:
                              f"{result['rounds']} rounds per mode")
 
 
+# -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
+# The --quick profile: 16 clients, one short round per mode.
+QUICK: dict[str, Any] = {"clients": 16, "requests": 64, "rounds": 1}
+
+
+def unavailable_reason() -> str | None:
+    """Why this benchmark cannot run here, or None (DynamicBatcher needs no server extras)."""
+    return common.missing_modules("onnxruntime")
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
+    """Throughput of each asyncinfer mode as a multiple of ORT's (higher is better), per model."""
+    return {f"{name} {mode} req/s ×ORT": common.dig(r, "modes", mode, "throughput_vs_ort")
+            for name, r in result["models"].items() for mode in ("batched", "unbatched")}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["digits", "squeezenet"],
@@ -166,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-concurrent-batches", type=int, default=2)
     common.add_engine_args(parser, "serving.json")
     args = parser.parse_args(argv)
+    if (reason := unavailable_reason()) is not None:
+        return common.cannot_run(__file__, reason)
     result = run(args.models, clients=args.clients, requests=args.requests, rounds=args.rounds,
                  max_batch_size=args.max_batch_size, max_delay=args.max_delay_ms / 1e3,
                  max_concurrent_batches=args.max_concurrent_batches, threads=args.threads)

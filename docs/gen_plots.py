@@ -5,7 +5,7 @@
 
 - ``task_graph.png``: how a scheduled run flows (docs/how-it-runs.md); drawn, not measured.
 - ``latency.png``, ``overhead.png``, ``loop_lag.png``: from ``bench/results/latency.json`` and
-  ``overhead.json`` (``python3 bench/run_all.py`` writes them), for docs/benchmarks.md.
+  ``overhead.json`` (``python3 -m bench latency overhead`` writes them), for docs/benchmarks.md.
 
 The markdown tables printed at the end are what docs/benchmarks.md shows next to the plots.
 """
@@ -137,7 +137,7 @@ def draw_task_graph(path: Path) -> None:
 def _load(results: Path, name: str) -> dict[str, Any] | None:
     path = results / f"{name}.json"
     if not path.is_file():
-        print(f"no {path}: run `python3 bench/run_all.py` first; skipping its plots", file=sys.stderr)
+        print(f"no {path}: run `python3 -m bench latency overhead` first; skipping its plots", file=sys.stderr)
         return None
     return json.loads(path.read_text())
 

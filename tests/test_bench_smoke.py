@@ -1,12 +1,17 @@
-"""Smoke test of the benchmarks: every measurement runs with tiny sizes and returns sane numbers.
+"""Smoke test of the benchmarks: the runner (``python -m bench``) lists, runs, skips and records
+failures, and every measurement runs with tiny sizes and returns sane numbers.
 
 No timing assertions: the machines are shared and noisy; performance lives in bench/.
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import math
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import common, latency, overhead, run_all  # noqa: E402
+from bench import common, latency, overhead, runner  # noqa: E402
 
 TIMING_KEYS = {"median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "n"}
 
@@ -127,14 +132,21 @@ def test_latency_on_squeezenet():
     assert result["geomean_ratio_await"] == pytest.approx(r["ratio_await"])
 
 
-def test_floors_report_every_target():
+def test_latency_key_figures_are_its_geomeans():
+    result = {"geomean_ratio_await": 1.5, "geomean_ratio_blocking": 1.4, "geomean_ratio_best": 1.3, "measured": 2}
+    assert latency.key_figures(result) == {"await/ORT": 1.5, "blocking/ORT": 1.4, "best/best": 1.3, "models": 2}
+
+
+def test_floors_report_every_target_of_the_benchmarks_that_ran():
     lat = {"geomean_ratio_await": 1.5, "geomean_ratio_blocking": 1.4, "measured": 1}
     ovh = {"model": "m", "chain": "chain",
            "per_layer": {"us_per_layer": {"asyncinfer_await": 60.0}},
            "loop_lag": {"m": {"error": "did not load"}},
            "schedule": {"chain": {"ratio": 0.2}, "m": {"ratio": 0.01}}}
-    verdicts = {f.name: f.verdict for f in run_all.floors(lat, ovh)}
+    verdicts = {f.name: f.verdict for f in runner.floors({"latency": lat, "overhead": ovh})}
     assert sorted(verdicts.values()) == ["MISS", "MISS", "N/A", "PASS", "PASS"]
+    assert [f.verdict for f in runner.floors({"latency": lat})] == ["PASS"]  # a subset: its floors only
+    assert runner.floors({"pixel": {}}) == []
 
 
 def test_pixel_benchmark_on_squeezenet():
@@ -153,3 +165,93 @@ def test_pixel_benchmark_on_squeezenet():
     assert r["fallback_layers"] == 0 and r["transfers"] == 1  # the input's upload only
     assert_positive(r["ratio_pixel_cpu"])
     assert result["geomean_pixel_ort"] == pytest.approx(r["ratio_pixel_ort"])
+
+
+# -- the runner: python -m bench ---------------------------------------------------------------------
+def test_every_benchmark_offers_what_the_runner_calls():
+    for name in runner.BENCHMARKS:
+        module = importlib.import_module(f"bench.{name}")
+        run_params = inspect.signature(module.run).parameters
+        assert set(module.QUICK) <= set(run_params), f"{name}.QUICK names arguments run() lacks"
+        for hook in ("print_report", "unavailable_reason", "key_figures", "main"):
+            assert callable(getattr(module, hook)), f"bench/{name}.py has no {hook}()"
+
+
+def test_list_names_every_benchmark():
+    proc = subprocess.run([sys.executable, "-m", "bench", "--list"], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = dict(line.split(maxsplit=1) for line in proc.stdout.splitlines())
+    assert list(lines) == list(runner.BENCHMARKS)
+    for name, description in lines.items():
+        assert "cannot be imported" not in description, f"{name}: {description}"
+
+
+def test_unknown_benchmark_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        runner.parse_args(["latency", "no_such_bench"])
+    assert exit_info.value.code == 2 and "no_such_bench" in capsys.readouterr().err
+
+
+def test_missing_dependency_skips_but_a_broken_own_import_raises(monkeypatch):
+    def missing(name: str) -> None:
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(importlib, "import_module", lambda _name: missing("cupy"))
+    assert runner.load("gpu_compute") == (None, "needs cupy (not installed)")
+    monkeypatch.setattr(importlib, "import_module", lambda _name: missing("asyncinfer.backends"))
+    with pytest.raises(ModuleNotFoundError):
+        runner.load("gpu_compute")
+
+
+def _fake_benchmark(**hooks) -> types.SimpleNamespace:
+    """A stand-in for a bench/<name>.py module: runs instantly, reports nothing."""
+    defaults = {"__doc__": "A fake benchmark.", "QUICK": {"repeats": 1}, "unavailable_reason": lambda: None,
+                "print_report": lambda result: None, "key_figures": lambda result: {"x/ORT": result["ratio"]}}
+    return types.SimpleNamespace(**{**defaults, **hooks})
+
+
+def test_runner_records_skips_and_errors_and_runs_the_rest(monkeypatch, tmp_path, capsys):
+    calls = {}
+
+    def run_ok(*, repeats: int = 20, threads: int | None = None) -> dict:
+        calls.update(repeats=repeats, threads=threads)
+        return {"ratio": 1.25}
+
+    def run_broken(*, repeats: int = 20) -> dict:  # takes no threads: --threads is not passed
+        raise RuntimeError("boom")
+
+    fakes = {"broken": _fake_benchmark(run=run_broken),
+             "absent": _fake_benchmark(run=run_ok, unavailable_reason=lambda: "no device here"),
+             "fine": _fake_benchmark(run=run_ok)}
+    monkeypatch.setattr(runner, "BENCHMARKS", tuple(fakes))
+    monkeypatch.setattr(runner, "load", lambda name: (fakes[name], None))
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+
+    status = runner.main(["--quick", "--threads", "1", "--no-write"])
+    out = capsys.readouterr().out
+    assert status == 1  # an error is reported in the exit status; the run still finished
+    assert "| broken | error: RuntimeError: boom |" in out
+    assert "| absent | skipped: no device here |" in out
+    assert "| fine | ok | x/ORT 1.25 |" in out
+    assert calls == {"repeats": 1, "threads": 1}  # the quick profile and --threads reached run()
+    assert list(tmp_path.iterdir()) == []  # --no-write
+
+
+def test_quick_overhead_run_writes_the_summary(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the overhead benchmark compares against onnxruntime")
+    # Tinier than the real quick profile: this is about the runner, not the numbers.
+    monkeypatch.setattr(overhead, "QUICK", {"layers": 20, "repeats": 2, "lag_seconds": 0.1, "model": "squeezenet"})
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+
+    assert runner.main(["overhead", "--quick"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["overhead.json", "summary.json", "summary.md"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["environment"]["cpu_model"] and summary["environment"]["cpu_count"] >= 1
+    [bench] = summary["results"]["benchmarks"]
+    assert bench["name"] == "overhead" and bench["status"] == "ok", bench
+    assert_positive(bench["figures"]["per-layer await/ORT"])
+    floors = summary["results"]["floors"]
+    assert len(floors) == 4 and {f["verdict"] for f in floors} <= {"PASS", "MISS"}
+    markdown = (tmp_path / "summary.md").read_text()
+    assert "| overhead | ok | per-layer await/ORT" in markdown and summary["environment"]["cpu_model"] in markdown
