@@ -23,8 +23,8 @@ from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
 from .runtime.plan import Placement
-from .runtime.worker import Worker
-from .tensor import Tensor, TensorData
+from .runtime.worker import Worker, WorkerState
+from .tensor import Tensor, TensorData, TensorState
 
 __version__ = "0.1.0"
 
@@ -43,8 +43,10 @@ __all__ = [
     "Tensor",
     "TensorData",
     "TensorInfo",
+    "TensorState",
     "UnsupportedOperatorError",
     "Worker",
+    "WorkerState",
     "load_model",
     "__version__",
 ]

@@ -8,6 +8,7 @@ read back by an asynchronous download that completes from a device fence or even
 """
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,15 @@ from .concurrency.bridge import loop_dispatcher, wait_done
 from .concurrency.future import TaskFuture
 
 ReadbackCallback = Callable[[bool], Any]
+
+
+class TensorState(enum.Enum):
+    """Where a tensor is in its life: computing, computed, failed, or disposed by its owner."""
+
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+    DISPOSED = "disposed"
 
 
 class TensorData:
@@ -118,6 +128,15 @@ class Tensor:
             return self._declared_dtype
         value = self._value_or_none() if self._future.done() and not self._future.failed() else None
         return None if value is None else value.dtype
+
+    @property
+    def state(self) -> TensorState:
+        """Pending while its layer computes; then ready or failed; disposed after :meth:`dispose`."""
+        if self._disposed:
+            return TensorState.DISPOSED
+        if not self._future.done():
+            return TensorState.PENDING
+        return TensorState.FAILED if self._future.failed() else TensorState.READY
 
     @property
     def is_pending(self) -> bool:
@@ -266,10 +285,8 @@ class Tensor:
         return self._disposed
 
     def __repr__(self) -> str:
-        state = "disposed" if self._disposed else ("pending" if self.is_pending else
-                                                  ("failed" if self._future.failed() else "ready"))
         dtype = "?" if self.dtype is None else self.dtype.name
-        return f"<Tensor {self.name!r} {dtype}{list(self.shape or [])} on {self.backend}, {state}>"
+        return f"<Tensor {self.name!r} {dtype}{list(self.shape or [])} on {self.backend}, {self.state.value}>"
 
 
 def reraise(error: BaseException | None, name: str) -> AsyncInferError:

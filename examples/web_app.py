@@ -53,7 +53,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await worker.aclose()  # joins the worker's threads off the event loop
+        await worker.dispose_async()  # joins the worker's threads off the event loop
 
 
 app = FastAPI(title="asyncinfer digits", lifespan=lifespan)

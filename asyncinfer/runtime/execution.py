@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -273,7 +274,14 @@ class Execution:
             await wait_done(tensor._readback_future())
         return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
 
-    def output_arrays(self) -> dict[str, np.ndarray]:
-        """Blocking: the outputs as caller-owned NumPy arrays (downloaded from a device if needed)."""
+    def read_outputs_blocking(self) -> dict[str, np.ndarray]:
+        """Blocking twin of :meth:`read_outputs`: the outputs as caller-owned NumPy arrays
+        (downloaded from a device if needed). Do not call it on an event loop."""
         return {info.name: self._tensor(info.name, None).download_to_array() for info in self.plan.model.outputs}
 
+
+    def output_arrays(self) -> dict[str, np.ndarray]:
+        """Deprecated alias of :meth:`read_outputs_blocking` (removed in the next release)."""
+        warnings.warn("Execution.output_arrays() is deprecated: use read_outputs_blocking()",
+                      DeprecationWarning, stacklevel=2)
+        return self.read_outputs_blocking()

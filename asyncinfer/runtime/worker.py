@@ -1,7 +1,9 @@
 """``Worker``: runs a model on a backend (Sentis's ``Worker``), with sync and async lifecycles."""
 from __future__ import annotations
 
+import enum
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -16,6 +18,13 @@ from ..tensor import Tensor
 from .execution import Execution
 from .inputs import bind_inputs
 from .plan import Placement, Plan
+
+
+class WorkerState(enum.Enum):
+    """A worker's lifecycle: open until :meth:`Worker.dispose`, then disposed for good."""
+
+    OPEN = "open"
+    DISPOSED = "disposed"
 
 
 class Worker:
@@ -53,7 +62,7 @@ class Worker:
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
         self._state_lock = threading.Lock()
-        self._disposed = False
+        self._state = WorkerState.OPEN
 
     # -- introspection -------------------------------------------------------------------------------
     @property
@@ -62,12 +71,17 @@ class Worker:
         return self._plan.placement
 
     @property
+    def state(self) -> WorkerState:
+        """Where the worker is in its lifecycle."""
+        return self._state
+
+    @property
     def disposed(self) -> bool:
-        """True once :meth:`dispose` (or ``aclose``) ran; the worker then refuses all calls."""
-        return self._disposed
+        """True once :meth:`dispose` (or :meth:`dispose_async`) ran; the worker then refuses all calls."""
+        return self._state is WorkerState.DISPOSED
 
     def _check_open(self) -> None:
-        if self._disposed:
+        if self._state is WorkerState.DISPOSED:
             raise DisposedError("this worker was disposed")
 
     # -- scheduling -----------------------------------------------------------------------------------
@@ -168,13 +182,13 @@ class Worker:
 
         Layers of the latest run that have not started are skipped, unless the caller took one of
         its outputs with ``take_output``: runs with caller-owned outputs are finished first, so
-        nothing the caller owns is lost (this may block until they complete; ``aclose`` waits on a
-        helper thread instead).
+        nothing the caller owns is lost (this may block until they complete; :meth:`dispose_async`
+        waits on a helper thread instead).
         """
         with self._state_lock:
-            if self._disposed:
+            if self._state is WorkerState.DISPOSED:
                 return
-            self._disposed = True
+            self._state = WorkerState.DISPOSED
             owned = list(self._owned_runs)
         if self._latest is not None and not self._latest.has_taken_outputs:
             self._latest.cancel()
@@ -193,11 +207,18 @@ class Worker:
         if self._fallback is not None:
             self._fallback.close()
 
-    async def aclose(self) -> None:
-        """Dispose without blocking the event loop (threads are joined on a helper thread)."""
+    async def dispose_async(self) -> None:
+        """Awaitable twin of :meth:`dispose`: never blocks the event loop (threads are joined on a
+        helper thread)."""
         import anyio.to_thread
 
         await anyio.to_thread.run_sync(self.dispose)
+
+    async def aclose(self) -> None:
+        """Deprecated alias of :meth:`dispose_async` (removed in the next release)."""
+        warnings.warn("Worker.aclose() is deprecated: use `await worker.dispose_async()`",
+                      DeprecationWarning, stacklevel=2)
+        await self.dispose_async()
 
     def __enter__(self) -> "Worker":
         return self
@@ -209,8 +230,8 @@ class Worker:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        await self.dispose_async()
 
     def __repr__(self) -> str:
-        state = "disposed" if self._disposed else "open"
-        return f"<Worker {self.model.name!r} on {self.backend_type.value}, {len(self._plan.nodes)} layers, {state}>"
+        return (f"<Worker {self.model.name!r} on {self.backend_type.value}, {len(self._plan.nodes)} layers, "
+                f"{self._state.value}>")

@@ -11,7 +11,9 @@ event loop. A background dispatcher task lives inside ``async with DynamicBatche
 """
 from __future__ import annotations
 
+import enum
 import math
+import warnings
 from collections import deque
 from collections.abc import Mapping
 from contextlib import AsyncExitStack
@@ -68,6 +70,15 @@ class _Request:
             self.done.set()
 
 
+class BatcherState(enum.Enum):
+    """A batcher's lifecycle: new -> running (inside ``async with``) -> closing -> closed."""
+
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
 class DynamicBatcher:
     """Serve ``infer`` calls for one model, merging concurrent ones along the batch axis.
 
@@ -117,7 +128,7 @@ class DynamicBatcher:
         self.stats = BatcherStats()
         self._batch_symbol = batch_symbol(self.model)
         self._queues: dict[Hashable, deque[_Request]] = {}
-        self._state = "new"  # new -> running -> closing -> closed
+        self._state = BatcherState.NEW
         # Events belong to an event loop: made in __aenter__, not here (built outside any loop).
         self._wakeup: anyio.Event | None = None
         self._stopped: anyio.Event | None = None
@@ -147,7 +158,7 @@ class DynamicBatcher:
             DisposedError: the batcher is closed, or closed before this request could run.
             ExecutionError: the engine failed on this request.
         """
-        if self._state != "running":
+        if self._state is not BatcherState.RUNNING:
             raise DisposedError(self._not_running_message())
         request = self._admit(inputs)
         self.stats.requests += 1
@@ -178,16 +189,16 @@ class DynamicBatcher:
             if self._solo_runs == 0 and self._solo_idle is not None:
                 self._solo_idle.set()
 
-    async def aclose(self) -> None:
+    async def dispose_async(self) -> None:
         """Stop accepting requests, run those already queued, wait for batches in flight.
 
         If this call is cancelled, requests still pending fail with :class:`DisposedError`. A
         worker the batcher built is disposed; a worker it was given is left open.
         """
-        if self._state == "closed":
+        if self._state is BatcherState.CLOSED:
             return
-        was_running = self._state == "running"
-        self._state = "closing"
+        was_running = self._state is BatcherState.RUNNING
+        self._state = BatcherState.CLOSING
         self._wake()
         try:
             if was_running:
@@ -201,21 +212,27 @@ class DynamicBatcher:
                 self._fail_all(DisposedError("the batcher was closed before this request ran"))
                 if self._dispatcher_scope is not None:
                     self._dispatcher_scope.cancel()
-            self._state = "closed"
+            self._state = BatcherState.CLOSED
             if self._owns_worker:
                 with anyio.CancelScope(shield=True):
-                    await self.worker.aclose()
+                    await self.worker.dispose_async()
+
+    async def aclose(self) -> None:
+        """Deprecated alias of :meth:`dispose_async` (removed in the next release)."""
+        warnings.warn("DynamicBatcher.aclose() is deprecated: use `await batcher.dispose_async()`",
+                      DeprecationWarning, stacklevel=2)
+        await self.dispose_async()
 
     async def __aenter__(self) -> "DynamicBatcher":
-        if self._state != "new":
+        if self._state is not BatcherState.NEW:
             raise AsyncInferError("a DynamicBatcher can be entered only once")
         self._wakeup, self._stopped = anyio.Event(), anyio.Event()
         self._dispatcher_scope = anyio.CancelScope()
         self._stack = AsyncExitStack()
         task_group = await self._stack.enter_async_context(anyio.create_task_group())
-        self._stack.push_async_callback(self.aclose)  # runs first on exit: drain, then join the tasks
+        self._stack.push_async_callback(self.dispose_async)  # runs first on exit: drain, then join the tasks
         task_group.start_soon(self._dispatch)
-        self._state = "running"
+        self._state = BatcherState.RUNNING
         return self
 
     async def __aexit__(self, *exc: Any) -> bool:
@@ -224,7 +241,7 @@ class DynamicBatcher:
 
     def __repr__(self) -> str:
         return (f"<DynamicBatcher {self.model.name!r} max_batch_size={self.max_batch_size} "
-                f"max_delay={self.max_delay} {self._state}, {self.pending} pending>")
+                f"max_delay={self.max_delay} {self._state.value}, {self.pending} pending>")
 
     # -- admission --------------------------------------------------------------------------------
     def _admit(self, inputs: Mapping[str, Any]) -> _Request | None:
@@ -261,7 +278,7 @@ class DynamicBatcher:
         self._queues.clear()
 
     def _not_running_message(self) -> str:
-        if self._state == "new":
+        if self._state is BatcherState.NEW:
             return "the DynamicBatcher is not started: use 'async with DynamicBatcher(...) as batcher'"
         return "the DynamicBatcher is closed"
 
@@ -275,7 +292,7 @@ class DynamicBatcher:
                 async with anyio.create_task_group() as runners:  # its exit waits for batches in flight
                     while True:
                         if not self._queues:
-                            if self._state != "running":
+                            if self._state is not BatcherState.RUNNING:
                                 break
                             await self._wait_for_wakeup(math.inf)
                             continue
@@ -297,7 +314,7 @@ class DynamicBatcher:
             deadline = queue[0].enqueued_at + self.max_delay
             full = sum(r.rows for r in queue) >= self.max_batch_size
             remaining = deadline - anyio.current_time()
-            if full or remaining <= 0 or self._state != "running":
+            if full or remaining <= 0 or self._state is not BatcherState.RUNNING:
                 return self._take(key)
             await self._wait_for_wakeup(remaining)  # a new request, a cancellation, or closing
         return []

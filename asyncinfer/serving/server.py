@@ -81,7 +81,7 @@ class ServedModel:
     async def start(self, stack: AsyncExitStack) -> None:
         """Build the worker (and enter the batcher); ``stack`` disposes them at shutdown."""
         self.worker = Worker(self.model, self.backend, threads=self.threads)
-        stack.push_async_callback(self.worker.aclose)
+        stack.push_async_callback(self.worker.dispose_async)
         if self.batching:
             batcher = DynamicBatcher(self.worker, max_batch_size=self.max_batch_size, max_delay=self.max_delay)
             self.batcher = await stack.enter_async_context(batcher)
