@@ -280,21 +280,28 @@ class Pad(Op):
     def run(self, data: Array,
             pads: MaybeArray = None, constant_value: MaybeArray = None,
             axes: MaybeArray = None) -> Array:
-        data = np.asarray(data)
+        return self.pad(np, np.asarray(data), pads, constant_value, axes)
+
+    def pad(self, xp: Any, data: Any, pads: MaybeArray = None, constant_value: MaybeArray = None,
+            axes: MaybeArray = None) -> Any:
+        """Pad ``data`` with the array module ``xp`` (NumPy here, CuPy on gpu_compute); ``pads``,
+        ``constant_value`` and ``axes`` are host values."""
         widths, constant_value = self.widths(data.ndim, pads, constant_value, axes)
         # Negative pads crop: apply them first as a slice, then pad with the positive ones.
         data = data[tuple(slice(max(-b, 0), data.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))]
         widths = [(max(b, 0), max(e, 0)) for b, e in widths]
-        mode = self.attr("mode", "constant")
+        mode = self.attr("mode")
         if mode != "constant":
             if any((b or e) and data.shape[i] == 0 for i, (b, e) in enumerate(widths)):
                 raise op_error(self, f"mode {mode!r} cannot pad an empty axis")
-            return np.pad(data, widths, mode=mode)
+            return xp.pad(data, widths, mode=mode)
         if constant_value is None:
-            fill = "" if data.dtype == object else np.zeros((), data.dtype)
+            fill = "" if data.dtype == object else 0
         else:
             fill = np.asarray(constant_value).reshape(-1)[0]
-        return np.pad(data, widths, mode="constant", constant_values=fill)
+        out = xp.full(tuple(s + b + e for s, (b, e) in zip(data.shape, widths)), fill, dtype=data.dtype)
+        out[tuple(slice(b, b + s) for s, (b, _) in zip(data.shape, widths))] = data
+        return out
 
     def widths(self, rank: int, pads: MaybeArray = None, constant_value: MaybeArray = None,
                axes: MaybeArray = None) -> tuple[list[list[int]], MaybeArray]:
