@@ -114,7 +114,7 @@ class Attention(Op):
     multithreaded = True  # two batched GEMMs
 
     def check(self) -> None:
-        mode = int(self.attr("qk_matmul_output_mode", 0))
+        mode = int(self.attr("qk_matmul_output_mode"))
         if mode not in (0, 1, 2, 3):
             self.unsupported(f"qk_matmul_output_mode={mode}")
         precision = self.attr("softmax_precision", None)
@@ -142,11 +142,11 @@ class Attention(Op):
             v4 = np.concatenate([past_value, v4.astype(past_value.dtype, copy=False)], axis=2)
         cd = compute_dtype(t1)
         wanted_qk = len(self.layer.outputs) > 3 and bool(self.layer.outputs[3])
-        mode = int(self.attr("qk_matmul_output_mode", 0))
+        mode = int(self.attr("qk_matmul_output_mode"))
         with np.errstate(all="ignore"):
             scores = _scores(self, q4, k4.astype(t1, copy=False), self.attr("scale", None))
             qk = scores if mode == 0 else None
-            softcap = float(self.attr("softcap", 0.0))
+            softcap = float(self.attr("softcap"))
             if softcap > 0:  # softcap * tanh(scores / softcap), each step in T1
                 cap = cd.type(softcap)
                 scores = _round(cap * _round(np.tanh(_round(scores / cap, t1)), t1), t1)
@@ -176,7 +176,7 @@ class Attention(Op):
               nonpad: np.ndarray | None, cd: np.dtype, t1: np.dtype) -> np.ndarray | None:
         """The additive bias (0 or -inf from the structural masks, plus the float mask), broadcastable
         to ``(B, Hq, L, S)``; None when nothing is masked."""
-        causal = bool(int(self.attr("is_causal", 0)))
+        causal = bool(int(self.attr("is_causal")))
         left, right = int(self.attr("left_window_size", -1)), int(self.attr("right_window_size", -1))
         bias = None
         if attn_mask is not None:
@@ -270,7 +270,7 @@ class LinearAttention(Op):
     ``u = beta * (v - S'^T k)``; the output is ``scale * q^T S``."""
 
     def check(self) -> None:
-        rule = self.attr("update_rule", "gated_delta")
+        rule = self.attr("update_rule")
         if rule not in _UPDATE_RULES:
             self.unsupported(f"update_rule={rule!r}")
         q_heads, kv_heads = int(self.attr("q_num_heads")), int(self.attr("kv_num_heads"))
@@ -284,7 +284,7 @@ class LinearAttention(Op):
 
     def run(self, query: np.ndarray, key: np.ndarray, value: np.ndarray, past_state: np.ndarray | None = None,
             decay: np.ndarray | None = None, beta: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        rule = self.attr("update_rule", "gated_delta")
+        rule = self.attr("update_rule")
         hq, hkv = int(self.attr("q_num_heads")), int(self.attr("kv_num_heads"))
         b, t = query.shape[:2]
         dk, dv = query.shape[2] // hq, value.shape[2] // hkv
@@ -292,7 +292,7 @@ class LinearAttention(Op):
             raise op_error(self, f"query {query.shape}, key {key.shape} and value {value.shape} do not split "
                                  f"into {hq} query and {hkv} key/value heads of one head size")
         cd = compute_dtype(query.dtype)
-        scale = float(self.attr("scale", 0.0)) or 1.0 / math.sqrt(dk)
+        scale = float(self.attr("scale")) or 1.0 / math.sqrt(dk)
         q = query.astype(cd, copy=False).reshape(b, t, hkv, hq // hkv, dk)
         k = key.astype(cd, copy=False).reshape(b, t, hkv, dk)
         v = value.astype(cd, copy=False).reshape(b, t, hkv, dv)
@@ -334,7 +334,7 @@ class RotaryEmbedding(Op):
             data, head_axis = x.astype(cd).reshape(x.shape[0], x.shape[1], heads, -1), 2
         else:
             raise op_error(self, f"input must be 3-D or 4-D, got shape {x.shape}")
-        rot = int(self.attr("rotary_embedding_dim", 0)) or data.shape[-1]
+        rot = int(self.attr("rotary_embedding_dim")) or data.shape[-1]
         half = rot // 2
         if position_ids is not None:
             cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
@@ -343,7 +343,7 @@ class RotaryEmbedding(Op):
                                  f"match half the rotary dimension {rot} (head size {data.shape[-1]})")
         cos = np.expand_dims(cos_cache.astype(cd, copy=False), head_axis)
         sin = np.expand_dims(sin_cache.astype(cd, copy=False), head_axis)
-        first, second = ((slice(0, rot, 2), slice(1, rot, 2)) if int(self.attr("interleaved", 0))
+        first, second = ((slice(0, rot, 2), slice(1, rot, 2)) if int(self.attr("interleaved"))
                          else (slice(0, half), slice(half, rot)))
         x1, x2 = data[..., first].copy(), data[..., second]
         data[..., first] = cos * x1 - sin * x2
@@ -360,19 +360,19 @@ class TensorScatter(Op):
     (wrapping around in ``circular`` mode)."""
 
     def check(self) -> None:
-        mode = self.attr("mode", "linear")
+        mode = self.attr("mode")
         if mode not in ("linear", "circular"):
             self.unsupported(f"mode={mode!r}")
 
     def run(self, past_cache: np.ndarray, update: np.ndarray, write_indices: np.ndarray | None = None) -> np.ndarray:
-        axis = normalize_axis(self, self.attr("axis", -2), past_cache.ndim)
+        axis = normalize_axis(self, self.attr("axis"), past_cache.ndim)
         if axis == 0 or update.ndim != past_cache.ndim:
             raise op_error(self, f"axis {axis} of a rank-{past_cache.ndim} cache with a rank-{update.ndim} update")
         batch, capacity, length = past_cache.shape[0], past_cache.shape[axis], update.shape[axis]
         starts = (np.zeros(batch, dtype=np.int64) if write_indices is None
                   else write_indices.astype(np.int64).reshape(batch))
         slots = starts[:, None] + np.arange(length)
-        if self.attr("mode", "linear") == "circular":
+        if self.attr("mode") == "circular":
             slots %= capacity
         elif slots.size and (slots.min() < 0 or slots.max() >= capacity):
             raise op_error(self, f"linear writes at {starts.tolist()} of {length} entries overflow the cache "
@@ -396,7 +396,7 @@ class CausalConvWithState(Op):
     ``k - 1`` positions of that sequence."""
 
     def check(self) -> None:
-        if self.attr("activation", "none") not in ("none", "silu", "swish"):
+        if self.attr("activation") not in ("none", "silu", "swish"):
             self.unsupported(f"activation={self.attr('activation')!r}")
 
     def run(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None,
@@ -416,7 +416,7 @@ class CausalConvWithState(Op):
             y = np.einsum("bclk,ck->bcl", windows, weight[:, 0].astype(cd, copy=False))
             if bias is not None:
                 y = y + bias.astype(cd, copy=False)[:, None]
-            if self.attr("activation", "none") != "none":
+            if self.attr("activation") != "none":
                 y = _silu(y)
         state = seq[:, :, seq.shape[2] - (width - 1):]
         return y.astype(x.dtype), state.astype(x.dtype)
@@ -440,4 +440,4 @@ class SwiGLU(Op):
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         if a.shape != b.shape:
             raise op_error(self, f"A {a.shape} and B {b.shape} must have the same shape")
-        return _swiglu(a, b, float(self.attr("alpha", 1.0)))
+        return _swiglu(a, b, float(self.attr("alpha")))

@@ -47,6 +47,7 @@ class Op:
         self.layer = layer
         self.version = layer.version
         self.attrs = layer.attrs
+        self._defaults = attribute_defaults(self.op_type, self.version, self.domain)
         self.check()
 
     # -- attribute helpers ------------------------------------------------------------------
@@ -58,9 +59,8 @@ class Op:
             return self.attrs[name]
         if default is not _REQUIRED:
             return default
-        defaults = attribute_defaults(self.op_type, self.version, self.domain)
-        if name in defaults:
-            return defaults[name]
+        if name in self._defaults:
+            return self._defaults[name]
         raise UnsupportedOperatorError([f"{self.layer.describe()}: required attribute {name!r} is missing"])
 
     def unsupported(self, what: str) -> None:

@@ -222,7 +222,7 @@ class _ConvBase(Op):
 
     def check(self) -> None:
         check_spatial_attrs(self)
-        if int(self.attr("group", 1)) < 1:
+        if int(self.attr("group")) < 1:
             self.unsupported(f"group={self.attr('group')}")
 
 
@@ -231,14 +231,14 @@ class Conv(_ConvBase):
     """N-D convolution (1-D, 2-D, 3-D…) with groups, dilations, strides, pads and auto_pad."""
 
     def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-        group = int(self.attr("group", 1))
+        group = int(self.attr("group"))
         nsp = x.ndim - 2
         kernel = list(self.attr("kernel_shape", None) or w.shape[2:])
         strides, dilations, pads = spatial_attrs(self, nsp, kernel)
         n, c = x.shape[:2]
         m = w.shape[0]
         cg, mg = c // group, m // group
-        begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads, self.attr("auto_pad", "NOTSET"))
+        begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads, self.attr("auto_pad"))
         dtype = np.result_type(x.dtype, w.dtype)
         p = math.prod(out)
         if p == 0 or n == 0:
@@ -364,7 +364,7 @@ class ConvTranspose(_ConvBase):
     """Transposed convolution as GEMM (input → per-tap contributions) followed by col2im scatter-adds."""
 
     def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
-        group = int(self.attr("group", 1))
+        group = int(self.attr("group"))
         nsp = x.ndim - 2
         n, c = x.shape[:2]
         cg = c // group
@@ -373,7 +373,7 @@ class ConvTranspose(_ConvBase):
         kernel = [int(k) for k in (self.attr("kernel_shape", None) or w.shape[2:])]
         strides, dilations, pads = spatial_attrs(self, nsp, kernel)
         out_pad = list(self.attr("output_padding", None) or [0] * nsp)
-        auto_pad = self.attr("auto_pad", "NOTSET")
+        auto_pad = self.attr("auto_pad")
         in_sp = x.shape[2:]
         # size of the full (unpadded) result of scattering every tap
         full = [s * (i - 1) + op + (k - 1) * d + 1

@@ -117,8 +117,8 @@ class GridSample(Op):
     def run(self, x: Array, grid: Array) -> Array:
         modes = self._MODES[16 if self.version < 20 else 20]
         mode = modes[self.attr("mode", "bilinear" if self.version < 20 else "linear")]
-        padding = self.attr("padding_mode", "zeros")
-        align = bool(self.attr("align_corners", 0))
+        padding = self.attr("padding_mode")
+        align = bool(self.attr("align_corners"))
         r = x.ndim - 2
         if r < 1 or (self.version < 20 and r != 2) or grid.ndim != r + 2 or grid.shape[-1] != r \
                 or grid.shape[0] != x.shape[0]:
@@ -186,7 +186,7 @@ class AffineGrid(Op):
         if r not in (2, 3) or theta.shape != (dims[0], r, r + 1):
             raise op_error(self, f"theta of shape {theta.shape} does not fit size {dims}")
         dtype = compute_dtype(theta.dtype)
-        align = bool(self.attr("align_corners", 0))
+        align = bool(self.attr("align_corners"))
         axes = []
         for s in dims[2:]:
             lin = np.linspace(-1, 1, s, dtype=np.float64) if s > 1 else np.zeros(s)
@@ -212,7 +212,7 @@ class NonMaxSuppression(Op):
     value_inputs = (2, 3, 4)
 
     def check(self) -> None:
-        if int(self.attr("center_point_box", 0)) not in (0, 1):
+        if int(self.attr("center_point_box")) not in (0, 1):
             self.unsupported(f"attribute center_point_box={self.attr('center_point_box')}")
 
     def run(self, boxes: Array, scores: Array, max_per_class: MaybeArray = None,
@@ -239,7 +239,7 @@ class NonMaxSuppression(Op):
 
     def _corners(self, boxes: Array) -> Array:
         """``(..., 4)`` as (y_min, x_min, y_max, x_max), whatever the input format and corner order."""
-        if self.attr("center_point_box", 0):
+        if self.attr("center_point_box"):
             centre, half = boxes[..., 1::-1], boxes[..., :1:-1] / 2  # (y, x) centre, (h, w) / 2
             return np.concatenate([centre - half, centre + half], axis=-1)
         return np.concatenate([np.minimum(boxes[..., :2], boxes[..., 2:]),
@@ -283,8 +283,8 @@ class RoiAlign(Op):
     def run(self, x: Array, rois: Array, batch_indices: Array) -> Array:
         if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4 or np.shape(batch_indices) != (rois.shape[0],):
             raise op_error(self, f"X {x.shape}, rois {rois.shape}, batch_indices {np.shape(batch_indices)} do not fit")
-        out_h, out_w = int(self.attr("output_height", 1)), int(self.attr("output_width", 1))
-        ratio, scale = int(self.attr("sampling_ratio", 0)), float(self.attr("spatial_scale", 1.0))
+        out_h, out_w = int(self.attr("output_height")), int(self.attr("output_width"))
+        ratio, scale = int(self.attr("sampling_ratio")), float(self.attr("spatial_scale"))
         half_pixel = self.version >= 16 and self.attr("coordinate_transformation_mode", "half_pixel") == "half_pixel"
         dtype = _float_dtype(x.dtype)
         batch = np.asarray(batch_indices).astype(np.int64)
@@ -321,7 +321,7 @@ class RoiAlign(Op):
         weighted = values * (yw[:, None, :, :, None, None] * xw[:, None, None, None, :, :]).astype(dtype)
         r, c = weighted.shape[:2]
         shape = (r, c, out[0], grid[0], 2, out[1], grid[1], 2)
-        if self.attr("mode", "avg") == "max":  # ONNX Runtime's max: the largest weighted corner
+        if self.attr("mode") == "max":  # ONNX Runtime's max: the largest weighted corner
             return weighted.reshape(shape).max(axis=(3, 4, 6, 7))
         return weighted.reshape(shape).sum(axis=(3, 4, 6, 7)) / (grid[0] * grid[1])
 
@@ -357,7 +357,7 @@ class DeformConv(Op):
     def run(self, x: Array, w: Array, offset: Array, b: MaybeArray = None, mask: MaybeArray = None) -> Array:
         n, c, spatial = x.shape[0], x.shape[1], x.shape[2:]
         r = len(spatial)
-        group, og = int(self.attr("group", 1)), int(self.attr("offset_group", 1))
+        group, og = int(self.attr("group")), int(self.attr("offset_group"))
         kernel = [int(k) for k in (self.attr("kernel_shape", None) or w.shape[2:])]
         strides, dilations, pads = spatial_attrs(self, r, kernel)
         _, _, out = window_geometry(spatial, kernel, strides, dilations, pads)

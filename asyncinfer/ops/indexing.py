@@ -36,7 +36,7 @@ def _element_coords(op: Op, data: np.ndarray, indices: np.ndarray, axis: int) ->
 class Gather(Op):
     def run(self, data: Array, indices: Array) -> Array:
         data = np.asarray(data)
-        axis = normalize_axis(self, self.attr("axis", 0), data.ndim)
+        axis = normalize_axis(self, self.attr("axis"), data.ndim)
         return np.take(data, normalize_indices(self, indices, data.shape[axis]), axis=axis)
 
 
@@ -44,7 +44,7 @@ class Gather(Op):
 class GatherElements(Op):
     def run(self, data: Array, indices: Array) -> Array:
         data = np.asarray(data)
-        axis = normalize_axis(self, self.attr("axis", 0), data.ndim)
+        axis = normalize_axis(self, self.attr("axis"), data.ndim)
         return data[_element_coords(self, data, indices, axis)]
 
 
@@ -95,7 +95,7 @@ class _Scatter(Op):
 class ScatterElements(_Scatter):
     def run(self, data: Array, indices: Array, updates: Array) -> Array:
         data = np.asarray(data)
-        axis = normalize_axis(self, self.attr("axis", 0), data.ndim)
+        axis = normalize_axis(self, self.attr("axis"), data.ndim)
         return self._scatter(data, _element_coords(self, data, indices, axis), np.asarray(updates))
 
 
@@ -128,7 +128,7 @@ class TopK(Op):
     def run(self, x: Array, k: MaybeArray = None) -> tuple[Array, Array]:
         x = np.asarray(x)
         k = self.attr("k") if self.version < 10 else int(np.asarray(k).reshape(-1)[0])
-        axis = normalize_axis(self, self.attr("axis", -1), x.ndim)
+        axis = normalize_axis(self, self.attr("axis"), x.ndim)
         n = x.shape[axis]
         if not 0 <= k <= n:
             raise op_error(self, f"k={k} is out of range for a dimension of size {n}")
@@ -166,7 +166,7 @@ class Unique(Op):
         y, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True,
                                               return_counts=True, axis=axis)
         inverse = inverse.reshape(-1)
-        if not self.attr("sorted", 1):  # reorder by first occurrence
+        if not self.attr("sorted"):  # reorder by first occurrence
             order = np.argsort(first, kind="stable")
             rank = np.empty_like(order)
             rank[order] = np.arange(order.size)

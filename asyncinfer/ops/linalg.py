@@ -31,11 +31,11 @@ class Gemm(Op):
     multithreaded = True  # GEMM in BLAS: already uses every core
 
     def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
-        if int(self.attr("transA", 0)):
+        if int(self.attr("transA")):
             a = a.T
-        if int(self.attr("transB", 0)):
+        if int(self.attr("transB")):
             b = b.T
-        alpha, beta = float(self.attr("alpha", 1.0)), float(self.attr("beta", 1.0))
+        alpha, beta = float(self.attr("alpha")), float(self.attr("beta"))
         out_dtype = a.dtype
         work = compute_dtype(a.dtype)
         y = np.matmul(a.astype(work, copy=False), b.astype(work, copy=False))

@@ -132,7 +132,7 @@ class LabelEncoder(Op):
 class Binarizer(Op):
     def run(self, x: Array) -> Array:
         x = np.asarray(x)
-        return (x > self.attr("threshold", 0.0)).astype(x.dtype)
+        return (x > self.attr("threshold")).astype(x.dtype)
 
 
 @register("ArrayFeatureExtractor", versions=(1,), domain=ML)
@@ -158,11 +158,11 @@ class Imputer(Op):
         x = np.asarray(x)
         if x.dtype.kind == "f":
             imputed = np.asarray(self.attr("imputed_value_floats", [0.0]), dtype=x.dtype)
-            replaced = self.attr("replaced_value_float", 0.0)
+            replaced = self.attr("replaced_value_float")
             hit = np.isnan(x) if np.isnan(replaced) else x == replaced
         else:
             imputed = np.asarray(self.attr("imputed_value_int64s", [0]), dtype=x.dtype)
-            hit = x == self.attr("replaced_value_int64", 0)
+            hit = x == self.attr("replaced_value_int64")
         if imputed.size not in (1, x.shape[-1] if x.ndim else 1):
             raise op_error(self, f"{imputed.size} imputed values for {x.shape[-1]} features")
         return np.where(hit, imputed, x)
@@ -184,7 +184,7 @@ class Normalizer(Op):
     def run(self, x: Array) -> Array:
         x = np.asarray(x)
         rows = _rows(x).astype(np.float64)
-        norm = self.attr("norm", "MAX")
+        norm = self.attr("norm")
         if norm == "MAX":
             divisor = rows.max(axis=1, keepdims=True)
         elif norm == "L1":
@@ -210,7 +210,7 @@ class OneHotEncoder(Op):
         if x.dtype.kind == "f":
             x = x.astype(np.int64)  # numeric inputs are cast to integers, as specified
         hits = x[..., None] == self._cats
-        if not self.attr("zeros", 1) and not hits.any(axis=-1).all():
+        if not self.attr("zeros") and not hits.any(axis=-1).all():
             raise op_error(self, "an input value is not among the categories (zeros=0)")
         return hits.astype(np.float32)
 
@@ -259,8 +259,8 @@ class _Linear(Op):
 class LinearRegressor(_Linear):
     def run(self, x: Array) -> Array:
         scores = self.scores(x)
-        if scores.shape[1] != self.attr("targets", 1):
-            raise op_error(self, f"{scores.shape[1]} coefficient rows for targets={self.attr('targets', 1)}")
+        if scores.shape[1] != self.attr("targets"):
+            raise op_error(self, f"{scores.shape[1]} coefficient rows for targets={self.attr('targets')}")
         return post_transform(self._transform, scores).astype(np.float32)
 
 
@@ -403,7 +403,7 @@ class TreeEnsemble(Op):
         self._n_targets = int(self.attr("n_targets", int(leaf_target.max(initial=-1)) + 1))
         if leaf_target.size and (leaf_target.min() < 0 or leaf_target.max() >= self._n_targets):
             self.unsupported(f"leaf_targetids outside [0, n_targets={self._n_targets})")
-        aggregate = self.attr("aggregate_function", 1)
+        aggregate = self.attr("aggregate_function")
         if aggregate not in range(len(_AGGREGATES)):
             self.unsupported(f"attribute aggregate_function={aggregate}")
         self._aggregate = _AGGREGATES[aggregate]
@@ -521,7 +521,7 @@ class TreeEnsembleRegressor(_LegacyTrees):
         self._n_targets = int(self.attr("n_targets", int(self._targets.max(initial=-1)) + 1))
 
     def run(self, x: Array) -> Array:
-        scores = self.scores(x, self._n_targets, self.attr("aggregate_function", "SUM"), True)
+        scores = self.scores(x, self._n_targets, self.attr("aggregate_function"), True)
         return post_transform(self._transform, scores).astype(np.float32)
 
 

@@ -58,7 +58,7 @@ class BatchNormalization(Op):
 
     def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
             var: np.ndarray) -> np.ndarray:
-        eps = float(self.attr("epsilon", 1e-5))
+        eps = float(self.attr("epsilon"))
         # fold in float32 at least (these are tiny per-channel vectors)
         work = np.promote_types(np.result_type(scale, var), np.float32)
         a = scale.astype(work) / np.sqrt(var.astype(work) + work.type(eps))
@@ -74,7 +74,7 @@ class InstanceNormalization(Op):
     """Normalize each (n, c) plane over its spatial dims, then scale and shift per channel."""
 
     def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
-        eps = float(self.attr("epsilon", 1e-5))
+        eps = float(self.attr("epsilon"))
         work = np.promote_types(x.dtype, np.float32)
         mean, var = _stats(x, tuple(range(2, x.ndim)), work)
         shape = _channel_shape(x)
@@ -91,9 +91,9 @@ class LayerNormalization(Op):
         _check_stash(self)
 
     def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None = None):
-        axis = int(self.attr("axis", -1))
+        axis = int(self.attr("axis"))
         axis = axis + x.ndim if axis < 0 else axis
-        eps = float(self.attr("epsilon", 1e-5))
+        eps = float(self.attr("epsilon"))
         stash = _stash_dtype(self)
         mean, var = _stats(x, tuple(range(axis, x.ndim)), stash)
         inv_std = (1.0 / np.sqrt(var + stash.type(eps))).astype(stash, copy=False)
@@ -115,7 +115,7 @@ class GroupNormalization(Op):
 
     def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray) -> np.ndarray:
         groups = int(self.attr("num_groups"))
-        eps = float(self.attr("epsilon", 1e-5))
+        eps = float(self.attr("epsilon"))
         stash = _stash_dtype(self) if self.version >= 21 else np.promote_types(x.dtype, np.float32)
         n, c = x.shape[:2]
         xg = x.reshape((n, groups, -1))
@@ -138,7 +138,7 @@ class LRN(Op):
 
     def run(self, x: np.ndarray) -> np.ndarray:
         size = int(self.attr("size"))
-        alpha, beta, bias = float(self.attr("alpha", 1e-4)), float(self.attr("beta", 0.75)), float(self.attr("bias", 1.0))
+        alpha, beta, bias = float(self.attr("alpha")), float(self.attr("beta")), float(self.attr("bias"))
         c = x.shape[1]
         lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2  # channels before / after each channel
         sq = np.square(x)
@@ -163,7 +163,7 @@ class MeanVarianceNormalization(Op):
     """``(x - E[x]) / (sqrt(E[x^2] - E[x]^2) + 1e-9)`` over ``axes`` (the ONNX function body)."""
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        axes = tuple(int(a) % x.ndim for a in self.attr("axes", [0, 2, 3]))
+        axes = tuple(int(a) % x.ndim for a in self.attr("axes"))
         work = np.promote_types(x.dtype, np.float32)
         xs = x.astype(work, copy=False)
         mean = xs.mean(axis=axes, keepdims=True, dtype=work)
@@ -177,12 +177,12 @@ class LpNormalization(Op):
     """``x / ||x||_p`` along ``axis`` (p is 1 or 2); an all-zero slice stays zero."""
 
     def check(self) -> None:
-        if int(self.attr("p", 2)) not in (1, 2):
+        if int(self.attr("p")) not in (1, 2):
             self.unsupported(f"p={self.attr('p')}")
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        axis = int(self.attr("axis", -1))
-        if int(self.attr("p", 2)) == 1:
+        axis = int(self.attr("axis"))
+        if int(self.attr("p")) == 1:
             norm = np.abs(x).sum(axis=axis, keepdims=True, dtype=x.dtype)
         else:
             norm = np.sqrt(np.square(x).sum(axis=axis, keepdims=True, dtype=x.dtype))
@@ -205,9 +205,9 @@ class RMSNormalization(Op):
         _check_stash(self)
 
     def run(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        axis = int(self.attr("axis", -1))
+        axis = int(self.attr("axis"))
         axis = axis + x.ndim if axis < 0 else axis
-        eps = float(self.attr("epsilon", 1e-5))
+        eps = float(self.attr("epsilon"))
         stash = _stash_dtype(self)
         xs = x.astype(stash, copy=False)
         ms = np.square(xs).mean(axis=tuple(range(axis, x.ndim)), keepdims=True, dtype=stash)

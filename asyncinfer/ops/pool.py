@@ -31,7 +31,7 @@ class _WindowPool(Op):
         kernel = [int(k) for k in self.attr("kernel_shape")]
         strides, dilations, pads = spatial_attrs(self, x.ndim - 2, kernel)
         begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
-                                          self.attr("auto_pad", "NOTSET"), bool(self.attr("ceil_mode", 0)))
+                                          self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
         return flat_windows(x.shape[2:], kernel, strides, dilations, begin, end, out), begin, end, out
 
     def separable_reduce(self, x: np.ndarray, ufunc: np.ufunc, fill: float) -> tuple[np.ndarray, list, list, list]:
@@ -45,7 +45,7 @@ class _WindowPool(Op):
         nsp = x.ndim - 2
         strides, dilations, pads = spatial_attrs(self, nsp, kernel)
         begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
-                                          self.attr("auto_pad", "NOTSET"), bool(self.attr("ceil_mode", 0)))
+                                          self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
         if math.prod(out) == 0 or x.size == 0:
             return np.zeros(x.shape[:2] + tuple(out), dtype=x.dtype), begin, end, out
         # pad to the explicit pads, and further where ceil_mode lets the last window overhang
@@ -191,11 +191,11 @@ class LpPool(_WindowPool):
 
     def check(self) -> None:
         super().check()
-        if float(self.attr("p", 2)) <= 0:
+        if float(self.attr("p")) <= 0:
             self.unsupported(f"p={self.attr('p')}")
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        p = float(self.attr("p", 2))
+        p = float(self.attr("p"))
         win, _, _, out = self.windows(x)
         if math.prod(out) == 0:
             return np.zeros(x.shape[:2] + tuple(out), dtype=x.dtype)
@@ -218,10 +218,10 @@ class GlobalMaxPool(Op):
 @register("GlobalLpPool", versions=(1, 2, 22))
 class GlobalLpPool(Op):
     def check(self) -> None:
-        if float(self.attr("p", 2)) <= 0:
+        if float(self.attr("p")) <= 0:
             self.unsupported(f"p={self.attr('p')}")
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        p = float(self.attr("p", 2))
+        p = float(self.attr("p"))
         s = _lp_power(p)(x).sum(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=x.dtype)
         return _lp_root(s, p)

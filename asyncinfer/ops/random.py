@@ -37,7 +37,7 @@ class _Random(Op):
 class RandomNormal(_Random):
     def run(self) -> np.ndarray:
         shape = tuple(int(d) for d in self.attr("shape"))
-        draw = self.rng().standard_normal(shape) * self.attr("scale", 1.0) + self.attr("mean", 0.0)
+        draw = self.rng().standard_normal(shape) * self.attr("scale") + self.attr("mean")
         return draw.astype(self.out_dtype())
 
 
@@ -45,21 +45,21 @@ class RandomNormal(_Random):
 class RandomUniform(_Random):
     def run(self) -> np.ndarray:
         shape = tuple(int(d) for d in self.attr("shape"))
-        draw = self.rng().uniform(self.attr("low", 0.0), self.attr("high", 1.0), shape)
+        draw = self.rng().uniform(self.attr("low"), self.attr("high"), shape)
         return draw.astype(self.out_dtype())
 
 
 @register("RandomNormalLike", versions=(1, 22))
 class RandomNormalLike(_Random):
     def run(self, x: np.ndarray) -> np.ndarray:
-        draw = self.rng().standard_normal(x.shape) * self.attr("scale", 1.0) + self.attr("mean", 0.0)
+        draw = self.rng().standard_normal(x.shape) * self.attr("scale") + self.attr("mean")
         return draw.astype(self.out_dtype(x))
 
 
 @register("RandomUniformLike", versions=(1, 22))
 class RandomUniformLike(_Random):
     def run(self, x: np.ndarray) -> np.ndarray:
-        draw = self.rng().uniform(self.attr("low", 0.0), self.attr("high", 1.0), x.shape)
+        draw = self.rng().uniform(self.attr("low"), self.attr("high"), x.shape)
         return draw.astype(self.out_dtype(x))
 
 
@@ -76,7 +76,7 @@ class Multinomial(_Random):
     """``sample_size`` class indices per batch row, drawn from the softmax of the row's log-weights."""
 
     def check(self) -> None:
-        code = self.attr("dtype", 6)  # TensorProto.INT32
+        code = self.attr("dtype")  # TensorProto.INT32
         if onnx_to_numpy(int(code)) not in (np.dtype(np.int32), np.dtype(np.int64)):
             self.unsupported(f"dtype={code} (int32 or int64 only)")
 
@@ -84,7 +84,7 @@ class Multinomial(_Random):
         logits = x.astype(np.float64)
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
-        u = self.rng().random((x.shape[0], int(self.attr("sample_size", 1))))
+        u = self.rng().random((x.shape[0], int(self.attr("sample_size"))))
         # index of the first class whose cumulative probability exceeds the uniform draw
         idx = (u[:, :, None] >= cdf[:, None, :]).sum(axis=2)
-        return np.minimum(idx, x.shape[1] - 1).astype(onnx_to_numpy(int(self.attr("dtype", 6))))
+        return np.minimum(idx, x.shape[1] - 1).astype(onnx_to_numpy(int(self.attr("dtype"))))

@@ -73,7 +73,7 @@ class _Reduce(Op):
         normalised = tuple(sorted({int(a) % x.ndim for a in axes})) if x.ndim else ()
         with np.errstate(all="ignore"):
             out = type(self).reduction(x.astype(compute_dtype(x.dtype), copy=False), normalised,
-                                       bool(self.attr("keepdims", 1)))
+                                       bool(self.attr("keepdims")))
             return np.asarray(out).astype(x.dtype, copy=False)
 
 
@@ -91,13 +91,13 @@ class _ArgReduce(Op):
     fn: ClassVar[Callable[..., np.ndarray]]
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        axis = self.attr("axis", 0) % max(x.ndim, 1)
+        axis = self.attr("axis") % max(x.ndim, 1)
         data = x.astype(compute_dtype(x.dtype), copy=False)
         if self.attr("select_last_index", 0):
             index = x.shape[axis] - 1 - type(self).fn(np.flip(data, axis), axis=axis)
         else:
             index = type(self).fn(data, axis=axis)
-        if self.attr("keepdims", 1):
+        if self.attr("keepdims"):
             index = np.expand_dims(index, axis)
         return np.asarray(index, dtype=np.int64)
 
@@ -116,10 +116,10 @@ class _Cumulative(Op):
     def run(self, x: np.ndarray, axis: np.ndarray) -> np.ndarray:
         ax = normalize_axis(self, int_list(axis)[0], max(x.ndim, 1))
         data = np.atleast_1d(x)
-        reverse = bool(self.attr("reverse", 0))
+        reverse = bool(self.attr("reverse"))
         if reverse:
             data = np.flip(data, ax)
-        if self.attr("exclusive", 0):
+        if self.attr("exclusive"):
             first = np.full(data.shape[:ax] + (1,) + data.shape[ax + 1:], self.identity, data.dtype)
             data = np.concatenate([first, np.delete(data, -1, axis=ax)], axis=ax)
         with np.errstate(all="ignore"):

@@ -92,7 +92,7 @@ class _ResizeBase(Op):
     """Shared resampling; subclasses turn their inputs/attributes into per-axis sizes and scales."""
 
     def mode(self) -> str:
-        return str(self.attr("mode", "nearest")).lower()
+        return str(self.attr("mode")).lower()
 
     def resample(self, x: np.ndarray, out_shape: list[int], scales: list[float], rois: list[tuple[float, float]],
                  coord_mode: str, nearest_mode: str) -> np.ndarray:
@@ -223,7 +223,7 @@ class Upsample(_ResizeBase):
             self.unsupported("missing scales attribute")
 
     def mode(self) -> str:
-        m = str(self.attr("mode", "nearest")).lower()
+        m = str(self.attr("mode")).lower()
         return "linear" if m == "bilinear" else m
 
     def run(self, x: np.ndarray, scales: np.ndarray | None = None) -> np.ndarray:

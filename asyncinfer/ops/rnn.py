@@ -188,7 +188,7 @@ class LSTM(_Recurrent):
     def run(self, x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=None):
         x, lens, (h0, c0), hidden = self.prepare(x, w[0], sequence_lens, [initial_h, initial_c])
         acts = self.activations(x.dtype)
-        coupled = bool(int(self.attr("input_forget", 0)))
+        coupled = bool(int(self.attr("input_forget")))
         H = hidden
 
         def step_fn(d, xs, ragged_lens):

@@ -98,11 +98,11 @@ class SplitToSequence(Op):
     value_inputs = (1,)
 
     def run(self, x: Array, split: Optional[Array] = None) -> Seq:
-        axis = normalize_axis(self, self.attr("axis", 0), x.ndim)
+        axis = normalize_axis(self, self.attr("axis"), x.ndim)
         size = x.shape[axis]
         if split is None:  # pieces of one, the split axis kept or dropped per keepdims
             pieces = np.split(x, size, axis=axis) if size else []
-            return pieces if self.attr("keepdims", 1) else [np.squeeze(p, axis=axis) for p in pieces]
+            return pieces if self.attr("keepdims") else [np.squeeze(p, axis=axis) for p in pieces]
         lengths = int_list(split)
         if any(n <= 0 for n in lengths):
             raise op_error(self, f"split lengths must be positive, got {lengths}")
@@ -122,7 +122,7 @@ class ConcatFromSequence(Op):
         if not sequence:
             raise op_error(self, "cannot concatenate an empty sequence")
         rank = np.ndim(sequence[0])
-        if self.attr("new_axis", 0):  # stack: the new axis may also go after the last one
+        if self.attr("new_axis"):  # stack: the new axis may also go after the last one
             return np.stack(sequence, axis=normalize_axis(self, self.attr("axis"), rank + 1))
         return np.concatenate(sequence, axis=normalize_axis(self, self.attr("axis"), rank))
 
@@ -152,12 +152,12 @@ class OptionalGetElement(Op):
 @register("ReverseSequence", versions=(10, 28))
 class ReverseSequence(Op):
     def check(self) -> None:
-        if {self.attr("batch_axis", 1), self.attr("time_axis", 0)} != {0, 1}:
-            self.unsupported(f"batch_axis={self.attr('batch_axis', 1)}, time_axis={self.attr('time_axis', 0)} "
+        if {self.attr("batch_axis"), self.attr("time_axis")} != {0, 1}:
+            self.unsupported(f"batch_axis={self.attr('batch_axis')}, time_axis={self.attr('time_axis')} "
                              "(must be 0 and 1)")
 
     def run(self, x: Array, sequence_lens: Array) -> Array:
-        batch_axis, time_axis = self.attr("batch_axis", 1), self.attr("time_axis", 0)
+        batch_axis, time_axis = self.attr("batch_axis"), self.attr("time_axis")
         if x.ndim < 2:
             raise op_error(self, f"input must have rank 2 or more, got {x.ndim}")
         lengths = int_list(sequence_lens)

@@ -112,7 +112,7 @@ class Reshape(Op):
 class Flatten(Op):
     def run(self, data: Array) -> Array:
         data = np.asarray(data)
-        axis = self.attr("axis", 1)
+        axis = self.attr("axis")
         axis = axis + data.ndim if axis < 0 else axis  # the accepted range is [-rank, rank]
         if not 0 <= axis <= data.ndim:
             raise op_error(self, f"axis {self.attr('axis')} is out of range for rank {data.ndim}")
@@ -444,7 +444,7 @@ class EyeLike(Op):
         if len(shape) != 2:
             raise op_error(self, f"expects a 2-D input, got shape {shape}")
         dtype = onnx_to_numpy(self.attrs["dtype"]) if "dtype" in self.attrs else np.asarray(data).dtype
-        return np.eye(shape[0], shape[1], k=self.attr("k", 0), dtype=dtype)
+        return np.eye(shape[0], shape[1], k=self.attr("k"), dtype=dtype)
 
 
 @register("Trilu", versions=(14,))
@@ -452,7 +452,7 @@ class Trilu(Op):
     def run(self, data: Array, k: MaybeArray = None) -> Array:
         data = np.asarray(data)
         k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
-        return np.triu(data, k) if self.attr("upper", 1) else np.tril(data, k)
+        return np.triu(data, k) if self.attr("upper") else np.tril(data, k)
 
 
 @register("OneHot", versions=(9, 11, 28))
@@ -463,7 +463,7 @@ class OneHot(Op):
         indices = np.asarray(indices)
         depth = int(np.asarray(depth).reshape(-1)[0])
         off, on = np.asarray(values).reshape(-1)[:2]
-        axis = normalize_axis(self, self.attr("axis", -1), indices.ndim + 1)
+        axis = normalize_axis(self, self.attr("axis"), indices.ndim + 1)
         idx = indices.astype(np.int64)
         if self.version >= 11:  # negative indices count from the back since opset 11
             idx = np.where(idx < 0, idx + depth, idx)

@@ -59,7 +59,7 @@ class DFT(Op):
         axis = normalize_axis(self, axis, x.ndim)
         if axis == x.ndim - 1:
             raise op_error(self, "the last axis holds the real/imaginary parts and cannot be transformed")
-        inverse, onesided = bool(self.attr("inverse", 0)), bool(self.attr("onesided", 0))
+        inverse, onesided = bool(self.attr("inverse")), bool(self.attr("onesided"))
         size = x.shape[axis]
         n = scalar_input(dft_length, 2 * (size - 1) if inverse and onesided else size)
         if n < 1:
@@ -92,7 +92,7 @@ class STFT(Op):
         frames = np.lib.stride_tricks.sliding_window_view(z, length, axis=1)[:, ::step]
         if window is not None:
             frames = frames * window.astype(frames.real.dtype)
-        onesided = bool(self.attr("onesided", 1))
+        onesided = bool(self.attr("onesided"))
         if onesided and signal.shape[-1] == 2:
             raise op_error(self, "onesided=1 needs a real signal")
         spectrum = np.fft.rfft(frames.real, axis=-1) if onesided else np.fft.fft(frames, axis=-1)
@@ -122,7 +122,7 @@ class _Window(_OutputTyped):
         n = scalar_input(size)
         if n < 0:
             raise op_error(self, f"window size {n} is negative")
-        period = n if self.attr("periodic", 1) else n - 1
+        period = n if self.attr("periodic") else n - 1
         phase = 2 * np.pi * np.arange(n) / max(period, 1)
         w = sum(c * np.cos(k * phase) for k, c in enumerate(self.coeffs))
         return np.asarray(w, dtype=np.float64).astype(_output_dtype(self))

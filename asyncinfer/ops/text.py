@@ -82,7 +82,7 @@ class StringNormalizer(Op):
         locale = self.attr("locale", "")
         if locale not in _DEFAULT_LOCALES:
             self.unsupported(f"attribute locale={locale!r} (only the default/en_US case mapping is implemented)")
-        self._case_sensitive = bool(self.attr("is_case_sensitive", 0))
+        self._case_sensitive = bool(self.attr("is_case_sensitive"))
         stopwords = self.attr("stopwords", [])
         self._stopwords = frozenset(stopwords if self._case_sensitive else (w.lower() for w in stopwords))
 
@@ -94,7 +94,7 @@ class StringNormalizer(Op):
         if self._stopwords:
             keys = words if self._case_sensitive else _map_strings(str.lower, words)
             words = words[np.fromiter((k not in self._stopwords for k in keys), dtype=bool, count=len(keys))]
-        action = self.attr("case_change_action", "NONE")
+        action = self.attr("case_change_action")
         if action != "NONE":
             words = _map_strings(str.lower if action == "LOWER" else str.upper, words)
         if words.size == 0:  # everything was a stop word: one empty string, as the spec says

@@ -42,8 +42,8 @@ class _Optimizer(Op):
 class Adagrad(_Optimizer):
     def run(self, r: Array, t: Array, *tensors: Array) -> tuple[Array, ...]:
         rate, step, (xs, gs, hs) = self.split(r, t, tensors)
-        norm, eps = self.attr("norm_coefficient", 0.0), self.attr("epsilon", 1e-6)
-        rate = rate / (1 + step * self.attr("decay_factor", 0.0))
+        norm, eps = self.attr("norm_coefficient"), self.attr("epsilon")
+        rate = rate / (1 + step * self.attr("decay_factor"))
         new_x, new_h = [], []
         for x, g, h in zip(xs, gs, hs):
             g = norm * x + g
@@ -59,9 +59,9 @@ class Adam(_Optimizer):
 
     def run(self, r: Array, t: Array, *tensors: Array) -> tuple[Array, ...]:
         rate, step, (xs, gs, vs, hs) = self.split(r, t, tensors)
-        alpha, beta = self.attr("alpha", 0.9), self.attr("beta", 0.999)
-        norm, eps = self.attr("norm_coefficient", 0.0), self.attr("epsilon", 1e-6)
-        post = self.attr("norm_coefficient_post", 0.0)
+        alpha, beta = self.attr("alpha"), self.attr("beta")
+        norm, eps = self.attr("norm_coefficient"), self.attr("epsilon")
+        post = self.attr("norm_coefficient_post")
         if step > 0:  # bias correction of both running averages
             rate = rate * np.sqrt(1 - beta ** step) / (1 - alpha ** step)
         new_x, new_v, new_h = [], [], []
