@@ -65,11 +65,11 @@ class ConvKernel(Kernel):
 
     def run(self, ctx: KernelContext, x: Any, w: Any, b: Any = None, *, activations: Sequence = ()) -> Any:
         xp, op = ctx.xp, self.op
-        group = int(op.attr("group", 1))
+        group = int(op.attr("group"))
         nsp = x.ndim - 2
         kernel = [int(k) for k in (op.attr("kernel_shape", None) or w.shape[2:])]
         strides, dilations, pads = spatial_attrs(op, nsp, kernel)
-        begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads, op.attr("auto_pad", "NOTSET"))
+        begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads, op.attr("auto_pad"))
         n, c = x.shape[:2]
         m = w.shape[0]
         if x.shape[1] != w.shape[1] * group or m % group:

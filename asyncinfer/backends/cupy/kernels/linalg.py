@@ -38,11 +38,11 @@ class GemmKernel(Kernel):
         return super().accepts(layer, op, types, host) and same_type(types, layer.inputs)
 
     def run(self, ctx: KernelContext, a: Any, b: Any, c: Any = None, *, activations: Sequence = ()) -> Any:
-        if int(self.op.attr("transA", 0)):
+        if int(self.op.attr("transA")):
             a = a.T
-        if int(self.op.attr("transB", 0)):
+        if int(self.op.attr("transB")):
             b = b.T
-        alpha, beta = float(self.op.attr("alpha", 1.0)), float(self.op.attr("beta", 1.0))
+        alpha, beta = float(self.op.attr("alpha")), float(self.op.attr("beta"))
         y = ctx.xp.matmul(a, b)  # a fresh buffer: scaled and biased in place (C broadcasts to Y)
         if alpha != 1.0:
             y *= scalar(y, alpha)

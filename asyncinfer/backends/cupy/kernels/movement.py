@@ -48,7 +48,7 @@ class FlattenKernel(_Movement):
     op_types = ("Flatten",)
 
     def run(self, ctx: KernelContext, x: Any) -> Any:
-        axis = int(self.op.attr("axis", 1))
+        axis = int(self.op.attr("axis"))
         axis = axis + x.ndim if axis < 0 else axis
         if not 0 <= axis <= x.ndim:
             raise op_error(self.op, f"axis {self.op.attr('axis')} is out of range for rank {x.ndim}")
@@ -149,7 +149,7 @@ class GatherKernel(_Movement):
                 and types.get(layer.inputs[1]) is not None and np.dtype(types[layer.inputs[1]]) in index_types)
 
     def run(self, ctx: KernelContext, x: Any, indices: Any) -> Any:
-        axis = normalize_axis(self.op, self.op.attr("axis", 0), x.ndim)
+        axis = normalize_axis(self.op, self.op.attr("axis"), x.ndim)
         if self._cached is not None and self._cached[0] is indices:
             device_idx = self._cached[1]
         else:

@@ -62,14 +62,14 @@ class LayerNormKernel(Kernel):
 
     def run(self, ctx: KernelContext, x: Any, scale: Any, bias: Any = None) -> tuple:
         xp = ctx.xp
-        axis = int(self.op.attr("axis", -1))
+        axis = int(self.op.attr("axis"))
         axis = axis + x.ndim if axis < 0 else axis
         axes = tuple(range(axis, x.ndim))
         xs = x.astype(xp.float32, copy=False)
         mean = xs.mean(axis=axes, keepdims=True)
         centred = xs - mean
         var = (centred * centred).mean(axis=axes, keepdims=True)
-        inv_std = 1 / xp.sqrt(var + np.float32(self.op.attr("epsilon", 1e-5)))
+        inv_std = 1 / xp.sqrt(var + np.float32(self.op.attr("epsilon")))
         centred *= inv_std
         y = centred.astype(x.dtype, copy=False) * scale
         if bias is not None:
@@ -102,7 +102,7 @@ class BatchNormKernel(Kernel):
         stats = (scale, bias, mean, var)
         if self._folded is None or any(a is not b for a, b in zip(self._folded[0], stats)):
             f32 = ctx.xp.float32
-            a = scale.astype(f32) / ctx.xp.sqrt(var.astype(f32) + np.float32(self.op.attr("epsilon", 1e-5)))
+            a = scale.astype(f32) / ctx.xp.sqrt(var.astype(f32) + np.float32(self.op.attr("epsilon")))
             b = bias.astype(f32) - mean.astype(f32) * a
             self._folded = (stats, a.astype(x.dtype), b.astype(x.dtype))  # holds the stats: ids stay valid
         _, a, b = self._folded
@@ -128,7 +128,7 @@ class InstanceNormKernel(Kernel):
         centred = xs - mean
         var = (centred * centred).mean(axis=axes, keepdims=True)
         shape = channel_shape(x, x.shape[1])
-        centred *= scale.astype(xp.float32).reshape(shape) / xp.sqrt(var + np.float32(self.op.attr("epsilon", 1e-5)))
+        centred *= scale.astype(xp.float32).reshape(shape) / xp.sqrt(var + np.float32(self.op.attr("epsilon")))
         centred += bias.astype(xp.float32).reshape(shape)
         return centred.astype(x.dtype, copy=False)
 
@@ -143,7 +143,7 @@ class LRNKernel(Kernel):
     def run(self, ctx: KernelContext, x: Any) -> Any:
         xp, op = ctx.xp, self.op
         size = int(op.attr("size"))
-        alpha, beta, bias = float(op.attr("alpha", 1e-4)), float(op.attr("beta", 0.75)), float(op.attr("bias", 1.0))
+        alpha, beta, bias = float(op.attr("alpha")), float(op.attr("beta")), float(op.attr("bias"))
         n, c = x.shape[:2]
         lo = (size - 1) // 2  # channels before each channel (the rest come after)
         w = ctx.work(x)

@@ -28,7 +28,7 @@ class _WindowPool(Kernel):
         kernel = [int(k) for k in op.attr("kernel_shape")]
         strides, dilations, pads = spatial_attrs(op, x.ndim - 2, kernel)
         begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
-                                          op.attr("auto_pad", "NOTSET"), bool(op.attr("ceil_mode", 0)))
+                                          op.attr("auto_pad"), bool(op.attr("ceil_mode", 0)))
         reach = [max(e, (o - 1) * s + (k - 1) * d + 1 - (size + b))
                  for e, o, s, k, d, size, b in zip(end, out, strides, kernel, dilations, x.shape[2:], begin)]
         return kernel, strides, dilations, begin, reach, out
@@ -96,7 +96,7 @@ class AveragePoolKernel(_WindowPool):
         if key not in self._divisors:
             _, _, pads = spatial_attrs(self.op, x.ndim - 2, kernel)
             _, end, _ = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
-                                        self.op.attr("auto_pad", "NOTSET"), bool(self.op.attr("ceil_mode", 0)))
+                                        self.op.attr("auto_pad"), bool(self.op.attr("ceil_mode", 0)))
             counts = _window_counts(x.shape[2:], kernel, strides, dilations, begin, end, out,
                                     bool(self.op.attr("count_include_pad", 0)))
             self._divisors[key] = None if counts is None else ctx.to_device(counts.astype(np.float32))

@@ -55,7 +55,7 @@ class ReduceKernel(Kernel):
         normalised = tuple(sorted({int(a) % x.ndim for a in np.asarray(axes).reshape(-1)})) if x.ndim else ()
         if x.size == 0 and self.layer.op_type in ("ReduceMax", "ReduceMin"):
             raise ValueError(f"{self.layer.op_type} of an empty tensor on the device")
-        out = _REDUCTIONS[self.layer.op_type](ctx.xp, ctx.work(x), normalised, bool(op.attr("keepdims", 1)))
+        out = _REDUCTIONS[self.layer.op_type](ctx.xp, ctx.work(x), normalised, bool(op.attr("keepdims")))
         return out.astype(x.dtype, copy=False)
 
 
@@ -71,12 +71,12 @@ class ArgReduceKernel(Kernel):
 
     def run(self, ctx: KernelContext, x: Any) -> Any:
         xp = ctx.xp
-        axis = int(self.op.attr("axis", 0)) % max(x.ndim, 1)
+        axis = int(self.op.attr("axis")) % max(x.ndim, 1)
         fn = xp.argmax if self.layer.op_type == "ArgMax" else xp.argmin
         if self.op.attr("select_last_index", 0):
             index = x.shape[axis] - 1 - fn(xp.flip(x, axis), axis=axis)
         else:
             index = fn(x, axis=axis)
-        if self.op.attr("keepdims", 1):
+        if self.op.attr("keepdims"):
             index = xp.expand_dims(index, axis)
         return index.astype(np.int64, copy=False)

@@ -340,7 +340,7 @@ class Conv(PixelKernel):
 
     def __init__(self, layer: Layer, op: Op):
         super().__init__(layer, op)
-        self.group = int(op.attr("group", 1))
+        self.group = int(op.attr("group"))
         self._plans: dict[tuple, ConvPlan] = {}
         self._weight_shape: tuple[int, ...] = ()
 

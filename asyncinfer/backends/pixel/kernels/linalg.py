@@ -297,10 +297,10 @@ class Gemm(_Product):
 
     def __init__(self, layer: Layer, op: Op):
         super().__init__(layer, op)
-        self.trans_a = bool(int(op.attr("transA", 0)))
-        self.trans_b = bool(int(op.attr("transB", 0)))
-        self.alpha = float(op.attr("alpha", 1.0))
-        self.beta = float(op.attr("beta", 1.0))
+        self.trans_a = bool(int(op.attr("transA")))
+        self.trans_b = bool(int(op.attr("transB")))
+        self.alpha = float(op.attr("alpha"))
+        self.beta = float(op.attr("beta"))
 
     def run(self, device: PixelDevice, inputs: list, post: str | None) -> list[PixelTensor]:
         a, b = inputs[0], inputs[1]

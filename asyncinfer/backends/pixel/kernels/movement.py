@@ -372,7 +372,7 @@ class Gather(_HostIndices):
     def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
         data = inputs[0]
         rank = len(data.shape)
-        axis = normalize_axis(self.op, self.op.attr("axis", 0), rank)
+        axis = normalize_axis(self.op, self.op.attr("axis"), rank)
         indices = self.device_indices(device, inputs[1], data.shape[axis])
         q = len(indices.shape)
         out_shape = data.shape[:axis] + indices.shape + data.shape[axis + 1:]
@@ -394,7 +394,7 @@ class GatherElements(_HostIndices):
         rank = len(data.shape)
         if np.ndim(inputs[1]) != rank:
             raise op_error(self.op, f"indices of rank {np.ndim(inputs[1])} for data of rank {rank}")
-        axis = normalize_axis(self.op, self.op.attr("axis", 0), rank)
+        axis = normalize_axis(self.op, self.op.attr("axis"), rank)
         indices = self.device_indices(device, inputs[1], data.shape[axis])
         terms = [follow(j, j) if j != axis else Term(axis, "I_index(i)") for j in range(rank)]
         copy = Copy(indices.shape, [Source(data, data.shape, terms)], extra={"I": indices},
@@ -455,7 +455,7 @@ class Pad(_Movement):
     def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
         x = inputs[0]
         widths, fill = self.widths(x.shape, list(inputs[1:]) + [None] * 3)
-        mode = self.op.attr("mode", "constant")
+        mode = self.op.attr("mode")
         terms, ranges, out_shape = [], [], []
         for j, (dim, (before, after)) in enumerate(zip(x.shape, widths)):
             crop, pad = max(-before, 0), max(before, 0)

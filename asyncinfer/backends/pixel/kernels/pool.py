@@ -182,8 +182,8 @@ class LRN(PixelKernel):
 
     def run(self, device: "PixelDevice", inputs: list, post: str | None) -> list["PixelTensor"]:
         x = to_channel_blocked(device, inputs[0])
-        body = lrn_body(int(self.op.attr("size")), float(self.op.attr("alpha", 1e-4)),
-                        float(self.op.attr("beta", 0.75)), float(self.op.attr("bias", 1.0)))
+        body = lrn_body(int(self.op.attr("size")), float(self.op.attr("alpha")),
+                        float(self.op.attr("beta")), float(self.op.attr("bias")))
         return [device.draw(x.shape, body, {"X": x}, mode="texel", layout=x.layout, post=post)]
 
 
@@ -198,7 +198,7 @@ class BatchNormalization(PixelKernel):
 
     def run(self, device: "PixelDevice", inputs: list, post: str | None) -> list["PixelTensor"]:
         x, scale, bias, mean, var = inputs[:5]
-        eps = glsl_float(float(self.op.attr("epsilon", 1e-5)))
+        eps = glsl_float(float(self.op.attr("epsilon")))
         bound = {"X": x, "S": scale, "C": bias, "M": mean, "V": var}
         channels = x.shape[1]
         if x.layout == channel_layout(x.shape):
@@ -232,7 +232,7 @@ class InstanceNormalization(PixelKernel):
         centred = "(v - M_texel(outer * X_B + block)) * (v - M_texel(outer * X_B + block))"
         var = reduce_pixels(device, x, "sum", element=centred, finish=f"acc / {pixels}", extra={"M": mean})
         channels = x.shape[1]
-        eps = glsl_float(float(self.op.attr("epsilon", 1e-5)))
+        eps = glsl_float(float(self.op.attr("epsilon")))
         body = f"""vec4 texel(int t, int outer, int block, int inner) {{
     int s = outer * X_B + block;
     vec4 a = {channel_vector("S", scale, channels)} / sqrt(V_texel(s) + {eps});

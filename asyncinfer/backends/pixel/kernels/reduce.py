@@ -346,7 +346,7 @@ class Reduce(PixelKernel):
         super().__init__(layer, op)
         self.from_input = bool(getattr(op, "axes_as_input", False))
         self.attr_axes = op.attr("axes", None)
-        self.keepdims = bool(int(op.attr("keepdims", 1)))
+        self.keepdims = bool(int(op.attr("keepdims")))
         self.noop = bool(int(op.attr("noop_with_empty_axes", 0)))
 
     def axes(self, inputs: list, ndim: int) -> frozenset[int] | None:
@@ -392,7 +392,7 @@ class _Normalization(PixelKernel):
 
     def fold(self, x: PixelTensor) -> Fold:
         ndim = len(x.shape)
-        axis = int(self.op.attr("axis", -1))
+        axis = int(self.op.attr("axis"))
         axis = axis + ndim if axis < 0 else axis
         return Fold(tuple(x.shape), frozenset(range(axis, ndim)), x.layout)
 
@@ -405,7 +405,7 @@ class LayerNormalization(_Normalization):
         x, scale = inputs[0], inputs[1]
         bias = inputs[2] if len(inputs) > 2 else None
         fold = self.fold(x)
-        stats = draw_stats(device, x, fold, layernorm_passes(float(self.op.attr("epsilon", 1e-5))),
+        stats = draw_stats(device, x, fold, layernorm_passes(float(self.op.attr("epsilon"))),
                            "vec4(a0, a1, 0.0, 0.0)")
         params = {"w": scale} if bias is None else {"w": scale, "z": bias}
         expression = "(x - st.x) * st.y * w" + ("" if bias is None else " + z")
@@ -423,5 +423,5 @@ class RMSNormalization(_Normalization):
     def run(self, device: PixelDevice, inputs: list, post: str | None) -> list[PixelTensor | None]:
         x, scale = inputs[0], inputs[1]
         fold = self.fold(x)
-        stats = draw_stats(device, x, fold, rms_passes(float(self.op.attr("epsilon", 1e-5))), "vec4(a0)")
+        stats = draw_stats(device, x, fold, rms_passes(float(self.op.attr("epsilon"))), "vec4(a0)")
         return [draw_map(device, x, fold, stats, "x * st.x * w", {"w": scale}, post)]
