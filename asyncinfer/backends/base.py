@@ -105,13 +105,13 @@ class Backend(ABC):
         """Release threads and device resources; waits for kernels already running."""
 
 
-def run_kernel(step: Step, args: list, done: StepDone, compute: Callable[[], list]) -> None:
-    """Run ``compute()`` for ``step`` and report it: its outputs, or its failure as an
+def run_kernel(step: Step, args: list, done: StepDone, compute: Callable[[Step, list], list]) -> None:
+    """Run ``compute(step, args)`` and report it: its outputs, or its failure as an
     :class:`ExecutionError` naming the layer. Skipped when the run was cancelled. Never raises."""
     if not done.begin():
         return
     try:
-        outputs = compute()
+        outputs = compute(step, args)
     except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
         done.fail(kernel_error(step, exc, args))
         return

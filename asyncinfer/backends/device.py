@@ -71,12 +71,12 @@ class DeviceBackend(Backend):
         """(device thread) Begin, issue and end one step."""
         if step.kind is StepKind.DOWNLOAD:
             self._download(step, args, done)
-        elif step.kind is StepKind.UPLOAD:
-            run_kernel(step, args, done, lambda: self._issued([self.upload(args[0])]))
         else:
-            run_kernel(step, args, done, lambda: self._issued(self.run_layer(step, args)))
+            run_kernel(step, args, done, self._issue)
 
-    def _issued(self, outputs: list) -> list:
+    def _issue(self, step: Step, args: list) -> list:
+        """(device thread) Issue an upload or a layer; the device's pending error fails it."""
+        outputs = [self.upload(args[0])] if step.kind is StepKind.UPLOAD else self.run_layer(step, args)
         self.check_errors()
         return outputs
 

@@ -38,7 +38,10 @@ RELEASED = _Released()
 
 
 class _StepDone:
-    """How a backend reports one dispatched step of this run (the ``StepDone`` of backends/base)."""
+    """How a backend reports one dispatched step of this run (the ``StepDone`` of backends/base).
+
+    Its methods do the execution's work inline: they run once per layer per run, on the hot path.
+    """
 
     __slots__ = ("_execution", "_node")
 
@@ -47,13 +50,22 @@ class _StepDone:
         self._node = node
 
     def begin(self) -> bool:
-        return self._execution._begin(self._node)
+        if not self._execution._cancelled:
+            return True
+        self.fail(self._execution._cancelled_error(self._node))
+        return False
 
     def __call__(self, outputs: list) -> None:
-        self._execution._end(self._node, outputs)
+        execution, node = self._execution, self._node
+        if node.release:
+            execution._release_inputs(node)
+        execution.futures[node.index].set_result(outputs)  # type: ignore[union-attr]
 
     def fail(self, error: BaseException) -> None:
-        self._execution._fail(self._node, error)
+        execution, node = self._execution, self._node
+        if node.release:
+            execution._release_inputs(node)
+        execution.futures[node.index].set_exception(error)  # type: ignore[union-attr]
 
 
 class Execution:
@@ -134,36 +146,21 @@ class Execution:
 
     def _ready(self, node: Node) -> None:
         """Every input of ``node`` is done: dispatch it to its backend with their values."""
+        done = _StepDone(self, node)
         for ref in node.inputs:
             if ref is not None:
                 dep = self.futures[ref[0]]
                 if dep.failed():  # type: ignore[union-attr]
-                    self._fail(node, dep.exception())  # type: ignore[union-attr,arg-type]
+                    done.fail(dep.exception())  # type: ignore[union-attr,arg-type]
                     return
         if self._cancelled:
-            self._fail(node, self._cancelled_error(node))
+            done.fail(self._cancelled_error(node))
             return
         args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr]
         if any(a is RELEASED for a in args):
-            self._fail(node, DisposedError(
-                "an input of this layer was released (the worker or a tensor was disposed)"))
+            done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
             return
-        node.backend.dispatch(node.step, args, _StepDone(self, node))
-
-    # -- reported by backends, on their threads ------------------------------------------------------
-    def _begin(self, node: Node) -> bool:
-        if self._cancelled:
-            self._fail(node, self._cancelled_error(node))
-            return False
-        return True
-
-    def _end(self, node: Node, outputs: list) -> None:
-        self._release_inputs(node)
-        self.futures[node.index].set_result(outputs)  # type: ignore[union-attr]
-
-    def _fail(self, node: Node, error: BaseException) -> None:
-        self._release_inputs(node)
-        self.futures[node.index].set_exception(error)  # type: ignore[union-attr]
+        node.backend.dispatch(node.step, args, done)
 
     @staticmethod
     def _cancelled_error(node: Node) -> ExecutionError:
@@ -171,8 +168,6 @@ class Execution:
                               layer=node.layer.name, op_type=node.layer.op_type)
 
     def _release_inputs(self, node: Node) -> None:
-        if not node.release:
-            return
         with self._lock:
             for ref in node.release:
                 left = self._readers[ref] - 1

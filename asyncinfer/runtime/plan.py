@@ -27,7 +27,7 @@ from ..model.ir import Layer, Model
 Ref = tuple[int, int]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Node:
     """A step placed in the task graph: the backend that runs it and where its inputs come from."""
 
@@ -36,14 +36,11 @@ class Node:
     inputs: list[Ref | None]        # None: omitted optional input
     sources: tuple[int, ...] = ()   # distinct step/input sources this step waits for
     release: list[Ref] = field(default_factory=list)  # values whose last reader is this step
+    index: int = field(init=False)     # (copies of the step's: read for every step of every run)
+    layer: Layer = field(init=False)
 
-    @property
-    def index(self) -> int:
-        return self.step.index
-
-    @property
-    def layer(self) -> Layer:
-        return self.step.layer
+    def __post_init__(self) -> None:
+        self.index, self.layer = self.step.index, self.step.layer
 
 
 @dataclass

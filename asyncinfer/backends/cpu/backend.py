@@ -83,7 +83,7 @@ class CPUBackend(Backend):
 
     def _execute(self, task: Task) -> None:
         if not task[0].kernel.multithreaded or self.threads == 1:
-            _run(*task)
+            run_kernel(*task, _compute)
             return
         with self._lane_lock:
             if self._lane_busy:
@@ -92,7 +92,7 @@ class CPUBackend(Backend):
             self._lane_busy = True
         next_task: Task | None = task
         while next_task is not None:
-            _run(*next_task)
+            run_kernel(*next_task, _compute)
             with self._lane_lock:
                 next_task = self._lane_queue.popleft() if self._lane_queue else None
                 self._lane_busy = next_task is not None
@@ -103,16 +103,13 @@ class CPUBackend(Backend):
             self._pool.shutdown(wait=True, cancel_futures=False)
 
 
-def _run(step: Step, args: list, done: StepDone) -> None:
-    """Run one layer's NumPy kernel, then its fused activations, and report it."""
-    def compute() -> list:
-        # (pool threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX)
-        outputs = list(step.kernel(*args))
-        if step.activations:
-            outputs[0] = _apply_activations(step, outputs[0], args)
-        return outputs
-
-    run_kernel(step, args, done, compute)
+def _compute(step: Step, args: list) -> list:
+    """One layer's NumPy kernel, then its fused activations. (Pool threads run with NumPy's
+    floating-point warnings off: inf/nan are values in ONNX.)"""
+    outputs = list(step.kernel(*args))
+    if step.activations:
+        outputs[0] = _apply_activations(step, outputs[0], args)
+    return outputs
 
 
 def _apply_activations(step: Step, y: Any, args: list) -> Any:
