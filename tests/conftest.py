@@ -3,6 +3,13 @@
 The test-only ops live in the ``test.asyncinfer`` domain. They let tests control *when* a layer
 finishes, so properties like "schedule returns before the work is done" or "independent layers
 run in parallel" are asserted by construction, never by timing.
+
+The tests mirror the source tree: tests/ops/, tests/model/, tests/loader/, tests/backends/<name>/,
+tests/runtime/, tests/serving/; the entry points (cli, conformance, docs, examples, bench, the
+default and zoo models) are tested here at the top. Every folder below is a package (test files in
+two folders may share a name). Helpers shared by several folders live here and are imported by
+bare name from anywhere (pyproject's ``pythonpath``): this file's builders, ``node_cases`` (the one
+node-case harness, every backend), ``pixel_testing``, ``model_zoo``; and tests/ops/op_testing.py.
 """
 from __future__ import annotations
 

@@ -1,69 +1,239 @@
-"""Helpers to run the ONNX backend node test cases shipped with the ``onnx`` package.
+"""The one node-case harness: every ONNX backend node test case shipped with the installed ``onnx``
+(``onnx.backend.test.case.node.collect_testcases``), on every backend, through the whole engine.
 
-``evaluate_with_kernels`` interprets a test-case model layer by layer with the registered Op
-kernels alone (no runtime), so that kernels can be checked in isolation.
+A case runs as the conformance runner (``asyncinfer.conformance``) runs it: ``load_model`` (the
+optimizer included), a ``Worker`` on the backend, every output taken and read back, then compared
+with ``conformance.compare_outputs`` (shape, dtype, the case's own rtol/atol, NaN equal to NaN).
+
+- :func:`check_node_case` ``(name, backend)`` is the check; exceptions are not swallowed, so an
+  expected failure is asserted with the exception it raises.
+- :func:`node_case_params` gives every ``(backend, case name)`` pair for ``parametrize``: a case is
+  expected to pass unless :data:`EXPECTED_FAILURES` (every backend) or the backend's own list
+  holds it, which makes it a strict xfail carrying its reason and the exception it raises; a
+  backend that cannot run here is skipped with the reason it gives.
+- ``tests/test_conformance.py::test_node_case`` is the test, parametrised by both.
+
+Adding a backend is one entry in :data:`BACKENDS`: how to build the Worker's backend for one run
+(a name ``Worker`` accepts, or a fresh backend instance, which the Worker owns and closes), why it
+cannot run here (``None`` when it can), the cases that must run on it with no CPU fallback, and the
+cases that fail on it alone, with why.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
+import pytest
 from onnx import numpy_helper
-from onnx.backend.test.case.node import collect_testcases
 
-from asyncinfer import ops
-from asyncinfer.model.attributes import attributes_dict
-from asyncinfer.model.ir import Layer
+from asyncinfer import conformance
+from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
 
-
-@lru_cache(maxsize=1)
-def node_cases() -> dict[str, object]:
-    return {case.name: case for case in collect_testcases()}
-
-
-def cases_for(op_type: str) -> list[object]:
-    """Node test cases whose model contains ``op_type`` (a single-node model, usually)."""
-    return [c for c in node_cases().values() if any(n.op_type == op_type for n in c.model.graph.node)]
+HERE = Path(__file__).parent
+# The cases that pass on the CPU (``asyncinfer conformance --write-passing``; README and docs name it).
+PASSING_LIST = HERE / "conformance_passing.txt"
+# The cases that run with every layer as a shader (``asyncinfer conformance --backend gpu_pixel --write-wholly``).
+WHOLLY_GPU_PIXEL_LIST = HERE / "conformance_wholly_gpu_pixel.txt"
 
 
-def _to_array(value):
+def read_list(path: Path) -> list[str]:
+    """Case names, one a line."""
+    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- the cases -------------------------------------------------------------------------------------
+@functools.cache
+def _cases() -> dict[str, Any]:
+    return {case.name: case for case in conformance.load_cases()}
+
+
+def node_case(name: str) -> Any:
+    """The shipped node case called ``name``."""
+    return _cases()[name]
+
+
+def node_case_names() -> list[str]:
+    """Every node case shipped with the installed onnx, sorted."""
+    return sorted(_cases())
+
+
+def node_op_types(case: Any, *, subgraphs: bool = False) -> set[str]:
+    """Op types of a case's graph (and, with ``subgraphs``, of its bodies at any depth)."""
+
+    def walk(graph: onnx.GraphProto) -> set[str]:
+        found = set()
+        for node in graph.node:
+            found.add(node.op_type)
+            if subgraphs:
+                for attr in node.attribute:
+                    for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                        found |= walk(sub)
+        return found
+
+    return walk(case.model.graph)
+
+
+def cases_using(op_types: set[str], *, subgraphs: bool = False) -> dict[str, Any]:
+    """Node cases whose graph (and, with ``subgraphs``, bodies) has a node of one of ``op_types``, by name."""
+    return {name: case for name, case in _cases().items() if node_op_types(case, subgraphs=subgraphs) & op_types}
+
+
+def cases_made_of(op_types: set[str]) -> dict[str, Any]:
+    """Node cases whose every node is one of ``op_types``, by name."""
+    return {name: case for name, case in _cases().items() if node_op_types(case) <= op_types}
+
+
+# -- what cannot pass, and why -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpectedFailure:
+    raises: type[BaseException]  # what the check raises: UnsupportedOperatorError at load, …
+    reason: str
+
+
+_NO_CODEC = ExpectedFailure(UnsupportedOperatorError,
+                            "ImageDecoder is refused on purpose: no image codec library is a dependency")
+_TRAINING_BATCHNORM = ExpectedFailure(UnsupportedOperatorError,
+                                      "training_mode=1 is refused on purpose (inference engine)")
+_TRAINING_DROPOUT = ExpectedFailure(ExecutionError,
+                                    "training-mode dropout is random; only inference mode is implemented")
+_RANDOM_DRAW = ExpectedFailure(AssertionError, "Bernoulli draws at random: its outputs cannot equal the ones NumPy "
+                                               "drew when onnx made the case (tests/ops/test_random.py checks "
+                                               "that it follows the probabilities)")
+
+# Cases that fail on every backend (the CPU runs them where a device has no kernel), and why.
+EXPECTED_FAILURES: dict[str, ExpectedFailure] = {
+    # ops/image.py
+    **{f"test_image_decoder_decode_{fmt}": _NO_CODEC
+       for fmt in ("bmp_rgb", "jpeg2k_rgb", "jpeg_bgr", "jpeg_grayscale", "jpeg_rgb", "png_rgb", "pnm_rgb",
+                   "tiff_rgb", "webp_rgb")},
+    # ops/normalization.py
+    "test_batchnorm_epsilon_training_mode": _TRAINING_BATCHNORM,
+    "test_batchnorm_example_training_mode": _TRAINING_BATCHNORM,
+    # ops/shape.py
+    "test_training_dropout": _TRAINING_DROPOUT,
+    "test_training_dropout_default": _TRAINING_DROPOUT,
+    "test_training_dropout_default_mask": _TRAINING_DROPOUT,
+    "test_training_dropout_mask": _TRAINING_DROPOUT,
+    # ops/random.py
+    **{f"test_bernoulli{variant}": _RANDOM_DRAW
+       for variant in ("", "_double", "_double_expanded", "_expanded", "_seed", "_seed_expanded")},
+}
+
+_EMPTY_REDUCE_ON_DEVICE = ExpectedFailure(
+    ExecutionError, "asyncinfer bug: gpu_compute's ReduceKernel raises on an empty input (ReduceMax/ReduceMin on "
+                    "purpose, ReduceLogSumExp in max()) instead of falling back to the CPU as its docstring says")
+
+
+# -- the backends ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeCaseBackend:
+    make: Callable[[], Any]  # what Worker(model, …) gets for one run: a backend name or a fresh instance
+    unavailable: Callable[[], str | None] = lambda: None  # why it cannot run here, None when it can
+    wholly: Callable[[], frozenset[str]] = frozenset  # cases that must run with no layer on the CPU
+    expected_failures: dict[str, ExpectedFailure] = field(default_factory=dict)  # on this backend alone
+
+
+def _gpu_compute_on_the_host() -> Any:
+    from asyncinfer.backends.cupy import CuPyBackend, HostRuntime
+
+    return CuPyBackend(HostRuntime())
+
+
+@functools.cache
+def _wholly_gpu_pixel() -> frozenset[str]:
+    return frozenset(read_list(WHOLLY_GPU_PIXEL_LIST))
+
+
+def _pixel_unavailable() -> str | None:
+    from pixel_testing import pixel_unavailable_reason
+
+    reason = pixel_unavailable_reason()
+    return None if reason is None else f"no gpu_pixel backend on this machine: {reason}"
+
+
+BACKENDS: dict[str, NodeCaseBackend] = {
+    "cpu": NodeCaseBackend(make=lambda: "cpu"),
+    # CuPy's backend on HostRuntime (NumPy, host memory): the real Worker, Plan, dispatcher thread, uploads,
+    # device kernels, CPU fallback and downloads, without CUDA (tests/backends/cupy/test_backend.py).
+    "gpu_compute": NodeCaseBackend(make=_gpu_compute_on_the_host, expected_failures={
+        "test_reduce_max_empty_set": _EMPTY_REDUCE_ON_DEVICE,
+        "test_reduce_min_empty_set": _EMPTY_REDUCE_ON_DEVICE,
+        "test_reduce_log_sum_exp_empty_set": _EMPTY_REDUCE_ON_DEVICE,
+        "test_attention_4d_causal_fp16_expanded": ExpectedFailure(
+            AssertionError, "the device Softmax keeps float16 exponentials in float32 where the CPU op (and onnx's "
+                            "reference) rounds them to float16: one float16 ULP (rel 1.2e-3), over the case's "
+                            "rtol 1e-3"),
+    }),
+    "gpu_pixel": NodeCaseBackend(make=lambda: "gpu_pixel", unavailable=_pixel_unavailable,
+                                 wholly=_wholly_gpu_pixel),
+}
+
+
+def expected_failure(name: str, backend: str) -> ExpectedFailure | None:
+    """Why case ``name`` cannot pass on ``backend``; None when it must pass."""
+    return BACKENDS[backend].expected_failures.get(name) or EXPECTED_FAILURES.get(name)
+
+
+def expected_failures_among(names, backend: str = "cpu") -> dict[str, ExpectedFailure]:
+    """The cases of ``names`` expected to fail on ``backend``, with why."""
+    return {name: failure for name in names if (failure := expected_failure(name, backend)) is not None}
+
+
+# -- the check -----------------------------------------------------------------------------------------
+def _as_array(value: Any) -> Any:
     if isinstance(value, onnx.TensorProto):
         return numpy_helper.to_array(value)
+    if isinstance(value, list):
+        return [_as_array(v) for v in value]
     return value
 
 
-def evaluate_with_kernels(model: onnx.ModelProto, inputs: list) -> list:
-    opsets = {o.domain or "": o.version for o in model.opset_import}
-    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
-    for info, value in zip(model.graph.input, inputs):
-        values[info.name] = _to_array(value)
-    for i, node in enumerate(model.graph.node):
-        layer = Layer(name=node.name or f"node{i}", op_type=node.op_type, inputs=list(node.input),
-                      outputs=list(node.output), attrs=attributes_dict(node.attribute),
-                      domain=node.domain, version=opsets.get(node.domain or "", 1))
-        op = ops.create(layer)
-        outs = op(*[values[n] if n else None for n in node.input])
-        for name, out in zip(node.output, outs):
-            if name:
-                values[name] = out
-    return [values[o.name] for o in model.graph.output]
+def run_node_case(name: str, backend: str) -> tuple[list[tuple[list, list]], bool]:
+    """Run every data set of case ``name`` on ``backend``: ``([(outputs, expected outputs)…],
+    whether every layer of every run stayed on the backend)``. Raises what the engine raises."""
+    spec, case = BACKENDS[backend], node_case(name)
+    results, wholly = [], True
+    # Cases divide by zero, take log(0)… on purpose: no numeric warnings, on this thread or the backend's
+    # (np.errstate is per thread; the warning filters are the process's), as the conformance runner does.
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for inputs, expected in case.data_sets:
+            engine = conformance.asyncinfer_engine(spec.make())
+            got, on_backend = engine(case.model, [_as_array(v) for v in inputs])
+            results.append(([_as_array(g) for g in got], [_as_array(e) for e in expected]))
+            wholly = wholly and on_backend
+    return results, wholly
 
 
-def check_case(case) -> None:
-    """Run one node test case through the kernels and assert every output matches."""
-    for inputs, expected in case.data_sets:
-        got = evaluate_with_kernels(case.model, inputs)
-        assert len(got) == len(expected)
-        for g, e in zip(got, expected):
-            e = _to_array(e)
-            g = np.asarray(g)
-            assert g.shape == e.shape, f"{case.name}: shape {g.shape} != {e.shape}"
-            if e.dtype.kind in "fc" or e.dtype.kind == "V" or "float" in e.dtype.name:
-                assert g.dtype == e.dtype, f"{case.name}: dtype {g.dtype} != {e.dtype}"
-                # ml_dtypes floats (bfloat16, float8) compare through float64, where NaN == NaN holds
-                np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), equal_nan=True,
-                                           rtol=case.rtol, atol=case.atol, err_msg=case.name)
-            else:
-                assert g.dtype == e.dtype, f"{case.name}: dtype {g.dtype} != {e.dtype}"
-                np.testing.assert_array_equal(g, e, err_msg=case.name)
+def check_node_case(name: str, backend: str) -> None:
+    """Case ``name`` passes on ``backend``: every output matches (``conformance.compare_outputs``),
+    and, where the backend lists the case as running wholly on it, no layer fell back to the CPU."""
+    case = node_case(name)
+    results, wholly = run_node_case(name, backend)
+    for got, expected in results:
+        conformance.compare_outputs(got, expected, case.rtol, case.atol)
+    if name in BACKENDS[backend].wholly():
+        assert wholly, f"{name} no longer runs wholly on {backend}: a layer fell back to the CPU"
+
+
+def node_case_params(backends: tuple[str, ...] | None = None, names: list[str] | None = None) -> list:
+    """``pytest.param(backend, name)`` for every backend (default: all of BACKENDS) and case (default:
+    every shipped case), ids ``backend-name``; expected failures are strict xfails with their reason,
+    a backend that cannot run here is skipped with its reason."""
+    params = []
+    for backend in backends or tuple(BACKENDS):
+        unavailable = BACKENDS[backend].unavailable()
+        for name in names if names is not None else node_case_names():
+            marks = []
+            if unavailable is not None:
+                marks.append(pytest.mark.skip(reason=unavailable))
+            elif (failure := expected_failure(name, backend)) is not None:
+                marks.append(pytest.mark.xfail(raises=failure.raises, strict=True, reason=failure.reason))
+            params.append(pytest.param(backend, name, marks=marks, id=f"{backend}-{name}"))
+    return params

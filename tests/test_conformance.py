@@ -1,40 +1,55 @@
-"""The conformance guard: every ONNX node test case listed in conformance_passing.txt must pass.
+"""The conformance guard: every ONNX backend node test case, on every backend (the harness:
+tests/node_cases.py). A case passes unless it is an expected failure, which must fail, raising
+what its entry says. So every case listed in conformance_passing.txt passes on the CPU and on every
+other backend (but for that backend's own expected failures), and every case listed in
+conformance_wholly_gpu_pixel.txt passes on gpu_pixel with *all* its layers run as shaders.
 
-Regenerate the list after adding ops with:
+Regenerate the lists after adding ops or shaders with:
     asyncinfer conformance --summary --write-passing tests/conformance_passing.txt
+    asyncinfer conformance --backend gpu_pixel --summary --write-wholly tests/conformance_wholly_gpu_pixel.txt
 """
 from __future__ import annotations
 
-from pathlib import Path
-
+import numpy as np
 import pytest
 
 from asyncinfer import conformance
+from node_cases import (BACKENDS, EXPECTED_FAILURES, PASSING_LIST, WHOLLY_GPU_PIXEL_LIST, check_node_case,
+                        node_case_names, node_case_params, read_list)
 
-PASSING_LIST = Path(__file__).with_name("conformance_passing.txt")
-EXPECTED = [line.strip() for line in PASSING_LIST.read_text().splitlines() if line.strip()]
-
-
-@pytest.fixture(scope="module")
-def report():
-    cases = {c.name: c for c in conformance.load_cases()}
-    missing = [name for name in EXPECTED if name not in cases]
-    assert not missing, f"cases listed but not shipped by this onnx version: {missing[:10]}"
-    return conformance.run_cases([cases[n] for n in EXPECTED], conformance.asyncinfer_engine("cpu"), "asyncinfer")
+PASSING = read_list(PASSING_LIST)
+WHOLLY_GPU_PIXEL = read_list(WHOLLY_GPU_PIXEL_LIST)
 
 
-def test_every_listed_case_still_passes(report):
-    broken = [f"{r.name}: {r.status}: {r.detail}" for r in report.results if not r.passed]
-    assert not broken, f"{len(broken)} node cases stopped passing:\n" + "\n".join(broken[:30])
+@pytest.mark.parametrize(("backend", "name"), node_case_params())
+def test_node_case(backend: str, name: str) -> None:
+    check_node_case(name, backend)
+
+
+# -- the lists -------------------------------------------------------------------------------------
+def test_listed_cases_are_shipped_by_this_onnx():
+    shipped = set(node_case_names())
+    for listed in (PASSING, WHOLLY_GPU_PIXEL, EXPECTED_FAILURES,
+                   *(spec.expected_failures for spec in BACKENDS.values())):
+        missing = sorted(set(listed) - shipped)
+        assert not missing, f"cases listed but not shipped by this onnx version: {missing[:10]}"
+
+
+def test_passing_list_is_every_case_without_an_expected_failure():
+    """So test_node_case asserts, case by case, what the list claims (regenerate it when this fails)."""
+    assert sorted(PASSING) == sorted(set(node_case_names()) - set(EXPECTED_FAILURES))
+    for backend, spec in BACKENDS.items():  # a backend's own failures are cases that pass on the CPU
+        assert set(spec.expected_failures) <= set(PASSING), backend
 
 
 def test_listed_cases_are_many():
-    assert len(EXPECTED) >= 1300
+    assert len(PASSING) >= 1300
+    assert len(WHOLLY_GPU_PIXEL) >= 500
+    assert set(WHOLLY_GPU_PIXEL) <= set(PASSING)
 
 
+# -- the runner ------------------------------------------------------------------------------------
 def test_compare_outputs_is_strict():
-    import numpy as np
-
     conformance.compare_outputs([np.float32([1, 2])], [np.float32([1, 2])], 1e-3, 1e-7)
     for got in ([np.float64([1, 2])], [np.float32([1, 2.1])], [np.float32([1, 2, 3])], []):
         with pytest.raises(AssertionError):

@@ -1,47 +1,29 @@
 """Kernels of asyncinfer/ops/quantize.py: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear,
 QLinearMatMul, QLinearConv, MatMulInteger, ConvInteger and BitCast.
 
-Every ONNX node case of these ops runs through the engine; random QLinear/Integer matmuls and convs
-are compared with onnxruntime bit for bit (integer outputs must be exact); rounding ties, per-axis
-and blocked parameters, saturation, refusal of unimplemented attributes and input immutability are
-checked directly.
+Every ONNX node case of these ops runs through the engine on every backend (tests/node_cases.py);
+random QLinear/Integer matmuls and convs are compared with onnxruntime bit for bit (integer outputs
+must be exact); rounding ties, per-axis and blocked parameters, saturation, refusal of
+unimplemented attributes and input immutability are checked directly.
 """
 from __future__ import annotations
-
-import functools
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from asyncinfer.conformance import asyncinfer_engine, load_cases, run_case
+from asyncinfer.conformance import load_cases
 from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
+from node_cases import expected_failures_among
 from op_testing import make_op, ort_run
 
 CASES = r"^test_(quantizelinear|dequantizelinear|dynamicquantizelinear|qlinear|matmulinteger|convinteger|bitcast)"
-# Node cases that cannot pass here, and why (none at the moment).
-EXCLUDED: dict[str, str] = {}
-
-
-@functools.lru_cache(maxsize=1)
-def _cases() -> dict[str, object]:
-    return {c.name: c for c in load_cases(CASES)}
-
-
-def _case_names() -> list[str]:
-    return list(_cases())
 
 
 def test_case_selection():
-    names = _case_names()
+    names = [c.name for c in load_cases(CASES)]
     assert len(names) >= 55
-    assert set(EXCLUDED) <= set(names)
-
-
-@pytest.mark.parametrize("name", [n for n in _case_names() if n not in EXCLUDED])
-def test_node_case(name):
-    result = run_case(_cases()[name], asyncinfer_engine("cpu"))
-    assert result.passed, f"{result.status}: {result.detail}"
+    assert not expected_failures_among(names)  # every node case of these ops passes on the CPU
 
 
 # -- helpers ------------------------------------------------------------------------------------------

@@ -657,7 +657,7 @@ def test_serving_benchmark_smoke():
     import sys
     from pathlib import Path
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     if root not in sys.path:
         sys.path.insert(0, root)
     from bench import serving as serving_bench

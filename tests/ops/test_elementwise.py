@@ -1,8 +1,9 @@
 """Kernels of asyncinfer/ops/{elementwise,activation,reduce,softmax}.py.
 
-Every ONNX backend node test case made only of these ops runs through the kernels; targeted tests
-cover what those cases do not: old-opset semantics, dtype preservation, input immutability and
-refusal of unimplemented attributes.
+Every ONNX backend node test case made only of these ops runs through the whole engine on every
+backend (tests/node_cases.py); here their data also runs through the kernels alone, checking that
+inputs stay unwritten and narrow floats come out exact. Targeted tests cover what the cases do not:
+old-opset semantics, dtype preservation, input immutability and refusal of unimplemented attributes.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from asyncinfer import ops
 from asyncinfer.errors import UnsupportedOperatorError
 from asyncinfer.model.ir import Layer
 from asyncinfer.ops.elementwise import _erf_fallback
-from node_cases import _to_array, check_case, evaluate_with_kernels, node_cases
+from node_cases import cases_made_of, cases_using, expected_failures_among, node_case
+from op_testing import evaluate_with_kernels, to_array
 
 UNARY_MATH = """Abs Neg Reciprocal Floor Ceil Round Sign Sqrt Exp Log Sin Cos Tan Asin Acos Atan Sinh Cosh
     Asinh Acosh Atanh Erf""".split()
@@ -28,10 +30,10 @@ OPS = set(UNARY_MATH + ACTIVATIONS + """Add Sub Mul Div Pow Mod BitShift Equal L
     ReduceL2 ReduceLogSum ReduceLogSumExp ReduceSumSquare ArgMax ArgMin CumSum Softmax LogSoftmax
     Hardmax""".split())
 
-# Node cases that cannot pass here, and why.
-EXCLUDED = {
-    "test_identity_sequence": "check_case compares arrays only; the output is a tensor sequence",
-    "test_identity_opt": "check_case compares arrays only; the output is an optional sequence",
+# The kernel checks below feed the node cases' inputs as arrays: these cases' are not arrays.
+NOT_ARRAYS = {
+    "test_identity_sequence": "the input is a tensor sequence",
+    "test_identity_opt": "the input is an optional sequence",
 }
 
 
@@ -41,12 +43,7 @@ HELPERS = {"Constant"}
 
 def _own_cases() -> list[str]:
     """Node cases made of this file's ops (plus HELPERS); mixed graphs belong to other tests."""
-    names = []
-    for name, case in node_cases().items():
-        types = {n.op_type for n in case.model.graph.node}
-        if types & OPS and types <= OPS | HELPERS:
-            names.append(name)
-    return sorted(names)
+    return sorted(cases_made_of(OPS | HELPERS).keys() & cases_using(OPS).keys())
 
 
 def _skip_without_helpers(case) -> None:
@@ -62,42 +59,43 @@ def _is_ml_float(dtype: np.dtype) -> bool:
         return False
 
 
-def _check_ml_float_case(case) -> None:
-    """check_case's comparison, NaN-aware for ml_dtypes floats (bfloat16, float8…).
+def _narrow_float_cases() -> list[str]:
+    """Own cases with an ml_dtypes float output (bfloat16, float8…)."""
+    return [n for n in _own_cases() if n not in NOT_ARRAYS
+            and any(_is_ml_float(to_array(e).dtype) for e in node_case(n).data_sets[0][1])]
 
-    check_case uses assert_array_equal for them, which treats NaN as unequal to NaN since NumPy does
-    not know these dtypes are floats; compare the values as float32 and their signs instead.
-    """
+
+def test_node_case_selection() -> None:
+    """These cases run through the whole engine on every backend (tests/node_cases.py): none is
+    expected to fail; the kernel checks below leave out only the ones whose inputs are not arrays."""
+    names = _own_cases()
+    assert len(names) >= 700
+    assert not expected_failures_among(names)
+    assert set(NOT_ARRAYS) <= set(names)
+    assert _narrow_float_cases()
+
+
+@pytest.mark.parametrize("name", _narrow_float_cases())
+def test_narrow_float_node_case_is_exact(name: str) -> None:
+    """The kernels' ml_dtypes float outputs equal the expected ones exactly, sign of zero included
+    (stricter than the harness's rtol/atol): compared as float32, where NaN == NaN holds."""
+    case = node_case(name)
+    _skip_without_helpers(case)
     for inputs, expected in case.data_sets:
         for got, want in zip(evaluate_with_kernels(case.model, inputs), expected, strict=True):
-            want = _to_array(want)
+            want = to_array(want)
             assert got.dtype == want.dtype and got.shape == want.shape
             g, w = got.astype(np.float32), want.astype(np.float32)
             np.testing.assert_array_equal(g, w, err_msg=case.name)
             np.testing.assert_array_equal(np.signbit(g), np.signbit(w), err_msg=case.name)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.skip(reason=EXCLUDED[n])) if n in EXCLUDED else n for n in _own_cases()])
-def test_node_case(name: str) -> None:
-    case = node_cases()[name]
-    _skip_without_helpers(case)
-    if any(_is_ml_float(_to_array(e).dtype) for e in case.data_sets[0][1]):
-        _check_ml_float_case(case)
-    else:
-        check_case(case)
-
-
-def test_exclusions_are_real_cases() -> None:
-    assert set(EXCLUDED) <= set(_own_cases())
-
-
-@pytest.mark.parametrize("name", [n for n in _own_cases() if n not in EXCLUDED])
+@pytest.mark.parametrize("name", [n for n in _own_cases() if n not in NOT_ARRAYS])
 def test_node_case_does_not_mutate_inputs(name: str) -> None:
     """Inputs are read-only arrays: any in-place write in a kernel raises."""
-    case = node_cases()[name]
+    case = node_case(name)
     _skip_without_helpers(case)
-    inputs = [np.array(_to_array(v)) for v in case.data_sets[0][0]]  # np.array: scalars too
+    inputs = [np.array(to_array(v)) for v in case.data_sets[0][0]]  # np.array: scalars too
     for a in inputs:
         a.flags.writeable = False
     evaluate_with_kernels(case.model, inputs)

@@ -1,7 +1,7 @@
 """The gpu_pixel backend's machinery: placement and transfers, every readback mode (asyncio and
 trio), fenced downloads that never block the loop, texture and program reuse, and errors.
 
-Kernel numerics are tested per family in test_pixel_*.py; whole models in test_pixel_models.py.
+Kernel numerics are tested per family in the other files here; whole models in test_models.py.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Tests of control flow (asyncinfer/ops/controlflow.py) and sequence/optional ops (asyncinfer/ops/sequence.py).
 
-ONNX's own node cases for these ops run through the whole engine (load, optimize, Worker); the
-targeted tests cover what they do not: outer-scope reads, nested bodies, scan axes and
-directions, refusal of unsupported inner ops at load, and the sequence ops without node cases.
+ONNX's own node cases for these ops run through the whole engine (load, optimize, Worker) on every
+backend (tests/node_cases.py); the targeted tests cover what they do not: outer-scope reads, nested
+bodies, scan axes and directions, refusal of unsupported inner ops at load, and the sequence ops
+without node cases.
 """
 from __future__ import annotations
 
 import threading
-from functools import lru_cache
 
 import numpy as np
 import pytest
@@ -15,9 +15,9 @@ from onnx import TensorProto, helper
 
 import asyncinfer as ai
 from asyncinfer import ops
-from asyncinfer.conformance import asyncinfer_engine, load_cases, run_case
 from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
 from asyncinfer.model.ir import Layer
+from node_cases import cases_using, expected_failures_among
 
 CONTROL_FLOW_OPS = {"If", "Loop", "Scan", "SequenceMap"}
 SEQUENCE_OPS = {
@@ -27,36 +27,13 @@ SEQUENCE_OPS = {
 }
 MY_OPS = CONTROL_FLOW_OPS | SEQUENCE_OPS
 
-# Node cases that cannot pass, with why.
-EXCLUDED: dict[str, str] = {}  # every node case of these ops passes
 
-
-def _op_types(graph) -> set[str]:
-    """Op types of a graph and of its subgraphs at any depth."""
-    found = set()
-    for node in graph.node:
-        found.add(node.op_type)
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                found |= _op_types(sub)
-    return found
-
-
-@lru_cache(maxsize=1)
-def _my_cases() -> dict[str, object]:
-    """Node cases using one of these ops anywhere (function-expanded cases and bodies included)."""
-    return {c.name: c for c in load_cases() if _op_types(c.model.graph) & MY_OPS}
-
-
-@pytest.mark.parametrize("name", sorted(set(_my_cases()) - set(EXCLUDED)))
-def test_node_case(name: str) -> None:
-    with np.errstate(all="ignore"):
-        result = run_case(_my_cases()[name], asyncinfer_engine("cpu"))
-    assert result.passed, f"{result.status}: {result.detail}"
-
-
-def test_excluded_cases_exist() -> None:
-    assert set(EXCLUDED) <= set(_my_cases())
+def test_node_cases_cover_the_ops_and_all_pass() -> None:
+    """The node cases using these ops anywhere (function-expanded cases and bodies included) run
+    through the whole engine on every backend (tests/node_cases.py); none is expected to fail."""
+    names = cases_using(MY_OPS, subgraphs=True)
+    assert len(names) >= 60
+    assert not expected_failures_among(names)
 
 
 # -- model builders -------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
-"""Helpers for kernel tests: build one op, run one-node models through ONNX Runtime, compare."""
+"""Helpers for kernel tests (tests/ops/): build one op, run one-node models through ONNX Runtime,
+compare; interpret a node case's graph with the kernels alone."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+import onnx
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from asyncinfer import ops
-from asyncinfer.conformance import asyncinfer_engine, load_cases, run_case
+from asyncinfer.model.attributes import attributes_dict
 from asyncinfer.model.ir import Layer
 
 
@@ -64,25 +64,26 @@ def randn(rng, *shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 
 
-# -- ONNX node cases through the whole engine ------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _all_cases() -> tuple:
-    return tuple(load_cases())
+# -- node-case data through the kernels alone ------------------------------------------------------
+# (The node cases themselves run through the whole engine on every backend: tests/node_cases.py.
+# These interpret a case's graph with the registered Op kernels only, no runtime, to check kernel
+# properties on that data: inputs left unwritten, narrow floats bit-exact.)
+def to_array(value):
+    return numpy_helper.to_array(value) if isinstance(value, onnx.TensorProto) else value
 
 
-def cases_using(op_types: set[str]) -> dict[str, object]:
-    """Node test cases whose graph has a node of one of ``op_types``, by name."""
-    return {c.name: c for c in _all_cases() if {n.op_type for n in c.model.graph.node} & op_types}
-
-
-def case_params(cases: dict[str, object], excluded: dict[str, str]) -> list:
-    """Case names for parametrize; the ``excluded`` ones are strict xfails carrying their reason."""
-    return [pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=excluded[name])] if name in excluded
-                         else []) for name in sorted(cases)]
-
-
-def assert_case_passes(case: object) -> None:
-    """Run one node case through load_model + Worker on the CPU and assert every output matches."""
-    with np.errstate(all="ignore"):
-        result = run_case(case, asyncinfer_engine("cpu"))
-    assert result.passed, f"{result.name}: {result.status}: {result.detail}"
+def evaluate_with_kernels(model: onnx.ModelProto, inputs: list) -> list:
+    """Outputs of ``model`` on ``inputs``, layer by layer with the registered kernels (no runtime)."""
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    values = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    for info, value in zip(model.graph.input, inputs):
+        values[info.name] = to_array(value)
+    for i, node in enumerate(model.graph.node):
+        layer = Layer(name=node.name or f"node{i}", op_type=node.op_type, inputs=list(node.input),
+                      outputs=list(node.output), attrs=attributes_dict(node.attribute),
+                      domain=node.domain, version=opsets.get(node.domain or "", 1))
+        outs = ops.create(layer)(*[values[n] if n else None for n in node.input])
+        for name, out in zip(node.output, outs):
+            if name:
+                values[name] = out
+    return [values[o.name] for o in model.graph.output]
