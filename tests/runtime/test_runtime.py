@@ -129,6 +129,30 @@ async def test_async_context_manager_disposes(add_chain_model):
     assert worker.disposed
 
 
+def test_lifecycle_states_are_enums(add_chain_model):
+    worker = ai.Worker(ai.load_model(add_chain_model(2)))
+    assert worker.state is ai.WorkerState.OPEN
+    worker.schedule(np.zeros((1, 4), np.float32))
+    tensor = worker.take_output()
+    tensor.readback_and_clone()
+    assert tensor.state is ai.TensorState.READY
+    tensor.dispose()
+    assert tensor.state is ai.TensorState.DISPOSED
+    worker.dispose()
+    assert worker.state is ai.WorkerState.DISPOSED and "disposed" in repr(worker)
+
+
+@pytest.mark.anyio
+async def test_deprecated_aliases_warn_and_still_work(add_chain_model):
+    worker = ai.Worker(ai.load_model(add_chain_model(2)))
+    execution = worker.schedule(np.ones((1, 4), np.float32))
+    with pytest.warns(DeprecationWarning, match="read_outputs_blocking"):
+        np.testing.assert_array_equal(execution.output_arrays()["y"], execution.read_outputs_blocking()["y"])
+    with pytest.warns(DeprecationWarning, match="dispose_async"):
+        await worker.aclose()
+    assert worker.disposed
+
+
 def test_run_blocking_twin(add_chain_model):
     with ai.Worker(ai.load_model(add_chain_model(2))) as worker:
         out = worker.run_blocking({"x": np.ones((2, 4), np.float32)})

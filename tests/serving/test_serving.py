@@ -268,7 +268,7 @@ async def test_a_request_cancelled_in_flight_does_not_disturb_its_batch_mates(ga
 
 
 @pytest.mark.anyio
-async def test_aclose_drains_pending_requests_then_refuses_new_ones(digits_model, digits_samples):
+async def test_dispose_async_drains_pending_requests_then_refuses_new_ones(digits_model, digits_samples):
     images = digits_samples[0][:3]
     async with ai.Worker(digits_model) as worker:
         runs = count_runs(worker)
@@ -283,7 +283,7 @@ async def test_aclose_drains_pending_requests_then_refuses_new_ones(digits_model
                     tg.start_soon(one, i)
                 while batcher.pending < 3:
                     await anyio.sleep(0)
-                await batcher.aclose()  # the batch is far from full and the delay far away: drained now
+                await batcher.dispose_async()  # the batch is far from full and the delay far away: drained now
         assert runs == [3] and sorted(results) == [0, 1, 2]
         with pytest.raises(ai.DisposedError, match="closed"):
             await batcher.infer({"image": images[:1]})
@@ -311,7 +311,7 @@ async def test_infer_needs_a_started_batcher(digits_model):
     batcher = DynamicBatcher(digits_model)
     with pytest.raises(ai.DisposedError, match="async with DynamicBatcher"):
         await batcher.infer({"image": np.zeros((1, 1, 8, 8), np.float32)})
-    await batcher.aclose()
+    await batcher.dispose_async()
     assert batcher.worker.disposed
 
 
