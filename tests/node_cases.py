@@ -125,9 +125,6 @@ EXPECTED_FAILURES: dict[str, ExpectedFailure] = {
        for variant in ("", "_double", "_double_expanded", "_expanded", "_seed", "_seed_expanded")},
 }
 
-_EMPTY_REDUCE_ON_DEVICE = ExpectedFailure(
-    ExecutionError, "asyncinfer bug: gpu_compute's ReduceKernel raises on an empty input (ReduceMax/ReduceMin on "
-                    "purpose, ReduceLogSumExp in max()) instead of falling back to the CPU as its docstring says")
 
 
 # -- the backends ------------------------------------------------------------------------------------
@@ -161,15 +158,7 @@ BACKENDS: dict[str, NodeCaseBackend] = {
     "cpu": NodeCaseBackend(make=lambda: "cpu"),
     # CuPy's backend on HostRuntime (NumPy, host memory): the real Worker, Plan, dispatcher thread, uploads,
     # device kernels, CPU fallback and downloads, without CUDA (tests/backends/cupy/test_backend.py).
-    "gpu_compute": NodeCaseBackend(make=_gpu_compute_on_the_host, expected_failures={
-        "test_reduce_max_empty_set": _EMPTY_REDUCE_ON_DEVICE,
-        "test_reduce_min_empty_set": _EMPTY_REDUCE_ON_DEVICE,
-        "test_reduce_log_sum_exp_empty_set": _EMPTY_REDUCE_ON_DEVICE,
-        "test_attention_4d_causal_fp16_expanded": ExpectedFailure(
-            AssertionError, "the device Softmax keeps float16 exponentials in float32 where the CPU op (and onnx's "
-                            "reference) rounds them to float16: one float16 ULP (rel 1.2e-3), over the case's "
-                            "rtol 1e-3"),
-    }),
+    "gpu_compute": NodeCaseBackend(make=_gpu_compute_on_the_host),
     "gpu_pixel": NodeCaseBackend(make=lambda: "gpu_pixel", unavailable=_pixel_unavailable,
                                  wholly=_wholly_gpu_pixel),
 }

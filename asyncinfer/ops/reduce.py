@@ -7,7 +7,7 @@ and as an optional input after it; each op gets one class per form, the input fo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -32,52 +32,65 @@ def _highest(dtype: np.dtype) -> object:
     return np.iinfo(dtype).max if dtype.kind in "iu" else np.inf
 
 
-def _sum(x: np.ndarray, axes: Axes, keep: bool) -> np.ndarray:
-    return np.sum(x, axis=axes, keepdims=keep, dtype=x.dtype)  # no int32 -> int64 promotion
+def _extreme(xp: Any, fn: Callable[..., Any], x: Any, axes: Axes, keep: bool, identity: object) -> Any:
+    """``fn`` (max or min) over ``axes``; over an empty set it is its identity, as ONNX says."""
+    if x.size:
+        return fn(x, axis=axes, keepdims=keep)
+    shape = tuple(1 if i in axes else d for i, d in enumerate(x.shape) if keep or i not in axes)
+    return xp.full(shape, identity, dtype=x.dtype)
 
 
-def _log_sum_exp(x: np.ndarray, axes: Axes, keep: bool) -> np.ndarray:
-    m = np.max(x, axis=axes, keepdims=True, initial=-np.inf)
-    m = np.where(np.isfinite(m), m, 0)  # all -inf (or empty): log(0) = -inf, not NaN
-    out = np.log(np.sum(np.exp(x - m), axis=axes, keepdims=True)) + m
-    return out if keep else np.squeeze(out, axis=axes)
+def _sum(xp: Any, x: Any, axes: Axes, keep: bool) -> Any:
+    return xp.sum(x, axis=axes, keepdims=keep, dtype=x.dtype)  # no int32 -> int64 promotion
 
 
-# name -> (reduction of (x, axes, keepdims) with x in its compute dtype, first version taking axes as an
-# input, versions implemented)
-_REDUCTIONS: dict[str, tuple[Callable[[np.ndarray, Axes, bool], np.ndarray], int, tuple[int, ...]]] = {
+def _log_sum_exp(xp: Any, x: Any, axes: Axes, keep: bool) -> Any:
+    m = _extreme(xp, xp.max, x, axes, True, -np.inf)
+    m = xp.where(xp.isfinite(m), m, 0)  # all -inf (or empty): log(0) = -inf, not NaN
+    out = xp.log(xp.sum(xp.exp(x - m), axis=axes, keepdims=True)) + m
+    return out if keep else xp.squeeze(out, axis=axes)
+
+
+#: name -> (reduction ``f(xp, x, axes, keepdims)`` in the array API, with x in its compute dtype;
+#: first version taking axes as an input; versions implemented). gpu_compute runs the same functions.
+REDUCTIONS: dict[str, tuple[Callable[[Any, Any, Axes, bool], Any], int, tuple[int, ...]]] = {
     "ReduceSum": (_sum, 13, (1, 11, 13)),
-    "ReduceMean": (lambda x, a, k: np.mean(x, axis=a, keepdims=k), 18, (1, 11, 13, 18)),
-    "ReduceMax": (lambda x, a, k: np.max(x, axis=a, keepdims=k, initial=_lowest(x.dtype)), 18, (1, 11, 12, 13, 18, 20)),
-    "ReduceMin": (lambda x, a, k: np.min(x, axis=a, keepdims=k, initial=_highest(x.dtype)), 18, (1, 11, 12, 13, 18, 20)),
-    "ReduceProd": (lambda x, a, k: np.prod(x, axis=a, keepdims=k, dtype=x.dtype), 18, (1, 11, 13, 18)),
-    "ReduceL1": (lambda x, a, k: _sum(np.abs(x), a, k), 18, (1, 11, 13, 18)),
-    "ReduceL2": (lambda x, a, k: np.sqrt(_sum(x * x, a, k)), 18, (1, 11, 13, 18)),
-    "ReduceLogSum": (lambda x, a, k: np.log(_sum(x, a, k)), 18, (1, 11, 13, 18, 28)),
+    "ReduceMean": (lambda xp, x, a, k: xp.mean(x, axis=a, keepdims=k), 18, (1, 11, 13, 18)),
+    "ReduceMax": (lambda xp, x, a, k: _extreme(xp, xp.max, x, a, k, _lowest(x.dtype)), 18, (1, 11, 12, 13, 18, 20)),
+    "ReduceMin": (lambda xp, x, a, k: _extreme(xp, xp.min, x, a, k, _highest(x.dtype)), 18, (1, 11, 12, 13, 18, 20)),
+    "ReduceProd": (lambda xp, x, a, k: xp.prod(x, axis=a, keepdims=k, dtype=x.dtype), 18, (1, 11, 13, 18)),
+    "ReduceL1": (lambda xp, x, a, k: _sum(xp, xp.abs(x), a, k), 18, (1, 11, 13, 18)),
+    "ReduceL2": (lambda xp, x, a, k: xp.sqrt(_sum(xp, x * x, a, k)), 18, (1, 11, 13, 18)),
+    "ReduceLogSum": (lambda xp, x, a, k: xp.log(_sum(xp, x, a, k)), 18, (1, 11, 13, 18, 28)),
     "ReduceLogSumExp": (_log_sum_exp, 18, (1, 11, 13, 18, 28)),
-    "ReduceSumSquare": (lambda x, a, k: _sum(x * x, a, k), 18, (1, 11, 13, 18)),
+    "ReduceSumSquare": (lambda xp, x, a, k: _sum(xp, x * x, a, k), 18, (1, 11, 13, 18)),
 }
 
 
 class _Reduce(Op):
-    reduction: ClassVar[Callable[[np.ndarray, Axes, bool], np.ndarray]]
+    reduction: ClassVar[Callable[[Any, Any, Axes, bool], Any]]
     axes_as_input: ClassVar[bool] = False
 
     def run(self, x: np.ndarray, axes: np.ndarray | None = None) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return self.reduce(np, x, axes)
+
+    def reduce(self, xp: Any, x: Any, axes: Any = None) -> Any:
+        """The reduction with the array module ``xp`` (NumPy here, CuPy on gpu_compute); ``axes``
+        is the host input of the newer opsets. Narrow floats accumulate in float32."""
         if not self.axes_as_input:
             axes = self.attr("axes", None)
         if axes is None or len(axes) == 0:
             if self.attr("noop_with_empty_axes", 0):
                 return x
             axes = range(x.ndim)
-        normalised = tuple(sorted({int(a) % x.ndim for a in axes})) if x.ndim else ()
-        with np.errstate(all="ignore"):
-            out = type(self).reduction(x.astype(compute_dtype(x.dtype), copy=False), normalised,
-                                       bool(self.attr("keepdims")))
-            return np.asarray(out).astype(x.dtype, copy=False)
+        normalised = tuple(sorted({int(a) % x.ndim for a in np.asarray(axes).reshape(-1)})) if x.ndim else ()
+        out = type(self).reduction(xp, x.astype(compute_dtype(x.dtype), copy=False), normalised,
+                                   bool(self.attr("keepdims")))
+        return xp.asarray(out).astype(x.dtype, copy=False)
 
 
-for _name, (_fn, _input_since, _versions) in _REDUCTIONS.items():
+for _name, (_fn, _input_since, _versions) in REDUCTIONS.items():
     _attr_cls = type(_name, (_Reduce,), {"reduction": staticmethod(_fn),
                                          "__doc__": f"ONNX {_name}, axes given as an attribute."})
     register(_name, [v for v in _versions if v < _input_since])(_attr_cls)
@@ -88,22 +101,27 @@ for _name, (_fn, _input_since, _versions) in _REDUCTIONS.items():
 class _ArgReduce(Op):
     """Index of the first (or, with select_last_index, last) extreme value along ``axis``, as int64."""
 
-    fn: ClassVar[Callable[..., np.ndarray]]
+    name: ClassVar[str]  # "argmax" or "argmin": the function of the array module
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        return self.arg_reduce(np, x)
+
+    def arg_reduce(self, xp: Any, x: Any) -> Any:
+        """The index with the array module ``xp`` (NumPy here, CuPy on gpu_compute)."""
+        fn = getattr(xp, type(self).name)
         axis = self.attr("axis") % max(x.ndim, 1)
         data = x.astype(compute_dtype(x.dtype), copy=False)
         if self.attr("select_last_index", 0):
-            index = x.shape[axis] - 1 - type(self).fn(np.flip(data, axis), axis=axis)
+            index = x.shape[axis] - 1 - fn(xp.flip(data, axis), axis=axis)
         else:
-            index = type(self).fn(data, axis=axis)
+            index = fn(data, axis=axis)
         if self.attr("keepdims"):
-            index = np.expand_dims(index, axis)
-        return np.asarray(index, dtype=np.int64)
+            index = xp.expand_dims(index, axis)
+        return xp.asarray(index).astype(np.int64, copy=False)
 
 
-register("ArgMax", (1, 11, 12, 13))(type("ArgMax", (_ArgReduce,), {"fn": staticmethod(np.argmax)}))
-register("ArgMin", (1, 11, 12, 13))(type("ArgMin", (_ArgReduce,), {"fn": staticmethod(np.argmin)}))
+register("ArgMax", (1, 11, 12, 13))(type("ArgMax", (_ArgReduce,), {"name": "argmax"}))
+register("ArgMin", (1, 11, 12, 13))(type("ArgMin", (_ArgReduce,), {"name": "argmin"}))
 
 
 class _Cumulative(Op):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -18,48 +18,57 @@ from .elementwise import compute_dtype
 from .registry import register
 
 
-def _softmax(x: np.ndarray, axis: int, storage: np.dtype | None = None) -> np.ndarray:
+def _softmax(xp: Any, x: Any, axis: int, storage: np.dtype | None = None) -> Any:
     """Softmax computed in ``x``'s dtype; with ``storage`` (a narrower float), the exponentials
     and their sum are rounded to it as a kernel keeping its intermediates in that type does,
     which is what ONNX's float16 reference outputs expect."""
-    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
     if storage is not None:
         e = e.astype(storage).astype(x.dtype)
-        return e / np.sum(e, axis=axis, keepdims=True).astype(storage).astype(x.dtype)
-    return e / np.sum(e, axis=axis, keepdims=True)
+        return e / xp.sum(e, axis=axis, keepdims=True).astype(storage).astype(x.dtype)
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(xp: Any, x: Any, axis: int) -> Any:
+    shifted = x - xp.max(x, axis=axis, keepdims=True)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
 
 
 def log_softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    shifted = x - np.max(x, axis=axis, keepdims=True)
-    return shifted - np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
+    """LogSoftmax of a NumPy array along ``axis``."""
+    return _log_softmax(np, x, axis)
 
 
-def _hardmax(x: np.ndarray, axis: int) -> np.ndarray:
+def _hardmax(xp: Any, x: Any, axis: int) -> Any:
     """1 at the first maximum along ``axis``, 0 elsewhere."""
-    out = np.zeros_like(x)
-    np.put_along_axis(out, np.expand_dims(np.argmax(x, axis=axis), axis), 1, axis=axis)
-    return out
+    positions = xp.arange(x.shape[axis]).reshape((-1,) + (1,) * (x.ndim - 1 - axis % x.ndim))
+    return (xp.expand_dims(xp.argmax(x, axis=axis), axis) == positions).astype(x.dtype)
 
 
 class _Normalise(Op):
-    along: ClassVar[Callable[[np.ndarray, int], np.ndarray]]
+    along: ClassVar[Callable[[Any, Any, int], Any]]
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return self.normalise(np, x)
+
+    def normalise(self, xp: Any, x: Any) -> Any:
+        """The op with the array module ``xp`` (NumPy here, CuPy on gpu_compute); narrow floats are
+        computed in float32."""
         if x.size == 0:
-            return np.empty_like(x)
+            return xp.empty_like(x)
         data = x.astype(compute_dtype(x.dtype), copy=False)
         fn = type(self).along
         if fn is _softmax and data.dtype != x.dtype:
             fn = functools.partial(_softmax, storage=x.dtype)
-        with np.errstate(all="ignore"):
-            if self.version >= 13:
-                out = fn(data, self.attr("axis", -1))
-            else:  # coerce to [prod(shape[:axis]), prod(shape[axis:])]
-                axis = self.attr("axis", 1) % max(x.ndim, 1)
-                out = fn(data.reshape(math.prod(x.shape[:axis]), -1), 1).reshape(x.shape)
+        if self.version >= 13:
+            out = fn(xp, data, self.attr("axis"))
+        else:  # coerce to [prod(shape[:axis]), prod(shape[axis:])]
+            axis = self.attr("axis") % max(x.ndim, 1)
+            out = fn(xp, data.reshape(math.prod(x.shape[:axis]), -1), 1).reshape(x.shape)
         return out.astype(x.dtype, copy=False)
 
 
-for _name, _fn in (("Softmax", _softmax), ("LogSoftmax", log_softmax), ("Hardmax", _hardmax)):
+for _name, _fn in (("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)):
     register(_name, (1, 11, 13))(type(_name, (_Normalise,), {
         "along": staticmethod(_fn), "__doc__": f"ONNX {_name} (2-D coercion before opset 13)."}))

@@ -2,7 +2,6 @@
 and LRN. Statistics are computed in float32 (or the ``stash_type``) and never in float64."""
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,35 +15,15 @@ from .activations import add_and_activate
 from .base import FLOATS, Kernel, KernelContext, all_typed, channel_shape, register, same_type, scalar
 
 
-def softmax(xp: Any, x: Any, axis: int) -> Any:
-    """Softmax along ``axis``, shifted by the maximum so ``exp`` cannot overflow."""
-    e = xp.exp(x - x.max(axis=axis, keepdims=True))
-    e /= e.sum(axis=axis, keepdims=True)
-    return e
-
-
-def log_softmax(xp: Any, x: Any, axis: int) -> Any:
-    shifted = x - x.max(axis=axis, keepdims=True)
-    return shifted - xp.log(xp.exp(shifted).sum(axis=axis, keepdims=True))
-
-
 @register
 class SoftmaxKernel(Kernel):
-    """Softmax and LogSoftmax: along ``axis`` from opset 13, on the 2-D coercion before it."""
+    """Softmax and LogSoftmax: the CPU op's array-API code (along ``axis`` from opset 13, on the
+    2-D coercion before it), run on the device."""
 
     op_types = ("Softmax", "LogSoftmax")
 
     def run(self, ctx: KernelContext, x: Any) -> Any:
-        if x.size == 0:
-            return ctx.xp.empty_like(x)
-        fn = softmax if self.layer.op_type == "Softmax" else log_softmax
-        data = ctx.work(x)
-        if self.op.version >= 13:
-            out = fn(ctx.xp, data, int(self.op.attr("axis", -1)))
-        else:  # coerce to [prod(shape[:axis]), prod(shape[axis:])]
-            axis = int(self.op.attr("axis", 1)) % max(x.ndim, 1)
-            out = fn(ctx.xp, data.reshape(math.prod(x.shape[:axis]), -1), 1).reshape(x.shape)
-        return out.astype(x.dtype, copy=False)
+        return self.op.normalise(ctx.xp, x)
 
 
 @register
