@@ -15,6 +15,19 @@ from ..tensor import Tensor
 from ..concurrency.future import TaskFuture
 
 
+def example_inputs(model: Model) -> dict[str, np.ndarray]:
+    """Zeros of every input's declared type and shape (a symbolic or unknown dimension is 1): inputs
+    that pass the checks of :func:`bind_inputs`, for a warm-up run."""
+    examples = {}
+    for info in model.inputs:
+        if info.kind != "tensor":
+            raise InputError(f"input {info.name!r} is a {info.kind}: give example inputs to warm this model up")
+        shape = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in (info.shape or ()))
+        dtype = np.dtype(np.float32) if info.dtype is None else np.dtype(info.dtype)
+        examples[info.name] = np.full(shape, "", dtype) if dtype.kind in "OUS" else np.zeros(shape, dtype)
+    return examples
+
+
 def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, TaskFuture]:
     """Map ``schedule(...)`` arguments to input futures; raises InputError naming the input at fault."""
     declared = {i.name: i for i in model.inputs}

@@ -16,7 +16,7 @@ from ..errors import AsyncInferError, DisposedError
 from ..model.ir import Model
 from ..tensor import Tensor
 from .execution import Execution
-from .inputs import bind_inputs
+from .inputs import bind_inputs, example_inputs
 from .plan import Placement, Plan
 
 
@@ -39,13 +39,15 @@ class Worker:
             or a backend instance built with options (e.g. ``CuPyBackend(device_id=1)``); the worker
             owns it from then on and closes it when disposed.
         threads: CPU thread-pool size (default: the core count).
+        warmup: run the model once now, on inputs built from its declared shapes, so the first
+            real request runs at steady-state speed (this blocks; see :meth:`warmup`).
 
     Raises:
         BackendUnavailableError: the backend cannot run on this machine (says what is missing).
     """
 
     def __init__(self, model: Model, backend: BackendType | str | Backend = BackendType.CPU, *,
-                 threads: int | None = None):
+                 threads: int | None = None, warmup: bool = False):
         self.model = model
         if isinstance(backend, Backend):
             self.backend_type = parse_backend_type(backend.name)
@@ -63,6 +65,8 @@ class Worker:
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
         self._state_lock = threading.Lock()
         self._state = WorkerState.OPEN
+        if warmup:
+            self.warmup_blocking()
 
     # -- introspection -------------------------------------------------------------------------------
     @property
@@ -175,6 +179,23 @@ class Worker:
         for info in self.model.outputs:
             outputs[info.name] = execution.take_output(info.name).download_to_array()
         return outputs
+
+    async def warmup(self, *inputs: Any, **named: Any) -> None:
+        """Run the model once and discard the result, so the first real request finds the thread
+        pool started, the allocator's pages warm and the kernels' scratch buffers made.
+
+        With no inputs, zeros of each input's declared shape are used (a symbolic or unknown
+        dimension counts as 1); give example inputs for models whose layers depend on input values.
+
+        Raises:
+            InputError: the example inputs do not fit the model.
+            ExecutionError: the model failed on them (give example inputs that it accepts).
+        """
+        await self.run(*(inputs or (example_inputs(self.model),)), **named)
+
+    def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
+        """Blocking twin of :meth:`warmup`. Do not call it on an event loop."""
+        self.run_blocking(*(inputs or (example_inputs(self.model),)), **named)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def dispose(self) -> None:

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import asyncinfer as ai
-from conftest import BARRIERS, TEST_DOMAIN, LoopTicker, make_model, tensor_info
+from conftest import BARRIERS, TEST_DOMAIN, LoopTicker, make_model, shape_arithmetic_model, tensor_info
 
 
 def test_schedule_returns_before_the_work_is_done(gated_model):
@@ -304,3 +304,27 @@ def test_taken_outputs_of_a_pending_run_survive_dispose(gated_model):
     threading.Timer(0.05, gate.set).start()
     worker.dispose()  # finishes the run the caller owns an output of, instead of cancelling it
     np.testing.assert_array_equal(kept.numpy(), np.full((2, 3), 2, np.float32))
+
+
+
+def test_warmup_option_runs_the_model_at_construction(digits_model, digits_samples):
+    images = digits_samples[0][:1]
+    with ai.Worker(digits_model, warmup=True) as warmed, ai.Worker(digits_model) as cold:
+        for name, value in cold.run_blocking(images).items():
+            np.testing.assert_array_equal(warmed.run_blocking(images)[name], value)
+
+
+@pytest.mark.anyio
+async def test_warmup_builds_inputs_from_symbolic_shapes():
+    async with ai.Worker(ai.load_model(shape_arithmetic_model())) as worker:
+        await worker.warmup()  # x is (N, 2, 3): N counts as 1
+        worker.warmup_blocking(np.ones((4, 2, 3), np.float32))  # or the caller's own example
+        out = await worker.run(np.ones((2, 2, 3), np.float32))
+        assert next(iter(out.values())).shape == (2, 6)
+
+
+@pytest.mark.anyio
+async def test_warmup_with_a_wrong_example_is_an_input_error():
+    async with ai.Worker(ai.load_model(shape_arithmetic_model())) as worker:
+        with pytest.raises(ai.InputError):
+            await worker.warmup(np.ones((2, 5), np.float32))
