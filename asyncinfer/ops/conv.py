@@ -19,6 +19,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .base import Op
+from .linalg import gemm_dtypes
 from .registry import register
 
 _AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
@@ -225,12 +226,24 @@ class _ConvBase(Op):
         if int(self.attr("group")) < 1:
             self.unsupported(f"group={self.attr('group')}")
 
+    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        work, out = gemm_dtypes(x, w, b)
+        if work == out and x.dtype == w.dtype:
+            return self.convolve(x, w, b)
+        # narrow floats: multiplied in float32 (BLAS), rounded once to the model's type
+        y = self.convolve(x.astype(work), w.astype(work, copy=False), None if b is None else b.astype(work, copy=False))
+        return y.astype(out, copy=False)
+
+    def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+        """The convolution, every operand in one dtype."""
+        raise NotImplementedError
+
 
 @register("Conv", versions=(1, 11, 22))
 class Conv(_ConvBase):
     """N-D convolution (1-D, 2-D, 3-D…) with groups, dilations, strides, pads and auto_pad."""
 
-    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         group = int(self.attr("group"))
         nsp = x.ndim - 2
         kernel = list(self.attr("kernel_shape", None) or w.shape[2:])
@@ -363,7 +376,7 @@ def _grouped_matmul(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
 class ConvTranspose(_ConvBase):
     """Transposed convolution as GEMM (input → per-tap contributions) followed by col2im scatter-adds."""
 
-    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         group = int(self.attr("group"))
         nsp = x.ndim - 2
         n, c = x.shape[:2]

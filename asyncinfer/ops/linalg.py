@@ -13,16 +13,23 @@ class MatMul(Op):
     multithreaded = True  # GEMM in BLAS: already uses every core
 
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return narrow_float_matmul(a, b)
+        work, out = gemm_dtypes(a, b)
+        if work == a.dtype == b.dtype:
+            return np.matmul(a, b)
+        return np.matmul(a.astype(work, copy=False), b.astype(work, copy=False)).astype(out, copy=False)
 
 
-def narrow_float_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b``; bfloat16/float8 operands (which NumPy would silently promote) are multiplied in
-    float32 and the result rounded back to the operands' type, as ONNX requires."""
-    work = compute_dtype(a.dtype)
-    if work == a.dtype:
-        return np.matmul(a, b)
-    return np.matmul(a.astype(work), b.astype(work)).astype(a.dtype)
+def gemm_dtypes(*operands: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
+    """``(dtype to multiply in, dtype of the result)`` of a GEMM-like op (MatMul, Gemm, Conv…).
+
+    Narrow floats (float16, bfloat16, float8) are multiplied in float32, which BLAS runs and which
+    accumulates exactly as ORT does, and the result is rounded back to the model's type. Constant
+    weights of such ops may already be float32 (widened once at load, see
+    ``loader.optimize.widen_narrow_weights``): the result then takes the narrow operand's type.
+    """
+    dtypes = {a.dtype for a in operands if a is not None}
+    out = next(iter(dtypes)) if len(dtypes) == 1 else min(dtypes, key=lambda d: d.itemsize)
+    return compute_dtype(out), out
 
 
 @register("Gemm", versions=(1, 6, 7, 9, 11, 13))
@@ -36,8 +43,7 @@ class Gemm(Op):
         if int(self.attr("transB")):
             b = b.T
         alpha, beta = float(self.attr("alpha")), float(self.attr("beta"))
-        out_dtype = a.dtype
-        work = compute_dtype(a.dtype)
+        work, out_dtype = gemm_dtypes(a, b, c)
         y = np.matmul(a.astype(work, copy=False), b.astype(work, copy=False))
         dt = y.dtype.type
         if alpha != 1.0:

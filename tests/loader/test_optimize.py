@@ -142,3 +142,49 @@ def test_non_channel_constants_are_not_folded(rng):
     proto = make_model(nodes, [tensor_info("x", [1, 3, 5, 5])], [tensor_info("y", [1, 4, 5, 5])], [w, spatial],
                        extra_domains=())
     assert [l.kind for l in ai.load_model(proto).layers] == ["Conv", "Mul"]
+
+
+def _float16_cnn(rng):
+    """Conv → BatchNormalization → Relu → Flatten → Gemm → MatMul(constant, activation), all float16."""
+    f16 = TensorProto.FLOAT16
+    const = {"w": rng.standard_normal((4, 3, 3, 3)), "b": rng.standard_normal(4),
+             "scale": rng.uniform(0.5, 1.5, 4), "beta": rng.standard_normal(4), "mean": rng.standard_normal(4),
+             "var": rng.uniform(0.5, 1.5, 4), "g": rng.standard_normal((4 * 6 * 6, 5)) * 0.1,
+             "gb": rng.standard_normal(5), "left": rng.standard_normal((3, 2))}
+    inits = [numpy_helper.from_array(v.astype(np.float16), k) for k, v in const.items()]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "beta", "mean", "var"], ["n"]),
+             helper.make_node("Relu", ["n"], ["r"]),
+             helper.make_node("Flatten", ["r"], ["f"]),
+             helper.make_node("Gemm", ["f", "g", "gb"], ["h"]),
+             helper.make_node("Reshape", ["h", "shape"], ["h2"]),
+             helper.make_node("MatMul", ["left", "h2"], ["y"])]
+    inits.append(numpy_helper.from_array(np.array([2, 5], np.int64), "shape"))
+    return make_model(nodes, [tensor_info("x", [2, 3, 6, 6], f16)], [tensor_info("y", [3, 5], f16)], inits,
+                      extra_domains=())
+
+
+def test_float16_weights_are_widened_once_and_results_stay_float16(rng):
+    from onnx.reference import ReferenceEvaluator
+
+    proto = _float16_cnn(rng)
+    model = ai.load_model(proto)
+    assert model.optimizations["fold_affine"] == 1  # BatchNormalization folded into the float16 Conv
+    assert model.optimizations["widen_narrow_weights"] >= 4  # conv weight and bias, gemm's, MatMul's left
+    assert all(model.constants[n].dtype == np.float32 for n in ("g", "gb", "left"))
+    x = rng.standard_normal((2, 3, 6, 6)).astype(np.float16)
+    got = _run(model, x)["y"]
+    want = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    assert got.dtype == np.float16 and got.shape == (3, 5)
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_a_float16_constant_read_by_another_op_is_not_widened(rng):
+    w = numpy_helper.from_array(rng.standard_normal((3, 3)).astype(np.float16), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "w"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [3, 3], TensorProto.FLOAT16)],
+                       [tensor_info("y", [3, 3], TensorProto.FLOAT16)], [w], extra_domains=())
+    model = ai.load_model(proto)
+    assert model.constants["w"].dtype == np.float16 and model.optimizations["widen_narrow_weights"] == 0
+    x = np.eye(3, dtype=np.float16)
+    np.testing.assert_array_equal(_run(model, x)["y"], (x @ model.constants["w"]) + model.constants["w"])
