@@ -5,7 +5,6 @@ The NumPy kernels here are the reference semantics of every backend and the CPU 
 from __future__ import annotations
 
 from . import (  # noqa: F401  (imported for their @register side effects)
-    activation,
     attention,
     controlflow,
     conv,
@@ -16,6 +15,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     loss,
     ml,
     normalization,
+    pointwise,
     pool,
     quantize,
     random,

@@ -19,7 +19,7 @@ import numpy as np
 from onnx import TensorProto
 
 from ..dtypes import onnx_to_numpy
-from .activation import _define, _sigmoid
+from .pointwise import sigmoid
 from .base import Op
 from .controlflow import Subgraph
 from .elementwise import compute_dtype, float_kernel
@@ -387,7 +387,7 @@ class TensorScatter(Op):
 # CausalConvWithState
 # --------------------------------------------------------------------------------------------
 def _silu(x: np.ndarray, alpha: float = 1.0) -> np.ndarray:
-    return x * _sigmoid(alpha * x)
+    return x * sigmoid(np, alpha * x)
 
 
 @register("CausalConvWithState", versions=(27,))
@@ -423,10 +423,8 @@ class CausalConvWithState(Op):
 
 
 # --------------------------------------------------------------------------------------------
-# Swish and SwiGLU
+# SwiGLU (Swish itself is a line of the element-wise table, ops/pointwise.py)
 # --------------------------------------------------------------------------------------------
-Swish = _define("Swish", (24,), _silu, alpha=1.0)
-
 
 @float_kernel
 def _swiglu(a: np.ndarray, b: np.ndarray, alpha: float) -> np.ndarray:

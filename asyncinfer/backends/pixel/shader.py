@@ -23,19 +23,31 @@ from typing import Any
 from .layout import Layout
 
 # Overloads for float and vec4 of what GLSL lacks or gets wrong at the edges; in every shader,
-# so element-wise expressions and fused activations can use them anywhere.
+# so element-wise expressions and fused activations can use them anywhere. With GLSL's built-ins
+# they implement the device dialect of asyncinfer.ops.pointwise.DIALECT (the element-wise table);
+# comparisons and pick also take a float second/third argument, so ``ge(x, 0.0)`` and
+# ``pick(c, x, 0.0)`` work on a vec4 x.
 HELPERS = """
 float lt(float a, float b) { return float(a < b); }  vec4 lt(vec4 a, vec4 b) { return vec4(lessThan(a, b)); }
 float le(float a, float b) { return float(a <= b); } vec4 le(vec4 a, vec4 b) { return vec4(lessThanEqual(a, b)); }
 float gt(float a, float b) { return float(a > b); }  vec4 gt(vec4 a, vec4 b) { return vec4(greaterThan(a, b)); }
 float ge(float a, float b) { return float(a >= b); } vec4 ge(vec4 a, vec4 b) { return vec4(greaterThanEqual(a, b)); }
 float eq(float a, float b) { return float(a == b); } vec4 eq(vec4 a, vec4 b) { return vec4(equal(a, b)); }
+vec4 lt(vec4 a, float b) { return lt(a, vec4(b)); } vec4 le(vec4 a, float b) { return le(a, vec4(b)); }
+vec4 gt(vec4 a, float b) { return gt(a, vec4(b)); } vec4 ge(vec4 a, float b) { return ge(a, vec4(b)); }
+vec4 eq(vec4 a, float b) { return eq(a, vec4(b)); }
 float pick(float c, float a, float b) { return c != 0.0 ? a : b; }
 vec4 pick(vec4 c, vec4 a, vec4 b) { return mix(b, a, notEqual(c, vec4(0.0))); }
+vec4 pick(vec4 c, vec4 a, float b) { return pick(c, a, vec4(b)); }
+vec4 pick(vec4 c, float a, vec4 b) { return pick(c, vec4(a), b); }
+vec4 pick(vec4 c, float a, float b) { return pick(c, vec4(a), vec4(b)); }
 float is_nan(float x) { return float(isnan(x)); } vec4 is_nan(vec4 x) { return vec4(isnan(x)); }
 // tanh through exp, saturating instead of inf/inf for large |x|
 float tanh_(float x) { return 1.0 - 2.0 / (exp(2.0 * x) + 1.0); }
 vec4 tanh_(vec4 x) { return 1.0 - 2.0 / (exp(2.0 * x) + 1.0); }
+float sinh_(float x) { return 0.5 * (exp(x) - exp(-x)); } vec4 sinh_(vec4 x) { return 0.5 * (exp(x) - exp(-x)); }
+float cosh_(float x) { return 0.5 * (exp(x) + exp(-x)); } vec4 cosh_(vec4 x) { return 0.5 * (exp(x) + exp(-x)); }
+float expm1(float x) { return exp(x) - 1.0; } vec4 expm1(vec4 x) { return exp(x) - 1.0; }
 float softplus(float x) { return max(x, 0.0) + log(1.0 + exp(-abs(x))); }
 vec4 softplus(vec4 x) { return max(x, 0.0) + log(1.0 + exp(-abs(x))); }
 // erf: Abramowitz & Stegun 7.1.26 refined (|error| < 1.5e-7)

@@ -609,7 +609,7 @@ CHAINS = {
     "clip_attrs": [(_activation("Clip", version=6, min=-0.5, max=0.5), [])],
     "leaky_sigmoid": [(_activation("LeakyRelu", alpha=0.2), []), (_activation("Sigmoid"), [])],
     "tanh": [(_activation("Tanh"), [])],
-    "gelu_not_fusable": [(_activation("Gelu", version=20), [])],
+    "gelu": [(_activation("Gelu", version=20), [])],
 }
 
 
@@ -686,7 +686,7 @@ def test_epilogue_uses_the_fused_kernel_when_the_device_has_one(rng):
     np.testing.assert_allclose(got, want, **ELEMENTWISE)
     assert calls[-1][2] is None, "Add must not overwrite its inputs"
     n = len(calls)
-    got, want = _run_with_activations(ctx, "Sum", [randn(rng, 3, 4)] * 2, CHAINS["gelu_not_fusable"], version=13)
+    got, want = _run_with_activations(ctx, "Sum", [randn(rng, 3, 4)] * 2, CHAINS["gelu"], version=13)
     np.testing.assert_allclose(got, want, **ELEMENTWISE)
     assert len(calls) == n + 1
     _run_with_activations(ctx, "Gemm", [randn(rng, 2, 3), randn(rng, 3, 4)], [], version=13)
@@ -694,19 +694,21 @@ def test_epilogue_uses_the_fused_kernel_when_the_device_has_one(rng):
 
 
 def test_fusion_code_generation():
+    """The fused epilogue's CUDA C comes from the element-wise table (ops/pointwise.py)."""
     from asyncinfer.backends.cupy.fusion import chain_code
 
-    assert chain_code(CHAINS["relu"]) == "v = v < 0.f ? 0.f : v;"
-    assert chain_code(CHAINS["relu6"]) == "v = v < 0.0f ? 0.0f : v; v = v > 6.0f ? 6.0f : v;"
-    assert chain_code(CHAINS["leaky_sigmoid"]) == "v = v >= 0.f ? v : 0.20000000298023224f * v; " \
-                                                  "v = 1.f / (1.f + expf(-v));"
-    assert chain_code(CHAINS["gelu_not_fusable"]) is None
+    assert chain_code(CHAINS["relu"]) == "v = (ai_relu(v));"
+    assert chain_code(CHAINS["relu6"]) == "v = (ai_min(ai_max(v, 0.0f), 6.0f));"
+    assert chain_code(CHAINS["leaky_sigmoid"]) == ("v = (ai_pick(ai_ge(v, 0.0f), v, 0.20000000298023224f * v)); "
+                                                   "v = (1.0f / (1.0f + ai_exp(-v)));")
+    assert chain_code(CHAINS["gelu"]) == "v = (0.5f * v * (1.0f + ai_erf_(v * 0.7071067811865476f)));"
     lowest = [(_activation("Clip"), [np.array(-np.inf, np.float32), np.array(1, np.float32)])]
-    assert chain_code(lowest) == "v = v > 1.0f ? 1.0f : v;", "an infinite lower bound changes nothing"
-    assert chain_code([(_activation("Clip"), [np.array(np.nan, np.float32)])]) is None
+    assert chain_code(lowest) == "v = (ai_min(v, 1.0f));", "an infinite lower bound changes nothing"
+    assert chain_code([(_activation("Clip"), [np.array(np.nan, np.float32)])]) == \
+        "v = (ai_max(v, __int_as_float(0x7fc00000)));"
 
 
-@pytest.mark.parametrize("chain", ["relu", "relu6", "gelu_not_fusable"])
+@pytest.mark.parametrize("chain", ["relu", "relu6", "gelu"])
 def test_batch_normalization_with_activations(ctx, rng, chain):
     inputs = [randn(rng, 2, 4, 3, 3), randn(rng, 4), randn(rng, 4), randn(rng, 4),
               rng.uniform(0.5, 2, 4).astype(np.float32)]

@@ -3,87 +3,51 @@
 The optimizer folds single-consumer activations into the layer producing their input
 (``Conv+Relu``, ``Gemm+Relu``, ``Sum+Relu``...). On the device they run right after that
 layer's kernel, on its freshly written output: in place where the activation allows it (Relu,
-Clip), so a fused layer costs no extra buffer. Each activation is a function of the work-precision
-input (float16 computed in float32, as the CPU ops do) and the activation's CPU op, which holds
-its parsed attributes and ONNX defaults.
+Clip), so a fused layer costs no extra buffer. What each activation computes is the array-API
+function of its line in the element-wise table (:mod:`asyncinfer.ops.pointwise`), run here with
+``ctx.xp`` on the work-precision input (float16 computed in float32, as the CPU ops do); its
+attributes are read through the layer's CPU op (``op.attr``: ONNX's defaults).
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from ....ops.base import Op
-from .base import KernelContext, Kernel, register, scalar
-
-Activation = Callable[[KernelContext, Any, Op], Any]
-
-
-def _sigmoid(ctx: KernelContext, x: Any, op: Op) -> Any:
-    return 1 / (1 + ctx.xp.exp(-x))  # exp overflow for x << 0 gives 1/inf = 0, which is right
+from ....ops.elementwise import clip_bounds as _clip_bounds
+from ....ops.pointwise import ACTIVATIONS, UNARY_OPS, Unary
+from .base import KernelContext, Kernel, register
 
 
-def _softplus(ctx: KernelContext, x: Any, op: Op) -> Any:
-    return ctx.xp.logaddexp(scalar(x, 0), x)  # log(1 + e^x) without overflow
+class _Namespace:
+    """``ctx.xp`` plus the device's ``erf``: the array namespace the table's functions run on."""
+
+    def __init__(self, xp: Any, erf: Any):
+        self._xp = xp
+        self.erf = erf
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._xp, name)
 
 
-def _gelu(ctx: KernelContext, x: Any, op: Op) -> Any:
-    xp = ctx.xp
-    if op.attr("approximate", "none") == "tanh":
-        return 0.5 * x * (1 + xp.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-    return 0.5 * x * (1 + ctx.erf(x / math.sqrt(2)).astype(x.dtype, copy=False))
+@lru_cache(maxsize=16)
+def namespace(ctx: KernelContext) -> Any:
+    """The array namespace of ``ctx`` for the element-wise table's functions."""
+    return _Namespace(ctx.xp, ctx.erf)
 
 
-def _elu(ctx: KernelContext, x: Any, op: Op) -> Any:
-    return ctx.xp.where(x > 0, x, op.attr("alpha", 1.0) * ctx.xp.expm1(x))
-
-
-def _selu(ctx: KernelContext, x: Any, op: Op) -> Any:
-    alpha, gamma = op.attr("alpha", 1.67326319217681884765625), op.attr("gamma", 1.05070102214813232421875)
-    return gamma * ctx.xp.where(x > 0, x, alpha * ctx.xp.expm1(x))
-
-
-def _celu(ctx: KernelContext, x: Any, op: Op) -> Any:
-    alpha = op.attr("alpha", 1.0)
-    return ctx.xp.maximum(x, 0) + ctx.xp.minimum(0, alpha * ctx.xp.expm1(x / alpha))
-
-
-def _shrink(ctx: KernelContext, x: Any, op: Op) -> Any:
-    lambd, bias = op.attr("lambd", 0.5), op.attr("bias", 0.0)
-    xp = ctx.xp
-    return xp.where(x < -lambd, x + bias, xp.where(x > lambd, x - bias, scalar(x, 0)))
-
-
-#: Single-input activations by op type (attributes read from the CPU op, with ONNX defaults).
-ACTIVATIONS: dict[str, Activation] = {
-    "Relu": lambda ctx, x, op: ctx.xp.maximum(x, scalar(x, 0)),
-    "Sigmoid": _sigmoid,
-    "Tanh": lambda ctx, x, op: ctx.xp.tanh(x),
-    "HardSigmoid": lambda ctx, x, op: ctx.xp.clip(op.attr("alpha", 0.2) * x + op.attr("beta", 0.5), 0, 1),
-    "HardSwish": lambda ctx, x, op: x * ctx.xp.clip(x / 6 + 0.5, 0, 1),
-    "LeakyRelu": lambda ctx, x, op: ctx.xp.where(x >= 0, x, op.attr("alpha", 0.01) * x),
-    "Elu": _elu,
-    "Selu": _selu,
-    "Celu": _celu,
-    "Softplus": _softplus,
-    "Softsign": lambda ctx, x, op: x / (1 + ctx.xp.abs(x)),
-    "ThresholdedRelu": lambda ctx, x, op: ctx.xp.where(x > op.attr("alpha", 1.0), x, scalar(x, 0)),
-    "Mish": lambda ctx, x, op: x * ctx.xp.tanh(_softplus(ctx, x, op)),
-    "Shrink": _shrink,
-    "Gelu": _gelu,
-}
+def compute(ctx: KernelContext, entry: Unary, x: Any, op: Op) -> Any:
+    """``entry``'s function of ``x`` (in work precision), in ``x``'s dtype (bool for predicates)."""
+    y = entry.fn(namespace(ctx), ctx.work(x), **entry.values(op))
+    return y if entry.to_bool else y.astype(x.dtype, copy=False)
 
 
 def clip_bounds(op: Op, extras: Sequence[Any]) -> tuple[Any, Any]:
     """Clip's (lo, hi) as host scalars or None: attributes before opset 11, inputs after."""
-    if op.version < 11:
-        return op.attr("min", None), op.attr("max", None)
-    lo = extras[0] if len(extras) > 0 else None
-    hi = extras[1] if len(extras) > 1 else None
-    return (None if lo is None else np.asarray(lo).reshape(-1)[0],
-            None if hi is None else np.asarray(hi).reshape(-1)[0])
+    return _clip_bounds(op, *list(extras)[:2])
 
 
 def clip(ctx: KernelContext, x: Any, lo: Any, hi: Any, inplace: bool) -> Any:
@@ -102,7 +66,7 @@ def clip(ctx: KernelContext, x: Any, lo: Any, hi: Any, inplace: bool) -> Any:
 
 
 def can_fuse(op_type: str) -> bool:
-    """Whether a fused activation of this type runs on the device."""
+    """Whether a fused activation of this type runs on the device (every table activation, Clip)."""
     return op_type in ACTIVATIONS or op_type == "Clip"
 
 
@@ -111,9 +75,10 @@ def apply_activation(ctx: KernelContext, y: Any, op: Op, extras: Sequence[Any], 
     if op.op_type == "Clip":
         lo, hi = clip_bounds(op, extras)
         return clip(ctx, y, lo, hi, inplace)
-    if op.op_type == "Relu" and inplace:
-        return ctx.xp.maximum(y, scalar(y, 0), out=y)
-    return ACTIVATIONS[op.op_type](ctx, ctx.work(y), op).astype(y.dtype, copy=False)
+    entry = ACTIVATIONS[op.op_type]
+    if inplace and entry.inplace is not None:
+        return entry.inplace(ctx.xp, y)
+    return compute(ctx, entry, y, op)
 
 
 def apply_activations(ctx: KernelContext, y: Any, activations: Sequence[tuple[Op, Sequence[Any]]],
@@ -150,7 +115,7 @@ class ActivationKernel(Kernel):
     op_types = tuple(ACTIVATIONS)
 
     def run(self, ctx: KernelContext, x: Any) -> Any:
-        return ACTIVATIONS[self.layer.op_type](ctx, ctx.work(x), self.op).astype(x.dtype, copy=False)
+        return compute(ctx, UNARY_OPS[self.layer.op_type], x, self.op)
 
 
 @register

@@ -1,5 +1,5 @@
-"""Element-wise kernels: unary math, binary arithmetic with broadcasting, comparisons, logic,
-the variadic Sum/Mean/Max/Min, Where and Cast.
+"""Element-wise kernels: unary math (the functions of the element-wise table), binary arithmetic
+with broadcasting, comparisons, logic, the variadic Sum/Mean/Max/Min, Where and Cast.
 
 Results keep the ONNX output type (NumPy and CuPy would otherwise promote, e.g. float16 with a
 float32 exponent); float16 transcendental math is computed in float32 and rounded back, as the
@@ -15,17 +15,10 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
+from ....ops.pointwise import BINARY_OPS, UNARY_OPS, Binary
 from ...base import ValueTypes
-from .activations import add_and_activate, apply_activations
+from .activations import add_and_activate, apply_activations, compute, namespace
 from .base import FLOATS, PLAIN, Kernel, KernelContext, all_typed, register, same_type
-
-# Unary math by op type: the NumPy/CuPy function name (both modules have all of them).
-_UNARY_MATH = {
-    "Abs": "abs", "Neg": "negative", "Reciprocal": "reciprocal", "Floor": "floor", "Ceil": "ceil",
-    "Round": "rint", "Sign": "sign", "Sqrt": "sqrt", "Exp": "exp", "Log": "log", "Sin": "sin",
-    "Cos": "cos", "Tan": "tan", "Asin": "arcsin", "Acos": "arccos", "Atan": "arctan", "Sinh": "sinh",
-    "Cosh": "cosh", "Asinh": "arcsinh", "Acosh": "arccosh", "Atanh": "arctanh",
-}
 
 
 def _legacy_broadcast(layer: Layer) -> bool:
@@ -35,19 +28,28 @@ def _legacy_broadcast(layer: Layer) -> bool:
 
 @register
 class UnaryMathKernel(Kernel):
-    op_types = tuple(_UNARY_MATH) + ("Erf",)
+    """Every op of the element-wise table with a device form that is neither an activation
+    (:class:`~.activations.ActivationKernel`) nor a logic op on bools (Not, in LogicKernel):
+    its array-API function on ``ctx.xp``. Predicates (IsNaN) give bool."""
+
+    op_types = tuple(name for name, e in UNARY_OPS.items() if e.on_device and not e.activation and not e.bool_input)
+
+    @classmethod
+    def accepts(cls, layer: Layer, op: Op, types: ValueTypes, host: frozenset[int]) -> bool:
+        if UNARY_OPS[layer.op_type].to_bool:
+            return all_typed(types, layer.inputs, FLOATS) and all_typed(types, layer.outputs, {np.dtype(np.bool_)})
+        return super().accepts(layer, op, types, host)
 
     def run(self, ctx: KernelContext, x: Any) -> Any:
-        w = ctx.work(x)
-        y = ctx.erf(w) if self.layer.op_type == "Erf" else getattr(ctx.xp, _UNARY_MATH[self.layer.op_type])(w)
-        return y.astype(x.dtype, copy=False)
+        return compute(ctx, UNARY_OPS[self.layer.op_type], x, self.op)
 
 
 @register
 class BinaryKernel(Kernel):
-    """Add, Sub, Mul, Div (true division: floats only), Pow (the base's type), PRelu."""
+    """Add, Sub, Mul, Div (true division: floats only), Pow (the base's type), PRelu: the
+    binary table's arithmetic with a device form, its array-API function on ``ctx.xp``."""
 
-    op_types = ("Add", "Sub", "Mul", "Div", "Pow", "PRelu")
+    op_types = tuple(name for name, e in BINARY_OPS.items() if e.on_device and not e.to_bool and not e.variadic)
     takes_activations = True
 
     @classmethod
@@ -66,28 +68,19 @@ class BinaryKernel(Kernel):
         return apply_activations(ctx, self.compute(ctx, a, b), activations, fresh=True)
 
     def compute(self, ctx: KernelContext, a: Any, b: Any) -> Any:
-        xp, kind = ctx.xp, self.layer.op_type
-        if kind == "Sub":
-            return xp.subtract(a, b)
-        if kind == "Mul":
-            return xp.multiply(a, b)
-        if kind == "Div":
-            return xp.divide(a, b)
-        if kind == "PRelu":
-            return xp.where(a < 0, a * b, a)
-        return xp.power(ctx.work(a), ctx.work(b.astype(a.dtype, copy=False))).astype(a.dtype, copy=False)
+        return binary(ctx, BINARY_OPS[self.layer.op_type], a, b).astype(a.dtype, copy=False)
 
 
-_COMPARISONS = {"Equal": "equal", "Less": "less", "LessOrEqual": "less_equal", "Greater": "greater",
-                "GreaterOrEqual": "greater_equal"}
-_LOGIC = {"And": "logical_and", "Or": "logical_or", "Xor": "logical_xor", "Not": "logical_not"}
+def binary(ctx: KernelContext, entry: Binary, a: Any, b: Any) -> Any:
+    """``entry``'s array-API function of ``a`` and ``b`` on ``ctx.xp``."""
+    return entry.fn(namespace(ctx), a, b)
 
 
 @register
 class CompareKernel(Kernel):
     """Comparisons of two float tensors of one type, giving bool."""
 
-    op_types = tuple(_COMPARISONS)
+    op_types = tuple(name for name, e in BINARY_OPS.items() if e.on_device and e.to_bool and not e.logical)
 
     @classmethod
     def accepts(cls, layer: Layer, op: Op, types: ValueTypes, host: frozenset[int]) -> bool:
@@ -95,14 +88,15 @@ class CompareKernel(Kernel):
                 and same_type(types, layer.inputs) and all_typed(types, layer.outputs, {np.dtype(np.bool_)}))
 
     def run(self, ctx: KernelContext, a: Any, b: Any) -> Any:
-        return getattr(ctx.xp, _COMPARISONS[self.layer.op_type])(a, b)
+        return binary(ctx, BINARY_OPS[self.layer.op_type], a, b)
 
 
 @register
 class LogicKernel(Kernel):
     """And, Or, Xor, Not on bool tensors."""
 
-    op_types = tuple(_LOGIC)
+    op_types = (tuple(name for name, e in BINARY_OPS.items() if e.on_device and e.logical)
+                + tuple(name for name, e in UNARY_OPS.items() if e.on_device and e.bool_input))
     dtypes = frozenset({np.dtype(np.bool_)})
 
     @classmethod
@@ -110,17 +104,17 @@ class LogicKernel(Kernel):
         return not _legacy_broadcast(layer) and super().accepts(layer, op, types, host)
 
     def run(self, ctx: KernelContext, *xs: Any) -> Any:
-        return getattr(ctx.xp, _LOGIC[self.layer.op_type])(*xs)
-
-
-_FOLDS = {"Sum": "add", "Mean": "add", "Max": "maximum", "Min": "minimum"}
+        if self.layer.op_type in UNARY_OPS:
+            return compute(ctx, UNARY_OPS[self.layer.op_type], xs[0], self.op)
+        return binary(ctx, BINARY_OPS[self.layer.op_type], *xs)
 
 
 @register
 class VariadicKernel(Kernel):
-    """Sum, Mean, Max, Min of any number of same-typed float inputs, with broadcasting."""
+    """Sum, Mean, Max, Min of any number of same-typed float inputs, with broadcasting: the
+    binary table's function folded over them."""
 
-    op_types = tuple(_FOLDS)
+    op_types = tuple(name for name, e in BINARY_OPS.items() if e.on_device and e.variadic)
     takes_activations = True
 
     @classmethod
@@ -128,11 +122,12 @@ class VariadicKernel(Kernel):
         return super().accepts(layer, op, types, host) and same_type(types, layer.inputs)
 
     def run(self, ctx: KernelContext, *xs: Any, activations: Sequence = ()) -> Any:
+        entry = BINARY_OPS[self.layer.op_type]
         if self.layer.op_type == "Sum" and len(xs) >= 2:  # the last addition shares a kernel with the activations
-            head = functools.reduce(ctx.xp.add, xs[:-1]) if len(xs) > 2 else xs[0]
+            head = functools.reduce(functools.partial(binary, ctx, entry), xs[:-1]) if len(xs) > 2 else xs[0]
             return add_and_activate(ctx, head, xs[-1], activations, inplace=False)
-        fn = getattr(ctx.xp, _FOLDS[self.layer.op_type])
-        out = functools.reduce(fn, xs) if len(xs) > 1 else xs[0].copy()  # one input: still a fresh buffer
+        fold = functools.partial(binary, ctx, entry)
+        out = functools.reduce(fold, xs) if len(xs) > 1 else xs[0].copy()  # one input: still a fresh buffer
         if self.layer.op_type == "Mean":
             out = out / np.dtype(out.dtype).type(len(xs))
         return apply_activations(ctx, out, activations, fresh=True)

@@ -1,81 +1,57 @@
 """Element-wise kernels: unary math and activations, binary and variadic arithmetic with NumPy
 broadcasting, comparisons, logic, Where and Clip.
 
-Every expression is written once in GLSL over ``x`` (and ``a``, ``b``...) with functions that
-exist both for ``float`` and ``vec4`` (GLSL's own, or the helpers of ``shader.py``), so the same text serves the ``vec4`` fast path (all inputs
-share the output's shape and layout: one texel in, one texel out) and the broadcasting path
-(one element at a time through ``*_at``).
+No expression is written here (Where's ``pick(a, b, c)`` aside): each op's GLSL is its device
+expression in the element-wise tables (:mod:`asyncinfer.ops.pointwise`), whose dialect is GLSL
+with the helpers of ``shader.py``. Every expression works on ``float`` and ``vec4`` alike, so the
+same text serves the ``vec4`` fast path (all inputs share the output's shape and layout: one texel
+in, one texel out) and the broadcasting path (one element at a time through ``*_at``).
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
+from ....ops.base import Op
+from ....ops.elementwise import clip_bounds
+from ....ops.pointwise import BINARY_OPS, UNARY_OPS, clip_template, fill, fold_expression, rename
 from ..layout import natural_layout
 from .base import PixelKernel, broadcast_index, glsl_float, pixel_kernel
 
-Template = Callable[[Mapping[str, Any]], str]
+#: Dialect functions (:data:`asyncinfer.ops.pointwise.DIALECT`) that are GLSL built-ins; shader.py's
+#: HELPERS define the others.
+GLSL_BUILTINS = frozenset({"abs", "sign", "floor", "ceil", "roundEven", "sqrt", "exp", "log", "sin", "cos", "tan",
+                           "asin", "acos", "atan", "asinh", "acosh", "atanh", "min", "max", "clamp"})
 
 
-def _attrs(text: str, **defaults: float) -> Template:
-    """A unary template with ``{name}`` placeholders filled from the layer's float attributes."""
-    return lambda attrs: text.format(**{k: glsl_float(attrs.get(k, v)) for k, v in defaults.items()})
+def unary_glsl(op: Op) -> str:
+    """The GLSL expression over ``x`` of a unary op's layer (attributes read through its CPU op)."""
+    return UNARY_OPS[op.op_type].device_expression(op, glsl_float)
 
 
-_SELU = dict(alpha=1.67326319217681884765625, gamma=1.05070102214813232421875)
+def binary_glsl(op: Op) -> str:
+    """The GLSL expression over ``a`` and ``b`` of a two-input op's layer."""
+    return BINARY_OPS[op.op_type].device_expression(op, glsl_float)
 
-#: Unary ops as GLSL expressions of ``x``; also what fused activations are drawn with.
-UNARY: dict[str, Template] = {
-    "Relu": _attrs("relu(x)"),
-    "Neg": _attrs("-x"),
-    "Abs": _attrs("abs(x)"),
-    "Exp": _attrs("exp(x)"),
-    "Log": _attrs("log(x)"),
-    "Sqrt": _attrs("sqrt(x)"),
-    "Reciprocal": _attrs("1.0 / x"),
-    "Floor": _attrs("floor(x)"),
-    "Ceil": _attrs("ceil(x)"),
-    "Round": _attrs("roundEven(x)"),
-    "Sign": _attrs("sign(x)"),
-    "Sin": _attrs("sin(x)"),
-    "Cos": _attrs("cos(x)"),
-    "Tan": _attrs("tan(x)"),
-    "Sinh": _attrs("0.5 * (exp(x) - exp(-x))"),
-    "Cosh": _attrs("0.5 * (exp(x) + exp(-x))"),
-    "Atan": _attrs("atan(x)"),
-    "Asin": _attrs("asin(x)"),
-    "Acos": _attrs("acos(x)"),
-    "Erf": _attrs("erf_(x)"),
-    "Sigmoid": _attrs("1.0 / (1.0 + exp(-x))"),
-    "Tanh": _attrs("tanh_(x)"),
-    "Softplus": _attrs("softplus(x)"),
-    "Softsign": _attrs("x / (1.0 + abs(x))"),
-    "Mish": _attrs("x * tanh_(softplus(x))"),
-    "HardSigmoid": _attrs("clamp({alpha} * x + {beta}, 0.0, 1.0)", alpha=0.2, beta=0.5),
-    "HardSwish": _attrs("x * clamp(x / 6.0 + 0.5, 0.0, 1.0)"),
-    "LeakyRelu": _attrs("pick(ge(x, x * 0.0), x, {alpha} * x)", alpha=0.01),
-    "Elu": _attrs("pick(gt(x, x * 0.0), x, {alpha} * (exp(x) - 1.0))", alpha=1.0),
-    "Selu": _attrs("{gamma} * pick(gt(x, x * 0.0), x, {alpha} * (exp(x) - 1.0))", **_SELU),
-    "Celu": _attrs("max(x, 0.0) + min(x * 0.0, {alpha} * (exp(x / {alpha}) - 1.0))", alpha=1.0),
-    "ThresholdedRelu": _attrs("pick(gt(x, x * 0.0 + {alpha}), x, x * 0.0)", alpha=1.0),
-    "Gelu": lambda attrs: ("0.5 * x * (1.0 + tanh_(0.7978845608028654 * (x + 0.044715 * x * x * x)))"
-                           if attrs.get("approximate", "none") == "tanh" else
-                           "0.5 * x * (1.0 + erf_(x * 0.7071067811865476))"),
-    "IsNaN": _attrs("is_nan(x)"),
-    "Not": _attrs("1.0 - x"),
-}
 
-BINARY: dict[str, str] = {
-    "Add": "a + b", "Sub": "a - b", "Mul": "a * b", "Div": "a / b", "Pow": "pow_(a, b)",
-    "Max": "max(a, b)", "Min": "min(a, b)", "PRelu": "pick(ge(a, a * 0.0), a, a * b)",
-    "Equal": "eq(a, b)", "Less": "lt(a, b)", "LessOrEqual": "le(a, b)", "Greater": "gt(a, b)",
-    "GreaterOrEqual": "ge(a, b)", "And": "a * b", "Or": "max(a, b)", "Xor": "abs(a - b)",
-}
-_COMPARISONS = {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"}
-_LOGIC = {"And", "Or", "Xor", "Not"}
+def clip_glsl(lo: object, hi: object) -> str:
+    """The GLSL expression over ``x`` of Clip with host bounds ``lo``/``hi`` (None: absent)."""
+    template, values = clip_template(lo, hi)
+    return fill(template, values, glsl_float)
+
+
+#: Unary ops with a shader, each the GLSL of its layer's expression over ``x`` (from the table);
+#: also what fused activations are drawn with.
+UNARY: dict[str, Callable[[Op], str]] = {
+    name: unary_glsl for name, entry in UNARY_OPS.items() if entry.on_device}
+
+#: Two-input ops with a shader (arithmetic, comparisons, logic), each the GLSL of its layer's
+#: expression over ``a`` and ``b`` (from the binary table).
+BINARY: dict[str, Callable[[Op], str]] = {
+    name: binary_glsl for name, entry in BINARY_OPS.items() if entry.on_device and not entry.variadic}
+#: Ops of any number of inputs with a shader (Sum, Mean, Max, Min): the binary template folded.
+VARIADIC = tuple(name for name, entry in BINARY_OPS.items() if entry.on_device and entry.variadic)
 
 
 def activation_chain(activations: list, var: str = "v") -> str:
@@ -83,21 +59,12 @@ def activation_chain(activations: list, var: str = "v") -> str:
     applied to the vec4 ``var``."""
     expression = var
     for op, extras in activations:
-        if op.layer.op_type == "Clip":
-            low = extras[0] if extras and extras[0] is not None else op.attrs.get("min", -math.inf)
-            high = extras[1] if len(extras) > 1 and extras[1] is not None else op.attrs.get("max", math.inf)
-            template = f"min(max(x, {glsl_float(float(np.asarray(low)))}), {glsl_float(float(np.asarray(high)))})"
+        if op.op_type == "Clip":
+            template = clip_glsl(*clip_bounds(op, *extras[:2]))
         else:
-            template = UNARY[op.layer.op_type](op.attrs)
-        expression = _substitute(template, expression)
+            template = UNARY[op.op_type](op)
+        expression = rename(template, "x", expression)
     return expression
-
-
-def _substitute(expression: str, var: str) -> str:
-    """``expression`` with the variable ``x`` renamed (whole identifiers only)."""
-    import re
-
-    return "(" + re.sub(r"\bx\b", var, expression) + ")"
 
 
 class _Elementwise(PixelKernel):
@@ -133,13 +100,14 @@ class Unary(_Elementwise):
 
     def __init__(self, layer, op):  # type: ignore[no-untyped-def]
         super().__init__(layer, op)
-        self.bool_output = layer.op_type in ("IsNaN", "Not")
-        if layer.op_type == "Not":
+        entry = UNARY_OPS[layer.op_type]
+        self.bool_output = entry.to_bool
+        if entry.bool_input:
             self.index_inputs = frozenset({0})
+        self.glsl = rename(UNARY[layer.op_type](op), "x", "a")
 
     def expression(self) -> str:
-        return _substitute(UNARY[self.layer.op_type](self.layer.attrs), "a")
-
+        return self.glsl
 
 
 @pixel_kernel(*BINARY)
@@ -148,30 +116,33 @@ class Binary(_Elementwise):
 
     def __init__(self, layer, op):  # type: ignore[no-untyped-def]
         super().__init__(layer, op)
-        self.bool_output = layer.op_type in _COMPARISONS | _LOGIC
-        if layer.op_type in _LOGIC:
+        entry = BINARY_OPS[layer.op_type]
+        self.bool_output = entry.to_bool
+        self.logical = entry.logical
+        if entry.logical:
             self.index_inputs = frozenset({0, 1})
+        self.glsl = BINARY[layer.op_type](op)
 
     def supports(self, types):  # type: ignore[no-untyped-def]
-        if self.layer.op_type in _LOGIC:
+        if self.logical:
             return all(types.get(n) is not None and np.dtype(types[n]) == np.dtype(bool)
                        for n in list(self.layer.inputs) + list(self.layer.outputs) if n)
-        if self.layer.op_type in ("Max", "Min") and len(self.layer.inputs) != 2:
-            return False
         return super().supports(types) and len([n for n in self.layer.inputs if n]) == 2
 
     def expression(self) -> str:
-        return BINARY[self.layer.op_type]
+        return self.glsl
 
 
-@pixel_kernel("Sum", "Mean")
+@pixel_kernel(*VARIADIC)
 class Variadic(_Elementwise):
-    """Sum and Mean of any number of broadcast inputs."""
+    """Sum, Mean, Max and Min of any number of broadcast inputs: the table's two-input
+    expression folded over them."""
 
     def expression(self) -> str:
+        entry = BINARY_OPS[self.layer.op_type]
         count = len([n for n in self.layer.inputs if n])
-        total = " + ".join(chr(ord("a") + k) for k in range(count))
-        return f"({total}) / {float(count)}" if self.layer.op_type == "Mean" else f"({total})"
+        template = fill(entry.template({}), {}, glsl_float)
+        return fold_expression(entry, template, [chr(ord("a") + k) for k in range(count)])
 
 
 @pixel_kernel("Where")
@@ -195,12 +166,7 @@ class Clip(_Elementwise):
     def __init__(self, layer, op):  # type: ignore[no-untyped-def]
         super().__init__(layer, op)
         self.host_inputs = frozenset({1, 2})
-        self.bounds = (layer.attrs.get("min", -math.inf), layer.attrs.get("max", math.inf))
 
     def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
-        low, high = self.bounds
-        if len(inputs) > 1 and inputs[1] is not None:
-            low = float(np.asarray(inputs[1]).reshape(()))
-        if len(inputs) > 2 and inputs[2] is not None:
-            high = float(np.asarray(inputs[2]).reshape(()))
-        return self.draw(device, [inputs[0]], f"min(max(a, {glsl_float(low)}), {glsl_float(high)})", post)
+        low, high = clip_bounds(self.op, *inputs[1:3])
+        return self.draw(device, [inputs[0]], rename(clip_glsl(low, high), "x", "a"), post)
