@@ -70,6 +70,17 @@ _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 # --------------------------------------------------------------------------------------------
 # The dialect: checking, filling attributes in, renaming variables, CUDA spelling
 # --------------------------------------------------------------------------------------------
+def float_literal(value: float, *, nan: str, inf: str, neg_inf: str, suffix: str = "") -> str:
+    """``value`` rounded to float32 as a literal of a device language, which spells the
+    non-finite values its own way (each backend binds its spellings once)."""
+    value = float(np.float32(value))
+    if math.isnan(value):
+        return nan
+    if math.isinf(value):
+        return inf if value > 0 else neg_inf
+    return f"{value!r}{suffix}"
+
+
 def placeholders(template: str) -> list[str]:
     """The ``{name}`` attribute placeholders of an expression template, in order."""
     return [name for _, name, _, _ in string.Formatter().parse(template) if name]

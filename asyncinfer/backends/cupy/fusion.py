@@ -12,15 +12,15 @@ computes the same values.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ...ops.base import Op
-from ...ops.pointwise import ACTIVATIONS, clip_template, fill, rename, to_cuda
+from ...ops.pointwise import ACTIVATIONS, clip_template, fill, float_literal, rename, to_cuda
 from .kernels.activations import clip_bounds
 
 log = logging.getLogger("asyncinfer.gpu_compute")
@@ -71,14 +71,9 @@ AI_F ai_pick(float c, float a, float b) { return c != 0.f ? a : b; }
 """
 
 
-def cuda_float(value: Any) -> str:
-    """A CUDA C float literal of ``value`` rounded to float32 (inf and NaN through their bits)."""
-    value = float(np.float32(value))
-    if math.isnan(value):
-        return "__int_as_float(0x7fc00000)"
-    if math.isinf(value):
-        return "__int_as_float(0x7f800000)" if value > 0 else "(-__int_as_float(0x7f800000))"
-    return f"{value!r}f"
+#: A CUDA C float literal of a value rounded to float32 (inf and NaN through their bits).
+cuda_float = functools.partial(float_literal, nan="__int_as_float(0x7fc00000)", inf="__int_as_float(0x7f800000)",
+                               neg_inf="(-__int_as_float(0x7f800000))", suffix="f")
 
 
 def activation_expression(op: Op, extras: Sequence[Any]) -> str | None:

@@ -1,6 +1,7 @@
 """The base class of the pixel backend's kernels, the kernel table, and shared GLSL helpers."""
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar
@@ -9,6 +10,7 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
+from ....ops.pointwise import float_literal
 from ...base import KERNELS
 
 if TYPE_CHECKING:
@@ -106,11 +108,6 @@ def broadcast_index(i: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...
     return " + ".join(terms) or "0"
 
 
-def glsl_float(value: float) -> str:
-    """A GLSL float literal (inf and nan written as expressions GLSL accepts)."""
-    value = float(np.float32(value))
-    if math.isnan(value):
-        return "uintBitsToFloat(0x7fc00000u)"
-    if math.isinf(value):
-        return "uintBitsToFloat(0x7f800000u)" if value > 0 else "uintBitsToFloat(0xff800000u)"
-    return repr(value)
+#: A GLSL float literal of a value rounded to float32 (inf and NaN written as expressions GLSL accepts).
+glsl_float = functools.partial(float_literal, nan="uintBitsToFloat(0x7fc00000u)", inf="uintBitsToFloat(0x7f800000u)",
+                               neg_inf="uintBitsToFloat(0xff800000u)")
