@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 _log = logging.getLogger("asyncinfer.device")
 _STOP = object()
 
@@ -128,6 +130,7 @@ class DeviceThread:
         self._watched.append((is_done, on_done))
 
     def _main(self) -> None:
+        np.seterr(all="ignore")  # kernels run here: inf and NaN are values in ONNX, not warnings
         try:
             self.start_device()
         except BaseException as exc:  # noqa: BLE001 - reported by the constructor

@@ -3,6 +3,10 @@
 An op class is built once per layer, when a worker is created (so attribute problems surface
 before anything runs), and its :meth:`Op.run` is then called for every execution, possibly from
 several threads at once: ``run`` must not mutate ``self`` nor its inputs.
+
+Kernels run with NumPy's floating-point warnings off: ONNX expects inf and NaN silently where IEEE
+arithmetic makes them. The threads that run kernels set this once (the CPU backend's pool, the
+device threads) and so does the optimizer when it folds constants; kernels do not repeat it.
 """
 from __future__ import annotations
 

@@ -38,17 +38,13 @@ def compute_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def float_kernel(fn: Callable[..., Any]) -> Callable[..., np.ndarray]:
-    """Wrap ``fn(x, ...)``: evaluate narrow floats in float32, silence FP warnings, return x's dtype.
-
-    ONNX expects inf/NaN silently where IEEE arithmetic produces them; the cast back also turns NumPy
-    scalars (from 0-d inputs) into arrays.
-    """
+    """Wrap ``fn(x, ...)``: evaluate narrow floats in float32 and return x's dtype (the cast back
+    also turns NumPy scalars, from 0-d inputs, into arrays)."""
 
     @functools.wraps(fn)
     def kernel(x: np.ndarray, *args: Any, **kwargs: Any) -> np.ndarray:
-        with np.errstate(all="ignore"):
-            y = fn(x.astype(compute_dtype(x.dtype), copy=False), *args, **kwargs)
-            return np.asarray(y).astype(x.dtype, copy=False)
+        y = fn(x.astype(compute_dtype(x.dtype), copy=False), *args, **kwargs)
+        return np.asarray(y).astype(x.dtype, copy=False)
 
     return kernel
 

@@ -460,9 +460,8 @@ class BinaryOp(_TableOp):
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         if self.version < 7:
             b = self._legacy_align(a, b)
-        with np.errstate(all="ignore"):  # also for the cast back: float16 overflows to inf, as IEEE says
-            out = self.spec.fn(np, a, b, **self.values)
-            return np.asarray(out, dtype=bool) if self.spec.to_bool else np.asarray(out).astype(a.dtype, copy=False)
+        out = self.spec.fn(np, a, b, **self.values)
+        return np.asarray(out, dtype=bool) if self.spec.to_bool else np.asarray(out).astype(a.dtype, copy=False)
 
 
 class VariadicOp(_TableOp):
@@ -473,11 +472,10 @@ class VariadicOp(_TableOp):
 
     def run(self, *xs: np.ndarray) -> np.ndarray:
         dtype = xs[0].dtype
-        with np.errstate(all="ignore"):
-            out = functools.reduce(lambda a, b: self.spec.fn(np, a, b), xs)
-            if self.spec.name == "Mean":
-                out = np.divide(out, np.asarray(len(xs), dtype))
-            return np.asarray(out).astype(dtype, copy=False)
+        out = functools.reduce(lambda a, b: self.spec.fn(np, a, b), xs)
+        if self.spec.name == "Mean":
+            out = np.divide(out, np.asarray(len(xs), dtype))
+        return np.asarray(out).astype(dtype, copy=False)
 
 
 def op_class(spec: _Entry) -> type[_TableOp]:

@@ -26,6 +26,10 @@ from asyncinfer.ops.pointwise import (ACTIVATIONS, BINARY_OPS, DIALECT, OP_CLASS
                                       clip_template, fill, fold_expression, placeholders, rename, substitute,
                                       to_cuda)
 
+# These tests call kernels directly, on inputs with inf and NaN; the engine's threads run kernels
+# with NumPy's floating-point warnings off (ops/base.py), and so do these tests.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
 TABLE = {**UNARY_OPS, **BINARY_OPS}
 
 #: Non-default attributes per entry (every entry is also run with none: ONNX's defaults).
