@@ -6,7 +6,9 @@ later; Conv+BatchNormalization folding is exact algebra done in float64.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
+import ml_dtypes
 import numpy as np
 
 from .. import ops
@@ -313,6 +315,73 @@ def fuse_activations(model: Model) -> int:
     return count
 
 
+# Float types a model may declare that asyncinfer computes in float32 (ONNX TensorProto codes).
+PROMOTED_FLOATS = {np.dtype(np.float16): 10, np.dtype(ml_dtypes.bfloat16): 16}
+FLOAT32_CODE = 1
+# Attributes naming an element type (Cast's ``to``, the random ops' and EyeLike's ``dtype``...).
+TYPE_ATTRIBUTES = ("to", "dtype", "output_dtype")
+
+
+def promote_narrow_floats(model: Model) -> int:
+    """Compute a float16/bfloat16 model in float32, rounding once at its outputs.
+
+    NumPy has no fast float16 arithmetic and BLAS none at all, so a float16 model runs as its
+    float32 twin: its narrow constants, value types and type attributes (Cast's ``to``…) become
+    float32, each narrow input is widened by a Cast layer and each narrow output rounded by one.
+    The signature the caller sees is unchanged. Results differ from per-layer float16 rounding
+    only by that rounding (ORT also accumulates float16 in float32). Only models with a GEMM-like
+    layer (Conv, MatMul, Gemm…) on narrow floats are promoted, where it pays; models with
+    subgraphs or ops of other domains are left as they are. Returns 1 if the model was promoted.
+    """
+    types = {name: info.dtype for name, info in model.value_info.items()}
+    types.update({info.name: info.dtype for info in list(model.inputs) + list(model.outputs)})
+    types.update({name: getattr(value, "dtype", None) for name, value in model.constants.items()})
+
+    def narrow(name: str) -> bool:
+        return bool(name) and types.get(name) is not None and np.dtype(types[name]) in PROMOTED_FLOATS
+
+    if not any(layer.op_type in GEMM_WEIGHTS and any(narrow(n) for n in layer.inputs) for layer in model.layers):
+        return 0
+    if any(layer.domain or layer.op_type in CONTROL_FLOW or layer.outer_inputs for layer in model.layers):
+        return 0
+    producers = model.producers()
+    if any(narrow(info.name) and info.name not in producers for info in model.outputs):
+        return 0  # an output that is a constant or an input: nothing to round, keep the model as it is
+    for name, value in list(model.constants.items()):
+        if isinstance(value, np.ndarray) and value.dtype in PROMOTED_FLOATS:
+            model.constants[name] = _frozen(value.astype(np.float32))
+    for name, info in list(model.value_info.items()):
+        if info.dtype is not None and np.dtype(info.dtype) in PROMOTED_FLOATS:
+            model.value_info[name] = replace(info, dtype=np.dtype(np.float32))
+    for layer in model.layers:
+        for part in [layer] + layer.fused:
+            for key, value in list(part.attrs.items()):
+                if key in TYPE_ATTRIBUTES and value in PROMOTED_FLOATS.values():
+                    part.attrs[key] = FLOAT32_CODE
+                elif isinstance(value, np.ndarray) and value.dtype in PROMOTED_FLOATS:
+                    part.attrs[key] = value.astype(np.float32)
+    version = model.opsets.get("", 13)
+    widen = []
+    for info in model.inputs:
+        if narrow(info.name):
+            wide = f"{info.name}::float32"
+            _rename_input(model, info.name, wide)
+            widen.append(Layer(name=f"{info.name}::widen", op_type="Cast", inputs=[info.name], outputs=[wide],
+                               attrs={"to": FLOAT32_CODE}, version=version))
+            model.value_info[wide] = replace(info, name=wide, dtype=np.dtype(np.float32))
+    for info in model.outputs:
+        if narrow(info.name):
+            wide = f"{info.name}::float32"
+            _rename_input(model, info.name, wide)
+            layer = producers[info.name]
+            layer.outputs = [wide if o == info.name else o for o in layer.outputs]
+            model.layers.append(Layer(name=f"{info.name}::round", op_type="Cast", inputs=[wide], outputs=[info.name],
+                                      attrs={"to": PROMOTED_FLOATS[np.dtype(info.dtype)]}, version=version))
+            model.value_info[wide] = replace(info, name=wide, dtype=np.dtype(np.float32))
+    model.layers[:0] = widen
+    return 1
+
+
 # The weight inputs of GEMM-like ops, which compute narrow floats in float32 (ops.linalg.gemm_dtypes).
 GEMM_WEIGHTS = {"Conv": (1, 2), "ConvTranspose": (1, 2), "MatMul": (0, 1), "Gemm": (0, 1, 2)}
 
@@ -373,6 +442,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("eliminate_identities", eliminate_identities),
     ("fold_constants", fold_constants),
     ("remove_dead_layers", remove_dead_layers),
+    ("promote_narrow_floats", promote_narrow_floats),
     ("fold_affine", fold_affine),
     ("fuse_activations", fuse_activations),
     ("widen_narrow_weights", widen_narrow_weights),
