@@ -18,8 +18,10 @@ def load_model(source: ModelSource, *, optimize: bool = True,
         optimize: run the graph optimiser: Identity/inference-Dropout removal, constant folding
             (``Shape`` of static tensors included), dead-layer removal, folding of
             BatchNormalization and per-channel Mul/Add/Sub/Div into the Conv or
-            BatchNormalization before them, and activation fusion. The CPU-bound analysis runs
-            either way. Turning the optimiser off never changes results beyond float rounding.
+            BatchNormalization before them, activation fusion, and float16/bfloat16 models with
+            GEMM-like layers computed in float32 (rounded once at their outputs). The CPU-bound
+            analysis runs either way. Turning the optimiser off never changes results beyond
+            float rounding.
         max_tensor_bytes: refuse any initializer larger than this (guards against corrupt files).
 
     Raises:
