@@ -24,7 +24,7 @@ from ...errors import DisposedError
 from ...model.ir import Layer
 from ...ops.base import Op
 from ..base import Backend, Step, StepDone, ValueTypes, run_kernel
-from .memory import tune_allocator
+from .memory import release_free_memory, tune_allocator
 
 Task = tuple[Step, list, StepDone]
 
@@ -101,6 +101,7 @@ class CPUBackend(Backend):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=False)
+            release_free_memory()
 
 
 def _compute(step: Step, args: list) -> list:

@@ -20,6 +20,7 @@ _M_MMAP_THRESHOLD = -3
 
 _lock = threading.Lock()
 _done = False
+_libc: "ctypes.CDLL | None" = None
 
 
 def tune_allocator() -> bool:
@@ -30,14 +31,38 @@ def tune_allocator() -> bool:
             return True
         if os.environ.get("ASYNCINFER_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
             return False
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
-        except (OSError, AttributeError):  # not glibc (musl, …): nothing to tune
+        libc = _glibc()
+        if libc is None:  # not glibc (musl, …): nothing to tune
             return False
-        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt = libc.mallopt
         ok = bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30))     # blocks up to 1 GiB stay in the heap
         ok &= bool(mallopt(_M_TRIM_THRESHOLD, 1 << 31))    # and freed ones are kept for reuse
         ok &= bool(mallopt(_M_TOP_PAD, 64 << 20))          # grow the heap in 64 MiB steps
         _done = ok
         return ok
+
+
+def release_free_memory() -> None:
+    """Give the heap's free memory back to the system (glibc's ``malloc_trim``).
+
+    The tuning above keeps freed blocks for the next run; when a worker is disposed there is no
+    next run, so its blocks, in every thread's arena, are returned instead of staying resident.
+    """
+    if not _done:
+        return
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> "ctypes.CDLL | None":
+    global _libc
+    if _libc is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            return None
+        _libc = libc
+    return _libc

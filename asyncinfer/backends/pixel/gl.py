@@ -109,6 +109,8 @@ class GLThread(DeviceThread):
             self.ctx.release()
         except Exception:  # noqa: BLE001 - closing a context that failed is not worth a traceback
             pass
+        release_egl_thread()
+
 
     def submit(self, fn: Callable[[], Any]) -> bool:
         """Run ``fn()`` on the GL thread, after everything submitted before it."""
@@ -146,3 +148,13 @@ class GLThread(DeviceThread):
             future.set_result(value)
 
         self.watch(signaled, finish)
+
+
+def release_egl_thread() -> None:
+    """Free EGL's per-thread state before the GL thread ends (``eglReleaseThread``): without it
+    Mesa keeps a few MiB per thread that ever made a context current, so creating and disposing
+    gpu_pixel workers would grow the process without bound."""
+    try:
+        ctypes.CDLL("libEGL.so.1").eglReleaseThread()
+    except (OSError, AttributeError):  # no EGL library: no context was ever made either
+        pass
