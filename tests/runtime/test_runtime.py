@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -328,3 +329,71 @@ async def test_warmup_with_a_wrong_example_is_an_input_error():
     async with ai.Worker(ai.load_model(shape_arithmetic_model())) as worker:
         with pytest.raises(ai.InputError):
             await worker.warmup(np.ones((2, 5), np.float32))
+
+
+def _done_within(tensor: ai.Tensor, seconds: float = 30.0) -> bool:
+    """Poll a readback with a deadline, so a regression fails the test instead of hanging it."""
+    deadline = time.monotonic() + seconds
+    while not tensor.is_readback_request_done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _gated_chain(gate_name: str, length: int, fail: bool) -> ai.Model:
+    """Gate → (Fail) → ``length`` Adds: every layer is wired before the first one completes."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    nodes = [helper.make_node("Gate", ["x"], ["t0"], domain=TEST_DOMAIN, gate=gate_name, name="gate")]
+    if fail:
+        nodes.append(helper.make_node("Fail", ["t0"], ["f"], domain=TEST_DOMAIN, name="broken"))
+        nodes.append(helper.make_node("Add", ["f", "one"], ["t1"], name="add_f"))
+    else:
+        nodes.append(helper.make_node("Add", ["t0", "one"], ["t1"], name="add_f"))
+    for i in range(1, length):
+        nodes.append(helper.make_node("Add", [f"t{i}", "one"], ["y" if i == length - 1 else f"t{i + 1}"], name=f"add{i}"))
+    return ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])], [one]))
+
+
+def test_a_failure_travels_down_a_long_chain_without_recursion(gate):
+    name, event = gate
+    with ai.Worker(_gated_chain(name, 5000, fail=True)) as worker:
+        worker.schedule(np.ones(2, np.float32))
+        y = worker.peek_output()  # (not taken: a regression must fail the test, not hang dispose)
+        event.set()  # the failure now meets 5000 layers already waiting on it
+        assert _done_within(y), "the failure never reached the end of the chain"
+        with pytest.raises(ai.ExecutionError, match="broken"):
+            y.readback_and_clone()
+
+
+def test_cancelling_a_long_chain_fails_every_layer_promptly(gate):
+    name, event = gate
+    with ai.Worker(_gated_chain(name, 5000, fail=False)) as worker:
+        execution = worker.schedule(np.ones(2, np.float32))
+        y = worker.peek_output()  # (not taken: a regression must fail the test, not hang dispose)
+        execution.cancel()
+        event.set()
+        assert _done_within(y), "the cancellation never reached the end of the chain"
+        with pytest.raises(ai.ExecutionError, match="cancelled"):
+            y.readback_and_clone()
+
+
+def test_a_raising_readback_callback_is_isolated(add_chain_model, caplog):
+    with ai.Worker(ai.load_model(add_chain_model(3))) as worker:
+        worker.schedule(np.zeros((1, 4), np.float32))
+        y = worker.peek_output()
+        seen, called = [], threading.Event()
+
+        def broken(ok: bool) -> None:
+            raise RuntimeError("a user callback with a bug")
+
+        def record(ok: bool) -> None:
+            seen.append(ok)
+            called.set()
+
+        y.readback_request(broken)
+        y.readback_request(record)  # registered after the broken one: still called
+        y.readback_and_clone()
+        assert called.wait(10) and seen == [True]
+        out = worker.run_blocking(np.zeros((1, 4), np.float32))  # the worker stays usable
+        np.testing.assert_array_equal(out["y"], np.full((1, 4), 3, np.float32))
