@@ -18,8 +18,9 @@ def make_op(op_type: str, attrs: dict | None = None, version: int = 21, n_inputs
     return ops.create(layer)
 
 
-def ort_run(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 21, n_outputs: int = 1):
-    """Outputs of onnxruntime on a one-node model (``None`` inputs are omitted optional inputs)."""
+def one_node(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 21,
+             n_outputs: int = 1) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A one-node model of ``op_type`` and its feeds (``None`` inputs are omitted optional inputs)."""
     names, infos, feeds = [], [], {}
     for k, x in enumerate(inputs):
         if x is None:
@@ -33,7 +34,22 @@ def ort_run(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 
     graph = helper.make_graph([node], "g", infos, [helper.make_empty_tensor_value_info(o) for o in outs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 10 if opset >= 21 else 8
-    ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the reference")
+    return model, feeds
+
+
+def reference_run(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 21, n_outputs: int = 1):
+    """Outputs of onnx's reference implementation (the definition) on a one-node model."""
+    from onnx.reference import ReferenceEvaluator
+
+    model, feeds = one_node(op_type, inputs, attrs, opset, n_outputs)
+    return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
+
+
+def ort_run(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 21, n_outputs: int = 1):
+    """Outputs of onnxruntime on a one-node model: a second opinion, for ops whose results do not
+    depend on the CPU (its u8×s8 integer kernels saturate on CPUs without VNNI, for instance)."""
+    model, feeds = one_node(op_type, inputs, attrs, opset, n_outputs)
+    ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the second opinion")
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
