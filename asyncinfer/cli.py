@@ -18,7 +18,7 @@ from .model.ir import Model, TensorInfo
 from .loader import load_model
 from .ops.registry import lookup
 from .runtime.worker import Worker
-from .serving.cli import add_serve_command, run_serve
+from .serving.cli import add_serve_command, bounded, run_serve
 
 BACKEND_CHOICES = [b.value for b in BackendType]
 
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run the embedded digits CNN on its samples: accuracy, latency, throughput")
     demo.add_argument("--backend", default="cpu", choices=BACKEND_CHOICES)
-    demo.add_argument("--batch-size", type=int, default=32)
+    demo.add_argument("--batch-size", type=bounded(int, 1), default=32)
     demo.add_argument("--no-progress", action="store_true", help="do not draw progress bars")
 
     run = sub.add_parser("run", help="run a model on given or random inputs and summarise the outputs")
@@ -283,6 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file that cannot be read or written, a port that cannot be bound
+        print(f"asyncinfer: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -94,3 +94,30 @@ def test_readback_modes_example_runs():
     for mode in ("awaited:", "polled:", "callback:      success = True", "blocking:", "to array:",
                  "from backend:", "np.asarray:", "concurrent:", "kept after dispose: (1, 10)"):
         assert mode in proc.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--port", "99999"],
+    ["serve", "--port", "http"],
+    ["serve", "--max-delay-ms", "-1"],
+    ["serve", "--max-batch-size", "0"],
+    ["demo", "--batch-size", "0"],
+])
+def test_out_of_range_arguments_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: argument" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", str(assets.default_model_path()), "--random", "--save", "{missing}/out.npz"],
+    ["operators", "--output", "{missing}/operators.md"],
+    ["conformance", "--filter", "^test_abs$", "--write-passing", "{missing}/passing.txt"],
+])
+def test_unwritable_output_files_are_clean_errors(argv, capsys, tmp_path):
+    argv = [a.format(missing=tmp_path / "no" / "such" / "dir") for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncinfer: error:") and "No such file or directory" in err

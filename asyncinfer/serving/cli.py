@@ -21,6 +21,23 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 
 
+def bounded(kind: type, low: float | None = None, high: float | None = None) -> Any:
+    """An argparse ``type`` reading a ``kind`` (int or float) within ``[low, high]``: anything else
+    is a usage error (exit status 2, one line) rather than a traceback later on."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            limits = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give a value {limits}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def add_serve_command(subparsers: Any) -> None:
     """Add the ``serve`` subcommand to the ``asyncinfer`` parser's subparsers."""
     serve = subparsers.add_parser("serve", help="serve models over the Open Inference Protocol (KServe v2 REST)")
@@ -28,12 +45,12 @@ def add_serve_command(subparsers: Any) -> None:
                        help="ONNX files, served under their file stem, or NAME=PATH (default: the embedded digits CNN)")
     serve.add_argument("--backend", default="cpu", choices=[b.value for b in BackendType])
     serve.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
-    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    serve.add_argument("--port", type=bounded(int, 0, 65535), default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     serve.add_argument("--no-batching", action="store_true", help="run every request on its own")
-    serve.add_argument("--max-batch-size", type=int, default=32, help="most rows merged into one run (default 32)")
-    serve.add_argument("--max-delay-ms", type=float, default=2.0,
+    serve.add_argument("--max-batch-size", type=bounded(int, 1), default=32, help="most rows merged into one run (default 32)")
+    serve.add_argument("--max-delay-ms", type=bounded(float, 0.0), default=2.0,
                        help="how long a request may wait for batch-mates, in ms (default 2)")
-    serve.add_argument("--threads", type=int, default=None, help="CPU thread-pool size per model")
+    serve.add_argument("--threads", type=bounded(int, 1), default=None, help="CPU thread-pool size per model")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
