@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import stat
 from pathlib import Path
 from typing import Any, Union
 
@@ -77,34 +78,62 @@ def _declared_bytes(t: onnx.TensorProto) -> int:
 
 
 def _read_external(t: onnx.TensorProto, base_dir: Path | None, max_bytes: int, label: str) -> np.ndarray:
+    """The bytes of an external tensor, read only from a regular file inside ``base_dir``: no
+    absolute or escaping path, no symbolic link on the way, no file with other hard links (which
+    could make a file from anywhere appear inside the folder), offsets and lengths in the file."""
     info = {e.key: e.value for e in t.external_data}
     location = info.get("location")
+    what = f"{label}: tensor {t.name!r}"
     if not location:
-        raise ModelLoadError(f"{label}: tensor {t.name!r} is external but names no location")
+        raise ModelLoadError(f"{what} is external but names no location")
     if base_dir is None:
-        raise ModelLoadError(f"{label}: tensor {t.name!r} has external data {location!r}, "
+        raise ModelLoadError(f"{what} has external data {location!r}, "
                              "but the model was not loaded from a file: load it by path")
-    target = (base_dir / location).resolve()
+    lexical = Path(os.path.normpath(base_dir / location))
+    target = lexical.resolve()
     if os.path.isabs(location) or not target.is_relative_to(base_dir):
-        raise ModelLoadError(f"{label}: tensor {t.name!r} has external data {location!r} outside the model's folder")
-    if not target.is_file():
-        raise ModelLoadError(f"{label}: tensor {t.name!r}: external data file {location!r} not found")
-    offset = int(info.get("offset", 0))
+        raise ModelLoadError(f"{what} has external data {location!r} outside the model's folder")
+    if target != lexical:
+        raise ModelLoadError(f"{what} has external data {location!r} reached through a symbolic link")
+    offset = _external_int(info, "offset", 0, what)
     declared = _declared_bytes(t)
-    length = int(info.get("length", declared))
+    length = _external_int(info, "length", declared, what)
     if length > max_bytes or declared > max_bytes:
-        raise ModelLoadError(f"{label}: tensor {t.name!r} has {max(length, declared)} bytes, over the {max_bytes}-byte limit")
-    size = target.stat().st_size
-    if offset + length > size:
-        raise ModelLoadError(f"{label}: tensor {t.name!r}: external data {location!r} is truncated "
-                             f"(needs bytes {offset}..{offset + length}, file has {size})")
-    with open(target, "rb") as f:
+        raise ModelLoadError(f"{what} has {max(length, declared)} bytes, over the {max_bytes}-byte limit")
+    try:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise ModelLoadError(f"{what}: external data file {location!r} cannot be opened ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        status = os.fstat(f.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise ModelLoadError(f"{what}: external data {location!r} is not a regular file")
+        if status.st_nlink > 1:
+            raise ModelLoadError(f"{what}: external data file {location!r} has {status.st_nlink} hard links "
+                                 "(it may be a file from outside the model's folder): refused")
+        if offset + length > status.st_size:
+            raise ModelLoadError(f"{what}: external data {location!r} is truncated "
+                                 f"(needs bytes {offset}..{offset + length}, file has {status.st_size})")
         f.seek(offset)
         raw = f.read(length)
     dtype = onnx_to_numpy(t.data_type)
     if len(raw) != declared:
-        raise ModelLoadError(f"{label}: tensor {t.name!r}: external data holds {len(raw)} bytes, shape needs {declared}")
+        raise ModelLoadError(f"{what}: external data holds {len(raw)} bytes, shape needs {declared}")
     return np.frombuffer(raw, dtype=dtype).reshape(tuple(t.dims)).copy()
+
+
+def _external_int(info: dict[str, str], key: str, default: int, what: str) -> int:
+    """A non-negative integer field (offset, length) of an external-data entry."""
+    text = info.get(key)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ModelLoadError(f"{what}: external data {key} {text!r} is not an integer") from None
+    if value < 0:
+        raise ModelLoadError(f"{what}: external data {key} {value} is negative")
+    return value
 
 
 # -- value infos -------------------------------------------------------------------------------
@@ -200,7 +229,7 @@ def import_graph(graph: onnx.GraphProto, opsets: dict[str, int], *, base_dir: Pa
             name = f"{name}_{index}"
         names_seen.add(name)
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
-            constants[node.output[0]] = _constant_node_value(node, label)
+            constants[node.output[0]] = _constant_node_value(node, label, base_dir, max_tensor_bytes)
             continue
         try:
             attrs = attributes_dict(node.attribute)
@@ -247,10 +276,12 @@ def _outer_references(node: onnx.NodeProto, available: frozenset[str]) -> list[s
     return list(found)
 
 
-def _constant_node_value(node: onnx.NodeProto, label: str) -> np.ndarray:
+def _constant_node_value(node: onnx.NodeProto, label: str, base_dir: Path | None, max_bytes: int) -> np.ndarray:
     if len(node.attribute) != 1:
         raise ModelLoadError(f"{label}: Constant node {node.name!r} must have exactly one value attribute")
     attr = node.attribute[0]
+    if attr.type == onnx.AttributeProto.TENSOR:  # the same checks as an initializer (external data too)
+        return tensor_to_array(attr.t, base_dir, max_bytes, label)
     value: Any = attribute_value(attr)
     if attr.name in ("value_float", "value_floats"):
         return np.asarray(value, dtype=np.float32)

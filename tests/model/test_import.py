@@ -1,6 +1,7 @@
 """Model import: sources, constants, symbolic shapes, external data, and every ModelLoadError."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -182,4 +183,84 @@ def test_unsupported_attribute_names_op_version_and_attribute():
     inits = [numpy_helper.from_array(np.ones(2, np.float32), n) for n in "sbmv"]
     proto = make_model([node], [tensor_info("x", [1, 2, 3])], [tensor_info("y", [1, 2, 3])], inits, extra_domains=())
     with pytest.raises(ai.UnsupportedOperatorError, match="BatchNormalization version 15.*training_mode"):
+        ai.load_model(proto)
+
+
+def _external_entry(tensor: TensorProto, **fields: str) -> None:
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in fields.items():
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def test_external_data_through_a_hard_link_is_refused(tmp_path):
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(np.arange(6, dtype=np.float32).tobytes())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = _external_model(folder, "weights.bin")
+    (folder / "weights.bin").unlink()
+    os.link(outside, folder / "weights.bin")  # inside the folder by path, outside by content
+    with pytest.raises(ai.ModelLoadError, match="hard links"):
+        ai.load_model(path)
+
+
+def test_external_data_through_a_symbolic_link_is_refused(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    path = _external_model(folder, "link.bin")
+    (folder / "link.bin").symlink_to(folder / "weights.bin")  # even one pointing inside the folder
+    with pytest.raises(ai.ModelLoadError, match="symbolic link"):
+        ai.load_model(path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(offset="-4"), "offset -4 is negative"),
+    (dict(offset="four"), "offset 'four' is not an integer"),
+    (dict(length="-1"), "length -1 is negative"),
+    (dict(offset=str(2**62)), "truncated"),
+])
+def test_external_data_offsets_and_lengths_are_checked(tmp_path, fields, message):
+    (tmp_path / "weights.bin").write_bytes(np.arange(6, dtype=np.float32).tobytes())
+    tensor = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[6])
+    _external_entry(tensor, location="weights.bin", **fields)
+    proto = make_model([helper.make_node("Add", ["x", "w"], ["y"])], [tensor_info("x", [6])],
+                       [tensor_info("y", [6])], [tensor], extra_domains=())
+    path = tmp_path / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    with pytest.raises(ai.ModelLoadError, match=message):
+        ai.load_model(path)
+
+
+def _constant_node_model(folder: Path, location: str) -> Path:
+    value = TensorProto(name="c", data_type=TensorProto.FLOAT, dims=[6])
+    _external_entry(value, location=location, offset="0", length="24")
+    nodes = [helper.make_node("Constant", [], ["c"], value=value), helper.make_node("Add", ["x", "c"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [6])], [tensor_info("y", [6])], extra_domains=())
+    path = folder / "model.onnx"
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+def test_constant_node_external_data_is_read_with_the_same_checks(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(np.arange(6, dtype=np.float32).tobytes())
+    (tmp_path / "secret.bin").write_bytes(np.zeros(6, np.float32).tobytes())
+    model = ai.load_model(_constant_node_model(folder, "weights.bin"))
+    np.testing.assert_array_equal(model.constants["c"], np.arange(6, dtype=np.float32))
+    with pytest.raises(ai.ModelLoadError, match="outside the model's folder"):
+        ai.load_model(_constant_node_model(folder, "../secret.bin"))
+    with pytest.raises(ai.ModelLoadError, match="load it by path"):
+        ai.load_model(_constant_node_model(folder, "weights.bin").read_bytes())
+
+
+def test_attribute_tensors_with_external_data_are_refused(tmp_path):
+    value = TensorProto(name="v", data_type=TensorProto.FLOAT, dims=[1])
+    _external_entry(value, location="weights.bin", offset="0", length="4")
+    (tmp_path / "weights.bin").write_bytes(np.ones(1, np.float32).tobytes())
+    nodes = [helper.make_node("ConstantOfShape", ["x"], ["y"], value=value)]
+    proto = make_model(nodes, [tensor_info("x", [1], TensorProto.INT64)], [tensor_info("y", [None])],
+                       extra_domains=())
+    with pytest.raises(ai.ModelLoadError, match="external data"):
         ai.load_model(proto)
