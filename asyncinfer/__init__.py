@@ -16,9 +16,13 @@ from .errors import (
     DisposedError,
     ExecutionError,
     InputError,
+    LimitExceededError,
     ModelLoadError,
+    ModelTooLargeError,
+    RequestTooLargeError,
     UnsupportedOperatorError,
 )
+from .limits import Limits
 from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
@@ -37,9 +41,13 @@ __all__ = [
     "ExecutionError",
     "InputError",
     "Layer",
+    "LimitExceededError",
+    "Limits",
     "Model",
     "ModelLoadError",
+    "ModelTooLargeError",
     "Placement",
+    "RequestTooLargeError",
     "Tensor",
     "TensorData",
     "TensorInfo",

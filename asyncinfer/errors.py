@@ -16,6 +16,21 @@ class ModelLoadError(AsyncInferError):
     """The model could not be read: not ONNX, truncated, cyclic, undefined inputs, unsafe external data…"""
 
 
+class LimitExceededError(AsyncInferError):
+    """An untrusted model, input or request exceeds one of :class:`asyncinfer.Limits`.
+
+    ``limit`` is the name of the ``Limits`` field, ``value`` what was found, ``bound`` the limit.
+    """
+
+    def __init__(self, limit: str, value: int, bound: int, what: str):
+        super().__init__(f"{what}: {value} exceeds Limits.{limit} = {bound}")
+        self.limit, self.value, self.bound = limit, value, bound
+
+
+class ModelTooLargeError(LimitExceededError, ModelLoadError):
+    """A model exceeds a load limit (file size, node count, nesting, tensor size or rank)."""
+
+
 class UnsupportedOperatorError(AsyncInferError):
     """One or more ops of the model have no implementation; ``problems`` lists every one of them."""
 
@@ -46,6 +61,10 @@ class DisposedError(AsyncInferError):
     """A worker or tensor was used after ``dispose()``."""
 
 
+class RequestTooLargeError(LimitExceededError, InputError):
+    """An input or a request exceeds a run limit (element count, rank, body size, JSON depth)."""
+
+
 __all__ = [
     "AsyncInferError",
     "ModelLoadError",
@@ -54,4 +73,7 @@ __all__ = [
     "ExecutionError",
     "BackendUnavailableError",
     "DisposedError",
+    "LimitExceededError",
+    "ModelTooLargeError",
+    "RequestTooLargeError",
 ]

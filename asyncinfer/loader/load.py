@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 from .. import ops
+import warnings
+
 from ..errors import UnsupportedOperatorError
+from ..limits import DEFAULT_LIMITS, Limits
 from ..model.ir import Layer, Model
-from ..model.onnx_import import DEFAULT_MAX_TENSOR_BYTES, ModelSource, import_model
+from ..model.onnx_import import ModelSource, import_model
 from .optimize import mark_cpu_bound
 from .optimize import optimize as run_passes
 
 
-def load_model(source: ModelSource, *, optimize: bool = True,
-               max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Model:
+def load_model(source: ModelSource, *, optimize: bool = True, limits: Limits = DEFAULT_LIMITS,
+               max_tensor_bytes: int | None = None) -> Model:
     """Load an ONNX model from a path, bytes or ``onnx.ModelProto``.
 
     Args:
@@ -22,13 +25,20 @@ def load_model(source: ModelSource, *, optimize: bool = True,
             GEMM-like layers computed in float32 (rounded once at their outputs). The CPU-bound
             analysis runs either way. Turning the optimiser off never changes results beyond
             float rounding.
-        max_tensor_bytes: refuse any initializer larger than this (guards against corrupt files).
+        limits: the bounds an untrusted model must keep (:class:`asyncinfer.Limits`); the model
+            keeps them, and workers built on it apply their run limits.
+        max_tensor_bytes: deprecated, use ``limits=ai.Limits(max_tensor_bytes=...)``.
 
     Raises:
         ModelLoadError: the model is malformed (with what and where).
+        ModelTooLargeError: the model exceeds one of ``limits`` (a ``ModelLoadError`` too).
         UnsupportedOperatorError: listing every op of the model without an implementation.
     """
-    model = import_model(source, max_tensor_bytes=max_tensor_bytes)
+    if max_tensor_bytes is not None:
+        warnings.warn("load_model(max_tensor_bytes=...) is deprecated: pass limits=ai.Limits(max_tensor_bytes=...)",
+                      DeprecationWarning, stacklevel=2)
+        limits = limits.replace(max_tensor_bytes=max_tensor_bytes)
+    model = import_model(source, limits=limits)
     if optimize:
         run_passes(model)
     else:

@@ -11,6 +11,8 @@ from typing import Any, Union
 
 import numpy as np
 
+from ..limits import DEFAULT_LIMITS, Limits
+
 Dim = Union[int, str, None]  # a fixed size, a symbolic name, or unknown
 
 
@@ -75,6 +77,8 @@ class Model:
     source: str = "<memory>"
     cpu_bound_values: set[str] = field(default_factory=set)
     optimizations: dict[str, int] = field(default_factory=dict)
+    # The bounds the model was loaded under; workers apply the run limits among them.
+    limits: Limits = DEFAULT_LIMITS
 
     def op_types(self) -> list[str]:
         """Sorted distinct op types of the model's layers (fused activations included)."""

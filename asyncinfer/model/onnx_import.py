@@ -14,13 +14,14 @@ from onnx import numpy_helper
 
 from ..dtypes import onnx_to_numpy
 from ..errors import ModelLoadError
+from ..limits import DEFAULT_LIMITS, Limits
 from .attributes import attribute_value, attributes_dict, sparse_to_dense
 from .ir import Dim, Layer, Model, TensorInfo
 
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto]
 
 MIN_OPSET = 1
-DEFAULT_MAX_TENSOR_BYTES = 4 << 30  # 4 GiB: anything larger is almost certainly a corrupt header
+DEFAULT_MAX_TENSOR_BYTES = DEFAULT_LIMITS.max_tensor_bytes
 
 
 def read_model_proto(source: ModelSource) -> tuple[onnx.ModelProto, Path | None, str]:
@@ -174,7 +175,7 @@ def _inferred_infos(proto: onnx.ModelProto) -> dict[str, TensorInfo]:
 
 
 # -- graph -------------------------------------------------------------------------------------
-def import_model(source: ModelSource, *, max_tensor_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> Model:
+def import_model(source: ModelSource, *, limits: Limits = DEFAULT_LIMITS) -> Model:
     """Parse and validate an ONNX model into the IR (no optimisation, no op support check)."""
     proto, base_dir, label = read_model_proto(source)
     opsets = {(o.domain if o.domain != "ai.onnx" else ""): int(o.version) for o in proto.opset_import}
@@ -188,7 +189,7 @@ def import_model(source: ModelSource, *, max_tensor_bytes: int = DEFAULT_MAX_TEN
         raise ModelLoadError(f"{label}: opset {opsets['']} is newer than the installed onnx knows ({newest})")
     graph = proto.graph
     inputs, outputs, layers, constants = import_graph(graph, opsets, base_dir=base_dir, label=label,
-                                                      max_tensor_bytes=max_tensor_bytes)
+                                                      max_tensor_bytes=limits.max_tensor_bytes)
     if not outputs:
         raise ModelLoadError(f"{label}: the graph declares no outputs")
     value_info = _inferred_infos(proto) if layers else {}
@@ -198,7 +199,7 @@ def import_model(source: ModelSource, *, max_tensor_bytes: int = DEFAULT_MAX_TEN
     outputs = [value_info.get(o.name, o) if o.dtype is None else o for o in outputs]
     return Model(inputs=inputs, outputs=outputs, layers=layers, constants=constants, opsets=opsets,
                  value_info=value_info, name=graph.name or Path(label).stem, producer=proto.producer_name,
-                 source=label)
+                 source=label, limits=limits)
 
 
 def import_graph(graph: onnx.GraphProto, opsets: dict[str, int], *, base_dir: Path | None = None,

@@ -164,6 +164,11 @@ def test_external_data_from_bytes_needs_a_path(tmp_path):
 
 def test_tensor_over_the_size_limit(tmp_path):
     with pytest.raises(ai.ModelLoadError, match="over the 8-byte limit"):
+        ai.load_model(_mul_model(), limits=ai.Limits(max_tensor_bytes=8))
+
+
+def test_max_tensor_bytes_keyword_is_deprecated_but_still_applies():
+    with pytest.warns(DeprecationWarning, match="limits=ai.Limits"), pytest.raises(ai.ModelLoadError):
         ai.load_model(_mul_model(), max_tensor_bytes=8)
 
 
