@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..concurrency.cancellation import cancel_scope
 from ..errors import AsyncInferError, ExecutionError
 from ..model.ir import Layer
 from ..ops.base import Op
@@ -81,6 +82,9 @@ class StepDone(Protocol):
     def fail(self, error: BaseException) -> None:
         """The step failed with ``error``."""
 
+    def cancelled(self) -> bool:
+        """True once the step's run has been cancelled (long kernels poll it between iterations)."""
+
 
 class Backend(ABC):
     """Runs steps whose inputs are ready. One backend instance belongs to one worker."""
@@ -111,7 +115,11 @@ def run_kernel(step: Step, args: list, done: StepDone, compute: Callable[[Step, 
     if not done.begin():
         return
     try:
-        outputs = compute(step, args)
+        if step.op is not None and step.op.cancellable:
+            with cancel_scope(done.cancelled):
+                outputs = compute(step, args)
+        else:
+            outputs = compute(step, args)
     except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
         done.fail(kernel_error(step, exc, args))
         return

@@ -37,6 +37,8 @@ class Op:
       the CPU backend runs those one at a time instead of oversubscribing the cores.
     - ``metadata_inputs``: input indices of which only the shape is read (Shape, Size): a value
       on a device is passed as it is (its storage knows its shape), never downloaded.
+    - ``cancellable``: True for kernels that may run long on one call (control flow): they poll
+      ``concurrency.cancellation.cancel_requested()`` between iterations, so a cancel stops them.
     """
 
     op_type: ClassVar[str] = ""
@@ -46,6 +48,7 @@ class Op:
     elementwise_unary: ClassVar[bool] = False
     multithreaded: ClassVar[bool] = False
     metadata_inputs: ClassVar[tuple[int, ...]] = ()
+    cancellable: ClassVar[bool] = False
 
     def __init__(self, layer: "Layer"):
         self.layer = layer

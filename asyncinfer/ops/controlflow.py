@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Optional
 import numpy as np
 import onnx
 
+from ..concurrency.cancellation import cancel_requested
 from ..errors import ModelLoadError, UnsupportedOperatorError
 from ..model.ir import Layer, TensorInfo
 from ..model.onnx_import import import_graph
@@ -52,6 +53,7 @@ class Subgraph:
     def __init__(self, owner: Op, attr_name: str):
         graph: onnx.GraphProto = owner.attr(attr_name)
         layer = owner.layer
+        self.owner = owner
         opsets = {_domain(layer.domain): layer.version}
         for node in graph.node:
             opsets.setdefault(_domain(node.domain), _newest_opset(_domain(node.domain)))
@@ -74,7 +76,9 @@ class Subgraph:
 
     def run(self, inputs: Sequence[Any], outer: Mapping[str, Any]) -> list[Any]:
         """The graph's outputs for positional ``inputs`` (the caller checked their count), reading
-        ``outer`` for enclosing values."""
+        ``outer`` for enclosing values. A cancelled run stops here, between iterations."""
+        if cancel_requested():
+            raise op_error(self.owner, "the run was cancelled while the layer ran")
         values = dict(outer)
         values.update(self.constants)
         values.update(zip(self.input_names, inputs))
@@ -88,6 +92,7 @@ class _ControlFlow(Op):
     """An op with graph attributes (``graph_attrs``), imported at check time into ``self.graphs``."""
 
     graph_attrs: ClassVar[tuple[str, ...]] = ()
+    cancellable = True  # each body evaluation checks for a cancel first (Subgraph.run)
 
     def check(self) -> None:
         self.graphs = {name: Subgraph(self, name) for name in self.graph_attrs}

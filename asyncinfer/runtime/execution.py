@@ -67,6 +67,9 @@ class _StepDone:
             execution._release_inputs(node)
         execution.futures[node.index].set_exception(error)  # type: ignore[union-attr]
 
+    def cancelled(self) -> bool:
+        return self._execution._cancelled
+
 
 class Execution:
     """The task graph of one ``schedule`` call. Its layers run as their inputs become ready.

@@ -397,3 +397,53 @@ def test_a_raising_readback_callback_is_isolated(add_chain_model, caplog):
         assert called.wait(10) and seen == [True]
         out = worker.run_blocking(np.zeros((1, 4), np.float32))  # the worker stays usable
         np.testing.assert_array_equal(out["y"], np.full((1, 4), 3, np.float32))
+
+
+def _endless_loop_model() -> ai.Model:
+    """A Loop whose trip count (10^12) would keep a pool thread busy for days."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["s_in", "one"], ["s_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [1])])
+    trips = helper.make_tensor("trips", TensorProto.INT64, [], [10 ** 12])
+    nodes = [helper.make_node("Loop", ["trips", "", "x"], ["y"], body=body, name="endless")]
+    return ai.load_model(make_model(nodes, [tensor_info("x", [1])], [tensor_info("y", [1])], [one, trips]))
+
+
+def _long_scan_model() -> ai.Model:
+    """A Scan of a running sum over a sequence of any length."""
+    body = helper.make_graph(
+        [helper.make_node("Add", ["s_in", "x_t"], ["s_out"]),
+         helper.make_node("Identity", ["s_out"], ["scan_out"])],
+        "body",
+        [helper.make_tensor_value_info("s_in", TensorProto.FLOAT, [1]),
+         helper.make_tensor_value_info("x_t", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("s_out", TensorProto.FLOAT, [1]),
+         helper.make_tensor_value_info("scan_out", TensorProto.FLOAT, [1])])
+    nodes = [helper.make_node("Scan", ["s0", "xs"], ["y", "ys"], body=body, num_scan_inputs=1, name="long_scan")]
+    return ai.load_model(make_model(nodes, [tensor_info("s0", [1]), tensor_info("xs", ["n", 1])],
+                                    [tensor_info("y", [1]), tensor_info("ys", ["n", 1])]))
+
+
+@pytest.mark.parametrize("which", ["loop", "scan"])
+def test_cancel_stops_a_running_loop_or_scan_between_iterations(which):
+    model = _endless_loop_model() if which == "loop" else _long_scan_model()
+    inputs = ([np.zeros(1, np.float32)] if which == "loop"
+              else [np.zeros(1, np.float32), np.ones((10 ** 6, 1), np.float32)])
+    with ai.Worker(model, threads=2) as worker:
+        execution = worker.schedule(*inputs)
+        y = worker.peek_output()
+        time.sleep(0.2)  # let the kernel start iterating (a cancel before it starts is the easy case)
+        execution.cancel()
+        assert _done_within(y), f"the cancelled {which} kept running"
+        with pytest.raises(ai.ExecutionError, match="cancelled"):
+            y.readback_and_clone()
+        if which == "scan":  # the pool is free again: a short scan on the same worker completes
+            out = worker.run_blocking(np.zeros(1, np.float32), np.ones((5, 1), np.float32))
+            assert out["y"][0] == 5
