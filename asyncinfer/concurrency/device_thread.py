@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import BackendUnavailableError, DisposedError
+
 _log = logging.getLogger("asyncinfer.device")
 _STOP = object()
 
@@ -46,7 +48,10 @@ class DeviceThread:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # the OS refused a thread (limits, memory)
+            raise BackendUnavailableError(f"cannot start the {name} device thread: {exc}") from exc
         self._started.wait()
         if self._start_error is not None:
             self._thread.join()
@@ -110,8 +115,6 @@ class DeviceThread:
 
     def closed_error(self) -> BaseException:
         """What calls on a closed device raise."""
-        from ..errors import DisposedError
-
         return DisposedError(f"the {self._thread.name} device thread was closed")
 
     def close(self) -> None:

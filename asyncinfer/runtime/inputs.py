@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
+from ..limits import Limits
 from ..model.ir import Model, TensorInfo
 from ..tensor import Tensor
 from ..concurrency.future import TaskFuture
@@ -52,11 +53,11 @@ def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
     bindings: dict[str, int | str] = {}
     futures: dict[str, TaskFuture] = {}
     for name, info in declared.items():
-        futures[name] = _input_future(info, given[name], bindings)
+        futures[name] = _input_future(info, given[name], bindings, model.limits)
     return futures
 
 
-def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str]) -> TaskFuture:
+def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str], limits: Limits) -> TaskFuture:
     if isinstance(value, Tensor):
         if value.disposed:
             raise InputError(f"input {info.name!r}: the tensor was disposed")
@@ -75,10 +76,12 @@ def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str]) 
             array = np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise InputError(f"input {info.name!r}: cannot make an array of {type(value).__name__}: {exc}") from None
-    _check_dtype(info, array.dtype)
+    limits.check_shape(array.shape, f"input {info.name!r} of shape {array.shape}")
+    native = array.dtype.newbyteorder("=")  # big-endian data ('>f4') is the same type, stored swapped
+    _check_dtype(info, native)
     _check_shape(info, array.shape, bindings)
-    # A private copy: the caller may reuse its buffer while the run is pending.
-    return TaskFuture.completed([np.array(array, copy=True, order="C")], label=info.name)
+    # A private copy in native byte order: the caller may reuse its buffer while the run is pending.
+    return TaskFuture.completed([np.array(array, dtype=native, copy=True, order="C")], label=info.name)
 
 
 def _sequence_or_optional(info: TensorInfo, value: Any) -> Any:

@@ -119,3 +119,19 @@ def test_every_error_is_an_asyncinfer_error():
     for cls in (ai.ModelLoadError, ai.UnsupportedOperatorError, ai.InputError, ai.ExecutionError,
                 ai.BackendUnavailableError, ai.DisposedError):
         assert issubclass(cls, ai.AsyncInferError)
+
+
+def test_big_endian_inputs_are_read_by_value(add_chain_model):
+    x = np.arange(4, dtype=">f4").reshape(1, 4)  # the same numbers, stored byte-swapped
+    with ai.Worker(ai.load_model(add_chain_model(1))) as worker:
+        out = worker.run_blocking(x)
+    np.testing.assert_array_equal(out["y"], np.arange(4, dtype=np.float32).reshape(1, 4) + 1)
+    assert out["y"].dtype.isnative
+
+
+def test_inputs_over_the_run_limits_are_refused_before_any_work(add_chain_model):
+    model = ai.load_model(add_chain_model(1), limits=ai.Limits(max_tensor_elements=3))
+    with ai.Worker(model) as worker:
+        with pytest.raises(ai.RequestTooLargeError, match="max_tensor_elements") as info:
+            worker.run_blocking(np.zeros((1, 4), np.float32))
+        assert isinstance(info.value, ai.InputError) and info.value.bound == 3

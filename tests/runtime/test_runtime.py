@@ -447,3 +447,27 @@ def test_cancel_stops_a_running_loop_or_scan_between_iterations(which):
         if which == "scan":  # the pool is free again: a short scan on the same worker completes
             out = worker.run_blocking(np.zeros(1, np.float32), np.ones((5, 1), np.float32))
             assert out["y"][0] == 5
+
+
+def test_a_thread_that_cannot_start_fails_the_run_and_the_worker_recovers(add_chain_model, monkeypatch):
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    with ai.Worker(ai.load_model(add_chain_model(2)), threads=2) as worker:  # no pool thread yet
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(ai.ExecutionError, match="cannot start a thread"):
+            worker.run_blocking(np.zeros((1, 4), np.float32))
+        monkeypatch.undo()
+        out = worker.run_blocking(np.zeros((1, 4), np.float32))
+        np.testing.assert_array_equal(out["y"], np.full((1, 4), 2, np.float32))
+
+
+def test_a_device_thread_that_cannot_start_is_backend_unavailable(monkeypatch):
+    from asyncinfer.concurrency.device_thread import DeviceThread
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(ai.BackendUnavailableError, match="cannot start"):
+        DeviceThread("test-device")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import DisposedError
+from ...errors import DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
 from ..base import Backend, Step, StepDone, ValueTypes, run_kernel
@@ -64,8 +64,16 @@ class CPUBackend(Backend):
     def _submit(self, task: Task) -> None:
         try:
             self._pool.submit(self._run_chain, task)
-        except RuntimeError:  # pool shut down by dispose()
-            task[2].fail(DisposedError("the worker was disposed before this layer could run"))
+        except RuntimeError as exc:
+            if self._closed:  # the pool was shut down by dispose()
+                task[2].fail(DisposedError("the worker was disposed before this layer could run"))
+            elif not self._pool._threads:  # noqa: SLF001 - the OS refused the pool's first thread
+                # The task stays queued in the pool and may run once a thread starts: first
+                # completion wins, so failing it now loses nothing and strands no one.
+                task[2].fail(ExecutionError(f"{task[0].layer.describe()} could not run: the CPU "
+                                            f"backend cannot start a thread ({exc})",
+                                            layer=task[0].layer.name, op_type=task[0].layer.op_type))
+            # else: the pool's running threads pick the queued task up
 
     def _run_chain(self, task: Task) -> None:
         chain: list[Task] = []
