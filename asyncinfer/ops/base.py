@@ -10,11 +10,13 @@ device threads) and so does the optimizer when it folds constants; kernels do no
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ..errors import UnsupportedOperatorError
+from ..limits import DEFAULT_LIMITS, Limits
 from .schema import attribute_defaults, schema_version
 
 if TYPE_CHECKING:
@@ -50,8 +52,9 @@ class Op:
     metadata_inputs: ClassVar[tuple[int, ...]] = ()
     cancellable: ClassVar[bool] = False
 
-    def __init__(self, layer: "Layer"):
+    def __init__(self, layer: "Layer", limits: Limits = DEFAULT_LIMITS):
         self.layer = layer
+        self.limits = limits
         self.version = layer.version
         self.attrs = layer.attrs
         self._defaults = attribute_defaults(self.op_type, self.version, self.domain)
@@ -69,6 +72,12 @@ class Op:
         if name in self._defaults:
             return self._defaults[name]
         raise UnsupportedOperatorError([f"{self.layer.describe()}: required attribute {name!r} is missing"])
+
+    def check_allocation(self, shape: Sequence[int], what: str = "output") -> None:
+        """Refuse to allocate a tensor of ``shape`` sized from run-time data beyond
+        ``Limits.max_tensor_rank`` / ``max_tensor_elements`` (a RequestTooLargeError naming the
+        layer), before NumPy tries: Expand, Tile, ConstantOfShape, Range and the like call it."""
+        self.limits.check_shape(tuple(shape), f"{self.layer.describe()}: {what} of shape {tuple(shape)}")
 
     def unsupported(self, what: str) -> None:
         """Refuse this layer: ``what`` names the attribute or combination that is not implemented."""

@@ -68,7 +68,7 @@ class Subgraph:
         for inner in layers:
             inner.name = f"{layer.name}/{attr_name}/{inner.name}"  # errors then locate the inner layer
             try:
-                self.steps.append((inner, create(inner)))
+                self.steps.append((inner, create(inner, owner.limits)))
             except UnsupportedOperatorError as exc:  # gather them all, as the model support check does
                 problems += [p if inner.name in p else f"{p} ({inner.describe()})" for p in exc.problems]
         if problems:

@@ -404,6 +404,7 @@ class Col2Im(Op):
         if len(block) != r or cols.ndim != 3 or cols.shape[1] % taps or cols.shape[2] != math.prod(out):
             raise op_error(self, f"input {cols.shape} does not fit image {image}, block {block}")
         n, c = cols.shape[0], cols.shape[1] // taps
+        self.check_allocation([n, c, *image])
         blocks = cols.reshape(n, c, taps, *out)
         padded = np.zeros((n, c) + tuple(i + b + e for i, b, e in zip(image, begin, end)), dtype=cols.dtype)
         for t, tap in enumerate(kernel_taps(block)):  # overlapping blocks add up
@@ -429,6 +430,7 @@ class CenterCropPad(Op):
             keep = min(size, t)
             src[axis] = slice((size - keep) // 2, (size - keep) // 2 + keep)
             dst[axis] = slice((t - keep) // 2, (t - keep) // 2 + keep)
+        self.check_allocation(out_shape)
         out = np.zeros(out_shape, dtype=x.dtype)
         out[tuple(dst)] = x[tuple(src)]
         return out
@@ -461,6 +463,7 @@ class MaxUnpool(Op):
         coords = np.unravel_index(flat, inferred)
         if any((c >= s).any() for c, s in zip(coords, shape)):
             raise op_error(self, f"an index falls outside output_shape {shape}")
+        self.check_allocation(shape)
         out = np.zeros(shape, dtype=x.dtype)
         out[coords] = x.reshape(-1)
         return out

@@ -37,6 +37,7 @@ class _Random(Op):
 class RandomNormal(_Random):
     def run(self) -> np.ndarray:
         shape = tuple(int(d) for d in self.attr("shape"))
+        self.check_allocation(shape)
         draw = self.rng().standard_normal(shape) * self.attr("scale") + self.attr("mean")
         return draw.astype(self.out_dtype())
 
@@ -45,6 +46,7 @@ class RandomNormal(_Random):
 class RandomUniform(_Random):
     def run(self) -> np.ndarray:
         shape = tuple(int(d) for d in self.attr("shape"))
+        self.check_allocation(shape)
         draw = self.rng().uniform(self.attr("low"), self.attr("high"), shape)
         return draw.astype(self.out_dtype())
 
@@ -84,6 +86,7 @@ class Multinomial(_Random):
         logits = x.astype(np.float64)
         p = np.exp(logits - logits.max(axis=1, keepdims=True))
         cdf = np.cumsum(p / p.sum(axis=1, keepdims=True), axis=1)
+        self.check_allocation([x.shape[0], int(self.attr("sample_size")), x.shape[1]], "scratch")
         u = self.rng().random((x.shape[0], int(self.attr("sample_size"))))
         # index of the first class whose cumulative probability exceeds the uniform draw
         idx = (u[:, :, None] >= cdf[:, None, :]).sum(axis=2)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ..errors import UnsupportedOperatorError
+from ..limits import DEFAULT_LIMITS, Limits
 from .schema import normalise_domain as _normalise_domain
 from .schema import schema_version
 
@@ -55,10 +56,11 @@ def lookup(op_type: str, opset: int, domain: str = "") -> type["Op"]:
     return table[since]
 
 
-def create(layer: "Layer") -> "Op":
-    """Instantiate the kernel of ``layer``; raises UnsupportedOperatorError naming op, version and attribute."""
+def create(layer: "Layer", limits: Limits = DEFAULT_LIMITS) -> "Op":
+    """Instantiate the kernel of ``layer``, bounded by ``limits`` (the model's) where it sizes
+    tensors from data; raises UnsupportedOperatorError naming op, version and attribute."""
     cls = lookup(layer.op_type, layer.version, layer.domain)
-    return cls(layer)
+    return cls(layer, limits)
 
 
 def registered(builtin_only: bool = False) -> dict[tuple[str, str], list[int]]:

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from .base import Op
+from .shape import op_error
 from .registry import register
 
 _COORD_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
@@ -96,6 +97,9 @@ class _ResizeBase(Op):
 
     def resample(self, x: np.ndarray, out_shape: list[int], scales: list[float], rois: list[tuple[float, float]],
                  coord_mode: str, nearest_mode: str) -> np.ndarray:
+        if any(d < 0 for d in out_shape):
+            raise op_error(self, f"output shape {out_shape} has a negative dimension")
+        self.check_allocation(out_shape)
         mode = self.mode()
         cubic_a = float(self.attr("cubic_coeff_a", -0.75))
         exclude = bool(self.attr("exclude_outside", 0))

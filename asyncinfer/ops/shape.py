@@ -159,6 +159,7 @@ class Expand(Op):
             target = np.broadcast_shapes(data.shape, tuple(int_list(shape)))
         except ValueError as exc:
             raise op_error(self, f"cannot broadcast {data.shape} to {int_list(shape)}") from exc
+        self.check_allocation(target)
         # A real copy: a read-only zero-stride view would surprise whoever gets it as an output.
         return np.broadcast_to(data, target).copy()
 
@@ -262,6 +263,7 @@ class Tile(Op):
             reps = int_list(repeats)
         if len(reps) != data.ndim or min(reps, default=0) < 0:
             raise op_error(self, f"repeats {reps} do not fit an input of rank {data.ndim}")
+        self.check_allocation([s * r for s, r in zip(data.shape, reps)])
         return np.tile(data, reps)
 
 
@@ -290,6 +292,7 @@ class Pad(Op):
         # Negative pads crop: apply them first as a slice, then pad with the positive ones.
         data = data[tuple(slice(max(-b, 0), data.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))]
         widths = [(max(b, 0), max(e, 0)) for b, e in widths]
+        self.check_allocation([s + b + e for s, (b, e) in zip(data.shape, widths)])
         mode = self.attr("mode")
         if mode != "constant":
             if any((b or e) and data.shape[i] == 0 for i, (b, e) in enumerate(widths)):
@@ -331,7 +334,11 @@ class ConstantOfShape(Op):
     def run(self, shape: Array) -> Array:
         value = self.attr("value", None)
         value = np.zeros(1, np.float32) if value is None else np.asarray(value)
-        return np.full(int_list(shape), value.reshape(-1)[0], dtype=value.dtype)
+        dims = int_list(shape)
+        if any(d < 0 for d in dims):
+            raise op_error(self, f"negative dimension in shape {dims}")
+        self.check_allocation(dims)
+        return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
 
 
 _CONSTANT_ATTRS = {  # attribute → how to turn its Python value into the output tensor
@@ -367,11 +374,18 @@ class Range(Op):
         start, limit, delta = (np.asarray(v).reshape(-1)[0] for v in (start, limit, delta))
         dtype = np.result_type(start)
         if dtype.kind in "iu":
+            if int(delta) == 0:
+                raise op_error(self, "delta is 0: the range would never end")
             count = -((int(start) - int(limit)) // int(delta))  # exact ceil division
+            self.check_allocation([max(count, 0)])
             return (np.arange(max(count, 0), dtype=np.int64) * int(delta) + int(start)).astype(dtype)
         # float16/bfloat16 are computed in the stash type (float32 by default) and cast back.
         work = dtype if dtype.itemsize > 2 else onnx_to_numpy(self.attr("stash_type", 1))
-        count = math.ceil((float(limit) - float(start)) / float(delta))
+        span = (float(limit) - float(start)) / float(delta) if float(delta) else math.nan
+        if not math.isfinite(span):
+            raise op_error(self, f"range({start}, {limit}, {delta}) has no finite length")
+        count = math.ceil(span)
+        self.check_allocation([max(count, 0)])
         steps = np.arange(max(count, 0), dtype=work)
         return (steps * work.type(delta) + work.type(start)).astype(dtype)
 
@@ -464,6 +478,9 @@ class OneHot(Op):
         depth = int(np.asarray(depth).reshape(-1)[0])
         off, on = np.asarray(values).reshape(-1)[:2]
         axis = normalize_axis(self, self.attr("axis"), indices.ndim + 1)
+        if depth < 0:
+            raise op_error(self, f"depth {depth} is negative")
+        self.check_allocation([*indices.shape[:axis], depth, *indices.shape[axis:]])
         idx = indices.astype(np.int64)
         if self.version >= 11:  # negative indices count from the back since opset 11
             idx = np.where(idx < 0, idx + depth, idx)

@@ -64,6 +64,7 @@ class DFT(Op):
         n = scalar_input(dft_length, 2 * (size - 1) if inverse and onesided else size)
         if n < 1:
             raise op_error(self, f"dft_length {n} must be positive")
+        self.check_allocation([*x.shape[:axis], n, *x.shape[axis + 1:]])
         if inverse and onesided:  # IRFFT: a real signal of length n from the half spectrum
             return np.fft.irfft(z, n, axis=axis)[..., None].astype(x.dtype)
         y = np.fft.ifft(z, n, axis=axis) if inverse else np.fft.fft(z, n, axis=axis)
@@ -122,6 +123,7 @@ class _Window(_OutputTyped):
         n = scalar_input(size)
         if n < 0:
             raise op_error(self, f"window size {n} is negative")
+        self.check_allocation([n])
         period = n if self.attr("periodic") else n - 1
         phase = 2 * np.pi * np.arange(n) / max(period, 1)
         w = sum(c * np.cos(k * phase) for k, c in enumerate(self.coeffs))
@@ -158,6 +160,7 @@ class MelWeightMatrix(_OutputTyped):
         low, high = scalar_input(lower_edge_hertz, kind=float), scalar_input(upper_edge_hertz, kind=float)
         if mels < 1 or length < 1 or rate <= 0:
             raise op_error(self, f"invalid num_mel_bins {mels}, dft_length {length} or sample_rate {rate}")
+        self.check_allocation([length // 2 + 1, mels])
         # mels + 2 band edges, one mel step apart, the step being a (mels + 2)-th of the range
         # (so the top edge stops short of upper_edge_hertz, as ONNX's expected output has it)
         low_mel = _hz_to_mel(low)

@@ -107,7 +107,7 @@ class Plan:
             return (node.index, 0)
 
         for layer in model.layers:
-            op = ops.create(layer)
+            op = ops.create(layer, model.limits)
             on_device = backend.device != HOST
             keep_on_host = on_device and layer.cpu_bound and fallback is not None
             target, kernel = backend, None if keep_on_host else backend.prepare(layer, op, types)
@@ -138,7 +138,7 @@ class Plan:
                 else:
                     copies[(name, want)] = transfer(name, ref, StepKind.UPLOAD, target, want)
                     inputs.append(copies[(name, want)])
-            activations = tuple((ops.create(f), [model.constants[n] if n else None for n in f.inputs[1:]])
+            activations = tuple((ops.create(f, model.limits), [model.constants[n] if n else None for n in f.inputs[1:]])
                                 for f in layer.fused)
             step = Step(index=len(self.nodes), layer=layer, op=op, kernel=kernel, activations=activations)
             self.nodes.append(Node(step, target, inputs))
