@@ -26,7 +26,8 @@ API_NAMES = [
     "readback_request", "is_readback_request_done", "readback_and_clone", "readback_and_clone_async",
     "download_to_array", "data_on_backend", "from_numpy", "dispose",
     "AsyncInferError", "ModelLoadError", "UnsupportedOperatorError", "InputError", "ExecutionError",
-    "BackendUnavailableError", "DisposedError",
+    "BackendUnavailableError", "DisposedError", "Limits", "LimitExceededError", "ModelTooLargeError",
+    "RequestTooLargeError",
 ]
 
 
