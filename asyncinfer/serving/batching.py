@@ -47,7 +47,7 @@ class BatcherStats:
 class _Request:
     """One waiting ``infer`` call: its inputs, and where its result or failure goes."""
 
-    __slots__ = ("inputs", "rows", "key", "enqueued_at", "done", "outputs", "error", "abandoned")
+    __slots__ = ("inputs", "rows", "key", "enqueued_at", "done", "outputs", "error", "abandoned", "batch", "run_scope")
 
     def __init__(self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, now: float):
         self.inputs = inputs
@@ -58,6 +58,8 @@ class _Request:
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
         self.abandoned = False  # the caller was cancelled: nobody reads the result
+        self.batch: list[_Request] = []  # once sent: the requests of its engine run
+        self.run_scope: anyio.CancelScope | None = None  # ...and the scope that can cancel that run
 
     def resolve(self, outputs: dict[str, np.ndarray]) -> None:
         if not self.done.is_set():
@@ -173,6 +175,7 @@ class DynamicBatcher:
             # batch finish for the others and drop this result.
             request.abandoned = True
             self._discard(request)
+            self._cancel_if_unwanted(request)
             raise
         if request.error is not None:
             raise request.error
@@ -267,6 +270,13 @@ class DynamicBatcher:
             if not queue:
                 del self._queues[request.key]
 
+    @staticmethod
+    def _cancel_if_unwanted(request: _Request) -> None:
+        """Cancel the engine run of ``request``'s batch once every caller in it has gone (a
+        timeout, a disconnect): its layers not started are skipped instead of computed for nobody."""
+        if request.run_scope is not None and all(r.abandoned for r in request.batch):
+            request.run_scope.cancel()
+
     def _wake(self) -> None:
         if self._wakeup is not None:
             self._wakeup.set()
@@ -336,26 +346,34 @@ class DynamicBatcher:
         return batch
 
     async def _run_batch(self, batch: list[_Request], slots: anyio.Semaphore) -> None:
+        scope = anyio.CancelScope()
+        for request in batch:
+            request.batch, request.run_scope = batch, scope
+        self._cancel_if_unwanted(batch[0])  # every caller may have gone since the batch was taken
         try:
-            if len(batch) == 1:
-                await self._run_alone(batch[0])
-                return
-            merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
-            try:
-                outputs = await self._engine_run(merged, len(batch))
-                parts = _split(outputs, [r.rows for r in batch])
-            except Exception:
-                # Keep a failure with the request that causes it: retry each one alone.
-                for request in batch:
-                    if not request.abandoned:
-                        await self._run_alone(request)
-                return
-            for request, part in zip(batch, parts):
-                request.resolve(part)
+            with scope:  # cancelled when every caller of the batch has gone
+                await self._run_requests(batch)
         finally:
             slots.release()
             for request in batch:  # cancelled (batcher shut down) before an answer
                 request.fail(DisposedError("the batcher stopped before this request finished"))
+
+    async def _run_requests(self, batch: list[_Request]) -> None:
+        if len(batch) == 1:
+            await self._run_alone(batch[0])
+            return
+        merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
+        try:
+            outputs = await self._engine_run(merged, len(batch))
+            parts = _split(outputs, [r.rows for r in batch])
+        except Exception:
+            # Keep a failure with the request that causes it: retry each one alone.
+            for request in batch:
+                if not request.abandoned:
+                    await self._run_alone(request)
+            return
+        for request, part in zip(batch, parts):
+            request.resolve(part)
 
     async def _run_alone(self, request: _Request) -> None:
         try:

@@ -2,6 +2,7 @@
 
     asyncinfer serve MODEL.onnx [NAME=OTHER.onnx ...] [--backend cpu] [--host 127.0.0.1] [--port 8000]
                      [--no-batching] [--max-batch-size 32] [--max-delay-ms 2]
+                     [--max-request-bytes N] [--request-timeout 60] [--max-queue 64] [--drain-timeout 30]
 
 Models are served under their file stems (``NAME=PATH`` picks another name); with no model, the
 embedded digits CNN is served as ``digits``. Starlette and uvicorn are imported only when the
@@ -10,25 +11,32 @@ command runs, so the rest of the CLI works without the ``serve`` extra.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..backends import BackendType
 from ..errors import AsyncInferError
+from ..limits import DEFAULT_LIMITS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_REQUEST_TIMEOUT = 60.0  # seconds; 0 on the command line: no deadline
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_DRAIN_TIMEOUT = 30.0
 
 
 def bounded(kind: type, low: float | None = None, high: float | None = None) -> Any:
-    """An argparse ``type`` reading a ``kind`` (int or float) within ``[low, high]``: anything else
+    """An argparse ``type`` reading a finite ``kind`` (int or float) within ``[low, high]``: anything else
     is a usage error (exit status 2, one line) rather than a traceback later on."""
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if (low is not None and value < low) or (high is not None and value > high):
             limits = f"from {low} to {high}" if high is not None else f"of at least {low}"
             raise argparse.ArgumentTypeError(f"{text} is out of range: give a value {limits}")
@@ -51,6 +59,17 @@ def add_serve_command(subparsers: Any) -> None:
     serve.add_argument("--max-delay-ms", type=bounded(float, 0.0), default=2.0,
                        help="how long a request may wait for batch-mates, in ms (default 2)")
     serve.add_argument("--threads", type=bounded(int, 1), default=None, help="CPU thread-pool size per model")
+    serve.add_argument("--max-request-bytes", type=bounded(int, 1), default=DEFAULT_LIMITS.max_request_bytes,
+                       help=f"largest request body; larger ones get 413 (default {DEFAULT_LIMITS.max_request_bytes})")
+    serve.add_argument("--request-timeout", type=bounded(float, 0.0), default=DEFAULT_REQUEST_TIMEOUT,
+                       help="seconds a request may take; past it 504 and the run is cancelled; 0: no deadline "
+                            f"(default {DEFAULT_REQUEST_TIMEOUT:g})")
+    serve.add_argument("--max-queue", type=bounded(int, 1), default=DEFAULT_MAX_QUEUE,
+                       help="most requests per model in progress; more get 503 with Retry-After "
+                            f"(default {DEFAULT_MAX_QUEUE})")
+    serve.add_argument("--drain-timeout", type=bounded(float, 0.0), default=DEFAULT_DRAIN_TIMEOUT,
+                       help="seconds shutdown waits for requests in progress before cancelling them "
+                            f"(default {DEFAULT_DRAIN_TIMEOUT:g})")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -91,11 +110,15 @@ def run_serve(args: argparse.Namespace) -> int:
         sources = model_sources(args.models)
         app = create_app(sources, backend=args.backend, batching=not args.no_batching,
                          max_batch_size=args.max_batch_size, max_delay=args.max_delay_ms / 1000,
-                         threads=args.threads)
+                         threads=args.threads, limits=DEFAULT_LIMITS.replace(max_request_bytes=args.max_request_bytes),
+                         request_timeout=args.request_timeout or None, max_queue=args.max_queue,
+                         drain_timeout=args.drain_timeout)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     for name, path in sources.items():
         print(f"serving {name!r} from {path} at http://{args.host}:{args.port}/v2/models/{name}", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn waits for open connections before the app's own drain: bound that wait the same way.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=math.ceil(args.drain_timeout))
     return 0

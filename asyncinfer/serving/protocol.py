@@ -7,11 +7,16 @@ checked against the model, and encodes the outputs back.
 Binary tensor data extension: the body is a JSON header of ``Inference-Header-Content-Length``
 bytes followed by raw tensors, in the order of the inputs that carry a ``binary_data_size``
 parameter (little-endian, row-major; BYTES elements are each prefixed by a 4-byte length).
+
+Requests are untrusted: before the JSON is parsed its nesting depth is measured without recursion
+(``Limits.max_json_depth``), and every input's rank and element count are checked against
+``Limits`` before any array is built. Whatever is wrong with a request is a ``ProtocolError(400)``.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import RequestTooLargeError
+from ..limits import DEFAULT_LIMITS, Limits
 from ..model.ir import Dim, Model, TensorInfo
 
 try:  # bfloat16 comes with ml_dtypes, an asyncinfer dependency
@@ -41,12 +48,20 @@ _BY_NAME: dict[str, np.dtype] = {name: dtype for dtype, name in _BY_DTYPE.items(
 
 
 class ProtocolError(Exception):
-    """A request the server rejects: ``status`` is the HTTP status, the message says why."""
+    """A request the server rejects: ``status`` is the HTTP status, the message says why, and
+    ``headers`` go with the answer (``Retry-After`` on a 503)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = dict(headers or {})
+
+
+def _clip(value: Any, length: int = 80) -> str:
+    """``repr(value)`` cut to ``length`` characters, for messages about untrusted values."""
+    text = repr(value)
+    return text if len(text) <= length else text[:length - 3] + "..."
 
 
 # -- datatypes and shapes -------------------------------------------------------------------------
@@ -68,7 +83,7 @@ def dtype_of(datatype: str) -> np.dtype:
     try:
         return _BY_NAME[datatype]
     except KeyError:
-        raise ProtocolError(400, f"unknown datatype {datatype!r}; expected one of {sorted(_BY_NAME)}") from None
+        raise ProtocolError(400, f"unknown datatype {_clip(datatype)}; expected one of {sorted(_BY_NAME)}") from None
 
 
 def wire_shape(shape: Sequence[Dim] | None) -> list[int]:
@@ -94,17 +109,18 @@ class InferRequest:
 
 
 def parse_infer_request(body: bytes, header_length: str | None, model: Model,
-                        model_name: str | None = None) -> InferRequest:
+                        model_name: str | None = None, limits: Limits = DEFAULT_LIMITS) -> InferRequest:
     """Decode an inference request body for ``model``; ProtocolError(400) says what is wrong.
 
-    ``header_length`` is the ``Inference-Header-Content-Length`` header (None: all JSON). Input
-    names, datatypes and element counts are checked here; shapes against the model's declared
-    (symbolic) signature are checked by the engine before it runs. ``model_name`` is the name
-    the model is served under, for messages (default: the model's own name).
+    ``header_length`` is the ``Inference-Header-Content-Length`` header (None: all JSON). The
+    JSON's depth, input names, datatypes, ranks and element counts are checked here (depth, rank
+    and elements against ``limits``); shapes against the model's declared (symbolic) signature
+    are checked by the engine before it runs. ``model_name`` is the name the model is served
+    under, for messages (default: the model's own name).
     """
     model_name = model_name or model.name
     header, binary = _split_body(body, header_length)
-    request = _load_json(header)
+    request = _load_json(header, limits.max_json_depth)
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError(400, f"'id' must be a string, got {type(request_id).__name__}")
@@ -117,7 +133,7 @@ def parse_infer_request(body: bytes, header_length: str | None, model: Model,
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for index, raw in enumerate(raw_inputs):
-        name, array, used = _decode_input(index, raw, declared, model_name, binary, offset)
+        name, array, used = _decode_input(index, raw, declared, model_name, binary, offset, limits)
         if name in inputs:
             raise ProtocolError(400, f"input {name!r} is given twice")
         inputs[name] = array
@@ -139,20 +155,49 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     try:
         length = int(header_length)
     except ValueError:
-        raise ProtocolError(400, f"Inference-Header-Content-Length must be an integer, got {header_length!r}") from None
+        raise ProtocolError(400, "Inference-Header-Content-Length must be an integer, "
+                                 f"got {_clip(header_length)}") from None
     if not 0 <= length <= len(body):
         raise ProtocolError(400, f"Inference-Header-Content-Length is {length}, but the body has {len(body)} bytes")
     return body[:length], body[length:]
 
 
-def _load_json(header: bytes) -> dict[str, Any]:
+def _load_json(header: bytes, max_depth: int) -> dict[str, Any]:
+    depth = json_depth(header)
+    if depth > max_depth:
+        raise ProtocolError(400, f"the request's JSON nests {depth} levels deep, more than "
+                                 f"Limits.max_json_depth = {max_depth}")
     try:
         request = json.loads(header)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ProtocolError(400, f"malformed JSON in the request body: {exc}") from None
+    except RecursionError:  # max_json_depth set above what the parser can recurse
+        raise ProtocolError(400, "the request's JSON nests too deeply to parse") from None
     if not isinstance(request, dict):
         raise ProtocolError(400, f"the request body must be a JSON object, got {type(request).__name__}")
     return request
+
+
+# A JSON string (escapes included): skipped when counting brackets.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_CHUNK = 1 << 20
+
+
+def json_depth(text: bytes) -> int:
+    """How deep arrays and objects nest in JSON ``text`` (``{"a": [1]}`` is 2), found without
+    parsing it or recursing, in time linear in its length: safe on any input, so it can guard
+    ``json.loads``, which recurses once per level. Malformed text gets a depth too (its brackets
+    outside strings, counted as they come); the parser then rejects it.
+    """
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS), np.uint8)
+    level = deepest = 0
+    for start in range(0, brackets.size, _DEPTH_CHUNK):  # chunks: a body of brackets stays cheap
+        chunk = brackets[start:start + _DEPTH_CHUNK]
+        levels = level + np.cumsum(np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1), dtype=np.int64)
+        deepest = max(deepest, int(levels.max()))
+        level = int(levels[-1])
+    return deepest
 
 
 def _parameters(obj: Mapping[str, Any], what: str) -> dict[str, Any]:
@@ -163,7 +208,7 @@ def _parameters(obj: Mapping[str, Any], what: str) -> dict[str, Any]:
 
 
 def _decode_input(index: int, raw: Any, declared: Mapping[str, TensorInfo], model_name: str,
-                  binary: bytes, offset: int) -> tuple[str, np.ndarray, int]:
+                  binary: bytes, offset: int, limits: Limits) -> tuple[str, np.ndarray, int]:
     """One input tensor: (name, array, binary bytes consumed)."""
     if not isinstance(raw, dict):
         raise ProtocolError(400, f"inputs[{index}] must be an object with name, shape, datatype and data")
@@ -175,12 +220,16 @@ def _decode_input(index: int, raw: Any, declared: Mapping[str, TensorInfo], mode
         raise ProtocolError(400, f"inputs[{index}]: 'name' must be a string")
     info = declared.get(name)
     if info is None:
-        raise ProtocolError(400, f"unknown input {name!r}; model {model_name!r} takes {list(declared)}")
+        raise ProtocolError(400, f"unknown input {_clip(name)}; model {model_name!r} takes {list(declared)}")
     if info.kind != "tensor":
         raise ProtocolError(400, f"input {name!r} is a {info.kind}: the protocol carries tensors only")
     shape = raw["shape"]
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise ProtocolError(400, f"input {name!r}: 'shape' must be a list of non-negative integers, got {shape!r}")
+        raise ProtocolError(400, f"input {name!r}: 'shape' must be a list of non-negative integers, got {_clip(shape)}")
+    try:  # before any array is made: a huge declared shape costs nothing
+        limits.check_shape(tuple(shape), f"input {name!r}")
+    except RequestTooLargeError as exc:
+        raise ProtocolError(400, str(exc)) from None
     datatype = raw["datatype"]
     if not isinstance(datatype, str):
         raise ProtocolError(400, f"input {name!r}: 'datatype' must be a string")
@@ -235,7 +284,7 @@ def _unpack_bytes(name: str, chunk: bytes, count: int) -> np.ndarray:
 def _from_json(name: str, data: Any, datatype: str, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
     try:
         raw = np.array(data, dtype=object if dtype == np.dtype(object) else None)
-    except ValueError as exc:  # ragged nesting
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged nesting, numbers NumPy cannot hold
         raise ProtocolError(400, f"input {name!r}: 'data' is not a regular (flat or nested) list: {exc}") from None
     if raw.size != count:
         raise ProtocolError(400, f"input {name!r}: shape {shape} needs {count} elements, 'data' has {raw.size}")
@@ -248,7 +297,8 @@ def _from_json(name: str, data: Any, datatype: str, dtype: np.dtype, shape: list
     if raw.size and raw.dtype.kind not in wanted:
         kind = {"b": "booleans", "iu": "integers", "iuf": "numbers"}[wanted]
         raise ProtocolError(400, f"input {name!r}: {datatype} data must be {kind}, got {_kind_name(raw)}")
-    array = raw.astype(dtype)
+    with np.errstate(all="ignore"):  # a float too large for FP16/FP32 becomes inf, as a cast does
+        array = raw.astype(dtype)
     if dtype.kind in "iu" and raw.size and not np.array_equal(array, raw):
         raise ProtocolError(400, f"input {name!r}: a value is out of the range of {datatype}")
     return array
@@ -276,7 +326,7 @@ def _requested_outputs(request: Mapping[str, Any], parameters: Mapping[str, Any]
             raise ProtocolError(400, f"outputs[{index}] must be an object with a string 'name'")
         name = raw["name"]
         if name not in names:
-            raise ProtocolError(400, f"unknown output {name!r}; model {model_name!r} has outputs {names}")
+            raise ProtocolError(400, f"unknown output {_clip(name)}; model {model_name!r} has outputs {names}")
         as_binary = _parameters(raw, f"output {name!r}").get("binary_data", default_binary)
         if not isinstance(as_binary, bool):
             raise ProtocolError(400, f"output {name!r}: 'binary_data' must be true or false")

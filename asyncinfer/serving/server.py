@@ -15,30 +15,53 @@ Endpoints (each model path also in the ``/v2/models/{name}/versions/{version}/..
 ``POST /v2/models/{name}/infer``      inference: JSON tensors or the binary tensor data extension
 ====================================  ==========================================================
 
-Errors are ``{"error": "..."}``: 404 for an unknown model or version, 400 for a bad request.
+Every request is untrusted; every error is ``{"error": "..."}`` and the server stays up:
+
+=====  =========================================================================================
+400    a malformed request: bad JSON, JSON nested deeper than ``Limits.max_json_depth``, a shape
+       that is not a list of non-negative integers, a rank over ``Limits.max_tensor_rank``, more
+       elements than ``Limits.max_tensor_elements``, data that does not fit its shape, inputs
+       that do not fit the model (the engine's ``InputError``)
+404    an unknown model, version or endpoint (405: a wrong method)
+408    the body did not arrive within ``request_timeout``
+413    a body over ``Limits.max_request_bytes`` (by ``Content-Length`` before reading, or while
+       reading a body sent without one)
+500    the model failed on this input (``ExecutionError``), or a server bug (logged)
+503    with ``Retry-After``: the model already has ``max_queue`` requests in progress, or the
+       server is shutting down
+504    inference did not finish within ``request_timeout`` (the run is cancelled)
+=====  =========================================================================================
+
+At shutdown the server drains: new inference requests get 503 and readiness 503, requests in
+progress get up to ``drain_timeout`` seconds to finish, then the workers are disposed
+(:mod:`.admission`).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Union
 
+import anyio
 import anyio.to_thread
 import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from .. import __version__
 from ..backends import BackendType
-from ..errors import AsyncInferError, DisposedError, InputError
+from ..errors import AsyncInferError, DisposedError, InputError, RequestTooLargeError
+from ..limits import DEFAULT_LIMITS, Limits
 from ..model.ir import Model
 from ..loader import load_model
 from ..runtime.worker import Worker
+from .admission import Admission, unavailable
 from .batching import DynamicBatcher
 from .protocol import (
     InferRequest,
@@ -54,6 +77,7 @@ MODEL_VERSION = "1"  # one version per served model
 EXTENSIONS = ["binary_tensor_data"]
 # Bodies larger than this are decoded/encoded on a worker thread, so the loop stays responsive.
 OFFLOAD_BYTES = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 class ServedModel:
@@ -95,31 +119,43 @@ class ServedModel:
 
 
 def create_app(models: Mapping[str, ModelSource], backend: BackendType | str = "cpu", batching: bool = True,
-               max_batch_size: int = 32, max_delay: float = 0.002, *, threads: int | None = None) -> Starlette:
+               max_batch_size: int = 32, max_delay: float = 0.002, *, threads: int | None = None,
+               limits: Limits = DEFAULT_LIMITS, request_timeout: float | None = 60.0, max_queue: int | None = 64,
+               drain_timeout: float = 30.0) -> Starlette:
     """An ASGI app serving ``models`` (``{name: Model or path}``) over the Open Inference Protocol.
 
     Args:
         models: served names mapped to loaded models or anything :func:`asyncinfer.load_model`
-            takes (a path, bytes, an ``onnx.ModelProto``). Paths are loaded now, so a bad file
-            fails here rather than at the first request.
+            takes (a path, bytes, an ``onnx.ModelProto``). Paths are loaded now (under
+            ``limits``), so a bad file fails here rather than at the first request.
         backend: the backend every model's worker runs on.
         batching: merge concurrent requests to one model with a :class:`DynamicBatcher`.
         max_batch_size: most rows per merged run.
         max_delay: seconds a request may wait for batch-mates.
         threads: CPU thread-pool size of each worker (default: the core count).
+        limits: bounds on requests: body bytes (413 above), JSON depth, tensor rank and elements
+            (400 above).
+        request_timeout: seconds a request may take from admission to its result (408 while the
+            body arrives, 504 while inference runs, which is then cancelled); None: no deadline.
+        max_queue: most inference requests per model in progress at once (received, queued or
+            running); one more gets 503 with ``Retry-After`` at once. None: no bound.
+        drain_timeout: seconds shutdown waits for requests in progress before cancelling them.
     """
     if not models:
         raise ValueError("create_app needs at least one model")
+    if not isinstance(limits, Limits):
+        raise TypeError(f"limits must be an asyncinfer.Limits, got {type(limits).__name__}")
     served: dict[str, ServedModel] = {}
     for name, source in models.items():
         if not name or "/" in name:
             raise ValueError(f"invalid model name {name!r}: must be non-empty without '/'")
-        model = source if isinstance(source, Model) else load_model(source)
+        model = source if isinstance(source, Model) else load_model(source, limits=limits)
         served[name] = ServedModel(name, model, backend, batching, max_batch_size, max_delay, threads)
+    admission = Admission(served, max_queue=max_queue, request_timeout=request_timeout, drain_timeout=drain_timeout)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with AsyncExitStack() as stack:
+        async with AsyncExitStack() as stack:  # on exit: workers (and batchers) disposed
             for entry in served.values():
                 await entry.start(stack)
             app.state.ready = True
@@ -127,6 +163,9 @@ def create_app(models: Mapping[str, ModelSource], backend: BackendType | str = "
                 yield
             finally:
                 app.state.ready = False
+                if not await admission.drain():
+                    logger.warning("shutdown: requests still in progress after drain_timeout=%s s were cancelled",
+                                   admission.drain_timeout)
 
     routes = [
         Route("/v2/health/live", _live, methods=["GET"]),
@@ -140,8 +179,11 @@ def create_app(models: Mapping[str, ModelSource], backend: BackendType | str = "
             Route(prefix + "/infer", _infer, methods=["POST"]),
         ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ProtocolError: _protocol_error, HTTPException: _http_error})
+                    exception_handlers={ProtocolError: _protocol_error, HTTPException: _http_error,
+                                        Exception: _internal_error})
     app.state.models = served
+    app.state.limits = limits
+    app.state.admission = admission
     app.state.ready = False
     return app
 
@@ -157,7 +199,14 @@ def _error(status: int, message: str) -> Response:
 
 async def _protocol_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ProtocolError)
-    return _error(exc.status, exc.message)
+    response = _error(exc.status, exc.message)
+    response.headers.update(exc.headers)
+    return response
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # A bug, not the client's fault: a JSON 500 without the traceback (Starlette logs it).
+    return _error(500, f"internal server error ({type(exc).__name__})")
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -175,7 +224,7 @@ async def _live(request: Request) -> Response:
 
 async def _ready(request: Request) -> Response:
     models: dict[str, ServedModel] = request.app.state.models
-    ready = bool(request.app.state.ready) and all(m.ready for m in models.values())
+    ready = bool(request.app.state.ready) and all(m.ready for m in models.values())  # False while draining
     return _json({"ready": ready}, 200 if ready else 503)
 
 
@@ -202,26 +251,86 @@ async def _model_metadata(request: Request) -> Response:
 
 async def _model_ready(request: Request) -> Response:
     entry = _lookup(request)
-    return _json({"name": entry.name, "ready": entry.ready}, 200 if entry.ready else 503)
+    ready = bool(request.app.state.ready) and entry.ready
+    return _json({"name": entry.name, "ready": ready}, 200 if ready else 503)
 
 
 async def _infer(request: Request) -> Response:
     entry = _lookup(request)
-    body = await request.body()
-    header_length = request.headers.get("inference-header-content-length")
-    parsed: InferRequest = await _maybe_offload(len(body), parse_infer_request, body, header_length,
-                                               entry.model, entry.name)
+    admission: Admission = request.app.state.admission
+    limits: Limits = request.app.state.limits
+    async with admission.admit(entry.name):  # 503 when full or shutting down
+        deadline = admission.deadline()
+        with anyio.move_on_at(deadline) as receiving:
+            body = await read_body(request, limits)
+        if receiving.cancelled_caught:
+            raise ProtocolError(408, f"the request body did not arrive within the request timeout "
+                                     f"({admission.request_timeout} s)")
+        parsed = await _parse(request, body, entry, limits)
+        with anyio.move_on_at(deadline) as running:  # cancelling the run skips its layers not started
+            outputs = await _run(entry, parsed.inputs)
+        if running.cancelled_caught:
+            raise ProtocolError(504, f"model {entry.name!r} did not answer within the request timeout "
+                                     f"({admission.request_timeout} s); the run was cancelled")
+        size = sum(a.nbytes for a in outputs.values())
+        content, headers = await _maybe_offload(size, encode_infer_response, entry.name, MODEL_VERSION, parsed, outputs)
+    return Response(content, headers=headers)
+
+
+async def read_body(request: Request, limits: Limits) -> bytes:
+    """The request body, refused with 413 beyond ``limits.max_request_bytes``: by ``Content-Length``
+    before a byte is read, and while reading (a body without ``Content-Length``, or longer than it
+    said), so no more than the limit (plus one chunk) is ever held."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            length = int(declared)
+        except ValueError:
+            raise ProtocolError(400, f"Content-Length must be an integer, got {declared[:40]!r}") from None
+        _check_body_size(length, limits)
+    chunks: list[bytes] = []
+    received = 0
     try:
-        outputs = await entry.infer(parsed.inputs)
-    except InputError as exc:  # shapes against the declared signature, checked by the engine
+        async for chunk in request.stream():
+            received += len(chunk)
+            _check_body_size(received, limits)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ProtocolError(400, "the client disconnected before sending the whole body") from None
+    return b"".join(chunks)
+
+
+def _check_body_size(size: int, limits: Limits) -> None:
+    try:
+        limits.check_request("max_request_bytes", size, "the request body (bytes)")
+    except RequestTooLargeError as exc:
+        raise ProtocolError(413, str(exc)) from None
+
+
+async def _parse(request: Request, body: bytes, entry: ServedModel, limits: Limits) -> InferRequest:
+    """Decode the body (on a helper thread when large). Anything but a ProtocolError escaping the
+    decoder is a bug in it, yet still the request's fault: 400, and logged."""
+    header_length = request.headers.get("inference-header-content-length")
+    try:
+        return await _maybe_offload(len(body), parse_infer_request, body, header_length, entry.model,
+                                    entry.name, limits)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - answered as a bad request, logged as a bug
+        logger.exception("decoding a request to %r raised %s", entry.name, type(exc).__name__)
+        raise ProtocolError(400, f"the request could not be decoded ({type(exc).__name__})") from None
+
+
+async def _run(entry: ServedModel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Inference, with engine errors mapped to HTTP answers."""
+    try:
+        return await entry.infer(inputs)
+    except InputError as exc:  # shapes against the declared signature (and Limits), checked by the engine
         raise ProtocolError(400, str(exc)) from None
     except DisposedError as exc:
-        raise ProtocolError(503, str(exc)) from None
+        raise unavailable(str(exc)) from None
     except AsyncInferError as exc:  # the model failed on this input; the server stays up
         raise ProtocolError(500, f"{type(exc).__name__}: {exc}") from None
-    size = sum(a.nbytes for a in outputs.values())
-    content, headers = await _maybe_offload(size, encode_infer_response, entry.name, MODEL_VERSION, parsed, outputs)
-    return Response(content, headers=headers)
 
 
 async def _maybe_offload(size: int, fn: Any, *args: Any) -> Any:
