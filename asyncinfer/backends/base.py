@@ -86,12 +86,27 @@ class StepDone(Protocol):
         """True once the step's run has been cancelled (long kernels poll it between iterations)."""
 
 
+class Job(Protocol):
+    """Work the runtime hands a backend as one unit: a *segment* of consecutive steps, each run
+    with :meth:`Backend.run_now` on the thread that runs the job."""
+
+    def run(self) -> None:
+        """Run the job (on one of the backend's threads). Never raises."""
+
+    def fail(self, error: BaseException) -> None:
+        """The backend cannot run the job (it was disposed, or a thread could not start)."""
+
+
 class Backend(ABC):
     """Runs steps whose inputs are ready. One backend instance belongs to one worker."""
 
     name: str = ""
     #: Where this backend's values live: :data:`HOST` (NumPy arrays) or a device name.
     device: str = HOST
+    #: True for backends that run a :class:`Job` of consecutive steps on one of their threads
+    #: (:meth:`submit_job` and :meth:`run_now`); the runtime then schedules paths of light layers
+    #: as one job, instead of one dispatch per layer.
+    runs_jobs: bool = False
 
     @abstractmethod
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Any:
@@ -103,6 +118,14 @@ class Backend(ABC):
     def dispatch(self, step: Step, args: list, done: StepDone) -> None:
         """Run ``step`` on ``args`` (its input values, all ready) soon, and report through
         ``done``. Must not block."""
+
+    def submit_job(self, job: Job) -> None:
+        """Run ``job`` on one of this backend's threads soon (only if :attr:`runs_jobs`). Must not block."""
+        raise NotImplementedError(f"the {self.name} backend does not run jobs")
+
+    def run_now(self, step: Step, args: list, done: StepDone) -> None:
+        """Run ``step`` synchronously on the calling thread, from inside a job this backend runs."""
+        raise NotImplementedError(f"the {self.name} backend does not run jobs")
 
     @abstractmethod
     def close(self) -> None:

@@ -69,12 +69,13 @@ class TaskFuture:
         return self._state == _FAILED
 
     def add_done_callback(self, fn: Callable[["TaskFuture"], None]) -> None:
-        """Call ``fn(self)`` once done: now, on this thread, if already done."""
+        """Call ``fn(self)`` once done: now, on this thread, if already done (isolated like every
+        callback: if it raises, the error is logged)."""
         with self._lock:
             if self._state == _PENDING:
                 self._callbacks.append(fn)  # type: ignore[union-attr]
                 return
-        fn(self)
+        _run_callbacks(self, [fn])
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block the calling thread until done; True if done."""

@@ -13,7 +13,7 @@ from ..concurrency.bridge import wait_done
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError, DisposedError, ExecutionError
 from ..tensor import Tensor, reraise
-from .plan import Node, Plan
+from .plan import Node, Plan, Segment
 
 
 
@@ -71,6 +71,39 @@ class _StepDone:
         return self._execution._cancelled
 
 
+class _SegmentJob:
+    """A segment of one run, as the backend's job: its steps in order on the job's thread, each
+    completing its own layer future (so every layer stays observable)."""
+
+    __slots__ = ("_execution", "segment")
+
+    def __init__(self, execution: "Execution", segment: Segment):
+        self._execution = execution
+        self.segment = segment
+
+    def run(self) -> None:
+        # The loop of Execution._arguments + dispatch, unrolled for speed: it runs per layer.
+        execution = self._execution
+        futures = execution.futures
+        for node in self.segment.nodes:
+            try:
+                args = [None if r is None else futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr,index]
+            except TypeError:  # a failed input has no value: let the general path report it
+                execution._arguments(node)
+                continue
+            done = _StepDone(execution, node)
+            for a in args:
+                if a is RELEASED:
+                    done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
+                    break
+            else:
+                node.backend.run_now(node.step, args, done)  # run_kernel: skipped if cancelled
+
+    def fail(self, error: BaseException) -> None:
+        for node in self.segment.nodes:
+            _StepDone(self._execution, node).fail(error)
+
+
 class Execution:
     """The task graph of one ``schedule`` call. Its layers run as their inputs become ready.
 
@@ -101,8 +134,15 @@ class Execution:
 
     # -- scheduling ----------------------------------------------------------------------------------
     def submit_all(self) -> "Execution":
-        for _ in self.submit_iter():
-            pass
+        """Submit every step: a segment of light layers (see ``Plan.segments``) as one job."""
+        try:
+            for segment in self.plan.segments:
+                if len(segment.nodes) == 1:
+                    self._submit(segment.nodes[0])
+                else:
+                    self._submit_segment(segment)
+        finally:
+            self.abandon_unsubmitted()
         return self
 
     def submit_iter(self) -> Iterator[Node]:
@@ -140,6 +180,28 @@ class Execution:
         for dep in pending:
             dep.add_done_callback(lambda _f, node=node: self._input_done(node))  # type: ignore[union-attr]
 
+    def _submit_segment(self, segment: Segment) -> None:
+        for node in segment.nodes:
+            self.futures[node.index] = TaskFuture(label=node.layer.name)
+        self._submitted += len(segment.nodes)
+        job = _SegmentJob(self, segment)
+        pending = [d for d in (self.futures[s] for s in segment.sources) if not d.done()]  # type: ignore[union-attr]
+        if not pending:
+            segment.nodes[0].backend.submit_job(job)
+            return
+        first = segment.nodes[0].index
+        self._missing[first] = len(pending)
+        for dep in pending:
+            dep.add_done_callback(lambda _f, job=job: self._segment_input_done(job))  # type: ignore[union-attr]
+
+    def _segment_input_done(self, job: "_SegmentJob") -> None:
+        first = job.segment.nodes[0]
+        with self._lock:
+            self._missing[first.index] -= 1
+            ready = self._missing[first.index] == 0
+        if ready:
+            first.backend.submit_job(job)
+
     def _input_done(self, node: Node) -> None:
         with self._lock:
             self._missing[node.index] -= 1
@@ -149,21 +211,28 @@ class Execution:
 
     def _ready(self, node: Node) -> None:
         """Every input of ``node`` is done: dispatch it to its backend with their values."""
+        prepared = self._arguments(node)
+        if prepared is not None:
+            node.backend.dispatch(node.step, *prepared)
+
+    def _arguments(self, node: Node) -> tuple[list, _StepDone] | None:
+        """The input values of a ready ``node`` and its completion; None when the node is failed
+        instead (a failed input, a cancelled run, a released value)."""
         done = _StepDone(self, node)
         for ref in node.inputs:
             if ref is not None:
                 dep = self.futures[ref[0]]
                 if dep.failed():  # type: ignore[union-attr]
                     done.fail(dep.exception())  # type: ignore[union-attr,arg-type]
-                    return
+                    return None
         if self._cancelled:
             done.fail(self._cancelled_error(node))
-            return
+            return None
         args = [None if r is None else self.futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr]
         if any(a is RELEASED for a in args):
             done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
-            return
-        node.backend.dispatch(node.step, args, done)
+            return None
+        return args, done
 
     @staticmethod
     def _cancelled_error(node: Node) -> ExecutionError:

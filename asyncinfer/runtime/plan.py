@@ -43,6 +43,15 @@ class Node:
         self.index, self.layer = self.step.index, self.step.layer
 
 
+@dataclass(eq=False)
+class Segment:
+    """Consecutive steps that run as one job (see :meth:`Plan._plan_segments`)."""
+
+    nodes: list[Node]
+    light: bool                    # its steps may run inside a job
+    sources: tuple[int, ...] = ()  # sources outside the segment that its steps wait for
+
+
 @dataclass
 class Placement:
     """Where each layer runs.
@@ -150,6 +159,7 @@ class Plan:
         self._number_sources(home, constant_names, device_constants)
         self.output_refs = [self.refs[o.name] for o in model.outputs]
         self._plan_releases()
+        self.segments = self._plan_segments()
         self.placement = Placement(placement, len(transfer_names), fallback_layers, transfer_names,
                                    len(device_constants))
 
@@ -182,6 +192,33 @@ class Plan:
             # Model inputs count too: one may be a pending tensor chained from another run.
             node.sources = tuple(sorted({r[0] for r in node.inputs if r is not None and r[0] < first_constant}))
         self.refs: dict[str, Ref] = {name: resolve(ref) for name, (ref, _) in home.items()}  # type: ignore[misc]
+
+    def _plan_segments(self) -> list[Segment]:
+        """Cut the steps into segments: maximal paths of consecutive light layers on a backend
+        that runs jobs, each reading the one before it and otherwise only values of the path,
+        model inputs or constants. A segment runs as one job on one thread (it was a path: no
+        parallelism is lost), so its layers cost no dispatch each. Every other step is a segment
+        of its own. GEMM-based kernels stay alone: the CPU backend serialises them in its lane."""
+        n_steps = len(self.nodes)
+        segments: list[Segment] = []
+        members: set[int] = set()
+        for node in self.nodes:
+            step = node.step
+            light = (node.backend.runs_jobs and step.kind is StepKind.LAYER
+                     and not getattr(step.kernel, "multithreaded", False))
+            last = segments[-1].nodes[-1] if segments else None
+            if (light and last is not None and last.backend is node.backend and segments[-1].light
+                    and last.index in node.sources
+                    and all(s in members or s >= n_steps for s in node.sources)):
+                segments[-1].nodes.append(node)
+                members.add(node.index)
+                continue
+            segments.append(Segment([node], light))
+            members = {node.index}
+        for segment in segments:
+            inside = {n.index for n in segment.nodes}
+            segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources if s not in inside}))
+        return segments
 
     def _plan_releases(self) -> None:
         """Free each intermediate value after its last reader, so a run holds only live tensors."""

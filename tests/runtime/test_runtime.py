@@ -471,3 +471,32 @@ def test_a_device_thread_that_cannot_start_is_backend_unavailable(monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", refuse)
     with pytest.raises(ai.BackendUnavailableError, match="cannot start"):
         DeviceThread("test-device")
+
+
+def test_a_path_of_light_layers_runs_as_one_segment_with_every_layer_future_observable(add_chain_model):
+    with ai.Worker(ai.load_model(add_chain_model(50))) as worker:
+        assert [len(s.nodes) for s in worker._plan.segments] == [50]  # one job, not 50 dispatches
+        execution = worker.schedule(np.zeros((1, 4), np.float32))
+        np.testing.assert_array_equal(worker.peek_output().readback_and_clone().numpy(), np.full((1, 4), 50))
+        futures = [execution.layer_future(f"add{i}") for i in range(50)]
+        assert all(f.done() and not f.failed() for f in futures)  # each layer completed its own future
+        np.testing.assert_array_equal(futures[-1].peek()[0], np.full((1, 4), 50))
+
+
+def test_a_branch_leaving_a_segment_runs_while_the_segment_is_still_busy(gate):
+    """x → Relu → Gate → Neg → y (a path: one segment); Relu → Abs → z branches off it. The branch
+    must not wait for the blocked rest of the segment."""
+    name, event = gate
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Gate", ["r"], ["g"], domain=TEST_DOMAIN, gate=name, name="gate"),
+             helper.make_node("Neg", ["g"], ["y"], name="neg"),
+             helper.make_node("Abs", ["r"], ["z"], name="branch")]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2]), tensor_info("z", [2])]))
+    with ai.Worker(model, threads=2) as worker:
+        assert [[n.layer.name for n in s.nodes] for s in worker._plan.segments][0] == ["relu", "gate", "neg"]
+        execution = worker.schedule(np.array([-1, 2], np.float32))
+        branch = execution.layer_future("branch")
+        assert branch.wait(10), "the branch waited for the gated segment"
+        assert not execution.layer_future("neg").done()
+        event.set()
+        np.testing.assert_array_equal(execution.take_output("y").readback_and_clone().numpy(), [0, -2])

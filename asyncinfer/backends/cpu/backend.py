@@ -16,17 +16,18 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 
-from ...errors import DisposedError, ExecutionError
+from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
-from ..base import Backend, Step, StepDone, ValueTypes, run_kernel
+from ..base import Backend, Job, Step, StepDone, ValueTypes, run_kernel
 from .memory import release_free_memory, tune_allocator
 
 Task = tuple[Step, list, StepDone]
+Work = Union[Task, Job]  # what the pool runs: one step, or a job of consecutive steps
 
 
 def _quiet_floating_point() -> None:
@@ -38,6 +39,7 @@ class CPUBackend(Backend):
     """Thread-pool executor of the NumPy kernels (``threads`` defaults to the core count)."""
 
     name = "cpu"
+    runs_jobs = True
 
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads or os.cpu_count() or 1)
@@ -61,25 +63,35 @@ class CPUBackend(Backend):
             return
         self._submit(task)
 
-    def _submit(self, task: Task) -> None:
+    def submit_job(self, job: Job) -> None:
+        self._submit(job)
+
+    def run_now(self, step: Step, args: list, done: StepDone) -> None:
+        # Jobs hold no GEMM-based kernels (the runtime keeps those out of them): no lane here.
+        run_kernel(step, args, done, _compute)
+
+    def _submit(self, work: Work) -> None:
         try:
-            self._pool.submit(self._run_chain, task)
+            self._pool.submit(self._run_chain, work)
         except RuntimeError as exc:
             if self._closed:  # the pool was shut down by dispose()
-                task[2].fail(DisposedError("the worker was disposed before this layer could run"))
+                _fail(work, DisposedError("the worker was disposed before this layer could run"))
             elif not self._pool._threads:  # noqa: SLF001 - the OS refused the pool's first thread
-                # The task stays queued in the pool and may run once a thread starts: first
+                # The work stays queued in the pool and may run once a thread starts: first
                 # completion wins, so failing it now loses nothing and strands no one.
-                task[2].fail(ExecutionError(f"{task[0].layer.describe()} could not run: the CPU "
-                                            f"backend cannot start a thread ({exc})",
-                                            layer=task[0].layer.name, op_type=task[0].layer.op_type))
-            # else: the pool's running threads pick the queued task up
+                _fail(work, ExecutionError(f"the CPU backend cannot start a thread ({exc})"))
+            # else: the pool's running threads pick the queued work up
 
-    def _run_chain(self, task: Task) -> None:
+    def _run_chain(self, work: Work) -> None:
+        if not isinstance(work, tuple):
+            # A job: layers it makes ready go to the pool at once, where idle threads take them,
+            # rather than waiting for the whole job to end.
+            work.run()
+            return
         chain: list[Task] = []
         self._local.chain = chain
         try:
-            self._execute(task)
+            self._execute(work)
             while chain:
                 task, rest = chain[0], chain[1:]
                 chain.clear()
@@ -110,6 +122,17 @@ class CPUBackend(Backend):
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=False)
             release_free_memory()
+
+
+def _fail(work: Work, error: AsyncInferError) -> None:
+    if isinstance(work, tuple):
+        step = work[0]
+        if isinstance(error, ExecutionError):  # name the layer that could not run
+            error = ExecutionError(f"{step.layer.describe()} could not run: {error}",
+                                   layer=step.layer.name, op_type=step.layer.op_type)
+        work[2].fail(error)
+    else:
+        work.fail(error)
 
 
 def _compute(step: Step, args: list) -> list:
