@@ -13,6 +13,7 @@ node-case harness, every backend), ``pixel_testing``, ``model_zoo``; and tests/o
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -173,3 +174,17 @@ def anyio_backend(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Report the suite's peak memory (this process, and the largest subprocess it waited for):
+    the README promises the tests fit in ~4 GiB, and CI's log keeps the figure."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return
+    # ru_maxrss is in KiB on Linux, in bytes on macOS
+    scale = 1 if sys.platform == "darwin" else 1024
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2 ** 30
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale / 2 ** 30
+    terminalreporter.write_line(f"peak resident memory: {own:.2f} GiB (largest subprocess {child:.2f} GiB)")
