@@ -45,11 +45,19 @@ class PixelBackend(DeviceBackend):
             return None
 
     def prepare_constant(self, kernel: PixelKernel, input_index: int, array: np.ndarray) -> PixelTensor:
-        prepared = kernel.prepare_constant(self.gpu, input_index, array)
-        return prepared if prepared is not None else self.gpu.upload(array)
+        try:
+            prepared = kernel.prepare_constant(self.gpu, input_index, array)
+            return prepared if prepared is not None else self.gpu.upload(array)
+        except Exception:
+            self.gpu.clear_errors()  # a failed allocation's GL error must not fail a later step
+            raise
 
     def upload(self, array: np.ndarray) -> PixelTensor:
-        return self.gpu.upload(array)
+        try:
+            return self.gpu.upload(array)
+        except Exception:
+            self.gpu.clear_errors()
+            raise
 
     def start_download(self, value: Any) -> TaskFuture:
         return self.gpu.start_download(value)
@@ -58,6 +66,13 @@ class PixelBackend(DeviceBackend):
         self.gpu.check_errors()
 
     def run_layer(self, step: Step, args: list) -> list:
+        try:
+            return self._run_layer(step, args)
+        except Exception:
+            self.gpu.clear_errors()  # a failed layer's GL error must not fail the next step
+            raise
+
+    def _run_layer(self, step: Step, args: list) -> list:
         kernel: PixelKernel = step.kernel
         post = activation_chain(step.activations) if step.activations else None
         if post is None or kernel.fuses_activation:

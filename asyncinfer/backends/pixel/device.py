@@ -1,6 +1,7 @@
 """What kernels use on the GL thread: uploads, draws and fenced downloads of :class:`PixelTensor`s."""
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,10 +11,13 @@ from ...concurrency.future import TaskFuture
 from .gl import GLThread
 from .layout import Layout, natural_layout
 from .shader import ProgramCache, fragment_source
-from .storage import PixelTensor, TexturePool
+from .storage import PixelTensor, TexturePool, gl_errors
 
 #: Integers a float32 texel holds exactly.
 EXACT_INT_LIMIT = 1 << 24
+#: Loop iterations llvmpipe runs in one fragment, all loops together: past it, it leaves them
+#: silently (gallivm's LP_MAX_TGSI_LOOP_ITERATIONS, a guard against endless shaders).
+LLVMPIPE_LOOP_LIMIT = 65535
 
 
 class PixelDevice:
@@ -21,12 +25,22 @@ class PixelDevice:
     run there; the rest may be called from any thread."""
 
     def __init__(self) -> None:
-        self.gl = GLThread()
-        self.pool: TexturePool = self.gl.call(lambda: TexturePool(self.gl.ctx))
-        self.programs: ProgramCache = self.gl.call(lambda: ProgramCache(self.gl.ctx))
-        self.max_texture_size: int = self.gl.call(lambda: int(self.gl.ctx.info["GL_MAX_TEXTURE_SIZE"]))
-        self.renderer: str = self.gl.call(lambda: str(self.gl.ctx.info["GL_RENDERER"]))
+        self.gl = gl = GLThread()
+        try:
+            self.pool: TexturePool = gl.call(lambda: TexturePool(gl.ctx))
+            self.programs: ProgramCache = gl.call(lambda: ProgramCache(gl.ctx))
+            self.max_texture_size: int = gl.call(lambda: int(gl.ctx.info["GL_MAX_TEXTURE_SIZE"]))
+            self.renderer: str = gl.call(lambda: str(gl.ctx.info["GL_RENDERER"]))
+        except BaseException:
+            gl.close()
+            raise
         self.draws = 0
+        #: Loop iterations one fragment may run (None: no known limit).
+        self.loop_limit: int | None = LLVMPIPE_LOOP_LIMIT if "llvmpipe" in self.renderer else None
+        # A device nobody closed (its worker dropped without dispose) still ends its GL thread
+        # once unreachable; the callback must not hold the device itself.
+        self._finalizer = weakref.finalize(self, _close_soon, gl, self.pool, self.programs)
+        self._finalizer.atexit = False
 
     # -- storage (GL thread) ------------------------------------------------------------------------
     def texture_size(self, layout: Layout) -> tuple[int, int]:
@@ -75,10 +89,15 @@ class PixelDevice:
         return out
 
     def check_errors(self) -> None:
-        """(GL thread) Raise the pending GL error, if any, as a RuntimeError."""
-        error = self.gl.ctx.error
-        if error != "GL_NO_ERROR":
-            raise RuntimeError(f"OpenGL reported {error}")
+        """(GL thread) Raise the pending GL errors, if any, as a RuntimeError (clearing them all, so
+        that none is left to fail a later step)."""
+        errors = gl_errors(self.gl.ctx)
+        if errors:
+            raise RuntimeError(f"OpenGL reported {', '.join(errors)}")
+
+    def clear_errors(self) -> None:
+        """(GL thread) Drop the pending GL errors of a step that failed anyway."""
+        gl_errors(self.gl.ctx)
 
     # -- downloads (any thread) --------------------------------------------------------------------------
     def start_download(self, tensor: PixelTensor) -> TaskFuture:
@@ -87,11 +106,19 @@ class PixelDevice:
         future = TaskFuture(label="gpu_pixel download")
 
         def read() -> None:
+            buffer = None
             try:
                 width, height = tensor.surface.size
                 buffer = self.gl.ctx.buffer(reserve=width * height * 16)
+                errors = gl_errors(self.gl.ctx)  # an unallocated buffer comes back with a GL error
+                if errors:
+                    raise MemoryError(f"gpu_pixel could not allocate a {width * height * 16 / 2**20:.0f} MiB "
+                                      f"download buffer: OpenGL reported {', '.join(errors)}")
                 tensor.surface.framebuffer.read_into(buffer, components=4, dtype="f4")
             except Exception as exc:  # noqa: BLE001 - reported through the future
+                if buffer is not None:
+                    buffer.release()
+                gl_errors(self.gl.ctx)
                 future.set_exception(exc)
                 return
 
@@ -111,6 +138,8 @@ class PixelDevice:
         return future
 
     def close(self) -> None:
+        self._finalizer.detach()
+
         def release() -> None:
             self.pool.release_all()
             self.programs.release_all()
@@ -119,6 +148,20 @@ class PixelDevice:
             self.gl.call(release)
         finally:
             self.gl.close()
+
+
+def _close_soon(gl: GLThread, pool: TexturePool, programs: ProgramCache) -> None:
+    """Release the textures and programs, then end the GL thread, from the GL thread itself: a
+    finalizer may run on any thread (this one included) and must not wait."""
+    def close() -> None:
+        pool.release_all()
+        programs.release_all()
+        gl.close()  # on its own thread: marks the end without joining
+
+    try:
+        gl.submit(close)
+    except Exception:  # noqa: BLE001 - already closed
+        pass
 
 
 def _to_dtype(values: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -114,7 +114,7 @@ class GLThread(DeviceThread):
 
     def submit(self, fn: Callable[[], Any]) -> bool:
         """Run ``fn()`` on the GL thread, after everything submitted before it."""
-        if not super().submit(fn):
+        if not super().submit(_Once(fn)):
             raise self.closed_error()
         return True
 
@@ -148,6 +148,21 @@ class GLThread(DeviceThread):
             future.set_result(value)
 
         self.watch(signaled, finish)
+
+
+class _Once:
+    """A job that lets go of its closure once run. The thread's loop holds the last job it ran
+    until the next one comes: a closure over the device would keep an idle, forgotten backend
+    alive, and its thread with it (see PixelDevice's finalizer)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn: Callable[[], Any] | None = fn
+
+    def __call__(self) -> Any:
+        fn, self.fn = self.fn, None
+        return fn() if fn is not None else None
 
 
 def release_egl_thread() -> None:

@@ -66,6 +66,23 @@ float pow_(float a, float b) {
 vec4 pow_(vec4 a, vec4 b) { return vec4(pow_(a.x, b.x), pow_(a.y, b.y), pow_(a.z, b.z), pow_(a.w, b.w)); }
 float relu(float x) { return isnan(x) ? x : max(x, 0.0); }
 vec4 relu(vec4 x) { return mix(max(x, 0.0), x, isnan(x)); }
+// NumPy's maximum, minimum and clip: a NaN operand gives NaN (GLSL leaves min/max at NaN
+// undefined; llvmpipe returns the other operand). The element-wise table's min/max/clamp are
+// drawn with these (kernels/elementwise.py).
+float max_(float a, float b) { return isnan(a) || isnan(b) ? a + b : max(a, b); }
+vec4 max_(vec4 a, vec4 b) { return mix(max(a, b), a + b, bvec4(vec4(isnan(a)) + vec4(isnan(b)))); }
+vec4 max_(vec4 a, float b) { return max_(a, vec4(b)); }
+float min_(float a, float b) { return isnan(a) || isnan(b) ? a + b : min(a, b); }
+vec4 min_(vec4 a, vec4 b) { return mix(min(a, b), a + b, bvec4(vec4(isnan(a)) + vec4(isnan(b)))); }
+vec4 min_(vec4 a, float b) { return min_(a, vec4(b)); }
+float clamp_(float x, float lo, float hi) { return min_(max_(x, lo), hi); }
+vec4 clamp_(vec4 x, float lo, float hi) { return min_(max_(x, lo), hi); }
+// A float constant of the host (an attribute, a fill value) by its bits: how kernels/base.py's
+// glsl_float writes zeros, infinities and NaN. OR-ing in a uniform that is never set (GL links
+// uniforms as 0) hides the value from the compiler, which would fold ``0.0 * x`` to 0 (NaN on the
+// CPU for an infinite x) and has no literal for inf or NaN.
+uniform uint opaque_zero;
+float opaque(uint bits) { return uintBitsToFloat(bits | opaque_zero); }
 """
 
 VERTEX_SHADER = """#version 330

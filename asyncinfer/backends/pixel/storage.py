@@ -12,6 +12,17 @@ from .layout import Layout
 
 
 
+def gl_errors(ctx: Any) -> list[str]:
+    """(GL thread) Every pending GL error flag, clearing them (GL keeps one per kind)."""
+    errors = []
+    for _ in range(8):  # bounded: a lost context may report GL_CONTEXT_LOST forever
+        error = ctx.error
+        if error == "GL_NO_ERROR":
+            break
+        errors.append(error)
+    return errors
+
+
 class Surface:
     """An RGBA32F texture with the framebuffer that draws into it (pooled together)."""
 
@@ -22,8 +33,21 @@ class Surface:
 
         self.size = size
         self.texture = ctx.texture(size, 4, dtype="f4")
+        # A texture GL cannot allocate (GL_OUT_OF_MEMORY) still comes back, with an error flag:
+        # checked here, or the flag fails some later, unrelated step.
+        errors = gl_errors(ctx)
+        if errors:
+            self.texture.release()
+            gl_errors(ctx)
+            raise MemoryError(f"gpu_pixel could not allocate a {size[0]}×{size[1]} RGBA32F texture "
+                              f"({size[0] * size[1] * 16 / 2**20:.0f} MiB): OpenGL reported {', '.join(errors)}")
         self.texture.filter = (moderngl.NEAREST, moderngl.NEAREST)
-        self.framebuffer = ctx.framebuffer(color_attachments=[self.texture])
+        try:
+            self.framebuffer = ctx.framebuffer(color_attachments=[self.texture])
+        except Exception:
+            self.texture.release()
+            gl_errors(ctx)
+            raise
 
     def release(self) -> None:
         self.framebuffer.release()
@@ -57,8 +81,15 @@ class TexturePool:
         if free:
             self.reused += 1
             return free.pop()
+        try:
+            surface = Surface(self._ctx, size)
+        except MemoryError:
+            if not any(self._free.values()):
+                raise
+            self._release_free()  # the pooled textures of other sizes may be what is missing
+            surface = Surface(self._ctx, size)
         self.allocated += 1
-        return Surface(self._ctx, size)
+        return surface
 
     def _collect(self) -> None:
         while True:
@@ -72,6 +103,10 @@ class TexturePool:
         """(GL thread) Free every pooled texture; surfaces still held are freed with the context."""
         self._collect()
         self.closed = True
+        self._release_free()
+
+    def _release_free(self) -> None:
+        """(GL thread) Free the pooled surfaces nobody holds."""
         for surfaces in self._free.values():
             for surface in surfaces:
                 surface.release()

@@ -1,7 +1,6 @@
 """The base class of the pixel backend's kernels, the kernel table, and shared GLSL helpers."""
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, ClassVar
@@ -10,7 +9,6 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
-from ....ops.pointwise import float_literal
 from ...base import KERNELS
 
 if TYPE_CHECKING:
@@ -108,6 +106,13 @@ def broadcast_index(i: str, out_shape: tuple[int, ...], in_shape: tuple[int, ...
     return " + ".join(terms) or "0"
 
 
-#: A GLSL float literal of a value rounded to float32 (inf and NaN written as expressions GLSL accepts).
-glsl_float = functools.partial(float_literal, nan="uintBitsToFloat(0x7fc00000u)", inf="uintBitsToFloat(0x7f800000u)",
-                               neg_inf="uintBitsToFloat(0xff800000u)")
+def glsl_float(value: float) -> str:
+    """GLSL of a host constant rounded to float32 (1e39 is inf, as on the CPU). Finite non-zero
+    values are exact literals (``repr`` of the float32 value: denormals included). Zeros, infinities
+    and NaN are ``opaque(bits)`` (shader.py): GLSL has no literal for inf or NaN, and the compiler
+    folds a literal ``0.0 * x`` to 0 where the CPU gives NaN for an infinite or NaN x."""
+    with np.errstate(over="ignore"):
+        single = np.asarray(value, np.float64).astype(np.float32)
+    if single != 0 and np.isfinite(single):
+        return repr(float(single))
+    return f"opaque(0x{int(single.view(np.uint32)):08x}u)"

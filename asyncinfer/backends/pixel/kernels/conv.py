@@ -82,6 +82,10 @@ class Window:
         begin, end, out = window_geometry(in_sp, kernel, strides, dilations, pads,
                                           op.attr("auto_pad", "NOTSET"), ceil_mode)
         as_ints = lambda v: tuple(int(a) for a in v)  # noqa: E731
+        # A stride with one output position, a dilation with one tap, multiply only 0: 1 keeps
+        # the GLSL ints in range (a stride of 2^40 is a compile error as a literal).
+        strides = [s if o > 1 else 1 for s, o in zip(strides, out)]
+        dilations = [d if k > 1 else 1 for d, k in zip(dilations, kernel)]
         return cls(as_ints(in_sp), as_ints(out), as_ints(kernel), as_ints(strides), as_ints(dilations),
                    as_ints(begin), as_ints(end))
 

@@ -9,6 +9,7 @@ in, one texel out) and the broadcasting path (one element at a time through ``*_
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -25,20 +26,29 @@ GLSL_BUILTINS = frozenset({"abs", "sign", "floor", "ceil", "roundEven", "sqrt", 
                            "asin", "acos", "atan", "asinh", "acosh", "atanh", "min", "max", "clamp"})
 
 
+_NAN_UNSAFE = re.compile(r"\b(min|max|clamp)\(")
+
+
+def glsl_spelling(template: str) -> str:
+    """A dialect template as gpu_pixel draws it: ``min``/``max``/``clamp`` become the prelude's
+    NaN-propagating ``min_``/``max_``/``clamp_`` (NumPy's semantics, which the CPU op has)."""
+    return _NAN_UNSAFE.sub(lambda m: f"{m[1]}_(", template)
+
+
 def unary_glsl(op: Op) -> str:
     """The GLSL expression over ``x`` of a unary op's layer (attributes read through its CPU op)."""
-    return UNARY_OPS[op.op_type].device_expression(op, glsl_float)
+    return UNARY_OPS[op.op_type].device_expression(op, glsl_float, glsl_spelling)
 
 
 def binary_glsl(op: Op) -> str:
     """The GLSL expression over ``a`` and ``b`` of a two-input op's layer."""
-    return BINARY_OPS[op.op_type].device_expression(op, glsl_float)
+    return BINARY_OPS[op.op_type].device_expression(op, glsl_float, glsl_spelling)
 
 
 def clip_glsl(lo: object, hi: object) -> str:
     """The GLSL expression over ``x`` of Clip with host bounds ``lo``/``hi`` (None: absent)."""
     template, values = clip_template(lo, hi)
-    return fill(template, values, glsl_float)
+    return fill(glsl_spelling(template), values, glsl_float)
 
 
 #: Unary ops with a shader, each the GLSL of its layer's expression over ``x`` (from the table);
@@ -129,6 +139,15 @@ class Binary(_Elementwise):
                        for n in list(self.layer.inputs) + list(self.layer.outputs) if n)
         return super().supports(types) and len([n for n in self.layer.inputs if n]) == 2
 
+    def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
+        a, b = inputs[0], inputs[1]
+        if self.op.version < 7:
+            # Legacy broadcast=1 with axis aligns B with A from axis on, not from the right: B is
+            # viewed with the trailing unit axes the CPU op gives it (a free reshape here).
+            probe = lambda t: np.broadcast_to(np.zeros((), np.float32), t.shape)  # noqa: E731
+            b = b.view(tuple(self.op._legacy_align(probe(a), probe(b)).shape))
+        return self.draw(device, [a, b], self.glsl, post)
+
     def expression(self) -> str:
         return self.glsl
 
@@ -141,7 +160,7 @@ class Variadic(_Elementwise):
     def expression(self) -> str:
         entry = BINARY_OPS[self.layer.op_type]
         count = len([n for n in self.layer.inputs if n])
-        template = fill(entry.template({}), {}, glsl_float)
+        template = fill(glsl_spelling(entry.template({})), {}, glsl_float)
         return fold_expression(entry, template, [chr(ord("a") + k) for k in range(count)])
 
 

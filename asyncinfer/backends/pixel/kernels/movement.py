@@ -320,7 +320,9 @@ class Slice(_Movement):
         x = inputs[0]
         ranges = self.ranges(x.shape, list(inputs[1:]) + [None] * 4)
         out_shape = tuple(len(r) for r in ranges)
-        source = Source(x, x.shape, [follow(j, j, r.start, r.step) for j, r in enumerate(ranges)])
+        # The step only matters past the first element: a step of 2^40 that keeps one element
+        # would be a GLSL int literal out of range (a compile error).
+        source = Source(x, x.shape, [follow(j, j, r.start, r.step if len(r) > 1 else 1) for j, r in enumerate(ranges)])
         return [self.copy(device, Copy(out_shape, [source]), out_shape, x, post)]
 
     def ranges(self, shape: tuple[int, ...], args: list) -> list[range]:
@@ -488,8 +490,12 @@ class Pad(_Movement):
     def widths(self, shape: tuple[int, ...], args: list) -> tuple[list[tuple[int, int]], float]:
         """``(before, after)`` per axis, and the constant value."""
         widths, value = self.op.widths(len(shape), *args[:3])
-        fill = 0.0 if value is None else float(np.asarray(value).reshape(-1)[0])
-        return [(b, e) for b, e in widths], fill
+        fill = 0.0 if value is None else np.asarray(value).reshape(-1)[0]
+        if np.asarray(fill).dtype.kind in "iu" and int(fill) != int(np.float32(fill)):
+            # Integers are stored as float32 texels: 2^31 + 1 would come back as 2^31.
+            raise op_error(self.op, f"constant_value {int(fill)} is not exact in float32, in which the "
+                                    "gpu_pixel backend stores integers (every |value| up to 2^24 is)")
+        return [(b, e) for b, e in widths], float(fill)
 
 
 class _Blocks(_Movement):

@@ -155,11 +155,12 @@ class GlobalMaxPool(_GlobalPool):
 
 
 # -- normalization ------------------------------------------------------------------------------------
-def lrn_body(size: int, alpha: float, beta: float, bias: float) -> str:
-    """LRN: each lane sums the squares of its ``size`` channel neighbours. The neighbours of lane
-    ``k`` of block ``b`` lie in blocks ``b + floor((k + j) / 4)`` at lanes ``(k + j) & 3``: known when
-    compiling, so the blocks are fetched once and the sums are unrolled."""
+def lrn_body(size: int, alpha: float, beta: float, bias: float, channels: int) -> str:
+    """LRN: each lane sums the squares of its ``size`` channel neighbours (of ``channels``). The
+    neighbours of lane ``k`` of block ``b`` lie in blocks ``b + floor((k + j) / 4)`` at lanes
+    ``(k + j) & 3``: known when compiling, so the blocks are fetched once and the sums are unrolled."""
     lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2
+    lo, hi = min(lo, channels - 1), min(hi, channels - 1)  # farther channels do not exist: unroll no more
     first, last = (-lo) // 4, (3 + hi) // 4
     fetch = [f"vec4 q{o - first} = (block + ({o}) >= 0 && block + ({o}) < X_B) ? "
              f"X_texel(t + ({o}) * X_I) : vec4(0.0); q{o - first} *= q{o - first};"
@@ -183,7 +184,7 @@ class LRN(PixelKernel):
     def run(self, device: "PixelDevice", inputs: list, post: str | None) -> list["PixelTensor"]:
         x = to_channel_blocked(device, inputs[0])
         body = lrn_body(int(self.op.attr("size")), float(self.op.attr("alpha")),
-                        float(self.op.attr("beta")), float(self.op.attr("bias")))
+                        float(self.op.attr("beta")), float(self.op.attr("bias")), int(x.shape[1]))
         return [device.draw(x.shape, body, {"X": x}, mode="texel", layout=x.layout, post=post)]
 
 

@@ -240,9 +240,28 @@ def group_of(fold: Fold, index: str) -> str:
     return " + ".join(terms) or "0"
 
 
+def check_loops(device: PixelDevice, fold: Fold, passes: Sequence[Pass], inner: bool = False) -> None:
+    """Raise a clear error where a group is too long for one fragment's loops on this GL: llvmpipe
+    stops them after a fixed count, which would give a silently wrong result."""
+    if device.loop_limit is None:
+        return
+    blocked = fold.blocked()
+    if inner:
+        per_pass = fold.layout.inner
+    elif blocked:
+        per_pass = blocked[0] * fold.layout.blocks
+    else:
+        per_pass = fold.extent // 4
+    if per_pass * len(passes) > device.loop_limit:
+        raise ValueError(f"a group of {fold.extent} values takes {per_pass * len(passes)} loop iterations in one "
+                         f"fragment; {device.renderer} runs at most {device.loop_limit} (it stops longer loops "
+                         "without an error): run this layer on another backend")
+
+
 # -- draws ----------------------------------------------------------------------------------------------
 def draw_stats(device: PixelDevice, x: PixelTensor, fold: Fold, passes: Sequence[Pass], result: str) -> PixelTensor:
     """A ``(groups, 4)`` tensor, texel ``s`` = ``result`` (GLSL vec4 of the passes) for group ``s``."""
+    check_loops(device, fold, passes)
     body = f"""{FOLD_HELPERS}
 vec4 texel(int t, int outer, int block, int inner) {{
     int s = t;
@@ -255,6 +274,7 @@ vec4 texel(int t, int outer, int block, int inner) {{
 def draw_reduction(device: PixelDevice, x: PixelTensor, fold: Fold, passes: Sequence[Pass], result: str,
                    out_shape: tuple[int, ...], post: str | None) -> PixelTensor:
     """One value per group, ``result`` (GLSL of ``a0``…, ``R``) shaped ``out_shape``."""
+    check_loops(device, fold, passes, inner=fold.inner_only())
     if fold.inner_only():  # four channels per fragment, one output texel each
         lay = fold.layout
         body = f"""{FOLD_HELPERS}
