@@ -141,6 +141,7 @@ class LRN(Op):
         alpha, beta, bias = float(self.attr("alpha")), float(self.attr("beta")), float(self.attr("bias"))
         c = x.shape[1]
         lo, hi = (size - 1) // 2, size - 1 - (size - 1) // 2  # channels before / after each channel
+        lo, hi = min(lo, c - 1), min(hi, c - 1)  # a window wider than the channels reaches them all
         sq = np.square(x)
         acc = sq.copy()
         for k in range(1, lo + 1):  # channel c - k contributes to channel c

@@ -369,8 +369,6 @@ def test_legacy_broadcast_with_axis_matches_hand_computed_values(op_type, b_shap
 
 
 # -- the CPU backend's failures found here (reported; the CPU ops are not this backend's) -------------------
-@pytest.mark.xfail(strict=True, reason="asyncinfer/ops/normalization.py LRN.run (lines 146-149): the loops over "
-                   "k up to (size-1)//2 slice sq[:, :c - k] with c - k < 0 once size > channels")
 def test_cpu_lrn_with_a_size_past_the_channel_count():
     x = np.random.default_rng(0).standard_normal((1, 6, 3, 3)).astype(np.float32)
     model = ai.load_model(one_node_model("LRN", [x], {"size": 15, "alpha": 0.5, "bias": 2.0}, opset=13))
