@@ -123,6 +123,15 @@ class Plan:
             if kernel is None:  # no kernel here (or a value the scheduler needs): the CPU runs it
                 target = fallback or backend
                 kernel = target.prepare(layer, op, types)
+            uploaded: dict[int, Any] = {}
+            if isinstance(target, DeviceBackend) and fallback is not None:
+                try:  # constants go to the device once, now, in the layout the kernel wants
+                    uploaded = {i: target.upload_constant(kernel, i, model.constants[name])
+                                for i, name in enumerate(layer.inputs)
+                                if name in model.constants and i not in target.host_inputs(kernel)
+                                and i not in op.metadata_inputs}
+                except Exception:  # noqa: BLE001 - e.g. int64 values a float texture cannot hold
+                    target, kernel, uploaded = fallback, fallback.prepare(layer, op, types), {}
             if target is not backend:
                 fallback_layers.append(layer.name)
             host_inputs = target.host_inputs(kernel) if isinstance(target, DeviceBackend) else frozenset()
@@ -137,9 +146,8 @@ class Plan:
                     inputs.append(ref)
                 elif (name, want) in copies:
                     inputs.append(copies[(name, want)])
-                elif name in model.constants:  # uploaded once now, in the layout the kernel wants
-                    assert isinstance(target, DeviceBackend)
-                    device_constants.append(target.upload_constant(kernel, i, model.constants[name]))
+                elif i in uploaded:
+                    device_constants.append(uploaded[i])
                     inputs.append((("device_const", len(device_constants) - 1), 0))
                 elif want == HOST:
                     copies[(name, want)] = transfer(name, ref, StepKind.DOWNLOAD, self._backend_of(ref), want)

@@ -387,3 +387,19 @@ def test_cpu_conv_with_strides_beyond_int32_and_a_kernel_wider_than_one():
     with ai.Worker(model, "cpu") as worker:
         got = worker.run_blocking(x)["o0"]
     np.testing.assert_allclose(got, (x[:, :, :1, :2] * 1).sum(axis=(1, 2, 3)).reshape(2, 1, 1, 1).repeat(4, 1))
+
+
+def test_a_constant_the_device_cannot_hold_sends_its_layer_to_the_cpu_at_plan_time(monkeypatch):
+    require_pixel()
+    from asyncinfer.backends.pixel.backend import PixelBackend
+
+    def refuse(self, kernel, index, array):
+        raise ValueError("this constant does not fit a texture")  # as an upload the device cannot make
+
+    monkeypatch.setattr(PixelBackend, "prepare_constant", refuse)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    w = np.full((2, 3), 0.5, np.float32)
+    model = ai.load_model(one_node_model("Add", [x, None], constants={1: w}), optimize=False)
+    with ai.Worker(model, "gpu_pixel") as worker:  # built, not a raw ValueError
+        assert worker.placement.fallback == [model.layers[0].name]
+        np.testing.assert_array_equal(worker.run_blocking(x)["o0"], x + w)
