@@ -31,7 +31,7 @@ from typing import Any
 from bench import common
 
 # Every benchmark, in the order a full run takes them (the CPU ones first: they gate the floors).
-BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "pixel", "serving", "gpu_compute")
+BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "real_models", "pixel", "serving", "gpu_compute")
 
 # Our own packages: failing to import one of them is a bug to report, not a missing dependency.
 OWN_PACKAGES = ("asyncinfer", "bench")

@@ -167,6 +167,70 @@ def test_pixel_benchmark_on_squeezenet():
     assert result["geomean_pixel_ort"] == pytest.approx(r["ratio_pixel_ort"])
 
 
+# -- real_models -------------------------------------------------------------------------------------
+def test_real_models_on_the_lstm_vad(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the real_models benchmark compares against onnxruntime")
+    from bench import architectures, real_models
+
+    monkeypatch.setenv("ASYNCINFER_BENCH_CACHE", str(tmp_path))  # build into a fresh cache
+    result = real_models.run(["lstm_vad"], repeats=2, warmup=1, verbose=False)
+    r = result["models"]["lstm_vad"]
+    assert "error" not in r, r.get("error")
+    assert r["agreement"]["ok"], r["agreement"]["detail"]
+    assert set(r["timings"]) == set(real_models.CONTESTANTS)
+    for timing in r["timings"].values():
+        assert_timing(timing, 2)
+    for key in ("ratio", "ratio_executor", "ratio_best"):
+        assert_positive(r[key])
+    for engine in ("asyncinfer", "ort"):
+        assert_positive(r["load_ms"][engine])
+        assert_positive(r["first_run_ms"][engine])
+    assert result["measured"] == 1 and result["mismatches"] == [] and "resnet18" in result["not_run"]
+    assert result["geomean_ratio"] == pytest.approx(r["ratio"])
+    assert [p.name for p in tmp_path.iterdir()] == [f"lstm_vad-{architectures.builder_key()}.onnx"]
+
+
+def test_real_models_agreement_reports_disagreement():
+    from bench import architectures, real_models
+
+    arch = architectures.ARCHITECTURES["ssdlite_nms"]  # float outputs, and NMS indices compared by row
+    ref = {"boxes": np.ones((1, 3, 4), np.float32), "selected_indices": np.array([[0, 0, 1], [0, 1, 2]], np.int64)}
+    good = real_models.agreement(arch, {k: v.copy() for k, v in ref.items()}, ref)
+    assert good["ok"] and good["detail"].startswith("ok")
+    bad = real_models.agreement(arch, {"boxes": ref["boxes"] * 1.01, "selected_indices": ref["selected_indices"][:1]},
+                                ref)
+    assert not bad["ok"] and bad["detail"].startswith("MISMATCH")
+    assert "boxes: rel. err 0.01" in bad["detail"] and "1 rows vs ORT 2" in bad["detail"]
+    fp16 = real_models.agreement(arch, {"boxes": ref["boxes"].astype(np.float16),
+                                        "selected_indices": ref["selected_indices"]}, ref)
+    assert not fp16["ok"] and "dtype float16" in fp16["detail"]
+
+
+def test_architecture_cache_rebuilds_when_the_builders_change(monkeypatch, tmp_path):
+    from bench import architectures
+
+    monkeypatch.setenv("ASYNCINFER_BENCH_CACHE", str(tmp_path))
+    first = architectures.model_path("lstm_vad")
+    assert architectures.model_path("lstm_vad") == first and first.parent == tmp_path
+    monkeypatch.setattr(architectures, "BUILDER_VERSION", architectures.BUILDER_VERSION + 1)
+    second = architectures.model_path("lstm_vad")
+    assert second != first and second.is_file() and not first.exists()  # the stale build is gone
+
+
+def test_small_architectures_are_valid_onnx():
+    import onnx
+
+    from bench import architectures
+
+    for name, arch in architectures.ARCHITECTURES.items():
+        if arch.large:  # seconds to build; the full benchmark run covers them
+            continue
+        proto = arch.build()
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+        names = {vi.name for vi in proto.graph.input}
+        assert set(arch.inputs()) == names, name
+
+
 # -- the runner: python -m bench ---------------------------------------------------------------------
 def test_every_benchmark_offers_what_the_runner_calls():
     for name in runner.BENCHMARKS:
