@@ -1,22 +1,73 @@
 """Linear algebra ops: MatMul, Gemm and Einsum (all land in BLAS, which releases the GIL)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from ..concurrency import parallel
 from .base import Op
 from .elementwise import compute_dtype
 from .registry import register
 
 
+# Below this many multiply-adds a GEMM runs whole: handing parts to other threads costs ~30 µs.
+SPLIT_MIN_MACS = 1 << 22
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.matmul(a, b)``, split across the pool's idle threads when it is large (BLAS runs one
+    thread per call inside asyncinfer: see ``concurrency/parallel.py``). Each part writes a
+    contiguous block of the result (a batch entry, or a band of rows), so BLAS runs on every part."""
+    if a.ndim > 2 and b.ndim == 2 and a.dtype == b.dtype and a.shape[-1] == b.shape[0]:
+        # (..., M, K) @ (K, N) is one (…·M, K) @ (K, N) GEMM; NumPy would loop over small ones
+        return matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    parts = parallel.parts_available()
+    if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
+        return np.matmul(a, b)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    count = math.prod(batch)
+    if count * m * k * n < SPLIT_MIN_MACS or b.shape[-2] != k:
+        return np.matmul(a, b)
+    y = np.empty((*batch, m, n), dtype=a.dtype)
+    if count >= parts:  # whole batch entries per part
+        a3 = np.broadcast_to(a, (*batch, m, k)).reshape(count, m, k)
+        b3 = np.broadcast_to(b, (*batch, k, n)).reshape(count, k, n)
+        y3 = y.reshape(count, m, n)
+        bounds = np.linspace(0, count, parts + 1).astype(int)
+        parallel.run_parts(parts, lambda i: np.matmul(a3[bounds[i]:bounds[i + 1]], b3[bounds[i]:bounds[i + 1]],
+                                                      out=y3[bounds[i]:bounds[i + 1]]))
+        return y
+    # one batch entry (or a few): bands of rows of each, or of columns when rows are few (a
+    # decode step's 1×768 @ 768×50257); a column band of a C-ordered matrix is still BLAS-able
+    a3 = np.broadcast_to(a, (*batch, m, k)).reshape(count, m, k)
+    b3 = np.broadcast_to(b, (*batch, k, n)).reshape(count, k, n)
+    y3 = y.reshape(count, m, n)
+    by_rows = m >= parts
+    bounds = np.linspace(0, m if by_rows else n, parts + 1).astype(int)
+
+    def band(i: int) -> None:
+        lo, hi = bounds[i], bounds[i + 1]
+        for j in range(count):
+            if by_rows:
+                np.matmul(a3[j, lo:hi], b3[j], out=y3[j, lo:hi])
+            else:
+                np.matmul(a3[j], b3[j, :, lo:hi], out=y3[j, :, lo:hi])
+
+    parallel.run_parts(parts, band)
+    return y
+
+
 @register("MatMul", versions=(1, 9, 13))
 class MatMul(Op):
-    multithreaded = True  # GEMM in BLAS: already uses every core
+    multithreaded = True  # a GEMM: split across the pool when large
 
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         work, out = gemm_dtypes(a, b)
         if work == a.dtype == b.dtype:
-            return np.matmul(a, b)
-        return np.matmul(a.astype(work, copy=False), b.astype(work, copy=False)).astype(out, copy=False)
+            return matmul(a, b)
+        return matmul(a.astype(work, copy=False), b.astype(work, copy=False)).astype(out, copy=False)
 
 
 def gemm_dtypes(*operands: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
@@ -35,7 +86,7 @@ def gemm_dtypes(*operands: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
 @register("Gemm", versions=(1, 6, 7, 9, 11, 13))
 class Gemm(Op):
     """``alpha * A' @ B' + beta * C`` with optional transposes and a broadcast (optional) C."""
-    multithreaded = True  # GEMM in BLAS: already uses every core
+    multithreaded = True  # a GEMM: split across the pool when large
 
     def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
         if int(self.attr("transA")):
@@ -44,7 +95,7 @@ class Gemm(Op):
             b = b.T
         alpha, beta = float(self.attr("alpha")), float(self.attr("beta"))
         work, out_dtype = gemm_dtypes(a, b, c)
-        y = np.matmul(a.astype(work, copy=False), b.astype(work, copy=False))
+        y = matmul(a.astype(work, copy=False), b.astype(work, copy=False))
         dt = y.dtype.type
         if alpha != 1.0:
             y *= dt(alpha)

@@ -5,10 +5,13 @@ When a finishing layer makes others ready, the finishing thread keeps the first 
 runs it next (no pool hand-off, so a chain of small layers costs little), and hands the rest
 to the pool, where idle threads pick independent branches up in parallel.
 
-GEMM-based kernels (``Op.multithreaded``) already spread over every core inside BLAS; two of
-them at once would only oversubscribe the cores (measured: Inception-v2 runs 30% slower). They
-go through a *lane*: one runs at a time, later ones queue (without blocking any thread) and are
-picked up by the thread that finishes the current one. Light kernels still run beside them.
+BLAS runs one thread per call while a CPU backend exists (``blas.py`` says why): GEMM-based
+kernels (``Op.multithreaded``) run side by side on the pool like any other, and split a large
+GEMM across the pool's idle threads themselves (``concurrency/parallel.py``). If the user keeps
+BLAS multi-threaded (ASYNCINFER_BLAS_THREADS), two such kernels at once would oversubscribe the
+cores (measured: Inception-v2 30% slower), so they then go through a *lane*: one runs at a time,
+later ones queue (without blocking any thread) and are picked up by the thread that finishes the
+current one. Light kernels still run beside them.
 """
 from __future__ import annotations
 
@@ -20,19 +23,18 @@ from typing import Any, Union
 
 import numpy as np
 
+from ...concurrency import parallel
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
 from ..base import Backend, Job, Step, StepDone, ValueTypes, run_kernel
+from . import blas
 from .memory import release_free_memory, tune_allocator
 
 Task = tuple[Step, list, StepDone]
 Work = Union[Task, Job]  # what the pool runs: one step, or a job of consecutive steps
 
 
-def _quiet_floating_point() -> None:
-    """Pool threads compute ONNX semantics: inf and nan are results, not warnings (set once per thread)."""
-    np.seterr(all="ignore")
 
 
 class CPUBackend(Backend):
@@ -44,13 +46,21 @@ class CPUBackend(Backend):
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads or os.cpu_count() or 1)
         tune_allocator()
+        self._blas_single = blas.acquire()
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="asyncinfer-cpu",
-                                        initializer=_quiet_floating_point)
+                                        initializer=self._start_thread)
         self._local = threading.local()
         self._closed = False
         self._lane_lock = threading.Lock()
         self._lane_busy = False
         self._lane_queue: deque[Task] = deque()
+
+    def _start_thread(self) -> None:
+        """(each pool thread, once) ONNX semantics: inf and nan are results, not warnings; and
+        kernels may split large work across this pool when BLAS is single-threaded."""
+        np.seterr(all="ignore")
+        if self._blas_single and self.threads > 1:
+            parallel.bind_pool(self._pool.submit, self.threads)
 
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Op:
         return op  # the reference op is the CPU kernel (load_model checked every op has one)
@@ -102,7 +112,7 @@ class CPUBackend(Backend):
             self._local.chain = None
 
     def _execute(self, task: Task) -> None:
-        if not task[0].kernel.multithreaded or self.threads == 1:
+        if not task[0].kernel.multithreaded or self.threads == 1 or self._blas_single:
             run_kernel(*task, _compute)
             return
         with self._lane_lock:
@@ -121,6 +131,7 @@ class CPUBackend(Backend):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=False)
+            blas.release()
             release_free_memory()
 
 

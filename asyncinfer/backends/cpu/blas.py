@@ -1,0 +1,58 @@
+"""The CPU backend's threading rule: one BLAS thread per call; parallelism comes from the pool.
+
+OpenBLAS splits every GEMM over one thread per core and makes them meet after each call. When
+anything else wants a core (a second request, a neighbouring process, the event loop), those
+meetings stall: on a 2-core machine with one busy core, a 128×128 matmul went from 0.03 ms to
+15–30 ms, and ResNet-18 from 42 ms to 250 ms (``python -m bench real_models``). So while a CPU
+backend exists, BLAS runs single-threaded, and asyncinfer parallelises itself: independent layers
+and concurrent requests run on the pool's threads, and large GEMMs are split across idle pool
+threads (``concurrency/parallel.py``). The setting is process-wide (BLAS has no per-thread
+one): it is made when the first CPU backend starts and undone when the last one closes.
+``ASYNCINFER_BLAS_THREADS=n`` keeps BLAS at ``n`` threads instead (the backend then runs one
+GEMM kernel at a time, as BLAS already uses the cores).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_users = 0
+_limiter: Any = None
+
+
+def requested_threads() -> int | None:
+    """The BLAS thread count the user asked for with ASYNCINFER_BLAS_THREADS (None: the rule above)."""
+    value = os.environ.get("ASYNCINFER_BLAS_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def pinned() -> bool:
+    """True when the rule is in effect: BLAS calls are single-threaded."""
+    return requested_threads() is None
+
+
+def acquire() -> bool:
+    """A CPU backend starts: pin BLAS to one thread (the first backend does it). True if BLAS
+    calls are single-threaded, so the backend may run GEMMs side by side and split them."""
+    global _users, _limiter
+    with _lock:
+        _users += 1
+        if _users == 1 and pinned():
+            try:
+                from threadpoolctl import threadpool_limits
+            except ImportError:  # without threadpoolctl, BLAS keeps its own threads
+                return False
+            _limiter = threadpool_limits(limits=1, user_api="blas")
+        return _limiter is not None
+
+
+def release() -> None:
+    """A CPU backend closed: the last one gives BLAS its threads back."""
+    global _users, _limiter
+    with _lock:
+        _users -= 1
+        if _users == 0 and _limiter is not None:
+            _limiter.restore_original_limits()
+            _limiter = None

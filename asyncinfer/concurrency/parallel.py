@@ -1,0 +1,65 @@
+"""Intra-op parallelism: a kernel splits a large piece of work across its pool's idle threads.
+
+Inside asyncinfer, BLAS runs one thread per call (``backends/cpu/blas.py`` says why). A kernel
+with enough work, a large GEMM, cuts it into parts instead, with :func:`run_parts`: the pool's
+threads and the calling thread take parts in turn until none is left. The caller waits only for
+parts another thread has already started, never for a queued helper, so a busy pool cannot
+deadlock it: at worst the caller runs every part itself, as if nothing were split.
+
+The pool a thread may split into is thread-local: the CPU backend binds its pool on each of its
+threads (:func:`bind_pool`). Elsewhere (a device thread, the caller's thread) nothing is split.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+_local = threading.local()
+
+
+def bind_pool(submit: Callable[[Callable[[], None]], object], width: int) -> None:
+    """Let kernels on the calling thread split work into ``width`` parts, handing helpers to
+    ``submit`` (the pool's submit). Called once per pool thread, when it starts."""
+    _local.submit, _local.width = submit, width
+
+
+def parts_available() -> int:
+    """How many parts a kernel on this thread may split into (1: run it whole)."""
+    return getattr(_local, "width", 1)
+
+
+def run_parts(count: int, part: Callable[[int], None]) -> None:
+    """Run ``part(0) … part(count - 1)``, in parallel where pool threads are free; re-raise the
+    first error once every started part has ended."""
+    submit = getattr(_local, "submit", None)
+    if submit is None or count < 2:
+        for i in range(count):
+            part(i)
+        return
+    claims = itertools.count()  # next() on it is atomic under the GIL: each part runs once
+    lock = threading.Lock()
+    finished = threading.Event()
+    state = {"left": count}
+    errors: list[BaseException] = []
+
+    def take_parts() -> None:
+        while (i := next(claims)) < count:
+            try:
+                part(i)
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+            with lock:
+                state["left"] -= 1
+                if state["left"] == 0:
+                    finished.set()
+
+    for _ in range(min(count, parts_available()) - 1):
+        try:
+            submit(take_parts)
+        except RuntimeError:  # the pool is shutting down: this thread does the rest
+            break
+    take_parts()
+    finished.wait()  # only parts already started elsewhere remain: they are running
+    if errors:
+        raise errors[0]
