@@ -199,14 +199,19 @@ class AffineGrid(Op):
 
 
 # -- NonMaxSuppression ---------------------------------------------------------------------------
+# Up to this many candidate boxes per image, NMS builds their overlap matrix once (16 MiB of
+# booleans at most); beyond, it computes one box's overlaps per pick.
+MATRIX_NMS_MAX_BOXES = 4096
+
 @register("NonMaxSuppression", versions=(10, 11))
 class NonMaxSuppression(Op):
     """Greedy per-(batch, class) suppression, highest score first (ties: lower box index first).
 
     Matches ONNX Runtime: a score must be strictly above ``score_threshold``; a box is suppressed
     when its IoU with a selected box is strictly above ``iou_threshold``; boxes of zero area never
-    suppress nor get suppressed. Each pick costs one vectorised IoU against the remaining boxes,
-    so no (boxes x boxes) matrix is ever built.
+    suppress nor get suppressed. The overlaps of an image's boxes are computed once for all its
+    classes (a boxes × boxes matrix, up to ``MATRIX_NMS_MAX_BOXES``; beyond, one vectorised IoU
+    per pick against the remaining boxes).
     """
 
     value_inputs = (2, 3, 4)
@@ -228,14 +233,68 @@ class NonMaxSuppression(Op):
         corners = self._corners(boxes)
         area = np.prod(corners[..., 2:] - corners[..., :2], axis=-1)
         selected = []
-        for b, c in np.ndindex(scores.shape[0], scores.shape[1]):
-            s = scores[b, c]
-            candidates = np.argsort(-s, kind="stable")  # descending, lower index first on ties
-            if min_score is not None:
-                candidates = candidates[s[candidates] > min_score]
-            picks = self._suppress(corners[b], area[b], candidates, iou_max, limit)
-            selected.extend((b, c, i) for i in picks)
+        for b in range(scores.shape[0]):
+            # Every class of an image ranks the same boxes: the pairwise overlaps of the boxes
+            # any class may pick are computed once per image (when there are few enough of
+            # them), then each class only walks that matrix.
+            pool = np.arange(boxes.shape[1]) if min_score is None else \
+                np.flatnonzero((scores[b] > min_score).any(axis=0))
+            over = None
+            if pool.size <= MATRIX_NMS_MAX_BOXES:
+                over = self._overlaps(corners[b, pool], area[b, pool], iou_max)
+                position = np.empty(boxes.shape[1], dtype=np.intp)
+                position[pool] = np.arange(pool.size)
+            for c in range(scores.shape[1]):
+                s = scores[b, c]
+                candidates = np.argsort(-s, kind="stable")  # descending, lower index first on ties
+                if min_score is not None:
+                    candidates = candidates[s[candidates] > min_score]
+                if over is not None:
+                    picks = [int(pool[i]) for i in self._walk(over, position[candidates], limit)]
+                else:
+                    picks = self._suppress(corners[b], area[b], candidates, iou_max, limit)
+                selected.extend((b, c, i) for i in picks)
         return np.array(selected, dtype=np.int64).reshape(-1, 3)
+
+    @staticmethod
+    def _overlaps(corners: Array, area: Array, iou_max: float) -> Array:
+        """``over[i, j]``: box i suppresses box j (IoU above the threshold, both with an area);
+        computed in bands of rows so the float temporaries stay small."""
+        n = len(area)
+        over = np.empty((n, n), dtype=bool)
+        has_area = area > 0
+        y0, x0, y1, x1 = (np.ascontiguousarray(corners[:, k]) for k in range(4))
+        for start in range(0, n, 256):
+            rows = slice(start, min(start + 256, n))
+            height = np.minimum(y1[rows, None], y1)
+            height -= np.maximum(y0[rows, None], y0)
+            np.maximum(height, 0, out=height)
+            inter = np.minimum(x1[rows, None], x1)
+            inter -= np.maximum(x0[rows, None], x0)
+            np.maximum(inter, 0, out=inter)
+            inter *= height
+            union = np.add(area[rows, None], area, out=height)
+            union -= inter
+            with np.errstate(all="ignore"):
+                np.divide(inter, union, out=inter)  # the IoU
+            np.greater(inter, iou_max, out=over[rows])
+            over[rows] &= has_area[rows, None]
+            over[rows] &= has_area
+        return over
+
+    @staticmethod
+    def _walk(over: Array, order: Array, limit: int) -> list[int]:
+        """Greedy selection over the precomputed overlaps, in score order: a candidate is picked
+        unless a pick before it suppressed it; each pick marks the boxes it suppresses."""
+        suppressed = np.zeros(len(over), dtype=bool)
+        picks: list[int] = []
+        for i in order.tolist():
+            if not suppressed[i]:
+                picks.append(i)
+                if len(picks) == limit:
+                    break
+                suppressed |= over[i]
+        return picks
 
     def _corners(self, boxes: Array) -> Array:
         """``(..., 4)`` as (y_min, x_min, y_max, x_max), whatever the input format and corner order."""
