@@ -13,15 +13,28 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 _local = threading.local()
 
 
-def bind_pool(submit: Callable[[Callable[[], None]], object], width: int) -> None:
+def bind_pool(submit: Callable[[Callable[[], None]], object] | None, width: int) -> None:
     """Let kernels on the calling thread split work into ``width`` parts, handing helpers to
     ``submit`` (the pool's submit). Called once per pool thread, when it starts."""
     _local.submit, _local.width = submit, width
+
+
+@contextmanager
+def pool_bound(submit: Callable[[Callable[[], None]], object] | None, width: int) -> Iterator[None]:
+    """Within the block, kernels on this thread may split into ``width`` parts handed to
+    ``submit`` (for code that runs kernels outside a CPU backend's pool, and for tests)."""
+    outer = getattr(_local, "submit", None), getattr(_local, "width", 1)
+    bind_pool(submit, width)
+    try:
+        yield
+    finally:
+        bind_pool(*outer)
 
 
 def parts_available() -> int:

@@ -3,7 +3,9 @@
 Convolutions are lowered to GEMMs so that the heavy lifting happens in BLAS (which releases the
 GIL): a 1x1 stride-1 unpadded conv is a GEMM on the ``(C, H*W)`` view of the input; any other conv
 builds its im2col matrix with a single strided copy of the padded input and runs one (batched)
-matmul over all groups (depthwise convs included: a stack of tiny GEMMs, one per channel).
+matmul over all groups. Depthwise convs (one input channel per group) are no GEMM: 2-D ones run
+as a channels-last einsum over the kernel taps (:mod:`.conv_kernels`, where the dispatch rule is
+measured and documented), the rest as per-channel im2col + a stack of tiny GEMMs.
 im2col is built from :class:`FlatWindows` — long contiguous runs rather than many short rows,
 since NumPy's per-row overhead would otherwise dominate on small feature maps.
 """
@@ -12,20 +14,26 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .base import Op
-from .linalg import gemm_dtypes
+from .conv_kernels import depthwise_nhwc, run_tasks, threads_for, use_nhwc
+from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
+from .linalg import gemm_dtypes, matmul
 from .registry import register
 
 _AUTO_PADS = ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER")
 # When the flat-window im2col would compute this many times the real outputs (the garbage columns
 # of small padded maps: 9/7 of the work at 7x7), an exact im2col copy is cheaper than the waste.
 EXACT_IM2COL_WASTE = 1.2
+# Strided convs with at most this many taps (3x3/s2, the 2x2 and 4x4 "patchify" convs, stems) also
+# take the exact im2col: the flat windows would split the whole input into phases and crop the
+# result, two passes that cost more than the exact copy's strided reads (measured: -10..-40% on
+# the stems and 3x3/s2 layers of bench/conv_shapes.py; with 49 taps, the 7x7/s2 stem, +15%).
+EXACT_IM2COL_MAX_STRIDED_TAPS = 16
 
 
 # -- geometry shared with pool.py ------------------------------------------------------------------
@@ -219,7 +227,7 @@ class FlatWindows:
 class _ConvBase(Op):
     """Attribute checks shared by Conv and ConvTranspose."""
 
-    multithreaded = True  # GEMM in BLAS: already uses every core
+    multithreaded = True  # GEMM in BLAS; large depthwise convs on conv_kernels' threads: every core
 
     def check(self) -> None:
         check_spatial_attrs(self)
@@ -266,83 +274,97 @@ class Conv(_ConvBase):
             if bias is not None:
                 y += bias
             return y
+        if cg == 1 and group > 1 and nsp == 2 and use_nhwc(c, strides[1]):
+            # depthwise: a channels-last einsum over the taps, no im2col (see conv_kernels.py)
+            return depthwise_nhwc(x, w, b, strides, dilations, begin, out)
         win = flat_windows(x.shape[2:], kernel, strides, dilations, begin, end, out)
-        if cg > 1 and win.length > EXACT_IM2COL_WASTE * p and all(d == 1 for d in dilations):
-            # Small maps: the virtual columns would cost more GEMM work than an exact im2col copy.
-            cols = _exact_columns(x, kernel, strides, begin, end, out)
-            y = _grouped_matmul(w.reshape(group, mg, -1), cols.reshape(n, group, -1, p)).reshape(n, m, *out)
-            if bias is not None:
+        fold_bias = b is not None and group == 1  # as a row of ones in im2col: BLAS adds it
+        if cg > 1 and all(d == 1 for d in dilations) and _exact_im2col_pays(win, p, strides):
+            cols = _exact_columns(x, kernel, strides, begin, end, out, ones_row=fold_bias)
+            wk = _with_bias(w, b) if fold_bias else w.reshape(group, mg, -1)
+            y = _grouped_matmul(wk, cols.reshape(n, group, -1, p)).reshape(n, m, *out)
+            if bias is not None and not fold_bias:
                 y += bias
             return y
         buf = win.load(x)
-        if cg == 1 and n == 1:
-            y = _depthwise(win, buf[0], w.reshape(group, mg, -1))
+        if cg == 1:  # depthwise, one image at a time (images shared out between threads when large)
+            y = np.empty((n, group, mg, win.length), dtype=dtype)
+            wg = w.reshape(group, mg, -1)
+            run_tasks([functools.partial(_depthwise, win, buf[i], wg, y[i]) for i in range(n)],
+                      threads_for(y.size * wg.shape[2]))
         elif group == 1 and m < c:
             y = _tap_gemms(win, buf, w.reshape(m, c, -1))
         else:
-            taps = len(win.offsets)
-            # im2col (N, C, K, L), L virtual output positions, in this thread's reusable scratch
-            cols = win.columns(buf, out=_scratch((n, c, taps, win.length), buf.dtype))
-            cols = cols.reshape(n, group, cg * taps, win.length)
-            y = _grouped_matmul(w.reshape(group, mg, -1), cols)
+            taps, rows = len(win.offsets), c * len(win.offsets)
+            # im2col (N, C·K [+1], L), L virtual output positions, in this thread's reusable scratch
+            cols = _scratch((n, rows + fold_bias, win.length), buf.dtype)
+            win.columns(buf, out=cols[:, :rows].reshape(n, c, taps, win.length))
+            if fold_bias:
+                cols[:, rows] = 1
+                y = _grouped_matmul(_with_bias(w, b), cols[:, None])
+                return np.ascontiguousarray(win.crop(y.reshape(n, m, win.length), copy=False))
+            y = _grouped_matmul(w.reshape(group, mg, -1), cols.reshape(n, group, cg * taps, win.length))
         y = win.crop(y.reshape(n, m, win.length), copy=False)
         if bias is not None:  # the bias add doubles as the copy dropping the virtual columns
             return np.add(y, bias, dtype=dtype) if not y.flags.c_contiguous else np.add(y, bias, out=y)
         return np.ascontiguousarray(y)
 
 
+def _exact_im2col_pays(win: FlatWindows, p: int, strides: Sequence[int]) -> bool:
+    """Exact im2col over the P outputs rather than flat windows: small maps, small strided kernels."""
+    return (win.length > EXACT_IM2COL_WASTE * p
+            or (max(strides) > 1 and len(win.offsets) <= EXACT_IM2COL_MAX_STRIDED_TAPS))
+
+
 def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], begin: Sequence[int],
-                   end: Sequence[int], out: Sequence[int]) -> np.ndarray:
-    """im2col ``(N, C·taps, P)`` over exactly the P output positions (undilated kernels), in scratch."""
+                   end: Sequence[int], out: Sequence[int], ones_row: bool = False) -> np.ndarray:
+    """im2col ``(N, C·taps [+1], P)`` over exactly the P output positions (undilated kernels), in
+    scratch; ``ones_row`` appends a row of ones, the bias's partner in :func:`_with_bias`."""
     n, c = x.shape[:2]
+    rows, p = c * math.prod(kernel), math.prod(out)
     xp = pad_spatial(x, begin, end)
     # (N, C, k…, o…): window origin on the strided output grid, tap offset inside the window
     shape = (n, c) + tuple(kernel) + tuple(out)
     strides_b = xp.strides[:2] + xp.strides[2:] + tuple(st * s for st, s in zip(xp.strides[2:], strides))
     view = as_strided(xp, shape=shape, strides=strides_b, writeable=False)
-    cols = _scratch((n, c) + tuple(kernel) + tuple(out), x.dtype)
-    np.copyto(cols, view)
-    return cols.reshape(n, c * math.prod(kernel), math.prod(out))
+    cols = _scratch((n, rows + ones_row, p), x.dtype)
+    np.copyto(cols[:, :rows].reshape(shape), view)
+    if ones_row:
+        cols[:, rows] = 1
+    return cols
 
 
-_THREAD_SCRATCH = threading.local()
+def _with_bias(w: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``(1, M, C·taps + 1)``: the weights of an ungrouped conv with the bias as a last column.
 
-
-def _scratch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A per-thread reusable buffer for im2col matrices (never returned to callers).
-
-    Freshly allocated large arrays cost a page fault per 4 KiB page on first touch, which on
-    these VMs rivals the copy itself; reusing one buffer per thread keeps im2col in warm memory.
+    Against im2col with a row of ones, the GEMM adds the bias as it writes each output: no pass
+    over the output of its own.
     """
-    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-    buf = getattr(_THREAD_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-        _THREAD_SCRATCH.buf = buf
-    return buf[:nbytes].view(dtype).reshape(shape)
+    m = w.shape[0]
+    wb = np.empty((1, m, w[0].size + 1), dtype=w.dtype)
+    wb[0, :, :-1] = w.reshape(m, -1)
+    wb[0, :, -1] = b
+    return wb
 
 
 _CACHE_BYTES = 256 * 1024  # im2col block size for depthwise convs: stays in L2 between copy and use
 
 
-def _depthwise(win: FlatWindows, buf: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """One input channel per group: im2col + a stack of tiny GEMMs, in channel blocks.
+def _depthwise(win: FlatWindows, buf: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """One input channel per group: im2col + a stack of tiny GEMMs, in channel blocks, into ``out``.
 
     The per-channel columns are ``taps`` times the input; building and consuming them a block at a
     time keeps them in cache instead of streaming a large im2col matrix through memory.
-    ``buf`` is the flat input of one image ``(C, total)``, ``w`` is ``(C, mult, taps)``.
+    ``buf`` is the flat input of one image ``(C, total)``, ``w`` is ``(C, mult, taps)``, ``out`` is
+    ``(C, mult, L)``. (Few channels on a large map with strides: see ``conv_kernels.use_nhwc``.)
     """
     c, mult, taps = w.shape
     block = max(1, _CACHE_BYTES // (taps * win.length * buf.itemsize))
-    if block >= c:
-        return np.matmul(w, win.columns(buf))
-    y = np.empty((c, mult, win.length), dtype=np.result_type(buf.dtype, w.dtype))
-    scratch = _scratch((block, taps, win.length), buf.dtype)
+    scratch = _scratch((min(block, c), taps, win.length), buf.dtype)
     for c0 in range(0, c, block):
         c1 = min(c, c0 + block)
         cols = win.columns(buf[c0:c1], out=scratch[:c1 - c0])
-        np.matmul(w[c0:c1], cols, out=y[c0:c1])
-    return y
+        np.matmul(w[c0:c1], cols, out=out[c0:c1])
 
 
 def _tap_gemms(win: FlatWindows, buf: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -361,14 +383,15 @@ def _tap_gemms(win: FlatWindows, buf: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _grouped_matmul(w: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """``(G, Mg, K) @ (N, G, K, L)`` → ``(N, G, Mg, L)``: one BLAS call per (image, group).
+    """``(G, Mg, K) @ (N, G, K, L)`` → ``(N, G, Mg, L)``: one BLAS call per (image, group), a
+    large one split across the pool's idle threads (``linalg.matmul``).
 
     A batch of one is passed without its batch axis: a plain stack of matmuls is cheaper than a
     broadcast one.
     """
     if cols.shape[0] == 1:
-        return np.matmul(w, cols[0])[None]
-    return np.matmul(w, cols)
+        return matmul(w, cols[0])[None]
+    return matmul(w, cols)
 
 
 # -- ConvTranspose ---------------------------------------------------------------------------------

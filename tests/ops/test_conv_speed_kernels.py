@@ -1,0 +1,199 @@
+"""The depthwise Conv kernels (asyncinfer/ops/conv_kernels.py and the NCHW fallback in conv.py)
+against onnx's reference implementation, the definition.
+
+Every case runs down each code path, forced by patching the dispatch: the channels-last einsum
+(``nhwc``), its variants that fuse neighbouring output pixels into one inner loop (``nhwc_blocks``:
+blocks of Wb < Wo pixels; ``nhwc_rows``: whole rows), and the NCHW flat-window im2col +
+per-channel GEMV (``nchw``). A spy checks the path really taken. ``nhwc_blocks`` and ``nchw`` also
+share their images / output rows out between threads, as large layers do.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncinfer.concurrency import parallel
+from asyncinfer.ops import conv as conv_module
+from asyncinfer.ops import conv_kernels
+
+from .op_testing import make_op, randn, reference_run
+
+# name: (x shape, channel multiplier, kernel, attrs)
+DEPTHWISE_CASES = {
+    "3x3": ((1, 6, 9, 9), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "3x3_stride2": ((1, 6, 10, 10), 1, (3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    "5x5_stride2_odd": ((1, 5, 11, 11), 1, (5, 5), dict(strides=[2, 2], pads=[2, 2, 2, 2])),
+    "5x5": ((1, 4, 8, 8), 1, (5, 5), dict(pads=[2, 2, 2, 2])),
+    "7x7_convnext": ((1, 4, 9, 9), 1, (7, 7), dict(pads=[3, 3, 3, 3])),
+    "dilation2": ((1, 4, 12, 11), 1, (3, 3), dict(dilations=[2, 2], pads=[2, 2, 2, 2])),
+    "dilation2_even_width": ((1, 4, 9, 12), 1, (3, 5), dict(dilations=[2, 2], pads=[2, 4, 2, 4])),
+    "dilation_stride": ((1, 3, 13, 12), 1, (3, 3), dict(dilations=[2, 1], strides=[1, 2], pads=[2, 1, 2, 1])),
+    "asym_pads_strides": ((1, 5, 11, 10), 1, (3, 3), dict(strides=[2, 1], pads=[0, 1, 2, 0])),
+    "rect_kernel": ((1, 4, 9, 12), 1, (3, 5), dict(strides=[1, 2], pads=[1, 2, 1, 2])),
+    "no_pads": ((1, 4, 8, 9), 1, (3, 3), {}),
+    "same_upper": ((1, 4, 10, 9), 1, (4, 3), dict(auto_pad="SAME_UPPER", strides=[2, 2])),
+    "same_lower": ((1, 4, 10, 9), 1, (4, 3), dict(auto_pad="SAME_LOWER", strides=[2, 2])),
+    "valid": ((1, 4, 10, 9), 1, (3, 3), dict(auto_pad="VALID", strides=[2, 1])),
+    "multiplier2": ((1, 4, 8, 8), 2, (3, 3), dict(strides=[1, 2], pads=[1, 1, 1, 1])),
+    "multiplier3_stride1": ((1, 3, 7, 7), 3, (5, 5), dict(pads=[2, 2, 2, 2])),
+    "batch3": ((3, 5, 9, 8), 1, (3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    "batch2_stride1": ((2, 6, 8, 8), 1, (5, 5), dict(pads=[2, 2, 2, 2])),
+    "window_past_end": ((1, 4, 8, 8), 1, (3, 3), dict(strides=[3, 3], pads=[1, 1, 0, 0])),
+}
+PATHS = ("nhwc", "nhwc_blocks", "nhwc_rows", "nchw")
+_HELPERS = ThreadPoolExecutor(2, thread_name_prefix="test-conv-helpers")
+
+
+def _largest_proper_divisor(channels: int, width: int) -> int:
+    return max(d for d in range(1, max(width, 2)) if width % d == 0)
+
+
+def _route(monkeypatch, path: str) -> list:
+    """Force ``path`` for every depthwise 2-D conv; return the list the NHWC kernel's spy fills."""
+    calls: list = []
+    real = conv_kernels.depthwise_nhwc
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(conv_module, "depthwise_nhwc", spy)
+    monkeypatch.setattr(conv_module, "use_nhwc", lambda channels, width_stride: path != "nchw")
+    monkeypatch.setattr(conv_kernels, "ROW_BLOCK_VALUES", 1 << 30 if path == "nhwc_rows" else 0)
+    if path == "nhwc_blocks":
+        monkeypatch.setattr(conv_kernels, "row_block", _largest_proper_divisor)
+    if path == "nhwc":  # one image per einsum (the batch split in chunks); the others: all at once
+        monkeypatch.setattr(conv_kernels, "CHUNK_BYTES", 1)
+    if path in ("nhwc_blocks", "nchw"):  # three parts on a pool, whatever the size and the machine
+        monkeypatch.setattr(conv_kernels, "threads_for", lambda macs: 3)
+        monkeypatch.setattr(conv_module, "threads_for", lambda macs: 3)
+        # as on a CPU backend's pool thread: kernels may split into 3 parts handed to helpers
+        monkeypatch.setattr(parallel._local, "submit", _HELPERS.submit, raising=False)
+        monkeypatch.setattr(parallel._local, "width", 3, raising=False)
+    return calls
+
+
+def _inputs(rng, shape, mult, kernel, dtype=np.float32, bias=True):
+    c = shape[1]
+    x = randn(rng, *shape, dtype=dtype)
+    w = randn(rng, c * mult, 1, *kernel, dtype=dtype)
+    b = randn(rng, c * mult, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def _check(x, w, b, attrs, rtol, atol, reference_dtype=None):
+    attrs = dict(attrs, group=x.shape[1], kernel_shape=list(w.shape[2:]))
+    inputs = [x, w] + ([b] if b is not None else [])
+    ref_inputs = inputs if reference_dtype is None else [a.astype(reference_dtype) for a in inputs]
+    expected = reference_run("Conv", ref_inputs, attrs)[0]
+    before = [a.copy() for a in inputs]
+    got = make_op("Conv", attrs, n_inputs=len(inputs))(*inputs)[0]
+    for a, a0 in zip(inputs, before):
+        np.testing.assert_array_equal(a, a0, err_msg="an input was modified")
+    assert got.dtype == x.dtype and got.shape == expected.shape, (got.dtype, got.shape, expected.shape)
+    assert got.flags.c_contiguous
+    np.testing.assert_allclose(got.astype(np.float64), expected.astype(np.float64), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(DEPTHWISE_CASES))
+def test_depthwise_paths_match_reference(name, path, rng, monkeypatch):
+    calls = _route(monkeypatch, path)
+    shape, mult, kernel, attrs = DEPTHWISE_CASES[name]
+    x, w, b = _inputs(rng, shape, mult, kernel, bias=name != "no_pads")
+    _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
+    assert len(calls) == (0 if path == "nchw" else 1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_depthwise_float16_and_float64(dtype, path, rng, monkeypatch):
+    calls = _route(monkeypatch, path)
+    x, w, b = _inputs(rng, (2, 5, 9, 9), 1, (3, 3), dtype=dtype)
+    attrs = dict(strides=[2, 1], pads=[1, 1, 1, 1])
+    if dtype == np.float16:  # float32 arithmetic, one rounding to float16 (as ORT)
+        _check(x, w, b, attrs, rtol=2e-3, atol=2e-3, reference_dtype=np.float32)
+    else:
+        _check(x, w, b, attrs, rtol=1e-12, atol=1e-12)
+    assert len(calls) == (0 if path == "nchw" else 1)
+
+
+@pytest.mark.parametrize("name, shape, kernel, attrs", [
+    ("1d", (2, 6, 20), (5,), dict(strides=[2], pads=[2, 1])),
+    ("1d_dilated", (1, 4, 17), (3,), dict(dilations=[2], pads=[2, 2])),
+    ("3d", (1, 4, 6, 7, 8), (3, 3, 3), dict(pads=[1, 0, 1, 1, 0, 1], strides=[2, 1, 2])),
+    ("3d_batch2", (2, 3, 5, 5, 6), (3, 3, 3), dict(pads=[1] * 6)),
+])
+def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, monkeypatch):
+    calls = _route(monkeypatch, "nhwc")  # the NHWC kernel is 2-D only: these must not reach it
+    x, w, b = _inputs(rng, shape, 1, kernel)
+    _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
+    assert calls == []
+
+
+@pytest.mark.parametrize("channels, stride, nhwc", [(64, 2, True), (8, 1, True), (8, 2, False), (63, 2, False)])
+def test_dispatch_rule(channels, stride, nhwc, rng, monkeypatch):
+    """The default rule (conv_kernels.use_nhwc) on a real-sized layer, checked against the reference."""
+    calls: list = []
+    real = conv_kernels.depthwise_nhwc
+    monkeypatch.setattr(conv_module, "depthwise_nhwc", lambda *a: calls.append(1) or real(*a))
+    assert conv_kernels.use_nhwc(channels, stride) is nhwc
+    x, w, b = _inputs(rng, (1, channels, 7, 7), 1, (5, 5))
+    _check(x, w, b, dict(strides=[stride, stride], pads=[2, 2, 2, 2]), rtol=1e-4, atol=1e-5)
+    assert len(calls) == int(nhwc)
+
+
+# Ungrouped convs: the bias folded into the GEMM as a row of ones under im2col (flat-window or
+# exact), and the exact im2col now also taken by small strided kernels.
+DENSE_CASES = {
+    "flat_3x3_batch3": ((3, 5, 9, 8), 6, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "flat_7x7_stride2_stem": ((2, 3, 19, 17), 8, (7, 7), dict(strides=[2, 2], pads=[3, 3, 3, 3])),
+    "exact_3x3_stride2_batch2": ((2, 4, 11, 10), 6, (3, 3), dict(strides=[2, 2], pads=[1, 0, 1, 2])),
+    "exact_patchify_4x4_s4": ((1, 3, 16, 12), 8, (4, 4), dict(strides=[4, 4])),
+    "exact_same_lower_1d": ((2, 3, 15), 4, (3,), dict(strides=[2], auto_pad="SAME_LOWER")),
+    "dilated_no_exact": ((1, 4, 12, 12), 5, (3, 3), dict(strides=[2, 2], dilations=[2, 2], pads=[2, 2, 2, 2])),
+    "one_input_channel": ((2, 1, 9, 9), 4, (3, 3), dict(strides=[2, 1], pads=[1, 1, 1, 1])),  # cg == 1, group 1
+}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", sorted(DENSE_CASES))
+def test_dense_conv_bias_folding_matches_reference(name, bias, rng):
+    shape, m, kernel, attrs = DENSE_CASES[name]
+    x = randn(rng, *shape)
+    w = randn(rng, m, shape[1], *kernel)
+    b = randn(rng, m) if bias else None
+    attrs = dict(attrs, kernel_shape=list(kernel))
+    inputs = [x, w] + ([b] if bias else [])
+    expected = reference_run("Conv", inputs, attrs)[0]
+    got = make_op("Conv", attrs, n_inputs=len(inputs))(*inputs)[0]
+    assert got.shape == expected.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_row_block_rule():
+    """Wb divides Wo and keeps Wb*C near ROW_BLOCK_VALUES (1024): the measured sweet spot."""
+    assert conv_kernels.ROW_BLOCK_VALUES == 1024
+    assert conv_kernels.row_block(96, 56) == 8
+    assert conv_kernels.row_block(32, 112) == 28
+    assert conv_kernels.row_block(576, 7) == 1
+    assert conv_kernels.row_block(2048, 7) == 1   # more channels than the target: one pixel
+    assert conv_kernels.row_block(240, 13) == 1   # prime width: no block but the single pixel
+
+
+def test_depthwise_is_thread_safe(rng):
+    """The kernels reuse per-thread scratch buffers: concurrent calls must not see each other's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    op = make_op("Conv", dict(group=96, pads=[2, 2, 2, 2], kernel_shape=[5, 5]), n_inputs=2)
+    xs = [randn(rng, 1, 96, 7 + i, 7 + i) for i in range(4)]
+    w = randn(rng, 96, 1, 5, 5)
+    expected = [op.run(x, w) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda k: op.run(xs[k % 4], w), range(64)))
+    for k, y in enumerate(results):
+        np.testing.assert_array_equal(y, expected[k % 4])

@@ -1,0 +1,93 @@
+"""Intra-op parallelism (concurrency/parallel.py): parts run once each, errors come back, and the
+caller never waits for a helper that has not started."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import asyncinfer as ai
+from asyncinfer.concurrency import parallel
+from asyncinfer.ops.linalg import matmul
+
+
+@pytest.fixture
+def pool():
+    executor = ThreadPoolExecutor(2, thread_name_prefix="test-parallel")
+    yield executor
+    executor.shutdown()
+
+
+def test_each_part_runs_once_across_the_pool(pool):
+    seen, lock = [], threading.Lock()
+
+    def part(i):
+        with lock:
+            seen.append(i)
+
+    with parallel.pool_bound(pool.submit, 3):
+        parallel.run_parts(40, part)
+    assert sorted(seen) == list(range(40))
+
+
+def test_a_failing_part_raises_on_the_caller(pool):
+    def part(i):
+        if i == 1:
+            raise ValueError("boom")
+
+    with parallel.pool_bound(pool.submit, 2), pytest.raises(ValueError, match="boom"):
+        parallel.run_parts(3, part)
+
+
+def test_the_caller_never_waits_for_a_busy_helper(pool):
+    """With every pool thread taken, the caller runs every part itself and returns."""
+    release = threading.Event()
+    blockers = [pool.submit(release.wait, 10) for _ in range(2)]
+    done: list = []
+
+    def call():
+        with parallel.pool_bound(pool.submit, 3):
+            parallel.run_parts(6, done.append)
+
+    caller = threading.Thread(target=call)
+    try:
+        caller.start()
+        caller.join(timeout=5)
+        assert not caller.is_alive(), "run_parts waited for a helper that never started"
+        assert sorted(done) == list(range(6))
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result()
+
+
+@pytest.mark.parametrize("shapes", [((300, 200), (200, 300)), ((1, 512), (512, 9000)),
+                                    ((5, 64, 128), (5, 128, 64)), ((2, 1, 70, 80), (3, 80, 90)),
+                                    ((1, 7, 7, 300), (300, 768))])
+def test_split_matmul_equals_numpy(pool, shapes):
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
+    with parallel.pool_bound(pool.submit, 2):
+        got = matmul(a, b)
+    np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-5, atol=1e-4)
+
+
+def test_blas_is_single_threaded_while_a_cpu_worker_lives_and_restored_after():
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from asyncinfer.backends.cpu import blas
+
+    if not blas.pinned():
+        pytest.skip("ASYNCINFER_BLAS_THREADS is set: BLAS keeps the threads it asks for")
+
+    def blas_threads():
+        return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
+
+    before = blas_threads()
+    if not before:
+        pytest.skip("no BLAS library found by threadpoolctl")
+    model_bytes = (__import__("importlib").resources.files("asyncinfer.assets") / "digits_cnn.onnx").read_bytes()
+    with ai.Worker(ai.load_model(model_bytes)):
+        assert all(n == 1 for n in blas_threads())
+    assert blas_threads() == before
