@@ -260,6 +260,7 @@ class Conv(_ConvBase):
         m = w.shape[0]
         cg, mg = c // group, m // group
         begin, end, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads, self.attr("auto_pad"))
+        strides = [1 if o == 1 else s for s, o in zip(strides, out)]  # one position: no step to take
         dtype = np.result_type(x.dtype, w.dtype)
         p = math.prod(out)
         if p == 0 or n == 0:

@@ -377,9 +377,6 @@ def test_cpu_lrn_with_a_size_past_the_channel_count():
     np.testing.assert_allclose(got, lrn_reference(x, 15, 0.5, 0.75, 2.0), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="asyncinfer/ops/conv.py FlatWindows.__init__ (line ~162): the polyphase "
-                   "split takes prod(strides) phases and ravel_multi_index over strides of 2^40 overflows, "
-                   "though one output position needs no stride")
 def test_cpu_conv_with_strides_beyond_int32_and_a_kernel_wider_than_one():
     x = np.arange(2 * 3 * 5 * 6, dtype=np.float32).reshape(2, 3, 5, 6)
     w = np.ones((4, 3, 1, 2), np.float32)
