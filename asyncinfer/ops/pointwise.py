@@ -259,6 +259,27 @@ class Unary(_Entry):
     inplace: Callable[[Any, Any], Any] | None = None
 
 
+def _sigmoid_inplace(xp: Any, x: Any) -> Any:
+    xp.negative(x, out=x)
+    xp.exp(x, out=x)  # overflow for x << 0 gives inf, and 1 / (1 + inf) = 0, which is right
+    x += 1
+    return xp.reciprocal(x, out=x)
+
+
+def _hard_sigmoid_inplace(xp: Any, x: Any, alpha: float, beta: float) -> Any:
+    x *= x.dtype.type(alpha)
+    x += x.dtype.type(beta)
+    return xp.clip(x, 0, 1, out=x)
+
+
+def _hard_swish_inplace(xp: Any, x: Any) -> Any:
+    gate = xp.divide(x, 6)
+    gate += 0.5
+    xp.clip(gate, 0, 1, out=gate)
+    x *= gate
+    return x
+
+
 UNARY_OPS: dict[str, Unary] = {entry.name: entry for entry in [
     # -- math ---------------------------------------------------------------------------------
     Unary("Abs", (1, 6, 13), lambda xp, x: xp.abs(x), "abs(x)"),
@@ -289,14 +310,15 @@ UNARY_OPS: dict[str, Unary] = {entry.name: entry for entry in [
     # -- activations (fusable into the layer before them) --------------------------------------
     Unary("Relu", (1, 6, 13, 14), lambda xp, x: xp.maximum(x, _zero(x)), "relu(x)", activation=True,
           inplace=lambda xp, x: xp.maximum(x, _zero(x), out=x)),
-    Unary("Sigmoid", (1, 6, 13), sigmoid, "1.0 / (1.0 + exp(-x))", activation=True),
+    Unary("Sigmoid", (1, 6, 13), sigmoid, "1.0 / (1.0 + exp(-x))", activation=True, inplace=_sigmoid_inplace),
     Unary("Tanh", (1, 6, 13), lambda xp, x: xp.tanh(x), "tanh_(x)", activation=True),
     Unary("HardSigmoid", (1, 6, 22), lambda xp, x, alpha, beta: xp.clip(alpha * x + beta, 0, 1),
-          "clamp({alpha} * x + {beta}, 0.0, 1.0)", activation=True),
+          "clamp({alpha} * x + {beta}, 0.0, 1.0)", activation=True, inplace=_hard_sigmoid_inplace),
     Unary("HardSwish", (14, 22), lambda xp, x: x * xp.clip(x / 6 + 0.5, 0, 1),
-          "x * clamp(x / 6.0 + 0.5, 0.0, 1.0)", activation=True),
+          "x * clamp(x / 6.0 + 0.5, 0.0, 1.0)", activation=True, inplace=_hard_swish_inplace),
     Unary("LeakyRelu", (1, 6, 16), lambda xp, x, alpha: xp.where(x >= 0, x, alpha * x),
-          "pick(ge(x, 0.0), x, {alpha} * x)", activation=True),
+          "pick(ge(x, 0.0), x, {alpha} * x)", activation=True,
+          inplace=lambda xp, x, alpha: xp.multiply(x, x.dtype.type(alpha), out=x, where=x < 0)),
     Unary("Elu", (1, 6, 22), lambda xp, x, alpha: xp.where(x > 0, x, alpha * xp.expm1(x)),
           "pick(gt(x, 0.0), x, {alpha} * expm1(x))", activation=True),
     Unary("Selu", (1, 6, 22), lambda xp, x, alpha, gamma: gamma * xp.where(x > 0, x, alpha * xp.expm1(x)),
@@ -434,9 +456,12 @@ class UnaryOp(_TableOp):
         return _FLOAT_CALL(x, self.spec.fn, self.values)
 
     def run_inplace(self, x: np.ndarray) -> np.ndarray:
-        if self.spec.inplace is None:
+        """The op's result written into ``x`` (a fresh float buffer) where the table has an
+        in-place form: fewer passes over memory, no allocation. Narrow floats are computed in
+        float32 by :meth:`run`, so they never take this path."""
+        if self.spec.inplace is None or x.dtype.itemsize < 4:
             return self.run(x)
-        return self.spec.inplace(np, x)
+        return self.spec.inplace(np, x, **self.values)
 
 
 #: ``fn(np, x, **values)`` with narrow floats computed in float32 and x's dtype kept.

@@ -255,3 +255,19 @@ def test_clip_template_leaves_out_bounds_that_cannot_clip():
     assert clip_template(-np.inf, np.float32(6)) == ("min(x, {max})", {"max": 6.0})
     assert clip_template(0.0, np.inf) == ("max(x, {min})", {"min": 0.0})
     assert clip_template(np.array(1.0), 0.5) == ("min(max(x, {min}), {max})", {"min": 1.0, "max": 0.5})
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in UNARY_OPS.items() if e.inplace is not None))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_in_place_activations_equal_their_out_of_place_form(name, dtype):
+    """A fused activation runs in place on its layer's fresh output: the same bits as the op."""
+    from asyncinfer.model.ir import Layer
+    from asyncinfer.ops import registry
+
+    entry = UNARY_OPS[name]
+    attrs = {"alpha": 0.3, "beta": 0.4} if name == "HardSigmoid" else {"alpha": 0.1} if name == "LeakyRelu" else {}
+    op = registry.create(Layer(name="act", op_type=name, inputs=["x"], outputs=["y"], attrs=attrs,
+                               version=max(entry.versions)))
+    x = (np.random.default_rng(3).standard_normal(4096) * 8).astype(dtype)
+    x[:6] = [np.inf, -np.inf, np.nan, -0.0, 0.0, 6e4 if dtype == np.float16 else 1e30]
+    np.testing.assert_array_equal(op.run_inplace(x.copy()), op(x)[0])
