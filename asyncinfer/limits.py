@@ -55,7 +55,7 @@ class Limits:
     max_graph_depth: int = 32
     max_tensor_rank: int = 32
     max_tensor_bytes: int = 4 * GiB
-    max_folded_bytes: int = 64 * MiB
+    max_folded_bytes: int = 1 * GiB
     max_tensor_elements: int = 1 << 31
     max_request_bytes: int = 256 * MiB
     max_json_depth: int = 32
