@@ -268,7 +268,7 @@ class Conv(_ConvBase):
         bias = None if b is None else b.reshape((m,) + (1,) * nsp)
         if all(k == 1 for k in kernel) and not any(begin) and not any(end):
             # pointwise: the input (subsampled when strided) already is the GEMM operand
-            if any(s > 1 for s in strides):
+            if any(s > 1 for s in strides) or tuple(out) != x.shape[2:]:
                 x = x[(Ellipsis,) + tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(out, strides))]
             cols = x.reshape(n, group, cg, p)
             y = _grouped_matmul(w.reshape(group, mg, cg), cols).reshape(n, m, *out)

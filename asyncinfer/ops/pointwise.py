@@ -249,8 +249,9 @@ class _Entry:
 @dataclass(frozen=True)
 class Unary(_Entry):
     """One element-wise single-input op over ``x``; see the module docstring. ``activation``
-    makes it fusable into the layer before it; ``inplace`` is an optional ``f(xp, x)`` writing
-    the result into ``x``; ``bool_input`` marks Not (bool in, bool out)."""
+    makes it fusable into the layer before it; ``inplace`` is an optional ``f(xp, x, **values)``
+    writing the result into ``x`` with operations NumPy and CuPy share; ``bool_input`` marks Not
+    (bool in, bool out)."""
 
     variables: ClassVar[tuple[str, ...]] = ("x",)
 
@@ -317,8 +318,7 @@ UNARY_OPS: dict[str, Unary] = {entry.name: entry for entry in [
     Unary("HardSwish", (14, 22), lambda xp, x: x * xp.clip(x / 6 + 0.5, 0, 1),
           "x * clamp(x / 6.0 + 0.5, 0.0, 1.0)", activation=True, inplace=_hard_swish_inplace),
     Unary("LeakyRelu", (1, 6, 16), lambda xp, x, alpha: xp.where(x >= 0, x, alpha * x),
-          "pick(ge(x, 0.0), x, {alpha} * x)", activation=True,
-          inplace=lambda xp, x, alpha: xp.multiply(x, x.dtype.type(alpha), out=x, where=x < 0)),
+          "pick(ge(x, 0.0), x, {alpha} * x)", activation=True),
     Unary("Elu", (1, 6, 22), lambda xp, x, alpha: xp.where(x > 0, x, alpha * xp.expm1(x)),
           "pick(gt(x, 0.0), x, {alpha} * expm1(x))", activation=True),
     Unary("Selu", (1, 6, 22), lambda xp, x, alpha, gamma: gamma * xp.where(x > 0, x, alpha * xp.expm1(x)),

@@ -76,8 +76,8 @@ def apply_activation(ctx: KernelContext, y: Any, op: Op, extras: Sequence[Any], 
         lo, hi = clip_bounds(op, extras)
         return clip(ctx, y, lo, hi, inplace)
     entry = ACTIVATIONS[op.op_type]
-    if inplace and entry.inplace is not None:
-        return entry.inplace(ctx.xp, y)
+    if inplace and entry.inplace is not None and y.dtype.itemsize >= 4:  # narrow floats: float32 math
+        return entry.inplace(ctx.xp, y, **op.values)
     return compute(ctx, entry, y, op)
 
 
