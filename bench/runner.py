@@ -31,7 +31,7 @@ from typing import Any
 from bench import common
 
 # Every benchmark, in the order a full run takes them (the CPU ones first: they gate the floors).
-BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "real_models", "pixel", "serving", "gpu_compute")
+BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "pixel", "serving", "gpu_compute")
 
 # Our own packages: failing to import one of them is a bug to report, not a missing dependency.
 OWN_PACKAGES = ("asyncinfer", "bench")
@@ -111,26 +111,33 @@ def describe(name: str) -> str:
 # -- floors -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Floor:
-    """One performance target: ``value`` must be at most ``limit``."""
+    """One performance target: ``value`` must be at most ``limit`` (at least, with ``at_least``)."""
 
     name: str
     value: float | None  # None: could not be measured (e.g. the model did not load)
     limit: float
     unit: str = ""
+    at_least: bool = False  # a throughput target: higher is better
 
     @property
     def verdict(self) -> str:
         if self.value is None or not math.isfinite(self.value):
             return "N/A"
-        return "PASS" if self.value <= self.limit else "MISS"
+        met = self.value >= self.limit if self.at_least else self.value <= self.limit
+        return "PASS" if met else "MISS"
+
+    @property
+    def target(self) -> str:
+        return f"{'≥' if self.at_least else '≤'} {common.fmt(self.limit)} {self.unit}".rstrip()
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "value": self.value, "limit": self.limit, "unit": self.unit,
-                "verdict": self.verdict}
+                "at_least": self.at_least, "target": self.target, "verdict": self.verdict}
 
 
 def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
-    """The targets measurable from ``results`` (benchmark name -> result): latency's and overhead's."""
+    """The targets measurable from ``results`` (benchmark name -> result): latency's, overhead's and
+    concurrency's."""
     checks = []
     if (lat := results.get("latency")) is not None:
         checks.append(Floor("geomean latency ratio asyncinfer(await)/ORT", common.dig(lat, "geomean_ratio_await"),
@@ -144,6 +151,16 @@ def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
         ]
         checks += [Floor(f"schedule()/run time, {name}", common.dig(ovh, "schedule", name, "ratio"),
                          SCHEDULE_SHARE_FLOOR, "x") for name in (model, chain)]
+    if (conc := results.get("concurrency")) is not None:
+        tasks = conc["tasks"]
+        for model, r in conc["models"].items():
+            lag = ("engines", "asyncinfer", "loop_lag")
+            checks += [
+                Floor(f"{tasks}-task throughput asyncinfer/ORT, {model}", common.dig(r, "ratio"), 1.0, "x",
+                      at_least=True),
+                Floor(f"loop lag p99 while {tasks} tasks run, {model}", common.dig(r, *lag, "p99_ms"), 2.0, "ms"),
+                Floor(f"loop lag max while {tasks} tasks run, {model}", common.dig(r, *lag, "max_ms"), 10.0, "ms"),
+            ]
     return checks
 
 
@@ -190,8 +207,7 @@ def render_markdown(data: Mapping[str, Any], env: Mapping[str, Any]) -> str:
     if data["floors"]:
         lines += ["", "## Floors (informational: they never fail the run)", "",
                   "| floor | measured | target | verdict |", "| --- | ---: | --- | --- |"]
-        lines += [f"| {f['name']} | {_cell(f['value'])} | ≤ {common.fmt(f['limit'])} {f['unit']} | {f['verdict']} |"
-                  for f in data["floors"]]
+        lines += [f"| {f['name']} | {_cell(f['value'])} | {f['target']} | {f['verdict']} |" for f in data["floors"]]
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `bench` is a folder of the checkout, not an installed package
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import common, latency, overhead, runner  # noqa: E402
+from bench import common, concurrency, latency, overhead, runner  # noqa: E402
 
 TIMING_KEYS = {"median_ms", "p10_ms", "p90_ms", "min_ms", "max_ms", "n"}
 
@@ -147,6 +147,37 @@ def test_floors_report_every_target_of_the_benchmarks_that_ran():
     assert sorted(verdicts.values()) == ["MISS", "MISS", "N/A", "PASS", "PASS"]
     assert [f.verdict for f in runner.floors({"latency": lat})] == ["PASS"]  # a subset: its floors only
     assert runner.floors({"pixel": {}}) == []
+
+
+def test_concurrency_floors_need_throughput_at_least_ort():
+    fast = {"ratio": 1.2, "engines": {"asyncinfer": {"loop_lag": {"p99_ms": 3.0, "max_ms": 9.0}}}}
+    conc = {"tasks": 8, "models": {"fast": fast, "slow": {"ratio": 0.5}, "broken": {"error": "did not load"}}}
+    checks = runner.floors({"concurrency": conc})
+    verdicts = {f.name: f.verdict for f in checks}
+    assert verdicts["8-task throughput asyncinfer/ORT, fast"] == "PASS"  # higher is better
+    assert verdicts["8-task throughput asyncinfer/ORT, slow"] == "MISS"
+    assert verdicts["loop lag p99 while 8 tasks run, fast"] == "MISS"
+    assert verdicts["loop lag max while 8 tasks run, fast"] == "PASS"
+    assert sorted(verdicts.values()).count("N/A") == 5  # slow's lags and everything of broken
+    assert checks[0].target == "≥ 1 x" and checks[1].target == "≤ 2 ms"
+
+
+def test_concurrency_on_squeezenet():
+    pytest.importorskip("onnxruntime", reason="the concurrency benchmark compares against onnxruntime")
+    result = concurrency.run(["squeezenet"], tasks=2, seconds=0.2, rounds=1, repeats=1, verbose=False)
+    r = result["models"]["squeezenet"]
+    assert "error" not in r, r.get("error")
+    assert set(r["engines"]) == set(concurrency.ENGINES)
+    for engine in r["engines"].values():
+        assert_positive(engine["runs_per_s"])
+        assert len(engine["runs_per_s_blocks"]) == 1
+        assert_timing(engine["single_request"], 1)
+        assert_lag(engine["loop_lag"])
+    assert r["ratio"] == pytest.approx(r["engines"]["asyncinfer"]["runs_per_s"] / r["engines"]["ort"]["runs_per_s"])
+    figures = concurrency.key_figures(result)
+    assert list(figures) == ["squeezenet 2-task runs/s ×ORT", "squeezenet loop-lag p99 ms",
+                             "squeezenet loop-lag max ms"]
+    assert figures["squeezenet 2-task runs/s ×ORT"] == pytest.approx(r["ratio"])
 
 
 def test_pixel_benchmark_on_squeezenet():
