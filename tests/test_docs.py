@@ -18,7 +18,7 @@ BUILD_TIMEOUT_S = 300
 
 # Pages whose ```python blocks run as they are, in order, in one interpreter. serving.md is left
 # out: its examples need the optional server dependencies.
-RUNNABLE_PAGES = ["quickstart.md", "how-it-runs.md", "readback.md", "backends.md", "errors.md"]
+RUNNABLE_PAGES = ["quickstart.md", "how-it-runs.md", "readback.md", "backends.md", "errors.md", "security.md"]
 
 API_NAMES = [
     "load_model", "Model", "TensorInfo", "Worker", "Execution", "BackendType", "Placement", "Tensor", "TensorData",

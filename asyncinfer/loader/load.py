@@ -1,10 +1,10 @@
 """``load_model``: import, optimise and check an ONNX model."""
 from __future__ import annotations
 
-from .. import ops
 import warnings
 
-from ..errors import UnsupportedOperatorError
+from .. import ops
+from ..errors import AsyncInferError, ModelLoadError, UnsupportedOperatorError
 from ..limits import DEFAULT_LIMITS, Limits
 from ..model.ir import Layer, Model
 from ..model.onnx_import import ModelSource, import_model
@@ -43,18 +43,26 @@ def load_model(source: ModelSource, *, optimize: bool = True, limits: Limits = D
         run_passes(model)
     else:
         mark_cpu_bound(model)
-    check_supported(model.layers)
+    check_supported(model.layers, model.source, model.limits)
     return model
 
 
-def check_supported(layers: list[Layer]) -> None:
-    """Build every layer's kernel once; raise one error listing every unsupported op and attribute."""
+def check_supported(layers: list[Layer], label: str = "<model>", limits: Limits = DEFAULT_LIMITS) -> None:
+    """Build every layer's kernel once; raise one error listing every unsupported op and attribute.
+
+    A kernel's attribute check that fails with anything but an asyncinfer error (a malformed
+    attribute it did not foresee) is a ModelLoadError naming the layer, never a raw exception."""
     problems: list[str] = []
     for layer in layers:
         for part in [layer] + layer.fused:
             try:
-                ops.create(part)
+                ops.create(part, limits)
             except UnsupportedOperatorError as exc:
                 problems += [f"{p} (layer {part.name!r})" if part.name not in p else p for p in exc.problems]
+            except AsyncInferError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the safety net the docstring promises
+                raise ModelLoadError(f"{label}: {part.describe()} has malformed attributes or subgraphs: "
+                                     f"{type(exc).__name__}: {exc}") from exc
     if problems:
         raise UnsupportedOperatorError(problems)

@@ -5,6 +5,7 @@ later; Conv+BatchNormalization folding is exact algebra done in float64.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -12,13 +13,11 @@ import ml_dtypes
 import numpy as np
 
 from .. import ops
-from ..errors import AsyncInferError
-from ..ops.elementwise import compute_dtype
+from ..errors import AsyncInferError, ModelLoadError
+from ..limits import Limits
 from ..model.ir import Layer, Model
+from ..ops.elementwise import compute_dtype
 
-# Folding is skipped for layers producing more than this: a 1-GiB broadcast is cheaper to compute
-# at run time than to keep resident. ConstantOfShape weights of real models are far below it.
-MAX_FOLDED_BYTES = 1 << 30
 # Ops whose output depends only on the *shape* of their input: CPU-bound propagation stops there.
 SHAPE_ONLY_OPS = {"Shape", "Size"}
 # Ops that may carry a fused activation: the activation then runs on the same thread, in place.
@@ -30,23 +29,35 @@ def _graph_outputs(model: Model) -> set[str]:
     return {o.name for o in model.outputs}
 
 
-def _rename_input(model: Model, old: str, new: str) -> None:
+def _rename_inputs(model: Model, renames: dict[str, str]) -> None:
+    """Make every layer read ``renames[name]`` instead of ``name``: one pass over the layers,
+    however many names change (a pass per name would make a pass quadratic)."""
+    if not renames:
+        return
     for layer in model.layers:
-        layer.inputs = [new if n == old else n for n in layer.inputs]
+        if any(n in renames for n in layer.inputs):
+            layer.inputs = [renames.get(n, n) for n in layer.inputs]
 
 
 def eliminate_identities(model: Model) -> int:
-    """Drop Identity and inference-mode Dropout layers, wiring consumers to their input."""
+    """Drop Identity and inference-mode Dropout layers, wiring consumers to their input.
+
+    One pass in topological order: a layer's inputs are renamed before it is looked at, so a
+    chain of Identities collapses onto its first input in linear time."""
     outputs = _graph_outputs(model)
     # subgraphs read outer values by name: those names must survive
     pinned = outputs | {n for layer in model.layers for n in layer.outer_inputs}
+    renames: dict[str, str] = {}
     kept, removed = [], 0
     for layer in model.layers:
+        if renames and any(n in renames for n in layer.inputs):
+            layer.inputs = [renames.get(n, n) for n in layer.inputs]
         passthrough = layer.op_type == "Identity" or (
             layer.op_type == "Dropout" and (len(layer.outputs) < 2 or not layer.outputs[1])
             and not layer.attrs.get("training_mode") and (len(layer.inputs) < 3 or not layer.inputs[2]))
-        if passthrough and layer.domain == "" and layer.outputs[0] not in pinned and layer.inputs and layer.inputs[0]:
-            _rename_input(model, layer.outputs[0], layer.inputs[0])
+        if (passthrough and layer.domain == "" and layer.outputs and layer.outputs[0]
+                and layer.outputs[0] not in pinned and layer.inputs and layer.inputs[0]):
+            renames[layer.outputs[0]] = layer.inputs[0]
             removed += 1
         else:
             kept.append(layer)
@@ -55,40 +66,56 @@ def eliminate_identities(model: Model) -> int:
 
 
 def fold_constants(model: Model) -> int:
-    """Evaluate layers whose inputs are all constant; also ``Shape``/``Size`` of statically shaped values."""
+    """Evaluate layers whose inputs are all constant; also ``Shape``/``Size`` of statically shaped values.
+
+    A layer whose output would exceed ``Limits.max_folded_bytes`` is left to run time: its size is
+    predicted before it is computed, and the kernels that size a tensor from data refuse to
+    allocate more than that many elements while folding. So are folds once the values folded so
+    far total ``Limits.max_model_bytes``: a model's folded constants never take more memory than
+    its file could have held, however many small folds it has."""
     folded, kept = 0, []
+    limits = model.limits
+    fold_limits = limits.replace(max_tensor_elements=min(limits.max_tensor_elements, limits.max_folded_bytes))
+    budget = limits.max_model_bytes
     for layer in model.layers:
-        value = _try_fold(model, layer)
+        value = _try_fold(model, layer, fold_limits, min(limits.max_folded_bytes, budget))
         if value is None:
             kept.append(layer)
             continue
         for name, array in zip(layer.outputs, value):
             if name:
                 model.constants[name] = array
+        budget -= sum(_nbytes(v) for v in value)
         folded += 1
     model.layers = kept
     return folded
 
 
-def _try_fold(model: Model, layer: Layer) -> tuple | None:
+def _try_fold(model: Model, layer: Layer, limits: Limits, bound: int) -> tuple | None:
+    """The layer's outputs computed now, or None to leave it to run time (outputs over ``bound``
+    bytes, not constant, random, unsupported, or failing)."""
     if layer.op_type in CONTROL_FLOW or layer.fused:
         return None
-    if layer.op_type in SHAPE_ONLY_OPS and layer.domain == "" and layer.inputs[0] not in model.constants:
+    if layer.op_type in SHAPE_ONLY_OPS and layer.domain == "" and layer.inputs and layer.inputs[0] not in model.constants:
         return _fold_shape(model, layer)
     if not all(name in model.constants for name in layer.inputs if name):
         return None
     try:
-        op = ops.create(layer)
-    except AsyncInferError:
-        return None  # reported by the support check with every other unsupported op
+        op = ops.create(layer, limits)
+    except Exception:
+        return None  # reported by the support check with every other unsupported op or bad attribute
     if not op.deterministic:
         return None
+    args = [model.constants[n] if n else None for n in layer.inputs]
+    predicted = predicted_bytes(model, layer, args)
+    if (predicted is None and layer.op_type in NEEDS_PREDICTION) or (predicted is not None and predicted > bound):
+        return None  # a data-propagation bomb, or a size nobody can tell: left to run time
     try:
         with np.errstate(all="ignore"):
-            outs = op(*[model.constants[n] if n else None for n in layer.inputs])
+            outs = op(*args)
     except Exception:
         return None  # leave it to run time, where a failure is an ExecutionError naming the layer
-    if any(isinstance(o, np.ndarray) and o.nbytes > MAX_FOLDED_BYTES for o in outs):
+    if sum(_nbytes(o) for o in outs) > bound:
         return None
     # Constants are shared by every run: make them immutable so no kernel can corrupt them.
     return tuple(_frozen(o) for o in outs)
@@ -103,7 +130,151 @@ def _frozen(value):
     return value
 
 
+def _nbytes(value) -> int:
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, (list, tuple)):  # a sequence
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+# -- output size prediction ----------------------------------------------------------------------
+# Ops whose output size depends on input values in ways :func:`_predicted_elements` does not model:
+# folded only when shape inference knows their output shape.
+NEEDS_PREDICTION = {"Einsum", "AffineGrid", "Col2Im", "DFT", "STFT", "ConvTranspose", "MelWeightMatrix",
+                    "CenterCropPad", "MaxUnpool", "Upsample", "Resize"}
+# Element-wise ops that broadcast their inputs: the output has the broadcast shape.
+BROADCASTING = {"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Where", "Equal",
+                "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "BitShift",
+                "BitwiseAnd", "BitwiseOr", "BitwiseXor", "PRelu", "Clip"}
+_UNBOUNDED = math.inf  # a size the op's values make absurd (non-finite, too many dims): never folded
+
+
+def predicted_bytes(model: Model, layer: Layer, args: list) -> float | None:
+    """An upper bound of the bytes ``layer`` would build from the constants ``args``, known before
+    computing them: from shape inference (``model.value_info``) and from the op's own rule
+    (ConstantOfShape, Expand, Tile, Range, Pad, OneHot, Gather, MatMul, broadcasting…), the larger
+    of the two; None when neither can tell. A declared shape may lie, the op's rule cannot."""
+    guesses: list[float] = []
+    infos = [model.value_info.get(o) for o in layer.outputs if o]
+    if infos and all(i is not None and i.shape is not None and all(isinstance(d, int) for d in i.shape)
+                     for i in infos):
+        guesses.append(sum(math.prod(i.shape) * (np.dtype(i.dtype).itemsize if i.dtype is not None else 8)
+                           for i in infos))
+    try:
+        elements = _predicted_elements(layer, args, model.limits.max_tensor_rank)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        elements = None  # values the kernel will refuse: it fails at run time, naming the layer
+    if elements is not None:
+        guesses.append(elements * _output_itemsize(layer, args))
+    return max(guesses) if guesses else None
+
+
+# The input whose element type the output takes, for ops whose other inputs are shapes or counts.
+_DATA_INPUT = {"Expand": 0, "Tile": 0, "Pad": 0, "Gather": 0, "GatherElements": 0, "GatherND": 0,
+               "Resize": 0, "Upsample": 0, "Range": 0, "OneHot": 2, "CenterCropPad": 0, "MaxUnpool": 0}
+
+
+def _output_itemsize(layer: Layer, args: list) -> int:
+    """Bytes per element of the layer's output (the widest input's when the op has no data input)."""
+    if layer.op_type == "ConstantOfShape":
+        value = layer.attrs.get("value")
+        return value.dtype.itemsize if isinstance(value, np.ndarray) else 4
+    index = _DATA_INPUT.get(layer.op_type)
+    if index is not None and index < len(args) and isinstance(args[index], np.ndarray):
+        return max(args[index].dtype.itemsize, 1)
+    return max([a.dtype.itemsize for a in args if isinstance(a, np.ndarray)] + [1])
+
+
+def _ints(value) -> list[int] | None:
+    """The entries of a shape-like constant as Python ints (None for a missing input)."""
+    if value is None:
+        return None
+    flat = np.asarray(value).reshape(-1)
+    if flat.dtype.kind == "f" and not np.all(np.isfinite(flat)):
+        raise OverflowError("non-finite")
+    if flat.dtype.kind not in "iufb":
+        raise TypeError(f"not numbers: {flat.dtype}")
+    return [int(v) for v in flat]
+
+
+def _scalar(value) -> float:
+    flat = np.asarray(value).reshape(-1)
+    if flat.size != 1 or flat.dtype.kind not in "iufb":
+        raise ValueError("not a numeric scalar")
+    return float(flat[0])
+
+
+def _broadcast(shapes: list[tuple[int, ...]]) -> int:
+    rank = max((len(s) for s in shapes), default=0)
+    padded = [(1,) * (rank - len(s)) + tuple(s) for s in shapes]
+    return math.prod(max(max(int(d), 0) for d in axis) for axis in zip(*padded)) if rank else 1
+
+
+def _predicted_elements(layer: Layer, args: list, max_rank: int) -> float | None:
+    """Output elements of the ops that can grow far beyond their inputs, from their constant inputs."""
+    op, a = layer.op_type, args + [None] * 5
+    arrays = [x for x in args if isinstance(x, np.ndarray)]
+    if op == "ConstantOfShape":
+        dims = _ints(a[0]) or []
+        return _UNBOUNDED if len(dims) > max_rank else math.prod(max(d, 0) for d in dims)
+    if op == "Expand":
+        dims = _ints(a[1]) or []
+        return _UNBOUNDED if len(dims) > max_rank else _broadcast([np.shape(a[0]), tuple(dims)])
+    if op == "Tile":
+        repeats = _ints(a[1]) or []
+        return math.prod(max(d, 0) * max(r, 1) for d, r in zip(np.shape(a[0]), repeats)) if repeats else None
+    if op == "Range":
+        start, limit, delta = (_scalar(v) for v in a[:3])
+        if delta == 0 or not all(math.isfinite(v) for v in (start, limit, delta)):
+            return _UNBOUNDED
+        return max(math.ceil((limit - start) / delta), 0)
+    if op == "Pad":
+        pads = _ints(a[1]) if len(layer.inputs) > 1 else layer.attrs.get("pads", [])
+        grow = sum(max(p, 0) for p in (pads or []))
+        return math.prod(d + grow for d in np.shape(a[0]))
+    if op == "OneHot":
+        return int(np.size(a[0])) * abs(int(_scalar(a[1])))
+    if op in ("HannWindow", "HammingWindow", "BlackmanWindow"):
+        return abs(int(_scalar(a[0])))
+    if op in ("Resize", "Upsample"):
+        sizes = _ints(a[3]) if op == "Resize" and len(layer.inputs) > 3 and layer.inputs[3] else None
+        if sizes:
+            return math.prod(max(d, 0) for d in sizes)
+        scales = a[2] if op == "Resize" and layer.version >= 11 else a[1]
+        scales = layer.attrs.get("scales") if scales is None else scales
+        if scales is None:
+            return None
+        factors = [float(v) for v in np.asarray(scales, dtype=np.float64).reshape(-1)]
+        if not all(math.isfinite(f) for f in factors):
+            return _UNBOUNDED
+        return math.prod(math.ceil(d * max(f, 0.0)) for d, f in zip(np.shape(a[0]), factors))
+    if op == "Gather":
+        data, indices = np.shape(a[0]), np.shape(a[1])
+        axis = int(layer.attrs.get("axis", 0)) % max(len(data), 1)
+        rows = math.prod(data[:axis] + data[axis + 1:]) if data else 1
+        return rows * math.prod(indices)
+    if op == "GatherElements":
+        return math.prod(np.shape(a[1]))
+    if op == "GatherND":  # never more than a whole data tensor per index tuple
+        return math.prod(np.shape(a[1])[:-1]) * math.prod(np.shape(a[0]))
+    if op in ("MatMul", "MatMulInteger", "Gemm", "QLinearMatMul"):
+        x, w = (np.shape(a[0]), np.shape(a[3])) if op == "QLinearMatMul" else (np.shape(a[0]), np.shape(a[1]))
+        if op == "Gemm":
+            rows = x[1] if layer.attrs.get("transA") else x[0] if x else 1
+            cols = w[0] if layer.attrs.get("transB") else w[-1] if w else 1
+            return rows * cols
+        return math.prod(x[:-1]) * math.prod(w[:-2]) * (w[-1] if len(w) > 1 else 1)
+    if op in BROADCASTING and arrays:
+        return _broadcast([x.shape for x in arrays])
+    if op == "Concat":
+        return sum(x.size for x in arrays)
+    return None
+
+
 def _fold_shape(model: Model, layer: Layer) -> tuple | None:
+    if not layer.inputs or not layer.inputs[0]:
+        return None
     info = model.value_info.get(layer.inputs[0])
     if info is None or info.shape is None or not all(isinstance(d, int) for d in info.shape):
         return None
@@ -174,15 +345,27 @@ class _Affine:
 
     @staticmethod
     def accepts(model: Model, layer: Layer) -> bool:
+        """Whether ``layer`` is a host whose constants have the shapes the algebra needs (a
+        malformed model is left as it is, for the kernel to report at run time)."""
         c = model.constants
-        if layer.domain or layer.fused or len([o for o in layer.outputs if o]) != 1:
+        if layer.domain or layer.fused or len(layer.outputs) != 1 or not layer.outputs[0]:
             return False
+        floats = (np.float16, np.float32, np.float64)
         if layer.op_type == "Conv":
-            names = [n for n in layer.inputs[1:3] if n]
-            return all(n in c for n in names) and c[layer.inputs[1]].dtype in (np.float16, np.float32, np.float64)
+            if len(layer.inputs) < 2 or not isinstance(c.get(layer.inputs[1]), np.ndarray):
+                return False
+            w = c[layer.inputs[1]]
+            bias = layer.inputs[2] if len(layer.inputs) > 2 else ""
+            if bias and not (isinstance(c.get(bias), np.ndarray) and c[bias].shape == w.shape[:1]):
+                return False
+            return w.ndim >= 3 and w.dtype in floats and (not bias or c[bias].dtype == w.dtype)
         if layer.op_type == "BatchNormalization":
-            return not layer.attrs.get("training_mode", 0) and all(n in c for n in layer.inputs[1:5]) \
-                and c[layer.inputs[1]].dtype in (np.float16, np.float32, np.float64)
+            if layer.attrs.get("training_mode", 0) or len(layer.inputs) < 5:
+                return False
+            params = [c.get(n) for n in layer.inputs[1:5]]
+            if not all(isinstance(p, np.ndarray) and p.ndim == 1 for p in params):
+                return False
+            return len({p.shape for p in params}) == 1 and params[0].dtype in floats
         return False
 
     def scale_by(self, s: np.ndarray) -> None:
@@ -200,6 +383,8 @@ class _Affine:
             if not _Affine.accepts(self.model, follower) or follower.inputs[0] != data:
                 return False
             bn = _Affine(self.model, follower)
+            if bn.channels != self.channels:
+                return False
             self.scale_by(bn.weight)
             self.shift_by(bn.bias)
             return True
@@ -361,24 +546,26 @@ def promote_narrow_floats(model: Model) -> int:
                 elif isinstance(value, np.ndarray) and value.dtype in PROMOTED_FLOATS:
                     part.attrs[key] = value.astype(np.float32)
     version = model.opsets.get("", 13)
-    widen = []
+    # Readers of a narrow input or output read its float32 twin instead: renamed in one pass.
+    renames = {info.name: f"{info.name}::float32" for info in list(model.inputs) + list(model.outputs)
+               if narrow(info.name)}
+    _rename_inputs(model, renames)
+    widen, rounds = [], []
     for info in model.inputs:
         if narrow(info.name):
-            wide = f"{info.name}::float32"
-            _rename_input(model, info.name, wide)
+            wide = renames[info.name]
             widen.append(Layer(name=f"{info.name}::widen", op_type="Cast", inputs=[info.name], outputs=[wide],
                                attrs={"to": FLOAT32_CODE}, version=version))
             model.value_info[wide] = replace(info, name=wide, dtype=np.dtype(np.float32))
-    for info in model.outputs:
+    for info in {info.name: info for info in model.outputs}.values():
         if narrow(info.name):
-            wide = f"{info.name}::float32"
-            _rename_input(model, info.name, wide)
+            wide = renames[info.name]
             layer = producers[info.name]
             layer.outputs = [wide if o == info.name else o for o in layer.outputs]
-            model.layers.append(Layer(name=f"{info.name}::round", op_type="Cast", inputs=[wide], outputs=[info.name],
-                                      attrs={"to": PROMOTED_FLOATS[np.dtype(info.dtype)]}, version=version))
+            rounds.append(Layer(name=f"{info.name}::round", op_type="Cast", inputs=[wide], outputs=[info.name],
+                                attrs={"to": PROMOTED_FLOATS[np.dtype(info.dtype)]}, version=version))
             model.value_info[wide] = replace(info, name=wide, dtype=np.dtype(np.float32))
-    model.layers[:0] = widen
+    model.layers = widen + model.layers + rounds
     return 1
 
 
@@ -450,8 +637,17 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
 
 
 def optimize(model: Model) -> Model:
-    """Run every pass in order, recording rewrite counts in ``model.optimizations``; then mark CPU-bound values."""
-    for name, run_pass in PASSES:
-        model.optimizations[name] = run_pass(model)
-    model.optimizations["cpu_bound_values"] = mark_cpu_bound(model)
+    """Run every pass in order, recording rewrite counts in ``model.optimizations``; then mark CPU-bound values.
+
+    Passes guard against malformed models themselves; should one still fail, the failure is a
+    ModelLoadError naming the model and the pass, never a raw exception out of ``load_model``."""
+    for name, run_pass in PASSES + [("cpu_bound_values", mark_cpu_bound)]:
+        try:
+            with np.errstate(all="ignore"):  # constants may hold inf/NaN: IEEE results, no warnings
+                model.optimizations[name] = run_pass(model)
+        except AsyncInferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - an untrusted model must never surface a raw error
+            raise ModelLoadError(f"{model.source}: optimizer pass {name} failed on this model: "
+                                 f"{type(exc).__name__}: {exc}") from exc
     return model

@@ -58,7 +58,7 @@ class Subgraph:
         for node in graph.node:
             opsets.setdefault(_domain(node.domain), _newest_opset(_domain(node.domain)))
         label = f"{layer.describe()}, attribute {attr_name!r}"
-        _, outputs, layers, constants = import_graph(graph, opsets, label=label,
+        _, outputs, layers, constants = import_graph(graph, opsets, label=label, limits=owner.limits,
                                                      outer_scope=frozenset(layer.outer_inputs))
         self.input_names: list[str] = [vi.name for vi in graph.input]  # bound by position
         self.outputs: list[TensorInfo] = outputs
@@ -171,7 +171,8 @@ class Loop(_ControlFlow):
             outs = body.run([np.array(i, dtype=np.int64), going, *state], outer)
             going, state = outs[0], outs[1:1 + n_state]
             for acc, value in zip(scans, outs[1 + n_state:]):
-                acc.append(value)
+                acc.append(value)  # a scan output grows with the (data-given) trip count: bounded
+                self.check_allocation((len(acc),) + np.shape(value), "scan output")
             if cond is not None:  # without a cond input, the body's condition is ignored
                 keep_going = self.truth(going, "the body's condition output")
             i += 1

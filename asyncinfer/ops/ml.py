@@ -450,6 +450,8 @@ class _LegacyTrees(Op):
         node_ids = np.asarray(self.attr("nodes_nodeids"), dtype=np.int64)
         modes = self.attr("nodes_modes")
         thresholds = _attr_array(self, "nodes_values")
+        if thresholds is None:  # neither nodes_values nor nodes_values_as_tensor
+            self.unsupported("a tree ensemble without nodes_values")
         true_ids = np.asarray(self.attr("nodes_truenodeids"), dtype=np.int64)
         false_ids = np.asarray(self.attr("nodes_falsenodeids"), dtype=np.int64)
         missing = self.attr("nodes_missing_value_tracks_true", None)

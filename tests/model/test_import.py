@@ -163,7 +163,7 @@ def test_external_data_from_bytes_needs_a_path(tmp_path):
 
 
 def test_tensor_over_the_size_limit(tmp_path):
-    with pytest.raises(ai.ModelLoadError, match="over the 8-byte limit"):
+    with pytest.raises(ai.ModelTooLargeError, match="initializer 'w' size in bytes: 16 exceeds Limits.max_tensor_bytes = 8"):
         ai.load_model(_mul_model(), limits=ai.Limits(max_tensor_bytes=8))
 
 
