@@ -11,8 +11,11 @@ from .elementwise import compute_dtype
 from .registry import register
 
 
-# Below this many multiply-adds a GEMM runs whole: handing parts to other threads costs ~30 µs.
-SPLIT_MIN_MACS = 1 << 22
+# Below this many multiply-adds a GEMM runs whole. Waking a pool thread costs 50-300 µs on a small
+# VM, and models with parallel branches already fill the pool: measured on an idle 2-core machine
+# (bench/latency.py), splitting from 4M MACs made squeezenet 15.5 ms and inception_v2 49 ms,
+# from 30M 13.4 and 43.7 ms (resnet50 72 ms either way; 83 ms with no splitting at all).
+SPLIT_MIN_MACS = 30_000_000
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -66,12 +66,19 @@ def test_the_caller_never_waits_for_a_busy_helper(pool):
 @pytest.mark.parametrize("shapes", [((300, 200), (200, 300)), ((1, 512), (512, 9000)),
                                     ((5, 64, 128), (5, 128, 64)), ((2, 1, 70, 80), (3, 80, 90)),
                                     ((1, 7, 7, 300), (300, 768))])
-def test_split_matmul_equals_numpy(pool, shapes):
+def test_split_matmul_equals_numpy(pool, shapes, monkeypatch):
+    from asyncinfer.ops import linalg
+
+    monkeypatch.setattr(linalg, "SPLIT_MIN_MACS", 0)  # every shape here takes the split path
+    calls = []
+    real = parallel.run_parts
+    monkeypatch.setattr(parallel, "run_parts", lambda count, part: (calls.append(count), real(count, part)))
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     with parallel.pool_bound(pool.submit, 2):
         got = matmul(a, b)
     np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-5, atol=1e-4)
+    assert calls == [2]
 
 
 def test_blas_is_single_threaded_while_a_cpu_worker_lives_and_restored_after():
