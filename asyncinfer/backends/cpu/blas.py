@@ -6,7 +6,10 @@ meetings stall: on a 2-core machine with one busy core, a 128×128 matmul went f
 15–30 ms, and ResNet-18 from 42 ms to 250 ms (``python -m bench real_models``). So while a CPU
 backend exists, BLAS runs single-threaded, and asyncinfer parallelises itself: independent layers
 and concurrent requests run on the pool's threads, and large GEMMs are split across idle pool
-threads (``concurrency/parallel.py``). The setting is process-wide (BLAS has no per-thread
+threads (``concurrency/parallel.py``). The price, on an idle machine: OpenBLAS's spinning
+threads start a GEMM part faster than a pool thread wakes, so a lone request ran 15-40% slower
+(resnet50 63 -> 72 ms, squeezenet 10 -> 13 ms on 2 cores); under any load, or with concurrent
+requests, the rule wins by far. The setting is process-wide (BLAS has no per-thread
 one): it is made when the first CPU backend starts and undone when the last one closes.
 ``ASYNCINFER_BLAS_THREADS=n`` keeps BLAS at ``n`` threads instead (the backend then runs one
 GEMM kernel at a time, as BLAS already uses the cores).
