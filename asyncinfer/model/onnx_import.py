@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import mmap
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -33,6 +34,11 @@ ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelPr
 
 MIN_OPSET = 1
 DEFAULT_MAX_TENSOR_BYTES = DEFAULT_LIMITS.max_tensor_bytes
+# External tensors from this size on are memory-mapped rather than read (see _map_or_read).
+MMAP_MIN_BYTES = 1 << 20
+# Shape inference runs on a copy without initializers of this size or more (see _weightless).
+WEIGHTLESS_KEEP_BYTES = 4096
+WEIGHTLESS_MIN_BYTES = 1 << 20
 
 
 def read_model_proto(source: ModelSource, limits: Limits = DEFAULT_LIMITS) -> tuple[onnx.ModelProto, Path | None, str]:
@@ -251,12 +257,24 @@ def _read_external(t: onnx.TensorProto, base_dir: Path | None, max_bytes: int, l
                                  f"(needs bytes {offset}..{offset + length}, file has {status.st_size})")
         if length != declared:  # checked before reading: no allocation for a wrong length
             raise ModelLoadError(f"{what}: external data holds {length} bytes, shape {dims} needs {declared}")
-        f.seek(offset)
-        raw = f.read(length)
+        raw = _map_or_read(f, offset, length)
     if len(raw) != declared:
         raise ModelLoadError(f"{what}: external data holds {len(raw)} bytes, shape {dims} needs {declared}")
-    # ONNX data is little-endian on every host: read it as such, then convert to native order.
-    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(tuple(dims)).astype(dtype)
+    # ONNX data is little-endian on every host: read it as such; on a little-endian host the
+    # conversion to native order is a no-op that keeps the mapping (no copy).
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(tuple(dims)).astype(dtype, copy=False)
+
+
+def _map_or_read(f: Any, offset: int, length: int) -> Any:
+    """``length`` bytes of ``f`` from ``offset``: a read-only memory map for large tensors (the
+    page cache is shared with the file, nothing is copied until a kernel derives a new array, as
+    ONNX Runtime does), a plain read for small ones (a mapping per tiny tensor costs more)."""
+    if length < MMAP_MIN_BYTES:
+        f.seek(offset)
+        return f.read(length)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
+    mapped = mmap.mmap(f.fileno(), length + (offset - start), access=mmap.ACCESS_READ, offset=start)
+    return memoryview(mapped)[offset - start:]
 
 
 def _external_int(info: dict[str, str], key: str, default: int, what: str) -> int:
@@ -313,7 +331,7 @@ def _inferred_infos(proto: onnx.ModelProto, limits: Limits) -> dict[str, TensorI
     busy for hours (found by a survey of every op under hostile inputs). The optimizer folds shape
     computations itself (``Shape`` of static tensors, then the layers reading it)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=False)
+        inferred = onnx.shape_inference.infer_shapes(_weightless(proto), strict_mode=False, data_prop=False)
     except Exception:
         return {}
     infos = {}
@@ -323,6 +341,31 @@ def _inferred_infos(proto: onnx.ModelProto, limits: Limits) -> dict[str, TensorI
         except ModelLoadError:
             continue
     return infos
+
+
+def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` for shape inference: large initializers become typed graph inputs, so onnx does
+    not serialise and copy the weights (twice) to infer shapes. Small ones stay: inference reads
+    their values (a Reshape's target shape, a Slice's starts)."""
+    graph = proto.graph
+    if sum(t.ByteSize() for t in graph.initializer) < WEIGHTLESS_MIN_BYTES:  # ByteSize: no copy
+        return proto  # not worth a copy of the graph
+    light = onnx.ModelProto(ir_version=proto.ir_version)
+    light.opset_import.extend(proto.opset_import)
+    light.functions.extend(proto.functions)
+    g = light.graph
+    g.name = graph.name
+    g.node.extend(graph.node)
+    g.output.extend(graph.output)
+    g.value_info.extend(graph.value_info)
+    g.input.extend(graph.input)
+    declared = {i.name for i in graph.input}
+    for t in graph.initializer:
+        if t.data_location != TensorProto.EXTERNAL and t.ByteSize() < WEIGHTLESS_KEEP_BYTES:
+            g.initializer.append(t)
+        elif t.name not in declared:
+            g.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light
 
 
 # -- graph -------------------------------------------------------------------------------------

@@ -48,9 +48,11 @@ def check_size(t: onnx.TensorProto, max_bytes: int, what: str) -> None:
         raise ModelTooLargeError("max_tensor_bytes", size, max_bytes, f"{what} of shape {list(t.dims)}: size in bytes")
 
 
-def check_tensor_data(t: onnx.TensorProto, what: str) -> np.dtype:
+def check_tensor_data(t: onnx.TensorProto, what: str, raw: bytes | None = None) -> np.dtype:
     """The tensor's NumPy dtype, once its element type is known, its dims non-negative and its
-    inline data exactly what the dims declare (raw_data bytes, or typed-field entries)."""
+    inline data exactly what the dims declare (raw_data bytes, or typed-field entries).
+
+    ``raw``: ``t.raw_data`` when the caller already holds it (each read of the field copies it)."""
     if t.HasField("segment"):
         raise ModelLoadError(f"{what}: segmented tensors are not supported")
     if t.data_type == TensorProto.UNDEFINED:
@@ -75,8 +77,9 @@ def check_tensor_data(t: onnx.TensorProto, what: str) -> np.dtype:
     bits = PACKED_BITS.get(code)
     if t.HasField("raw_data"):
         need = (count * bits + 7) // 8 if bits else count * dtype.itemsize
-        if len(t.raw_data) != need:
-            raise ModelLoadError(f"{what} has {len(t.raw_data)} bytes of raw_data, dims {dims} of "
+        have = len(t.raw_data if raw is None else raw)
+        if have != need:
+            raise ModelLoadError(f"{what} has {have} bytes of raw_data, dims {dims} of "
                                  f"{type_name(code)} need {need}")
         return dtype
     field = onnx.helper.tensor_dtype_to_field(code)
@@ -111,6 +114,13 @@ def inline_to_array(t: onnx.TensorProto, max_bytes: int, what: str) -> np.ndarra
         raise ModelLoadError(f"{what} holds a tensor with external data: only initializers and "
                              "Constant nodes may keep their data outside the model")
     check_size(t, max_bytes, what)
+    if t.HasField("raw_data") and t.data_type not in PACKED_BITS and t.data_type != TensorProto.STRING:
+        # The common case, without numpy_helper's copy: one read of the field, viewed in place
+        # (little-endian on every host, so converting to native order is a no-op here).
+        raw = t.raw_data
+        dtype = check_tensor_data(t, what, raw)
+        dims = tuple(int(d) for d in t.dims)
+        return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(dims).astype(dtype, copy=False)
     check_tensor_data(t, what)
     try:
         value = numpy_helper.to_array(t)

@@ -139,6 +139,50 @@ def test_external_data_inside_the_folder(tmp_path):
     np.testing.assert_array_equal(model.constants["w"], np.arange(6, dtype=np.float32))
 
 
+def _mapped_by(array: np.ndarray) -> object:
+    """The object at the bottom of ``array``'s chain of bases (an mmap when nothing was copied)."""
+    base = array
+    while getattr(base, "base", None) is not None or isinstance(base, memoryview):
+        base = base.obj if isinstance(base, memoryview) else base.base
+    return base
+
+
+def test_large_external_data_is_memory_mapped_not_copied(tmp_path):
+    import mmap
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((640, 512)).astype(np.float32)  # 1.25 MiB: mapped
+    small = np.arange(512, dtype=np.float32)                   # 2 KiB: read
+    (tmp_path / "weights.bin").write_bytes(small.tobytes() + big.tobytes())  # big at an unaligned offset
+    tensors = []
+    for name, array, offset in (("small", small, 0), ("big", big, small.nbytes)):
+        tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=list(array.shape))
+        tensor.data_location = TensorProto.EXTERNAL
+        _external_entry(tensor, location="weights.bin", offset=str(offset), length=str(array.nbytes))
+        tensors.append(tensor)
+    proto = make_model([helper.make_node("MatMul", ["x", "big"], ["m"]), helper.make_node("Add", ["m", "small"], ["y"])],
+                       [tensor_info("x", [6, 640])], [tensor_info("y", [6, 512])], tensors, extra_domains=())
+    onnx.save(proto, tmp_path / "model.onnx")
+    model = ai.load_model(tmp_path / "model.onnx")
+    np.testing.assert_array_equal(model.constants["big"], big)
+    assert isinstance(_mapped_by(model.constants["big"]), mmap.mmap)
+    assert not model.constants["big"].flags.writeable  # kernels derive new arrays, never write weights
+    assert not isinstance(_mapped_by(model.constants["small"]), mmap.mmap)
+    x = rng.standard_normal((6, 640)).astype(np.float32)
+    with ai.Worker(model) as w:
+        np.testing.assert_allclose(w.run_blocking(x)["y"], x @ big + small, rtol=1e-4, atol=1e-4)
+
+
+def test_shape_inference_sees_types_of_large_initializers_without_their_data():
+    # The weights (over the inference copy's threshold) become typed inputs of the copy that onnx
+    # infers shapes on; the shapes of values computed from them are still known after load.
+    w = numpy_helper.from_array(np.ones((512, 1024), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", ["n", 512])], [tensor_info("y", ["n", 1024])], [w],
+                                     extra_domains=()))
+    assert model.value_info["h"].shape == ("n", 1024)
+    assert model.value_info["h"].dtype == np.float32
+
+
 @pytest.mark.parametrize("location", ["../weights.bin", "/etc/passwd", "sub/../../weights.bin"])
 def test_external_data_escaping_the_folder_is_refused(tmp_path, location):
     inner = tmp_path / "inner"
