@@ -27,6 +27,7 @@ from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
 from .runtime.plan import Placement
+from .runtime.profiling import OpTotal, Profile, RunRecord, StepRecord
 from .runtime.worker import Worker, WorkerState
 from .tensor import Tensor, TensorData, TensorState
 
@@ -46,8 +47,12 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "ModelTooLargeError",
+    "OpTotal",
     "Placement",
+    "Profile",
     "RequestTooLargeError",
+    "RunRecord",
+    "StepRecord",
     "Tensor",
     "TensorData",
     "TensorInfo",

@@ -17,6 +17,7 @@ from .errors import AsyncInferError
 from .model.ir import Model, TensorInfo
 from .loader import load_model
 from .ops.registry import lookup
+from .runtime.profiling import Profile
 from .runtime.worker import Worker
 from .serving.cli import add_serve_command, bounded, run_serve
 
@@ -133,9 +134,12 @@ async def _run(args: argparse.Namespace) -> int:
     model = load_model(args.model, optimize=not args.no_optimize)
     dims = dict(_parse_dim(d) for d in args.dim)
     inputs = _load_inputs(model, args.input, args.random, dims, args.seed)
+    profile = Profile() if args.profile else None
     async with Worker(model, args.backend) as worker:
+        if args.warmup:
+            await worker.warmup(inputs)
         start = time.perf_counter()
-        outputs = await worker.run(inputs)
+        outputs = await worker.run(inputs, outputs=args.value or None, profile=profile)
         elapsed = time.perf_counter() - start
     for name, value in outputs.items():
         stats = ""
@@ -143,7 +147,11 @@ async def _run(args: argparse.Namespace) -> int:
             v = value.astype(np.float64)
             stats = f" min {v.min():.6g} max {v.max():.6g} mean {v.mean():.6g}"
         print(f"{name}: {value.dtype.name}{list(value.shape)}{stats}")
-    print(f"ran in {elapsed * 1e3:.2f} ms on {args.backend}")
+    print(f"ran in {elapsed * 1e3:.2f} ms on {args.backend}{' after a warm-up run' if args.warmup else ''}")
+    if profile is not None:
+        print(profile.summary())
+        profile.write_trace(args.profile)
+        print(f"wrote the trace to {args.profile} (open it in ui.perfetto.dev)")
     if args.save:
         np.savez(args.save, **outputs)
         print(f"saved outputs to {args.save}")
@@ -246,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="cpu", choices=BACKEND_CHOICES)
     run.add_argument("--no-optimize", action="store_true")
     run.add_argument("--save", type=Path, help="write the outputs to this .npz file")
+    run.add_argument("--profile", type=Path, metavar="TRACE.json",
+                     help="profile the run: print per-op totals and write a Chrome/Perfetto trace to this file")
+    run.add_argument("--warmup", action="store_true",
+                     help="run once on the same inputs first, so the timed (and profiled) run is a steady-state one")
+    run.add_argument("--value", action="append", default=[], metavar="NAME",
+                     help="return this value of the graph instead of the model's outputs (repeatable; "
+                          "intermediate values included)")
 
     info = sub.add_parser("info", help="inputs, outputs, ops and which backend supports each op")
     info.add_argument("model", type=Path)

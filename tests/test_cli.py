@@ -1,6 +1,7 @@
 """The command line, including the README's demo command."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -60,6 +61,19 @@ def test_run_with_input_file(capsys, tmp_path, digits_samples):
     np.save(path, images[:2])
     assert main(["run", str(assets.default_model_path()), "--input", f"image={path}"]) == 0
     assert "logits: float32[2, 10]" in capsys.readouterr().out
+
+
+def test_run_with_profile_writes_a_trace_and_prints_the_summary(capsys, tmp_path):
+    trace = tmp_path / "trace.json"
+    argv = ["run", str(assets.default_model_path()), "--random", "--warmup", "--profile", str(trace)]
+    assert main(argv + ["--value", "relu1", "--value", "probabilities"]) == 0
+    text = capsys.readouterr().out
+    assert "relu1: float32[1, 16, 8, 8]" in text and "probabilities: float32[1, 10]" in text
+    assert "Conv+Relu" in text and "1 run(s), 7 steps" in text and str(trace) in text
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted(e["name"] for e in slices) == sorted(["conv1", "conv2", "pool", "flatten", "fc1", "fc2", "softmax"])
+    assert main(["run", str(assets.default_model_path()), "--random", "--value", "conv1"]) == 2
+    assert "fused" in capsys.readouterr().err
 
 
 def test_run_reports_errors_cleanly(capsys, tmp_path):

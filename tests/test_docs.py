@@ -18,7 +18,8 @@ BUILD_TIMEOUT_S = 300
 
 # Pages whose ```python blocks run as they are, in order, in one interpreter. serving.md is left
 # out: its examples need the optional server dependencies.
-RUNNABLE_PAGES = ["quickstart.md", "how-it-runs.md", "readback.md", "backends.md", "errors.md", "security.md"]
+RUNNABLE_PAGES = ["quickstart.md", "how-it-runs.md", "readback.md", "backends.md", "errors.md", "security.md",
+                  "profiling.md"]
 
 API_NAMES = [
     "load_model", "Model", "TensorInfo", "Worker", "Execution", "BackendType", "Placement", "Tensor", "TensorData",
@@ -27,7 +28,7 @@ API_NAMES = [
     "download_to_array", "data_on_backend", "from_numpy", "dispose",
     "AsyncInferError", "ModelLoadError", "UnsupportedOperatorError", "InputError", "ExecutionError",
     "BackendUnavailableError", "DisposedError", "Limits", "LimitExceededError", "ModelTooLargeError",
-    "RequestTooLargeError",
+    "RequestTooLargeError", "Profile", "StepRecord", "RunRecord", "OpTotal", "write_trace", "warmup",
 ]
 
 

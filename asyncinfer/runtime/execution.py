@@ -2,19 +2,20 @@
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import HOST
+from ..backends.base import HOST, StepKind
 from ..concurrency.bridge import wait_done
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError, DisposedError, ExecutionError
 from ..tensor import Tensor, reraise
 from .plan import Node, Plan, Segment
-
+from .profiling import RunRecorder
 
 
 class Owner(Protocol):
@@ -71,6 +72,51 @@ class _StepDone:
         return self._execution._cancelled
 
 
+class _ProfiledStepDone(_StepDone):
+    """A step completion that also records the step (queued, start, end, thread) for a profile.
+    Profiled runs use it instead of :class:`_StepDone`: unprofiled runs pay nothing per step."""
+
+    __slots__ = ("_queued", "_start", "_thread")
+
+    def __init__(self, execution: "Execution", node: Node):
+        self._execution = execution
+        self._node = node
+        # The first layer of a segment was queued when its job was; any other step, now.
+        self._queued = execution._queued.pop(node.index, 0) or time.perf_counter_ns()
+        self._start = 0
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> bool:
+        if not _StepDone.begin(self):
+            return False
+        self._thread = threading.current_thread()
+        self._start = time.perf_counter_ns()
+        return True
+
+    def __call__(self, outputs: list) -> None:
+        self._record(outputs, False)  # before the future completes: awaiting outputs sees the record
+        _StepDone.__call__(self, outputs)
+
+    def fail(self, error: BaseException) -> None:
+        if self._start:  # a step that never began (cancelled, failed input) did not run: no slice
+            self._record((), True)
+        _StepDone.fail(self, error)
+
+    def _record(self, outputs: list | tuple, failed: bool) -> None:
+        end = time.perf_counter_ns()
+        execution, node = self._execution, self._node
+        step, layer = node.step, node.layer
+        nbytes = 0
+        if step.kind is StepKind.UPLOAD:  # its input is still held: released after this
+            ref = node.inputs[0]
+            nbytes = getattr(execution.futures[ref[0]].peek()[ref[1]], "nbytes", 0)  # type: ignore[index,union-attr]
+        elif step.kind is StepKind.DOWNLOAD and outputs:
+            nbytes = getattr(outputs[0], "nbytes", 0)
+        shapes = tuple(s for s in (getattr(o, "shape", None) for o in outputs) if isinstance(s, tuple))
+        execution._recorder.record(layer.name, layer.kind, node.backend.name, step.kind.value,  # type: ignore[union-attr]
+                                   self._queued, self._start, end, self._thread, nbytes, failed, shapes)  # type: ignore[arg-type]
+
+
 class _SegmentJob:
     """A segment of one run, as the backend's job: its steps in order on the job's thread, each
     completing its own layer future (so every layer stays observable)."""
@@ -85,13 +131,14 @@ class _SegmentJob:
         # The loop of Execution._arguments + dispatch, unrolled for speed: it runs per layer.
         execution = self._execution
         futures = execution.futures
+        done_type = execution._done_type
         for node in self.segment.nodes:
             try:
                 args = [None if r is None else futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr,index]
             except TypeError:  # a failed input has no value: let the general path report it
                 execution._arguments(node)
                 continue
-            done = _StepDone(execution, node)
+            done = done_type(execution, node)
             for a in args:
                 if a is RELEASED:
                     done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
@@ -99,9 +146,23 @@ class _SegmentJob:
             else:
                 node.backend.run_now(node.step, args, done)  # run_kernel: skipped if cancelled
 
+    def submit(self) -> None:
+        """Hand the job to its backend (its sources are done)."""
+        self.segment.nodes[0].backend.submit_job(self)
+
     def fail(self, error: BaseException) -> None:
         for node in self.segment.nodes:
             _StepDone(self._execution, node).fail(error)
+
+
+class _ProfiledSegmentJob(_SegmentJob):
+    """A segment job of a profiled run: its first layer's queue time starts when it is submitted."""
+
+    __slots__ = ()
+
+    def submit(self) -> None:
+        self._execution._queued[self.segment.nodes[0].index] = time.perf_counter_ns()
+        _SegmentJob.submit(self)
 
 
 class Execution:
@@ -115,7 +176,14 @@ class Execution:
     reads it fails in turn when it becomes ready.
     """
 
-    def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: Owner | None = None):
+    # Unprofiled runs: the plain step completion and segment job (a profiled run swaps them, so
+    # the hot path has no "is it profiled?" test).
+    _done_type: type[_StepDone] = _StepDone
+    _job_type: type[_SegmentJob] = _SegmentJob
+    _recorder: RunRecorder | None = None
+
+    def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: Owner | None = None,
+                 recorder: RunRecorder | None = None):
         self.plan = plan
         self.worker = worker
         n_steps = len(plan.nodes)
@@ -131,6 +199,10 @@ class Execution:
         self._outputs: dict[str, Tensor] = {}
         self._taken: set[str] = set()
         self._taken_tensors: list[Tensor] = []
+        if recorder is not None:
+            self._recorder = recorder
+            self._done_type, self._job_type = _ProfiledStepDone, _ProfiledSegmentJob
+            self._queued: dict[int, int] = {}  # first layer of a segment -> when its job was submitted
 
     # -- scheduling ----------------------------------------------------------------------------------
     def submit_all(self) -> "Execution":
@@ -184,10 +256,10 @@ class Execution:
         for node in segment.nodes:
             self.futures[node.index] = TaskFuture(label=node.layer.name)
         self._submitted += len(segment.nodes)
-        job = _SegmentJob(self, segment)
+        job = self._job_type(self, segment)
         pending = [d for d in (self.futures[s] for s in segment.sources) if not d.done()]  # type: ignore[union-attr]
         if not pending:
-            segment.nodes[0].backend.submit_job(job)
+            job.submit()
             return
         first = segment.nodes[0].index
         self._missing[first] = len(pending)
@@ -200,7 +272,7 @@ class Execution:
             self._missing[first.index] -= 1
             ready = self._missing[first.index] == 0
         if ready:
-            first.backend.submit_job(job)
+            job.submit()
 
     def _input_done(self, node: Node) -> None:
         with self._lock:
@@ -218,7 +290,7 @@ class Execution:
     def _arguments(self, node: Node) -> tuple[list, _StepDone] | None:
         """The input values of a ready ``node`` and its completion; None when the node is failed
         instead (a failed input, a cancelled run, a released value)."""
-        done = _StepDone(self, node)
+        done = self._done_type(self, node)
         for ref in node.inputs:
             if ref is not None:
                 dep = self.futures[ref[0]]
@@ -266,22 +338,27 @@ class Execution:
     # -- outputs ---------------------------------------------------------------------------------
     def _tensor(self, name: str, owner: Any) -> Tensor:
         ref = self.plan.refs[name]
-        info = next(o for o in self.plan.model.outputs if o.name == name)
+        info = self.plan.info(name)
         future = self.futures[ref[0]]
         if future is None:
             raise AsyncInferError(f"output {name!r} is not scheduled yet (schedule_iterable not finished)")
         backend = self.plan.nodes[ref[0]].backend if ref[0] < len(self.plan.nodes) else None
         on_device = backend is not None and backend.device != HOST
-        return Tensor(_future=future, _index=ref[1], name=name, _shape=info.shape, _dtype=info.dtype,
+        return Tensor(_future=future, _index=ref[1], name=name, _shape=None if info is None else info.shape,
+                      _dtype=None if info is None else info.dtype,
                       _backend=backend.name if backend is not None else "cpu",
                       _device=backend if on_device else None, _owner=owner)
 
     def _output_name(self, name: str | None) -> str:
-        names = [o.name for o in self.plan.model.outputs]
+        names = self.plan.output_names
         if name is None:
             return names[0]
-        if name not in names:
-            raise AsyncInferError(f"model has no output {name!r}; outputs are {names}")
+        if name not in names and not any(o.name == name for o in self.plan.model.outputs):
+            model_outputs = [o.name for o in self.plan.model.outputs]
+            asked = [n for n in names if n not in model_outputs]
+            raise AsyncInferError(f"model has no output {name!r}; outputs are {model_outputs}"
+                                  + (f", and this run keeps {asked}" if asked else "")
+                                  + " (ask for any other value with schedule(..., outputs=[...]))")
         return name
 
     def peek_output(self, name: str | None = None) -> Tensor:
@@ -318,8 +395,9 @@ class Execution:
 
     @property
     def outputs(self) -> dict[str, Tensor]:
-        """Every output of this run by name (peeked: they belong to the worker)."""
-        return {o.name: self.peek_output(o.name) for o in self.plan.model.outputs}
+        """Every output of this run by name (peeked: they belong to the worker): the model's
+        outputs, or the values the run asked for with ``outputs=[...]``."""
+        return {name: self.peek_output(name) for name in self.plan.output_names}
 
     def done(self) -> bool:
         """True once every output is computed (or failed)."""
@@ -336,7 +414,7 @@ class Execution:
     async def read_outputs(self) -> dict[str, np.ndarray]:
         """Await every output and its download to the host (never blocks the loop); caller-owned
         NumPy arrays by name. Raises the first failure."""
-        tensors = [self._tensor(info.name, None) for info in self.plan.model.outputs]
+        tensors = [self._tensor(name, None) for name in self.plan.output_names]
         for tensor in tensors:
             await wait_done(tensor._readback_future())
         return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
@@ -344,7 +422,7 @@ class Execution:
     def read_outputs_blocking(self) -> dict[str, np.ndarray]:
         """Blocking twin of :meth:`read_outputs`: the outputs as caller-owned NumPy arrays
         (downloaded from a device if needed). Do not call it on an event loop."""
-        return {info.name: self._tensor(info.name, None).download_to_array() for info in self.plan.model.outputs}
+        return {name: self._tensor(name, None).download_to_array() for name in self.plan.output_names}
 
 
     def output_arrays(self) -> dict[str, np.ndarray]:

@@ -18,11 +18,19 @@ from ..concurrency.future import TaskFuture
 
 def example_inputs(model: Model) -> dict[str, np.ndarray]:
     """Zeros of every input's declared type and shape (a symbolic or unknown dimension is 1): inputs
-    that pass the checks of :func:`bind_inputs`, for a warm-up run."""
+    that pass the checks of :func:`bind_inputs`, for a warm-up run.
+
+    Raises:
+        InputError: an input whose example cannot be made up (a sequence or map, or a tensor of
+            undeclared rank): the caller must give example inputs.
+    """
     examples = {}
     for info in model.inputs:
         if info.kind != "tensor":
             raise InputError(f"input {info.name!r} is a {info.kind}: give example inputs to warm this model up")
+        if info.shape is None:
+            raise InputError(f"input {info.name!r} declares no shape (not even its rank): give example inputs "
+                             f"to warm this model up, e.g. worker.warmup({{{info.name!r}: array}})")
         shape = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in (info.shape or ()))
         dtype = np.dtype(np.float32) if info.dtype is None else np.dtype(info.dtype)
         examples[info.name] = np.full(shape, "", dtype) if dtype.kind in "OUS" else np.zeros(shape, dtype)

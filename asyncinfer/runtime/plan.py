@@ -13,7 +13,9 @@ worker is created, never per run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ from .. import ops
 from ..backends.base import HOST, Backend, Step, StepKind
 from ..backends.device import DeviceBackend
 from ..concurrency.future import TaskFuture
-from ..model.ir import Layer, Model
+from ..model.ir import Layer, Model, TensorInfo
 
 Ref = tuple[int, int]
 
@@ -165,11 +167,40 @@ class Plan:
                     home[out] = ((step.index, k), target.device)
 
         self._number_sources(home, constant_names, device_constants)
-        self.output_refs = [self.refs[o.name] for o in model.outputs]
+        # The values a run returns: the model's outputs, unless the plan was made for others
+        # (``with_outputs``). Each is kept for the run's life, never released.
+        self.output_names = [o.name for o in model.outputs]
+        self.output_refs = [self.refs[name] for name in self.output_names]
         self._plan_releases()
         self.segments = self._plan_segments()
         self.placement = Placement(placement, len(transfer_names), fallback_layers, transfer_names,
                                    len(device_constants))
+
+    def with_outputs(self, names: Sequence[str]) -> "Plan":
+        """This plan, returning the values ``names`` (any value of the graph: the model's inputs,
+        outputs, constants or layer outputs; the caller checked them). The model's outputs stay
+        readable too. Layers, kernels and device constants are shared with this plan; only which
+        values are kept differs, so a specialised plan costs no placement and no upload."""
+        plan = copy.copy(self)
+        plan.output_names = list(names)
+        plan.output_refs = [self.refs[name] for name in names]
+        plan.nodes = [replace(node, release=[]) for node in self.nodes]
+        plan._plan_releases()
+        plan.segments = plan._plan_segments()
+        return plan
+
+    def info(self, name: str) -> TensorInfo | None:
+        """What the model declares or shape inference knows of value ``name`` (None: nothing)."""
+        model = self.model
+        for info in (*model.outputs, *model.inputs):
+            if info.name == name:
+                return info
+        if name in model.value_info:
+            return model.value_info[name]
+        if name in model.constants:
+            value = model.constants[name]
+            return TensorInfo(name, getattr(value, "dtype", None), getattr(value, "shape", None))
+        return None
 
     def _backend_of(self, ref: Any) -> Backend:
         return self.nodes[ref[0]].backend
@@ -231,7 +262,7 @@ class Plan:
     def _plan_releases(self) -> None:
         """Free each intermediate value after its last reader, so a run holds only live tensors."""
         n_steps = len(self.nodes)
-        keep = set(self.output_refs)
+        keep = set(self.output_refs) | {self.refs[o.name] for o in self.model.outputs}
         # Steps complete out of order, so "last in plan order" is not "last in time": count readers.
         self.reader_counts: dict[Ref, int] = {}
         for node in self.nodes:

@@ -5,7 +5,7 @@ import enum
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -17,7 +17,9 @@ from ..model.ir import Model
 from ..tensor import Tensor
 from .execution import Execution
 from .inputs import bind_inputs, example_inputs
+from .outputs import OutputPlans
 from .plan import Placement, Plan
+from .profiling import Profile, RunRecorder
 
 
 class WorkerState(enum.Enum):
@@ -33,6 +35,12 @@ class Worker:
     Scheduling returns at once; outputs are read back when the caller awaits, polls or is called
     back. ``run`` is safe to call concurrently: each call has its own task graph.
 
+    Every scheduling call (``schedule``, ``schedule_iterable``, ``run``…) takes two keyword-only
+    options besides the inputs: ``outputs=[names]`` returns those values of the graph instead of
+    the model's outputs (intermediate values included, kept alive for that run only), and
+    ``profile=`` records that run's steps in a `Profile`. An input that happens to be
+    named ``outputs`` or ``profile`` is given positionally or in a mapping.
+
     Args:
         model: a model from :func:`asyncinfer.load_model`.
         backend: a :class:`BackendType` or its name (``"cpu"``, ``"gpu_compute"``, ``"gpu_pixel"``),
@@ -40,10 +48,14 @@ class Worker:
             owns it from then on and closes it when disposed.
         threads: CPU thread-pool size (default: the core count).
         warmup: run the model once now, on inputs built from its declared shapes, so the first
-            real request runs at steady-state speed (this blocks; see :meth:`warmup`).
+            real request runs at steady-state speed. The constructor cannot await: it blocks the
+            calling thread for that one run (on an event loop, prefer ``await worker.warmup()``
+            after construction). If the run fails, the worker is disposed and the error raised.
 
     Raises:
         BackendUnavailableError: the backend cannot run on this machine (says what is missing).
+        InputError: ``warmup=True`` on a model whose example inputs cannot be made up (see
+            `warmup()`).
     """
 
     def __init__(self, model: Model, backend: BackendType | str | Backend = BackendType.CPU, *,
@@ -61,12 +73,18 @@ class Worker:
         except BaseException:
             self._close_backends()
             raise
+        self._plans = OutputPlans(self._plan)
+        self._profiles: tuple[Profile, ...] = ()  # attached by profile(): every run records into them
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
         self._state_lock = threading.Lock()
         self._state = WorkerState.OPEN
         if warmup:
-            self.warmup_blocking()
+            try:
+                self.warmup_blocking()
+            except BaseException:
+                self.dispose()  # the caller never gets the worker: its threads must not outlive this
+                raise
 
     # -- introspection -------------------------------------------------------------------------------
     @property
@@ -89,27 +107,38 @@ class Worker:
             raise DisposedError("this worker was disposed")
 
     # -- scheduling -----------------------------------------------------------------------------------
-    def schedule(self, *inputs: Any, **named: Any) -> Execution:
+    def schedule(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
+                 **named: Any) -> Execution:
         """Schedule a run and return at once.
 
         Inputs are positional in model order, one mapping ``{name: array | Tensor}``, or keywords.
         They are checked against the model's declared (symbolic) shapes before anything is scheduled.
 
+        Args:
+            outputs: names of the values this run returns (``execution.outputs``,
+                ``peek_output(name)``) instead of the model's outputs: any value of the optimized
+                graph, intermediate ones included. They are kept alive for this run only; the
+                model's outputs stay readable too. Every layer still runs.
+            profile: record this run's steps in this `Profile` (besides any profile
+                attached with `profile()`).
+
         Raises:
-            InputError: a missing, extra, wrongly typed or wrongly shaped input.
+            InputError: a missing, extra, wrongly typed or wrongly shaped input; an output name
+                the graph does not hold (the message says if the optimizer fused it away).
         """
-        execution = self._new_execution(inputs, named)
+        execution = self._new_execution(inputs, named, outputs, profile)
         execution.submit_all()
         self._latest = execution
         return execution
 
-    def schedule_iterable(self, *inputs: Any, **named: Any) -> Iterator[str]:
+    def schedule_iterable(self, *inputs: Any, outputs: Sequence[str] | None = None,
+                          profile: Profile | None = None, **named: Any) -> Iterator[str]:
         """Schedule one layer per step, yielding the name of the layer just scheduled.
 
         Inputs are checked when this is called, before the first step. Outputs can be peeked once
-        the iteration is over.
+        the iteration is over. ``outputs`` and ``profile`` are those of `schedule()`.
         """
-        execution = self._new_execution(inputs, named)
+        execution = self._new_execution(inputs, named, outputs, profile)
 
         def steps() -> Iterator[str]:
             self._latest = execution
@@ -118,11 +147,12 @@ class Worker:
 
         return steps()
 
-    def schedule_iterable_async(self, *inputs: Any, **named: Any) -> AsyncIterator[str]:
+    def schedule_iterable_async(self, *inputs: Any, outputs: Sequence[str] | None = None,
+                                profile: Profile | None = None, **named: Any) -> AsyncIterator[str]:
         """Async form of :meth:`schedule_iterable`: ``async for name in ...`` schedules one layer
         per step and lets the event loop run other tasks between layers. Stopping early (``break``,
         cancellation) fails the layers never scheduled, so no output is left pending forever."""
-        execution = self._new_execution(inputs, named)
+        execution = self._new_execution(inputs, named, outputs, profile)
 
         async def steps() -> AsyncIterator[str]:
             self._latest = execution
@@ -136,10 +166,16 @@ class Worker:
 
         return steps()
 
-    def _new_execution(self, inputs: tuple, named: dict) -> Execution:
+    def _new_execution(self, inputs: tuple, named: dict, outputs: Sequence[str] | None = None,
+                       profile: Profile | None = None) -> Execution:
         self._check_open()
+        plan = self._plan if outputs is None else self._plans.get(outputs)
+        if profile is not None and not isinstance(profile, Profile):
+            raise TypeError(f"profile must be an asyncinfer.Profile, got {type(profile).__name__}")
         futures = bind_inputs(self.model, inputs, named)
-        return Execution(self._plan, futures, worker=self)
+        profiles = self._profiles if profile is None else (*self._profiles, profile)
+        recorder = RunRecorder(dict.fromkeys(profiles), self.model.name, self.backend_type.value) if profiles else None
+        return Execution(plan, futures, worker=self, recorder=recorder)
 
     def _latest_execution(self) -> Execution:
         self._check_open()
@@ -158,12 +194,15 @@ class Worker:
         """Like ``peek_output``, but the caller owns the tensor (it survives the worker)."""
         return self._latest_execution().take_output(name)
 
-    async def run(self, *inputs: Any, **named: Any) -> dict[str, np.ndarray]:
+    async def run(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
+                  **named: Any) -> dict[str, np.ndarray]:
         """Schedule a run, await every output without blocking the loop, and return them as arrays.
 
+        With ``outputs=[names]``, the values of those names, in that order (any value of the
+        graph: see `schedule()`); ``profile`` records the run's steps in a `Profile`.
         Cancelling the awaiting task skips the layers that have not started.
         """
-        execution = self._new_execution(inputs, named)
+        execution = self._new_execution(inputs, named, outputs, profile)
         execution.submit_all()
         try:
             return await execution.read_outputs()
@@ -171,24 +210,24 @@ class Worker:
             execution.cancel()
             raise
 
-    def run_blocking(self, *inputs: Any, **named: Any) -> dict[str, np.ndarray]:
+    def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
+                     **named: Any) -> dict[str, np.ndarray]:
         """Blocking twin of :meth:`run`: waits on the calling thread. Do not call it on an event loop."""
-        execution = self._new_execution(inputs, named)
+        execution = self._new_execution(inputs, named, outputs, profile)
         execution.submit_all()
-        outputs = {}
-        for info in self.model.outputs:
-            outputs[info.name] = execution.take_output(info.name).download_to_array()
-        return outputs
+        return {name: execution.take_output(name).download_to_array() for name in execution.plan.output_names}
 
     async def warmup(self, *inputs: Any, **named: Any) -> None:
         """Run the model once and discard the result, so the first real request finds the thread
         pool started, the allocator's pages warm and the kernels' scratch buffers made.
 
-        With no inputs, zeros of each input's declared shape are used (a symbolic or unknown
-        dimension counts as 1); give example inputs for models whose layers depend on input values.
+        With no inputs, zeros of each input's declared type and shape are used (a symbolic or
+        unknown dimension counts as 1); give example inputs for models whose layers depend on input
+        values, or whose batch size changes what runs (warm up with the size you will serve).
 
         Raises:
-            InputError: the example inputs do not fit the model.
+            InputError: the example inputs do not fit the model, or none were given and an input's
+                cannot be made up (a sequence input, or one whose rank is not declared).
             ExecutionError: the model failed on them (give example inputs that it accepts).
         """
         await self.run(*(inputs or (example_inputs(self.model),)), **named)
@@ -196,6 +235,35 @@ class Worker:
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
         """Blocking twin of :meth:`warmup`. Do not call it on an event loop."""
         self.run_blocking(*(inputs or (example_inputs(self.model),)), **named)
+
+    # -- profiling ------------------------------------------------------------------------------------
+    def profile(self, profile: Profile | None = None) -> Profiling:
+        """Record every run scheduled on this worker inside ``with`` or ``async with``:
+
+        ```python
+        with worker.profile() as profile:
+            worker.run_blocking(x)
+        profile.write_trace("trace.json")   # open it in ui.perfetto.dev
+        print(profile.summary())
+        ```
+
+        A run scheduled inside the block is recorded whole, even the steps that finish after the
+        block ends (read the profile once its outputs are in hand). Pass a `Profile` to
+        collect several blocks or several workers into one; blocks may nest. To profile a single
+        run among concurrent ones, pass ``profile=`` to that call instead.
+        """
+        self._check_open()
+        return Profiling(self, Profile() if profile is None else profile)
+
+    def _attach(self, profile: Profile) -> None:
+        with self._state_lock:
+            self._profiles = (*self._profiles, profile)
+
+    def _detach(self, profile: Profile) -> None:
+        with self._state_lock:
+            profiles = list(self._profiles)
+            profiles.remove(profile)
+            self._profiles = tuple(profiles)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def dispose(self) -> None:
@@ -256,3 +324,25 @@ class Worker:
     def __repr__(self) -> str:
         return (f"<Worker {self.model.name!r} on {self.backend_type.value}, {len(self._plan.nodes)} layers, "
                 f"{self._state.value}>")
+
+
+class Profiling:
+    """The block of `Worker.profile()`: attaches its `Profile` to the worker on entry
+    (``with`` or ``async with``, which give the profile) and detaches it on exit."""
+
+    def __init__(self, worker: Worker, profile: Profile):
+        self.worker = worker
+        self.profile = profile
+
+    def __enter__(self) -> Profile:
+        self.worker._attach(self.profile)
+        return self.profile
+
+    def __exit__(self, *exc: object) -> None:
+        self.worker._detach(self.profile)
+
+    async def __aenter__(self) -> Profile:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__()
