@@ -34,6 +34,10 @@ EXACT_IM2COL_WASTE = 1.2
 # result, two passes that cost more than the exact copy's strided reads (measured: -10..-40% on
 # the stems and 3x3/s2 layers of bench/conv_shapes.py; with 49 taps, the 7x7/s2 stem, +15%).
 EXACT_IM2COL_MAX_STRIDED_TAPS = 16
+# Kernels with more taps than this (1-D STFT-like filters: 256 taps) always take the exact im2col:
+# flat windows copy one slice per tap in Python, the exact copy is one strided copy (lstm_vad's
+# 256-tap STFT conv: 280 -> 20 us).
+EXACT_IM2COL_MIN_TAPS = 64
 
 
 # -- geometry shared with pool.py ------------------------------------------------------------------
@@ -280,7 +284,7 @@ class Conv(_ConvBase):
             return depthwise_nhwc(x, w, b, strides, dilations, begin, out)
         win = flat_windows(x.shape[2:], kernel, strides, dilations, begin, end, out)
         fold_bias = b is not None and group == 1  # as a row of ones in im2col: BLAS adds it
-        if cg > 1 and all(d == 1 for d in dilations) and _exact_im2col_pays(win, p, strides):
+        if (cg > 1 or group == 1) and all(d == 1 for d in dilations) and _exact_im2col_pays(win, p, strides):
             cols = _exact_columns(x, kernel, strides, begin, end, out, ones_row=fold_bias)
             wk = _with_bias(w, b) if fold_bias else w.reshape(group, mg, -1)
             y = _grouped_matmul(wk, cols.reshape(n, group, -1, p)).reshape(n, m, *out)
@@ -313,7 +317,7 @@ class Conv(_ConvBase):
 
 def _exact_im2col_pays(win: FlatWindows, p: int, strides: Sequence[int]) -> bool:
     """Exact im2col over the P outputs rather than flat windows: small maps, small strided kernels."""
-    return (win.length > EXACT_IM2COL_WASTE * p
+    return (win.length > EXACT_IM2COL_WASTE * p or len(win.offsets) > EXACT_IM2COL_MIN_TAPS
             or (max(strides) > 1 and len(win.offsets) <= EXACT_IM2COL_MAX_STRIDED_TAPS))
 
 

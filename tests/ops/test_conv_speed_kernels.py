@@ -197,3 +197,20 @@ def test_depthwise_is_thread_safe(rng):
         results = list(pool.map(lambda k: op.run(xs[k % 4], w), range(64)))
     for k, y in enumerate(results):
         np.testing.assert_array_equal(y, expected[k % 4])
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((1, 1, 640), (258, 1, 256), dict(strides=[128])),            # an STFT as a strided 1-D conv
+    ((2, 2, 300), (5, 2, 80), dict(strides=[3], pads=[7, 2])),     # many taps, two channels, pads
+    ((1, 1, 20, 20), (3, 1, 9, 9), dict(strides=[2, 2])),          # 81 taps in 2-D
+])
+def test_many_tap_kernels_take_the_exact_im2col_and_match_the_reference(monkeypatch, x_shape, w_shape, attrs):
+    rng = np.random.default_rng(11)
+    x, w = randn(rng, *x_shape), randn(rng, *w_shape)
+    calls = []
+    real = conv_module._exact_columns
+    monkeypatch.setattr(conv_module, "_exact_columns", lambda *a, **k: calls.append(1) or real(*a, **k))
+    (got,) = make_op("Conv", attrs, version=11, n_inputs=2)(x, w)
+    (want,) = reference_run("Conv", [x, w], attrs, opset=11)
+    assert calls, "the exact im2col path was not taken"
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
