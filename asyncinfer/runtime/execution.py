@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -199,6 +199,7 @@ class Execution:
         self._outputs: dict[str, Tensor] = {}
         self._taken: set[str] = set()
         self._taken_tensors: list[Tensor] = []
+        self._submitted_hooks: list[Callable[[], None]] = []
         if recorder is not None:
             self._recorder = recorder
             self._done_type, self._job_type = _ProfiledStepDone, _ProfiledSegmentJob
@@ -208,6 +209,9 @@ class Execution:
     def submit_all(self) -> "Execution":
         """Submit every step: a segment of light layers (see ``Plan.segments``) as one job."""
         try:
+            for index, values in self.plan.precomputed.items():  # fresh lists: a release must not touch the plan's
+                self.futures[index] = TaskFuture.completed(list(values), label=self.plan.nodes[index].layer.name)
+                self._submitted += 1
             for segment in self.plan.segments:
                 if len(segment.nodes) == 1:
                     self._submit(segment.nodes[0])
@@ -215,7 +219,17 @@ class Execution:
                     self._submit_segment(segment)
         finally:
             self.abandon_unsubmitted()
+            self._run_submitted_hooks()
         return self
+
+    def on_submitted(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once every step has a future (after ``submit_all`` or ``submit_iter``)."""
+        self._submitted_hooks.append(fn)
+
+    def _run_submitted_hooks(self) -> None:
+        hooks, self._submitted_hooks = self._submitted_hooks, []
+        for fn in hooks:
+            fn()
 
     def submit_iter(self) -> Iterator[Node]:
         """Submit the steps in order, yielding after each (Sentis's ``ScheduleIterable``).
@@ -229,10 +243,15 @@ class Execution:
                 yield node
         finally:
             self.abandon_unsubmitted()
+            self._run_submitted_hooks()
 
     def abandon_unsubmitted(self) -> None:
         """Fail every step not submitted yet (and with it everything downstream)."""
-        for node in self.plan.nodes[self._submitted:]:
+        if self._submitted >= len(self.plan.nodes):
+            return
+        for node in self.plan.nodes:
+            if self.futures[node.index] is not None:
+                continue
             fut = TaskFuture(label=node.layer.name)
             self.futures[node.index] = fut
             fut.set_exception(ExecutionError(

@@ -202,6 +202,8 @@ class Plan:
         # (``with_outputs``). Each is kept for the run's life, never released.
         self.output_names = [o.name for o in model.outputs]
         self.output_refs = [self.refs[name] for name in self.output_names]
+        self.kept_refs: frozenset[Ref] = frozenset()  # other values never released (``keeping``)
+        self.precomputed: dict[int, list[Any]] = {}    # steps not run (``with_precomputed``)
         self._plan_releases()
         self.segments = self._plan_segments()
         self.placement = Placement(placement, len(transfer_names), fallback_layers, transfer_names,
@@ -215,6 +217,26 @@ class Plan:
         plan = copy.copy(self)
         plan.output_names = list(names)
         plan.output_refs = [self.refs[name] for name in names]
+        plan.nodes = [replace(node, release=[]) for node in self.nodes]
+        plan._plan_releases()
+        plan.segments = plan._plan_segments()
+        return plan
+
+    def keeping(self, names: Sequence[str]) -> "Plan":
+        """This plan, with the values ``names`` kept for the run's life (never released), its
+        outputs unchanged: how a run records values for later runs (see ``specialise.py``)."""
+        plan = copy.copy(self)
+        plan.kept_refs = self.kept_refs | {self.refs[name] for name in names}
+        plan.nodes = [replace(node, release=[]) for node in self.nodes]
+        plan._plan_releases()
+        plan.segments = plan._plan_segments()
+        return plan
+
+    def with_precomputed(self, values: dict[int, list[Any]]) -> "Plan":
+        """This plan, with the steps in ``values`` (step index → its outputs) not run: a run's
+        futures for them are born complete with those values (see ``specialise.py``)."""
+        plan = copy.copy(self)
+        plan.precomputed = {**self.precomputed, **values}
         plan.nodes = [replace(node, release=[]) for node in self.nodes]
         plan._plan_releases()
         plan.segments = plan._plan_segments()
@@ -272,14 +294,17 @@ class Plan:
         n_steps = len(self.nodes)
         segments: list[Segment] = []
         members: set[int] = set()
+        ready = self.precomputed  # born complete: no segment waits for them
         for node in self.nodes:
+            if node.index in ready:
+                continue
             step = node.step
             light = (node.backend.runs_jobs and step.kind is StepKind.LAYER
                      and (not getattr(step.kernel, "multithreaded", False) or self._small_gemm(node.layer)))
             last = segments[-1].nodes[-1] if segments else None
             if (light and last is not None and last.backend is node.backend and segments[-1].light
                     and last.index in node.sources
-                    and all(s in members or s >= n_steps for s in node.sources)):
+                    and all(s in members or s >= n_steps or s in ready for s in node.sources)):
                 segments[-1].nodes.append(node)
                 members.add(node.index)
                 continue
@@ -287,7 +312,8 @@ class Plan:
             members = {node.index}
         for segment in segments:
             inside = {n.index for n in segment.nodes}
-            segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources if s not in inside}))
+            segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources
+                                            if s not in inside and s not in ready}))
         return segments
 
     def _small_gemm(self, layer: Layer) -> bool:
@@ -301,10 +327,12 @@ class Plan:
     def _plan_releases(self) -> None:
         """Free each intermediate value after its last reader, so a run holds only live tensors."""
         n_steps = len(self.nodes)
-        keep = set(self.output_refs) | {self.refs[o.name] for o in self.model.outputs}
+        keep = set(self.output_refs) | {self.refs[o.name] for o in self.model.outputs} | self.kept_refs
         # Steps complete out of order, so "last in plan order" is not "last in time": count readers.
         self.reader_counts: dict[Ref, int] = {}
         for node in self.nodes:
+            if node.index in self.precomputed:  # born complete: reads nothing
+                continue
             for ref in set(r for r in node.inputs if r is not None and r[0] < n_steps and r not in keep):
                 self.reader_counts[ref] = self.reader_counts.get(ref, 0) + 1
                 node.release.append(ref)

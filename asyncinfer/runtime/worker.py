@@ -18,6 +18,7 @@ from ..tensor import Tensor
 from .execution import Execution
 from .inputs import bind_inputs, example_inputs
 from .outputs import OutputPlans
+from .specialise import ShapePlans
 from .plan import Placement, Plan
 from .profiling import Profile, RunRecorder
 
@@ -74,6 +75,7 @@ class Worker:
             self._close_backends()
             raise
         self._plans = OutputPlans(self._plan)
+        self._shape_plans = ShapePlans(self._plan)
         self._profiles: tuple[Profile, ...] = ()  # attached by profile(): every run records into them
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
@@ -173,9 +175,15 @@ class Worker:
         if profile is not None and not isinstance(profile, Profile):
             raise TypeError(f"profile must be an asyncinfer.Profile, got {type(profile).__name__}")
         futures = bind_inputs(self.model, inputs, named)
+        observed = None
+        if outputs is None and self._shape_plans.enabled:  # the shape arithmetic, once per input signature
+            plan, observed = self._shape_plans.plan_for(futures)
         profiles = self._profiles if profile is None else (*self._profiles, profile)
         recorder = RunRecorder(dict.fromkeys(profiles), self.model.name, self.backend_type.value) if profiles else None
-        return Execution(plan, futures, worker=self, recorder=recorder)
+        execution = Execution(plan, futures, worker=self, recorder=recorder)
+        if observed is not None:
+            execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.futures))
+        return execution
 
     def _latest_execution(self) -> Execution:
         self._check_open()
