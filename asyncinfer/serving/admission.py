@@ -30,7 +30,7 @@ class Admission:
     """Which inference requests a server takes, for how long, and when it stops taking them.
 
     Args:
-        models: the served model names.
+        models: the served model names (others are added when first admitted: a loaded model).
         max_queue: most requests per model admitted at once (None: no bound).
         request_timeout: seconds an admitted request may take (None: no deadline).
         drain_timeout: seconds :meth:`drain` waits for admitted requests before cancelling them.
@@ -54,7 +54,7 @@ class Admission:
 
     def active(self, model: str | None = None) -> int:
         """Requests admitted and not finished, for one model or (None) for all of them."""
-        return sum(self._active.values()) if model is None else self._active[model]
+        return sum(self._active.values()) if model is None else self._active.get(model, 0)
 
     def deadline(self) -> float:
         """The deadline (``anyio.current_time()`` clock) of a request admitted now."""
@@ -71,10 +71,11 @@ class Admission:
         """
         if self.draining:
             raise unavailable("the server is shutting down and takes no new requests")
-        if self.max_queue is not None and self._active[model] >= self.max_queue:
-            raise unavailable(f"model {model!r} has {self._active[model]} requests in progress, the most this "
+        active = self._active.get(model, 0)
+        if self.max_queue is not None and active >= self.max_queue:
+            raise unavailable(f"model {model!r} has {active} requests in progress, the most this "
                               f"server takes (max_queue={self.max_queue}); retry later")
-        self._active[model] += 1
+        self._active[model] = active + 1
         scope = anyio.CancelScope()
         self._scopes.add(scope)
         try:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import enum
 import math
+import time
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Hashable
@@ -24,7 +25,7 @@ import anyio
 import numpy as np
 
 from ..backends import BackendType
-from ..errors import AsyncInferError, DisposedError
+from ..errors import AsyncInferError, DisposedError, InputError
 from ..model.ir import Model
 from ..runtime.inputs import bind_inputs
 from ..runtime.worker import Worker
@@ -44,16 +45,40 @@ class BatcherStats:
         return self.requests / self.engine_runs if self.engine_runs else math.nan
 
 
+@dataclass
+class RunTiming:
+    """When the engine run that answered one ``infer`` call started and ended
+    (``time.perf_counter_ns``), filled in by the batcher for a caller that passes one."""
+
+    started: int = 0
+    ended: int = 0
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One engine run, as reported to a batcher's ``on_run`` hook (durations in nanoseconds)."""
+
+    rows: int  # along axis 0: the batch size of the run
+    requests: int  # infer calls answered by it
+    input_ns: int  # merging the requests' inputs (0 for a request run alone)
+    infer_ns: int  # the engine run itself
+    output_ns: int  # splitting the outputs back per request (0 for a request run alone)
+    ok: bool
+
+
 class _Request:
     """One waiting ``infer`` call: its inputs, and where its result or failure goes."""
 
-    __slots__ = ("inputs", "rows", "key", "enqueued_at", "done", "outputs", "error", "abandoned", "batch", "run_scope")
+    __slots__ = ("inputs", "rows", "key", "enqueued_at", "done", "outputs", "error", "abandoned", "batch", "run_scope",
+                 "timing")
 
-    def __init__(self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, now: float):
+    def __init__(self, inputs: dict[str, np.ndarray], rows: int, key: Hashable, now: float,
+                 timing: RunTiming | None = None):
         self.inputs = inputs
         self.rows = rows
         self.key = key
         self.enqueued_at = now
+        self.timing = timing
         self.done = anyio.Event()
         self.outputs: dict[str, np.ndarray] | None = None
         self.error: BaseException | None = None
@@ -93,6 +118,8 @@ class DynamicBatcher:
         max_delay: seconds the oldest waiting request may wait for batch-mates (default 2 ms).
         max_concurrent_batches: batches in flight at once; while they run, the queue fills up.
         threads: CPU thread-pool size of the worker built for a model.
+        on_run: called with a :class:`RunRecord` after every engine run (merged or alone, failed
+            or not), on the event loop; for statistics and metrics. It must not raise or block.
 
     Use it as an async context manager (it owns a background dispatcher task)::
 
@@ -110,7 +137,7 @@ class DynamicBatcher:
 
     def __init__(self, target: Worker | Model, backend: BackendType | str = BackendType.CPU, *,
                  max_batch_size: int = 32, max_delay: float = 0.002, max_concurrent_batches: int = 2,
-                 threads: int | None = None):
+                 threads: int | None = None, on_run: Callable[[RunRecord], None] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if max_delay < 0:
@@ -128,6 +155,7 @@ class DynamicBatcher:
         self.max_delay = max_delay
         self.max_concurrent_batches = max_concurrent_batches
         self.stats = BatcherStats()
+        self._on_run = on_run
         self._batch_symbol = batch_symbol(self.model)
         self._queues: dict[Hashable, deque[_Request]] = {}
         self._state = BatcherState.NEW
@@ -150,10 +178,11 @@ class DynamicBatcher:
         """Requests queued and not yet sent to the engine."""
         return sum(len(q) for q in self._queues.values())
 
-    async def infer(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: Mapping[str, Any], *, timing: RunTiming | None = None) -> dict[str, np.ndarray]:
         """Run the model on ``inputs`` (``{name: array}``), merged with concurrent calls when possible.
 
-        Returns ``{output name: ndarray}`` for this request's rows only.
+        Returns ``{output name: ndarray}`` for this request's rows only. ``timing``, when given,
+        receives the start and end of the engine run that answered this call.
 
         Raises:
             InputError: the inputs do not match the model signature (only this call fails).
@@ -162,10 +191,10 @@ class DynamicBatcher:
         """
         if self._state is not BatcherState.RUNNING:
             raise DisposedError(self._not_running_message())
-        request = self._admit(inputs)
+        request = self._admit(inputs, timing)
         self.stats.requests += 1
         if request is None:  # not mergeable: run alone, in the caller's task
-            return await self._run_solo(inputs)
+            return await self._run_solo(inputs, timing)
         self._queues.setdefault(request.key, deque()).append(request)
         self._wake()
         try:
@@ -181,16 +210,6 @@ class DynamicBatcher:
             raise request.error
         assert request.outputs is not None
         return request.outputs
-
-    async def _run_solo(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        self.stats.engine_runs += 1
-        self._solo_runs += 1
-        try:
-            return await self.worker.run(dict(inputs))
-        finally:
-            self._solo_runs -= 1
-            if self._solo_runs == 0 and self._solo_idle is not None:
-                self._solo_idle.set()
 
     async def dispose_async(self) -> None:
         """Stop accepting requests, run those already queued, wait for batches in flight.
@@ -247,7 +266,7 @@ class DynamicBatcher:
                 f"max_delay={self.max_delay} {self._state.value}, {self.pending} pending>")
 
     # -- admission --------------------------------------------------------------------------------
-    def _admit(self, inputs: Mapping[str, Any]) -> _Request | None:
+    def _admit(self, inputs: Mapping[str, Any], timing: RunTiming | None = None) -> _Request | None:
         """Check ``inputs`` against the model; return a queueable request, or None to run alone."""
         if not isinstance(inputs, Mapping):
             raise TypeError(f"infer() takes a mapping {{input name: array}}, got {type(inputs).__name__}")
@@ -261,7 +280,7 @@ class DynamicBatcher:
         key = tuple((name, a.dtype.str, a.shape[1:]) for name, a in arrays.items())
         # A private copy: the caller may reuse its buffers while the request waits.
         arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
-        return _Request(arrays, rows, key, anyio.current_time())
+        return _Request(arrays, rows, key, anyio.current_time(), timing)
 
     def _discard(self, request: _Request) -> None:
         queue = self._queues.get(request.key)
@@ -362,10 +381,13 @@ class DynamicBatcher:
         if len(batch) == 1:
             await self._run_alone(batch[0])
             return
+        began = time.perf_counter_ns()
         merged = {name: np.concatenate([r.inputs[name] for r in batch]) for name in batch[0].inputs}
+        input_ns = time.perf_counter_ns() - began
+        self.stats.engine_runs += 1
+        self.stats.batched_runs += 1
         try:
-            outputs = await self._engine_run(merged, len(batch))
-            parts = _split(outputs, [r.rows for r in batch])
+            parts = await self._timed_run(merged, batch, input_ns)
         except Exception:
             # Keep a failure with the request that causes it: retry each one alone.
             for request in batch:
@@ -376,17 +398,56 @@ class DynamicBatcher:
             request.resolve(part)
 
     async def _run_alone(self, request: _Request) -> None:
+        self.stats.engine_runs += 1
         try:
-            request.resolve(await self._engine_run(request.inputs, 1))
+            request.resolve(await self._timed_run(request.inputs, [request]))
         except Exception as exc:  # noqa: BLE001 - delivered to the request's caller
             request.fail(exc)
 
-    async def _engine_run(self, inputs: dict[str, np.ndarray], requests: int) -> dict[str, np.ndarray]:
-        rows = next(iter(inputs.values())).shape[0]
+    async def _run_solo(self, inputs: Mapping[str, Any], timing: RunTiming | None) -> dict[str, np.ndarray]:
+        """A request that cannot be merged, run in its caller's task."""
         self.stats.engine_runs += 1
-        self.stats.batched_runs += requests > 1
+        self._solo_runs += 1
+        try:
+            return await self._timed_run(dict(inputs), [_Request(dict(inputs), 0, None, 0.0, timing)])
+        finally:
+            self._solo_runs -= 1
+            if self._solo_runs == 0 and self._solo_idle is not None:
+                self._solo_idle.set()
+
+    async def _timed_run(self, inputs: dict[str, np.ndarray], batch: list[_Request], input_ns: int = 0) -> Any:
+        """``worker.run(inputs)`` for the requests of ``batch``: the outputs themselves for one
+        request, cut back per request for several. The run's start and end go to each request's
+        ``timing``, and a :class:`RunRecord` to ``on_run``; an input the engine refuses before
+        running (``InputError``) is no run."""
+        first = next(iter(inputs.values()), None)
+        rows = int(first.shape[0]) if isinstance(first, np.ndarray) and first.ndim else 1
         self.stats.max_rows = max(self.stats.max_rows, rows)
-        return await self.worker.run(inputs)
+        began = time.perf_counter_ns()
+        ended = split_at = 0
+        ok = ran = False
+        try:
+            outputs = await self.worker.run(inputs)
+            ran = True
+            ended = split_at = time.perf_counter_ns()
+            if len(batch) > 1:
+                outputs = _split(outputs, [r.rows for r in batch])
+                split_at = time.perf_counter_ns()
+            ok = True
+            return outputs
+        except InputError:
+            raise
+        except BaseException:
+            if not ran:  # failed or cancelled while running (else: the split failed)
+                ran, ended, split_at = True, time.perf_counter_ns(), time.perf_counter_ns()
+            raise
+        finally:
+            if ran:
+                for request in batch:
+                    if request.timing is not None:
+                        request.timing.started, request.timing.ended = began, ended
+                if self._on_run is not None:
+                    self._on_run(RunRecord(rows, len(batch), input_ns, ended - began, split_at - ended, ok))
 
 
 def batch_symbol(model: Model) -> str | None:

@@ -3,10 +3,16 @@
     asyncinfer serve MODEL.onnx [NAME=OTHER.onnx ...] [--backend cpu] [--host 127.0.0.1] [--port 8000]
                      [--no-batching] [--max-batch-size 32] [--max-delay-ms 2]
                      [--max-request-bytes N] [--request-timeout 60] [--max-queue 64] [--drain-timeout 30]
+                     [--model-repository DIR [--model-control-mode none|poll|explicit]
+                      [--repository-poll-secs 15] [--load-model NAME ...] [--no-strict-readiness]]
+                     [--grpc-port PORT]
 
 Models are served under their file stems (``NAME=PATH`` picks another name); with no model, the
-embedded digits CNN is served as ``digits``. Starlette and uvicorn are imported only when the
-command runs, so the rest of the CLI works without the ``serve`` extra.
+embedded digits CNN is served as ``digits``. ``--model-repository`` serves a Triton-layout
+repository instead (:mod:`.repository`). ``--grpc-port`` also serves the KServe v2 gRPC API: the
+HTTP and gRPC servers then run in one event loop over one :class:`~.service.InferenceService`.
+Starlette and uvicorn are imported only when the command runs, so the rest of the CLI works
+without the ``serve`` extra.
 """
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..backends import BackendType
 from ..errors import AsyncInferError
@@ -25,6 +32,10 @@ DEFAULT_PORT = 8000
 DEFAULT_REQUEST_TIMEOUT = 60.0  # seconds; 0 on the command line: no deadline
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_DRAIN_TIMEOUT = 30.0
+DEFAULT_POLL_SECS = 15.0
+
+if TYPE_CHECKING:
+    from .service import InferenceService
 
 
 def bounded(kind: type, low: float | None = None, high: float | None = None) -> Any:
@@ -71,6 +82,22 @@ def add_serve_command(subparsers: Any) -> None:
                        help="seconds shutdown waits for requests in progress before cancelling them "
                             f"(default {DEFAULT_DRAIN_TIMEOUT:g})")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--model-repository", type=Path, metavar="DIR",
+                       help="serve a Triton-layout model repository: DIR/<model>/<version>/model.onnx, with an "
+                            "optional DIR/<model>/config.pbtxt (instead of MODEL arguments)")
+    serve.add_argument("--model-control-mode", default="none", choices=["none", "poll", "explicit"],
+                       help="none: load every repository model at startup; poll: also load, reload and unload "
+                            "as the repository changes; explicit: load with --load-model and the load/unload API "
+                            "(default none)")
+    serve.add_argument("--repository-poll-secs", type=bounded(float, 0.1), default=DEFAULT_POLL_SECS,
+                       help=f"seconds between two scans of the repository in poll mode (default {DEFAULT_POLL_SECS:g})")
+    serve.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                       help="in explicit mode, a model to load at startup (repeatable; '*': all of them)")
+    serve.add_argument("--no-strict-readiness", action="store_true",
+                       help="report the server ready even while a model is unavailable (default: ready only when "
+                            "every model is)")
+    serve.add_argument("--grpc-port", type=bounded(int, 0, 65535), default=0,
+                       help="also serve the KServe v2 gRPC API on this port (default 0: no gRPC)")
 
 
 def model_sources(specs: list[str]) -> dict[str, Path]:
@@ -94,11 +121,12 @@ def model_sources(specs: list[str]) -> dict[str, Path]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Load the models, then serve them with uvicorn until interrupted; returns the exit status."""
+    """Load the models, then serve them with uvicorn (and gRPC) until interrupted; returns the exit status."""
     try:
         import uvicorn
 
         from .server import create_app
+        from .service import InferenceService
     except ImportError as exc:
         print(f"asyncinfer: error: serving needs the 'serve' extra (pip install 'asyncinfer[serve]'): {exc}",
               file=sys.stderr)
@@ -106,19 +134,89 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_batch_size < 1 or args.max_delay_ms < 0:
         print("asyncinfer: error: --max-batch-size must be >= 1 and --max-delay-ms >= 0", file=sys.stderr)
         return 2
+    problem = _repository_problem(args)
+    if problem:
+        print(f"asyncinfer: error: {problem}", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = dict(
+        backend=args.backend, batching=not args.no_batching, max_batch_size=args.max_batch_size,
+        max_delay=args.max_delay_ms / 1000, threads=args.threads,
+        limits=DEFAULT_LIMITS.replace(max_request_bytes=args.max_request_bytes),
+        request_timeout=args.request_timeout or None, max_queue=args.max_queue, drain_timeout=args.drain_timeout)
+    repository = getattr(args, "model_repository", None)
     try:
-        sources = model_sources(args.models)
-        app = create_app(sources, backend=args.backend, batching=not args.no_batching,
-                         max_batch_size=args.max_batch_size, max_delay=args.max_delay_ms / 1000,
-                         threads=args.threads, limits=DEFAULT_LIMITS.replace(max_request_bytes=args.max_request_bytes),
-                         request_timeout=args.request_timeout or None, max_queue=args.max_queue,
-                         drain_timeout=args.drain_timeout)
+        if repository is not None:
+            service = InferenceService.from_repository(
+                repository, model_control_mode=args.model_control_mode, repository_poll_secs=args.repository_poll_secs,
+                load_models=args.load_model, strict_readiness=not args.no_strict_readiness, **options)
+        else:
+            sources = model_sources(args.models)
+            service = InferenceService(sources, strict_readiness=not getattr(args, "no_strict_readiness", False),
+                                       **options)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    for name, path in sources.items():
-        print(f"serving {name!r} from {path} at http://{args.host}:{args.port}/v2/models/{name}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"asyncinfer: error: {exc}", file=sys.stderr)
+        return 2
+    base = f"http://{args.host}:{args.port}"
+    if repository is not None:
+        print(f"serving the model repository {repository} (model control mode {args.model_control_mode}) "
+              f"at {base}/v2", file=sys.stderr)
+    else:
+        for name, path in sources.items():
+            print(f"serving {name!r} from {path} at {base}/v2/models/{name}", file=sys.stderr)
+    grpc_port = getattr(args, "grpc_port", 0)
     # uvicorn waits for open connections before the app's own drain: bound that wait the same way.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=math.ceil(args.drain_timeout))
-    return 0
+    graceful = math.ceil(args.drain_timeout)
+    if not grpc_port:
+        app = create_app(service=service)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=graceful)
+        return 0
+    import asyncio
+
+    app = create_app(service=service, manage_service=False)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=graceful)
+    return asyncio.run(serve_http_and_grpc(service, uvicorn.Server(config), args.host, grpc_port, args.drain_timeout))
+
+
+def _repository_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the repository options together, or None."""
+    repository = getattr(args, "model_repository", None)
+    mode = getattr(args, "model_control_mode", "none")
+    if repository is None:
+        if mode != "none" or getattr(args, "load_model", []):
+            return "--model-control-mode and --load-model need --model-repository"
+        return None
+    if args.models:
+        return "give MODEL arguments or --model-repository, not both"
+    if not Path(repository).is_dir():
+        return f"--model-repository {repository}: not a directory"
+    if args.load_model and mode != "explicit":
+        return "--load-model is for --model-control-mode explicit (the other modes load every model)"
+    return None
+
+
+async def serve_http_and_grpc(service: InferenceService, http: Any, host: str, grpc_port: int,
+                              drain_timeout: float, on_started: Callable[[Any], None] | None = None) -> int:
+    """Serve ``service`` with the uvicorn ``http`` server and a gRPC server on ``grpc_port``, in
+    this event loop, until uvicorn is told to stop (a signal); returns the exit status.
+    ``on_started`` is called with the started gRPC server (its port is ``server.port``)."""
+    from .grpc import start_grpc_server
+
+    async with service:  # one service for both: drained, then disposed, after both servers stop
+        try:
+            grpc_server = await start_grpc_server(service, host, grpc_port)
+        except OSError as exc:
+            print(f"asyncinfer: error: {exc}", file=sys.stderr)
+            return 1
+        print(f"serving gRPC at {host}:{getattr(grpc_server, 'port', grpc_port)}", file=sys.stderr)
+        if on_started is not None:
+            on_started(grpc_server)
+        try:
+            await http.serve()
+        finally:
+            await grpc_server.stop(drain_timeout)
+    return 0 if getattr(http, "started", True) else 1

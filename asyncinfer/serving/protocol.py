@@ -315,6 +315,7 @@ def _requested_outputs(request: Mapping[str, Any], parameters: Mapping[str, Any]
     if not isinstance(default_binary, bool):
         raise ProtocolError(400, "'binary_data_output' must be true or false")
     names = [info.name for info in model.outputs]
+    values: set[str] | None = None  # every value of the graph, found when a name is not an output
     raw_outputs = request.get("outputs")
     if raw_outputs is None:
         return names, {n: default_binary for n in names}
@@ -326,12 +327,24 @@ def _requested_outputs(request: Mapping[str, Any], parameters: Mapping[str, Any]
             raise ProtocolError(400, f"outputs[{index}] must be an object with a string 'name'")
         name = raw["name"]
         if name not in names:
-            raise ProtocolError(400, f"unknown output {_clip(name)}; model {model_name!r} has outputs {names}")
+            values = graph_values(model) if values is None else values
+            if name not in values:  # an intermediate value may be asked for by name
+                raise ProtocolError(400, f"unknown output {_clip(name)}; model {model_name!r} has outputs {names} "
+                                         "and no other value of that name")
         as_binary = _parameters(raw, f"output {name!r}").get("binary_data", default_binary)
         if not isinstance(as_binary, bool):
             raise ProtocolError(400, f"output {name!r}: 'binary_data' must be true or false")
         chosen[name] = as_binary
     return list(chosen), chosen
+
+
+def graph_values(model: Model) -> set[str]:
+    """Every value name a request may ask for as an output: the model's outputs, and every
+    value its (optimized) layers compute."""
+    values = {info.name for info in model.outputs}
+    for layer in model.layers:
+        values.update(name for name in layer.outputs if name)
+    return values
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -1,19 +1,31 @@
-"""An Open Inference Protocol (KServe v2 REST) server for asyncinfer models, as a Starlette app.
+"""An Open Inference Protocol (KServe v2 REST) server with Triton's extensions, as a Starlette app.
 
 ``create_app({"digits": "digits.onnx", ...})`` returns an ASGI app; run it with any ASGI server
-(``asyncinfer serve`` uses uvicorn). Workers (and batchers) are created at startup and disposed at
-shutdown through the app's lifespan. Handlers await the engine, so the event loop never blocks.
+(``asyncinfer serve`` uses uvicorn). The app is a thin adapter over an
+:class:`~.service.InferenceService` (``create_app(service=...)`` serves one built elsewhere, e.g.
+from a model repository, or shared with the gRPC server): the service holds the models, their
+workers and batchers, admission, statistics and metrics; the app's lifespan starts and stops it.
+Handlers await the engine, so the event loop never blocks.
 
-Endpoints (each model path also in the ``/v2/models/{name}/versions/{version}/...`` form):
+Endpoints (each ``/v2/models/{name}/...`` path also in the ``/v2/models/{name}/versions/{version}/...`` form):
 
-====================================  ==========================================================
-``GET  /v2/health/live``              200 while the process serves
-``GET  /v2/health/ready``             200 once every model's worker is up (503 before)
-``GET  /v2``                          server metadata: name, version, extensions
-``GET  /v2/models/{name}``            model metadata: inputs and outputs (shape -1: symbolic dim)
-``GET  /v2/models/{name}/ready``      200 when the model can infer
-``POST /v2/models/{name}/infer``      inference: JSON tensors or the binary tensor data extension
-====================================  ==========================================================
+==========================================  ====================================================
+``GET  /v2/health/live``                    200 while the process serves
+``GET  /v2/health/ready``                   200 once every model is up (503 before, and while draining)
+``GET  /v2``                                server metadata: name, version, extensions
+``GET  /v2/models/{name}``                  model metadata: inputs and outputs (shape -1: symbolic dim)
+``GET  /v2/models/{name}/ready``            200 when the model can infer
+``GET  /v2/models/{name}/config``           the model configuration, in Triton's JSON form
+``POST /v2/models/{name}/infer``            inference: JSON tensors or the binary tensor data extension
+``GET  /v2/models/stats``                   inference statistics of every model (Triton's JSON form)
+``GET  /v2/models/{name}/stats``            ...of one model (or one version)
+``POST /v2/repository/index``               the models and their states (body ``{"ready": true}``: ready ones)
+``POST /v2/repository/models/{name}/load``  load or reload a model (explicit model control)
+``POST /v2/repository/models/{name}/unload`` unload a model (explicit model control)
+``GET  /metrics``                           Prometheus metrics (:mod:`.metrics`)
+``/v2/systemsharedmemory/...``,             501: shared memory is not supported
+``/v2/cudasharedmemory/...``
+==========================================  ====================================================
 
 Every request is untrusted; every error is ``{"error": "..."}`` and the server stays up:
 
@@ -21,18 +33,20 @@ Every request is untrusted; every error is ``{"error": "..."}`` and the server s
 400    a malformed request: bad JSON, JSON nested deeper than ``Limits.max_json_depth``, a shape
        that is not a list of non-negative integers, a rank over ``Limits.max_tensor_rank``, more
        elements than ``Limits.max_tensor_elements``, data that does not fit its shape, inputs
-       that do not fit the model (the engine's ``InputError``)
+       that do not fit the model (the engine's ``InputError``); a load that failed, or a
+       load/unload outside explicit model control
 404    an unknown model, version or endpoint (405: a wrong method)
 408    the body did not arrive within ``request_timeout``
 413    a body over ``Limits.max_request_bytes`` (by ``Content-Length`` before reading, or while
        reading a body sent without one)
 500    the model failed on this input (``ExecutionError``), or a server bug (logged)
-503    with ``Retry-After``: the model already has ``max_queue`` requests in progress, or the
-       server is shutting down
+501    shared memory (not supported: send tensors in the body)
+503    with ``Retry-After``: the model already has ``max_queue`` requests in progress, is not
+       ready, or the server is shutting down
 504    inference did not finish within ``request_timeout`` (the run is cancelled)
 =====  =========================================================================================
 
-At shutdown the server drains: new inference requests get 503 and readiness 503, requests in
+At shutdown the service drains: new inference requests get 503 and readiness 503, requests in
 progress get up to ``drain_timeout`` seconds to finish, then the workers are disposed
 (:mod:`.admission`).
 """
@@ -40,88 +54,39 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any, Union
+from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.to_thread
-import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .. import __version__
 from ..backends import BackendType
-from ..errors import AsyncInferError, DisposedError, InputError, RequestTooLargeError
+from ..errors import RequestTooLargeError
 from ..limits import DEFAULT_LIMITS, Limits
-from ..model.ir import Model
-from ..loader import load_model
-from ..runtime.worker import Worker
-from .admission import Admission, unavailable
-from .batching import DynamicBatcher
-from .protocol import (
-    InferRequest,
-    ProtocolError,
-    encode_infer_response,
-    parse_infer_request,
-    tensor_metadata,
-)
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .protocol import InferRequest, ProtocolError, _load_json, encode_infer_response, parse_infer_request
+from .service import EXTENSIONS, SERVER_NAME, Call, InferenceService, ModelSource, ServedModel
 
-ModelSource = Union[Model, str, "os.PathLike[str]", bytes]
-SERVER_NAME = "asyncinfer"
-MODEL_VERSION = "1"  # one version per served model
-EXTENSIONS = ["binary_tensor_data"]
+__all__ = ["create_app", "read_body", "ServedModel", "InferenceService", "EXTENSIONS", "SERVER_NAME"]
+
 # Bodies larger than this are decoded/encoded on a worker thread, so the loop stays responsive.
 OFFLOAD_BYTES = 1 << 20
+SHARED_MEMORY_UNSUPPORTED = ("shared memory is not supported by this server (asyncinfer): send tensors in the "
+                             "request body, as JSON or with the binary tensor data extension")
 logger = logging.getLogger(__name__)
 
 
-class ServedModel:
-    """One model behind the server: its worker (and batcher) exist between startup and shutdown."""
-
-    def __init__(self, name: str, model: Model, backend: BackendType | str, batching: bool,
-                 max_batch_size: int, max_delay: float, threads: int | None):
-        self.name, self.model = name, model
-        self.backend, self.threads = backend, threads
-        self.batching, self.max_batch_size, self.max_delay = batching, max_batch_size, max_delay
-        self.worker: Worker | None = None
-        self.batcher: DynamicBatcher | None = None
-        self.metadata = {
-            "name": name,
-            "versions": [MODEL_VERSION],
-            "platform": "onnx",
-            "inputs": [tensor_metadata(i) for i in model.inputs],
-            "outputs": [tensor_metadata(o) for o in model.outputs],
-        }
-
-    @property
-    def ready(self) -> bool:
-        return self.worker is not None and not self.worker.disposed
-
-    async def start(self, stack: AsyncExitStack) -> None:
-        """Build the worker (and enter the batcher); ``stack`` disposes them at shutdown."""
-        self.worker = Worker(self.model, self.backend, threads=self.threads)
-        stack.push_async_callback(self.worker.dispose_async)
-        if self.batching:
-            batcher = DynamicBatcher(self.worker, max_batch_size=self.max_batch_size, max_delay=self.max_delay)
-            self.batcher = await stack.enter_async_context(batcher)
-
-    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        if self.batcher is not None:
-            return await self.batcher.infer(inputs)
-        if self.worker is None:
-            raise DisposedError(f"model {self.name!r} is not loaded (server starting or stopping)")
-        return await self.worker.run(inputs)
-
-
-def create_app(models: Mapping[str, ModelSource], backend: BackendType | str = "cpu", batching: bool = True,
-               max_batch_size: int = 32, max_delay: float = 0.002, *, threads: int | None = None,
-               limits: Limits = DEFAULT_LIMITS, request_timeout: float | None = 60.0, max_queue: int | None = 64,
-               drain_timeout: float = 30.0) -> Starlette:
+def create_app(models: Mapping[str, ModelSource] | None = None, backend: BackendType | str = "cpu",
+               batching: bool = True, max_batch_size: int = 32, max_delay: float = 0.002, *,
+               threads: int | None = None, limits: Limits = DEFAULT_LIMITS, request_timeout: float | None = 60.0,
+               max_queue: int | None = 64, drain_timeout: float = 30.0, service: InferenceService | None = None,
+               manage_service: bool = True) -> Starlette:
     """An ASGI app serving ``models`` (``{name: Model or path}``) over the Open Inference Protocol.
 
     Args:
@@ -140,51 +105,54 @@ def create_app(models: Mapping[str, ModelSource], backend: BackendType | str = "
         max_queue: most inference requests per model in progress at once (received, queued or
             running); one more gets 503 with ``Retry-After`` at once. None: no bound.
         drain_timeout: seconds shutdown waits for requests in progress before cancelling them.
+        service: serve this :class:`InferenceService` instead (then give no ``models``; the
+            other options are the service's own).
+        manage_service: the app's lifespan starts and stops the service (False: the caller
+            does, e.g. to share it with a gRPC server).
     """
-    if not models:
-        raise ValueError("create_app needs at least one model")
-    if not isinstance(limits, Limits):
-        raise TypeError(f"limits must be an asyncinfer.Limits, got {type(limits).__name__}")
-    served: dict[str, ServedModel] = {}
-    for name, source in models.items():
-        if not name or "/" in name:
-            raise ValueError(f"invalid model name {name!r}: must be non-empty without '/'")
-        model = source if isinstance(source, Model) else load_model(source, limits=limits)
-        served[name] = ServedModel(name, model, backend, batching, max_batch_size, max_delay, threads)
-    admission = Admission(served, max_queue=max_queue, request_timeout=request_timeout, drain_timeout=drain_timeout)
+    if service is None:
+        service = InferenceService(models, backend=backend, batching=batching, max_batch_size=max_batch_size,
+                                   max_delay=max_delay, threads=threads, limits=limits,
+                                   request_timeout=request_timeout, max_queue=max_queue, drain_timeout=drain_timeout)
+    elif models:
+        raise ValueError("give create_app models or a service, not both")
+    served = service
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with AsyncExitStack() as stack:  # on exit: workers (and batchers) disposed
-            for entry in served.values():
-                await entry.start(stack)
-            app.state.ready = True
-            try:
+        if manage_service:
+            async with served:  # on exit: drained, then workers (and batchers) disposed
                 yield
-            finally:
-                app.state.ready = False
-                if not await admission.drain():
-                    logger.warning("shutdown: requests still in progress after drain_timeout=%s s were cancelled",
-                                   admission.drain_timeout)
+        else:
+            yield
 
     routes = [
         Route("/v2/health/live", _live, methods=["GET"]),
         Route("/v2/health/ready", _ready, methods=["GET"]),
         Route("/v2", _server_metadata, methods=["GET"]),
+        Route("/v2/models/stats", _statistics, methods=["GET"]),  # before /v2/models/{name}
+        Route("/v2/repository/index", _repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", _load, methods=["POST"]),
+        Route("/v2/repository/models/{name}/unload", _unload, methods=["POST"]),
+        Route("/metrics", _metrics, methods=["GET"]),
     ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         routes += [
             Route(prefix, _model_metadata, methods=["GET"]),
             Route(prefix + "/ready", _model_ready, methods=["GET"]),
+            Route(prefix + "/config", _model_config, methods=["GET"]),
+            Route(prefix + "/stats", _statistics, methods=["GET"]),
             Route(prefix + "/infer", _infer, methods=["POST"]),
         ]
+    for kind in ("systemsharedmemory", "cudasharedmemory"):
+        routes += [Route(f"/v2/{kind}/{{rest:path}}", _shared_memory, methods=["GET", "POST"])]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ProtocolError: _protocol_error, HTTPException: _http_error,
                                         Exception: _internal_error})
-    app.state.models = served
-    app.state.limits = limits
-    app.state.admission = admission
-    app.state.ready = False
+    app.state.service = service
+    app.state.models = service.models  # {name: latest ServedModel}, read live
+    app.state.limits = service.limits
+    app.state.admission = service.admission
     return app
 
 
@@ -218,62 +186,113 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error(exc.status_code, str(exc.detail))
 
 
+def _service(request: Request) -> InferenceService:
+    return request.app.state.service
+
+
+def _model(request: Request) -> tuple[str, str | None]:
+    return request.path_params["name"], request.path_params.get("version")
+
+
 async def _live(request: Request) -> Response:
-    return _json({"live": True})
+    live = _service(request).live()
+    return _json({"live": live}, 200 if live else 503)
 
 
 async def _ready(request: Request) -> Response:
-    models: dict[str, ServedModel] = request.app.state.models
-    ready = bool(request.app.state.ready) and all(m.ready for m in models.values())  # False while draining
+    ready = _service(request).ready()  # False while draining
     return _json({"ready": ready}, 200 if ready else 503)
 
 
 async def _server_metadata(request: Request) -> Response:
-    return _json({"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS})
-
-
-def _lookup(request: Request) -> ServedModel:
-    """The model named in the path (and its version, when given); 404 otherwise."""
-    models: dict[str, ServedModel] = request.app.state.models
-    name = request.path_params["name"]
-    entry = models.get(name)
-    if entry is None:
-        raise ProtocolError(404, f"unknown model {name!r}; this server has {sorted(models)}")
-    version = request.path_params.get("version")
-    if version is not None and version != MODEL_VERSION:
-        raise ProtocolError(404, f"model {name!r} has no version {version!r}; available: [{MODEL_VERSION!r}]")
-    return entry
+    return _json(_service(request).server_metadata())
 
 
 async def _model_metadata(request: Request) -> Response:
-    return _json(_lookup(request).metadata)
+    return _json(_service(request).model_metadata(*_model(request)))
 
 
 async def _model_ready(request: Request) -> Response:
-    entry = _lookup(request)
-    ready = bool(request.app.state.ready) and entry.ready
-    return _json({"name": entry.name, "ready": ready}, 200 if ready else 503)
+    name, version = _model(request)
+    ready = _service(request).model_ready(name, version)
+    return _json({"name": name, "ready": ready}, 200 if ready else 503)
+
+
+async def _model_config(request: Request) -> Response:
+    return _json(_service(request).model_config(*_model(request)))
+
+
+async def _statistics(request: Request) -> Response:
+    name = request.path_params.get("name")
+    return _json(_service(request).statistics(name, request.path_params.get("version")))
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(_service(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+async def _shared_memory(request: Request) -> Response:
+    return _error(501, SHARED_MEMORY_UNSUPPORTED)
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    """A small JSON object body (an empty body is ``{}``); 400 when it is anything else."""
+    service = _service(request)
+    body = await read_body(request, service.limits)
+    if not body.strip():
+        return {}
+    return _load_json(body, service.limits.max_json_depth)
+
+
+async def _repository_index(request: Request) -> Response:
+    body = await _json_body(request)
+    ready = body.get("ready", False)
+    if not isinstance(ready, bool):
+        raise ProtocolError(400, f"'ready' must be true or false, got {type(ready).__name__}")
+    return _json(_service(request).repository_index(ready_only=ready))
+
+
+async def _load(request: Request) -> Response:
+    body = await _json_body(request)
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise ProtocolError(400, "'parameters' of a load request must be an object")
+    if any(isinstance(key, str) and key.startswith("file:") for key in parameters):
+        raise ProtocolError(400, "loading a model from files sent with the request is not supported: put the "
+                                 "files in the model repository")
+    config = parameters.get("config")
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise ProtocolError(400, f"the 'config' parameter is not valid JSON: {exc}") from None
+    if config is not None and not isinstance(config, dict):
+        raise ProtocolError(400, "the 'config' parameter must be a model configuration: a JSON object")
+    await _service(request).load(request.path_params["name"], config)
+    return _json({})
+
+
+async def _unload(request: Request) -> Response:
+    await _json_body(request)  # checked; 'unload_dependents' has no meaning here (no ensembles)
+    await _service(request).unload(request.path_params["name"])
+    return _json({})
 
 
 async def _infer(request: Request) -> Response:
-    entry = _lookup(request)
-    admission: Admission = request.app.state.admission
-    limits: Limits = request.app.state.limits
-    async with admission.admit(entry.name):  # 503 when full or shutting down
-        deadline = admission.deadline()
-        with anyio.move_on_at(deadline) as receiving:
-            body = await read_body(request, limits)
+    service = _service(request)
+    async with service.request(*_model(request)) as call:  # 404 unknown, 503 full / not ready / shutting down
+        with anyio.move_on_at(call.deadline) as receiving:
+            body = await read_body(request, service.limits)
         if receiving.cancelled_caught:
             raise ProtocolError(408, f"the request body did not arrive within the request timeout "
-                                     f"({admission.request_timeout} s)")
-        parsed = await _parse(request, body, entry, limits)
-        with anyio.move_on_at(deadline) as running:  # cancelling the run skips its layers not started
-            outputs = await _run(entry, parsed.inputs)
-        if running.cancelled_caught:
-            raise ProtocolError(504, f"model {entry.name!r} did not answer within the request timeout "
-                                     f"({admission.request_timeout} s); the run was cancelled")
+                                     f"({service.admission.request_timeout} s)")
+        with call.phase("input"):
+            parsed = await _parse(request, body, call, service.limits)
+        outputs = await call.infer(parsed.inputs, parsed.outputs)  # 400 / 500 / 503 / 504
         size = sum(a.nbytes for a in outputs.values())
-        content, headers = await _maybe_offload(size, encode_infer_response, entry.name, MODEL_VERSION, parsed, outputs)
+        with call.phase("output"):
+            content, headers = await _maybe_offload(size, encode_infer_response, call.name, call.version, parsed,
+                                                    outputs)
     return Response(content, headers=headers)
 
 
@@ -307,30 +326,18 @@ def _check_body_size(size: int, limits: Limits) -> None:
         raise ProtocolError(413, str(exc)) from None
 
 
-async def _parse(request: Request, body: bytes, entry: ServedModel, limits: Limits) -> InferRequest:
+async def _parse(request: Request, body: bytes, call: Call, limits: Limits) -> InferRequest:
     """Decode the body (on a helper thread when large). Anything but a ProtocolError escaping the
     decoder is a bug in it, yet still the request's fault: 400, and logged."""
     header_length = request.headers.get("inference-header-content-length")
     try:
-        return await _maybe_offload(len(body), parse_infer_request, body, header_length, entry.model,
-                                    entry.name, limits)
+        return await _maybe_offload(len(body), parse_infer_request, body, header_length, call.model,
+                                    call.name, limits)
     except ProtocolError:
         raise
     except Exception as exc:  # noqa: BLE001 - answered as a bad request, logged as a bug
-        logger.exception("decoding a request to %r raised %s", entry.name, type(exc).__name__)
+        logger.exception("decoding a request to %r raised %s", call.name, type(exc).__name__)
         raise ProtocolError(400, f"the request could not be decoded ({type(exc).__name__})") from None
-
-
-async def _run(entry: ServedModel, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Inference, with engine errors mapped to HTTP answers."""
-    try:
-        return await entry.infer(inputs)
-    except InputError as exc:  # shapes against the declared signature (and Limits), checked by the engine
-        raise ProtocolError(400, str(exc)) from None
-    except DisposedError as exc:
-        raise unavailable(str(exc)) from None
-    except AsyncInferError as exc:  # the model failed on this input; the server stays up
-        raise ProtocolError(500, f"{type(exc).__name__}: {exc}") from None
 
 
 async def _maybe_offload(size: int, fn: Any, *args: Any) -> Any:

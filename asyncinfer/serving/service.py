@@ -1,0 +1,633 @@
+"""``InferenceService``: the models one process serves, independent of any transport.
+
+The HTTP app (:mod:`.server`) and the gRPC server are thin adapters over one service: they decode
+a request, then ::
+
+    async with service.request(name, version) as call:   # 404 unknown, 503 full/not ready/draining
+        with call.phase("input"):
+            inputs = decode(body, call.model)             # times compute_input
+        outputs = await call.infer(inputs)                # 400 / 500 / 503 / 504
+        with call.phase("output"):
+            answer = encode(outputs)                      # times compute_output
+    # leaving the block records success or failure in statistics and metrics
+
+Every error is a :class:`~.protocol.ProtocolError` with an HTTP status (the gRPC side maps it to
+a status code). The service owns:
+
+- the models: given at construction (``{name: Model or path}``, served as version ``"1"``), or
+  read from a Triton-layout model repository (:mod:`.repository`), with Triton's model control
+  modes ``none`` (load everything at startup), ``poll`` (also follow changes on disk) and
+  ``explicit`` (load and unload through the API);
+- one worker (and :class:`~.batching.DynamicBatcher`) per model version, each hosted by a task of
+  the service's task group, so it is entered and left in one task whoever asks for a load;
+- admission (:mod:`.admission`): a bound per model, a deadline per request, a drain at shutdown;
+- statistics (:mod:`.statistics`) and Prometheus metrics (:mod:`.metrics`), with a sampler of
+  the event loop's lag running beside the models.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, Union
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import numpy as np
+
+from .. import __version__
+from ..backends import BackendType
+from ..errors import AsyncInferError, DisposedError, InputError, ModelLoadError
+from ..limits import DEFAULT_LIMITS, Limits
+from ..loader import load_model
+from ..model.ir import Model
+from .admission import Admission, unavailable
+from .batching import RunTiming
+from .metrics import ServerMetrics
+from .protocol import ProtocolError
+from .repository import ModelSettings, Repository, RepositoryModel, check_config_against_model, triton_config
+from .served import DEFAULT_VERSION, TIMING, ModelState, ServedModel, rows_of
+from .statistics import BACKEND, CANCELED, OTHER, REJECTED, ModelStatistics, RequestTimes, Statistics
+
+__all__ = ["InferenceService", "Call", "ServedModel", "ModelState", "DEFAULT_VERSION"]
+
+ModelSource = Union[Model, str, "os.PathLike[str]", bytes]
+SERVER_NAME = "asyncinfer"
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "model_repository", "statistics"]
+CONTROL_MODES = ("none", "poll", "explicit")
+logger = logging.getLogger(__name__)
+
+
+class Call:
+    """One inference request in flight: ``async with service.request(name) as call: ...``.
+
+    Attributes:
+        model: the loaded model (decode the request against ``model.inputs``).
+        name, version: the model version serving this request.
+        deadline: absolute ``anyio.current_time()`` deadline (``math.inf``: none).
+    """
+
+    def __init__(self, served: ServedModel, admission: Admission):
+        assert served.model is not None
+        self.model: Model = served.model
+        self.name, self.version = served.name, served.version
+        self.deadline = math.inf
+        self._served, self._admission = served, admission
+        self._times = RequestTimes(total=0)
+        self._rows = 0
+
+    @contextmanager
+    def phase(self, which: str) -> Iterator[None]:
+        """Time the block as ``compute_input`` (``"input"``: decoding) or ``compute_output``
+        (``"output"``: encoding)."""
+        if which not in ("input", "output"):
+            raise ValueError(f"phase is 'input' or 'output', got {which!r}")
+        began = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter_ns() - began
+            if which == "input":
+                self._times.compute_input += spent
+            else:
+                self._times.compute_output += spent
+
+    async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """Run the model; ``{name: array}`` for ``outputs`` (default: every model output). A name
+        that is not a model output asks for that (intermediate) value of the graph: such a run
+        goes to the worker alone, not merged with other requests.
+
+        Raises:
+            ProtocolError: 400 the inputs do not fit the model, or the graph has no value of a
+                name asked for; 500 the model failed on them; 503 the model was unloaded or the
+                server is stopping; 504 the deadline passed (the run is cancelled).
+        """
+        model_outputs = {info.name for info in self.model.outputs}
+        values = outputs is not None and any(n not in model_outputs for n in outputs)
+        timing = RunTiming()
+        token = TIMING.set(timing)
+        asked = time.perf_counter_ns()
+        try:
+            with anyio.move_on_at(self.deadline) as running:  # cancelling the run skips its layers not started
+                if values:
+                    result = await self._served.infer_values(inputs, list(dict.fromkeys(outputs or ())))
+                else:
+                    result = await self._served.infer(inputs)
+        except ProtocolError:
+            raise
+        except InputError as exc:  # shapes against the declared signature (and Limits), checked by the engine
+            raise ProtocolError(400, str(exc)) from None
+        except DisposedError as exc:
+            raise unavailable(str(exc)) from None
+        except AsyncInferError as exc:  # the model failed on this input; the server stays up
+            raise ProtocolError(500, f"{type(exc).__name__}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a bug: logged, answered without its traceback
+            logger.exception("inference on model %r raised %s", self.name, type(exc).__name__)
+            raise ProtocolError(500, f"internal server error ({type(exc).__name__})") from None
+        finally:
+            TIMING.reset(token)
+        if running.cancelled_caught:
+            raise ProtocolError(504, f"model {self.name!r} did not answer within the request timeout "
+                                     f"({self._admission.request_timeout} s); the run was cancelled")
+        if timing.started:
+            self._times.queue += max(timing.started - asked, 0)
+            self._times.compute_infer += timing.ended - timing.started
+        self._rows += rows_of(inputs) if self._served.batch_dim else 1
+        if outputs is None:
+            return result
+        return {name: result[name] for name in outputs}
+
+
+class _Slot:
+    """Everything served under one model name: its versions, and its state when it has none."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.versions: dict[str, ServedModel] = {}
+        self.reason = ""  # why the latest load failed, or "unloaded"
+        self.wanted = True  # counted by readiness (False once unloaded on purpose)
+        self.lock: anyio.Lock | None = None
+        self.fingerprint: object = None  # the repository files as of the latest load (poll mode)
+
+    def ready_versions(self) -> list[ServedModel]:
+        return sorted((s for s in self.versions.values() if s.state is ModelState.READY), key=_version_key)
+
+    def latest(self) -> ServedModel | None:
+        """The highest ready version, else the highest of any state."""
+        ready = self.ready_versions()
+        if ready:
+            return ready[-1]
+        return max(self.versions.values(), key=_version_key, default=None)
+
+
+def _version_key(served: ServedModel) -> tuple[int, str]:
+    return (int(served.version) if served.version.isdigit() else -1, served.version)
+
+
+class _LiveModels(Mapping[str, ServedModel]):
+    """``{name: latest version}`` of a service, read when looked at."""
+
+    def __init__(self, slots: dict[str, _Slot]):
+        self._slots = slots
+
+    def _current(self) -> dict[str, ServedModel]:
+        return {name: served for name, slot in self._slots.items() if (served := slot.latest()) is not None}
+
+    def __getitem__(self, name: str) -> ServedModel:
+        return self._current()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._current())
+
+    def __len__(self) -> int:
+        return len(self._current())
+
+
+class InferenceService:
+    """Models served by one process: lifecycle, repository, admission, statistics, metrics.
+
+    Args:
+        models: served names mapped to loaded models or anything :func:`asyncinfer.load_model`
+            takes (paths are loaded now, under ``limits``, so a bad file fails here). Each is
+            served as version ``"1"``. Give ``models`` or ``repository``, not both.
+        backend: the backend of every model's worker (a repository model's config may choose).
+        batching: merge concurrent requests to one model with a :class:`DynamicBatcher`.
+        max_batch_size: most rows per merged run.
+        max_delay: seconds a request may wait for batch-mates.
+        threads: CPU thread-pool size of each worker (default: the core count).
+        limits: bounds on models and requests (body bytes, JSON depth, tensor rank and elements).
+        request_timeout: seconds a request may take from admission (None: no deadline).
+        max_queue: most requests per model in progress at once; one more gets 503 (None: no bound).
+        drain_timeout: seconds shutdown (and an unload) waits for requests in progress.
+        repository: a Triton-layout model repository, ``DIR/<model>/<version>/model.onnx``.
+        model_control_mode: ``"none"`` (load every repository model at startup), ``"poll"``
+            (and follow the repository's changes every ``repository_poll_secs``), or
+            ``"explicit"`` (load ``load_models`` at startup, the rest through :meth:`load`).
+        repository_poll_secs: seconds between two scans of the repository in poll mode.
+        load_models: models to load at startup in explicit mode (``"*"``: all of them).
+        strict_readiness: :meth:`ready` only when every model asked for is ready (Triton's
+            default); False: ready as soon as the service runs.
+    """
+
+    def __init__(self, models: Mapping[str, ModelSource] | None = None, *, backend: BackendType | str = "cpu",
+                 batching: bool = True, max_batch_size: int = 32, max_delay: float = 0.002,
+                 threads: int | None = None, limits: Limits = DEFAULT_LIMITS, request_timeout: float | None = 60.0,
+                 max_queue: int | None = 64, drain_timeout: float = 30.0,
+                 repository: str | os.PathLike[str] | None = None, model_control_mode: str = "none",
+                 repository_poll_secs: float = 15.0, load_models: Sequence[str] = (),
+                 strict_readiness: bool = True):
+        if not isinstance(limits, Limits):
+            raise TypeError(f"limits must be an asyncinfer.Limits, got {type(limits).__name__}")
+        if model_control_mode not in CONTROL_MODES:
+            raise ValueError(f"model_control_mode must be one of {CONTROL_MODES}, got {model_control_mode!r}")
+        if (repository is None) == (not models):
+            raise ValueError("an InferenceService needs at least one model, or a model repository (not both)")
+        if repository is None and model_control_mode != "none":
+            raise ValueError(f"model_control_mode {model_control_mode!r} needs a model repository")
+        if load_models and model_control_mode != "explicit":
+            raise ValueError("load_models is for model_control_mode 'explicit' (the other modes load every model)")
+        if not repository_poll_secs > 0:
+            raise ValueError(f"repository_poll_secs must be a positive number, got {repository_poll_secs!r}")
+        if max_batch_size < 1 or not max_delay >= 0:
+            raise ValueError("max_batch_size must be >= 1 and max_delay >= 0 seconds")
+        backend = BackendType(backend).value if isinstance(backend, (str, BackendType)) else backend
+        self.limits = limits
+        self.defaults = ModelSettings(backend=backend, dynamic_batching=batching,
+                                      max_batch_size=max_batch_size if batching else 0, max_delay=max_delay,
+                                      threads=threads, instances=2)
+        self.admission = Admission((), max_queue=max_queue, request_timeout=request_timeout,
+                                   drain_timeout=drain_timeout)
+        self.stats_store = Statistics()  # counters of every model version, kept across reloads
+        self.metrics = ServerMetrics(self.stats_store, self._models_loaded, self._pending)
+        self.repository = Repository(repository) if repository is not None else None
+        self.model_control_mode = model_control_mode
+        self.repository_poll_secs = repository_poll_secs
+        self.load_models = list(load_models)
+        self.strict_readiness = strict_readiness
+        self._slots: dict[str, _Slot] = {}
+        self.models: Mapping[str, ServedModel] = _LiveModels(self._slots)
+        for name, source in (models or {}).items():
+            if not isinstance(name, str) or not name or "/" in name:
+                raise ValueError(f"invalid model name {name!r}: must be non-empty without '/'")
+            model = source if isinstance(source, Model) else load_model(source, limits=limits)
+            slot = self._slots[name] = _Slot(name)
+            slot.versions[DEFAULT_VERSION] = self._served(name, DEFAULT_VERSION, model, self.defaults)
+        self._started = self._draining = self._stopped = False
+        self._stack: AsyncExitStack | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._background: anyio.CancelScope | None = None  # made in __aenter__: scopes belong to a loop
+
+    @classmethod
+    def from_repository(cls, path: str | os.PathLike[str], **options: Any) -> InferenceService:
+        """A service over the Triton-layout model repository at ``path`` (options as the constructor's)."""
+        if not Path(path).is_dir():
+            raise ModelLoadError(f"the model repository {os.fspath(path)!r} is not a directory")
+        return cls(repository=path, **options)
+
+    def _served(self, name: str, version: str, model: Model | None, settings: ModelSettings,
+                reason: str = "") -> ServedModel:
+        return ServedModel(name, model, settings, version=version, stats=self.stats_store.of(name, version),
+                           metrics=self.metrics, reason=reason)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def __aenter__(self) -> InferenceService:
+        if self._started:
+            raise AsyncInferError("an InferenceService can be started only once")
+        self._started = True
+        self._stack = AsyncExitStack()
+        self._background = anyio.CancelScope()
+        try:
+            self._tg = await self._stack.enter_async_context(anyio.create_task_group())
+            self._tg.start_soon(self._background_tasks)
+            for slot in self._slots.values():
+                for served in slot.versions.values():
+                    await self._tg.start(served.host)
+            if self.repository is not None:
+                for name in await self._initial_models():
+                    try:
+                        await self._load(name, None)
+                    except ProtocolError as exc:  # reported in the index; the server still starts
+                        logger.error("%s", exc.message)
+        except BaseException:
+            await self._shutdown()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._draining = True
+        try:
+            if not await self.admission.drain():
+                logger.warning("shutdown: requests still in progress after drain_timeout=%s s were cancelled",
+                               self.admission.drain_timeout)
+        finally:
+            if self._background is not None:
+                self._background.cancel()
+            for slot in self._slots.values():
+                for served in slot.versions.values():
+                    served.request_stop()
+            self._stopped = True
+            if self._stack is not None:
+                await self._stack.aclose()  # waits for every host task: workers and batchers disposed
+
+    async def _background_tasks(self) -> None:
+        assert self._background is not None
+        with self._background:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.metrics.sample_event_loop_lag)
+                if self.model_control_mode == "poll":
+                    tg.start_soon(self._poll)
+
+    async def _initial_models(self) -> list[str]:
+        assert self.repository is not None
+        names = await anyio.to_thread.run_sync(self.repository.names)
+        if self.model_control_mode != "explicit":
+            return names
+        wanted = names if "*" in self.load_models else self.load_models
+        for name in wanted:
+            if name not in names:
+                self._slot(name).reason = "not found in the model repository"
+                logger.error("--load-model %r: the model repository has no such model", name)
+        return [n for n in wanted if n in names]
+
+    # -- health and metadata --------------------------------------------------------------------
+    def live(self) -> bool:
+        """True while the process serves (started and not stopped)."""
+        return not self._stopped
+
+    def ready(self) -> bool:
+        """Whether inference requests are taken: False before start and while draining; with
+        ``strict_readiness``, also while a model asked for is not ready."""
+        if not self._started or self._draining or self._stopped or self._tg is None:
+            return False
+        if not self.strict_readiness:
+            return True
+        for slot in self._slots.values():
+            if slot.wanted and (not slot.versions or not all(s.ready for s in slot.versions.values())):
+                return False
+        return True
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_metadata(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """KServe v2 model metadata; ProtocolError 404 for an unknown or unloaded model."""
+        served = self._loaded(name, version)
+        versions = [s.version for s in sorted(self._slots[name].versions.values(), key=_version_key)
+                    if s.model is not None and s.state is not ModelState.UNAVAILABLE] or [served.version]
+        return served.metadata(versions)
+
+    def model_ready(self, name: str, version: str | None = None) -> bool:
+        """Whether ``name`` (``version``) takes requests; ProtocolError 404 when unknown."""
+        served = self._find(name, version)
+        return served is not None and served.ready and not self._draining and self._tg is not None
+
+    def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """The model's configuration in Triton's JSON form (what ``GET .../config`` answers)."""
+        served = self._loaded(name, version)
+        assert served.model is not None
+        return triton_config(name, served.model, served.settings, served.max_batch_size)
+
+    def _find(self, name: str, version: str | None) -> ServedModel | None:
+        """The version asked for (the latest when None): 404 for an unknown name or version;
+        None when the model has no version at all (never loaded, or failed)."""
+        slot = self._slots.get(name)
+        if slot is None:
+            known = sorted(self._slots)
+            raise ProtocolError(404, f"unknown model {name!r}; this server has {known}")
+        if version is None:
+            return slot.latest()
+        served = slot.versions.get(version)
+        if served is None:
+            available = [s.version for s in sorted(slot.versions.values(), key=_version_key)]
+            raise ProtocolError(404, f"model {name!r} has no version {version!r}; available: {available}")
+        return served
+
+    def _loaded(self, name: str, version: str | None) -> ServedModel:
+        served = self._find(name, version)
+        if served is None or served.model is None:
+            reason = (served.reason if served is not None else self._slots[name].reason) or "not loaded"
+            raise ProtocolError(404, f"model {name!r} has no loaded version ({reason})")
+        return served
+
+    # -- repository -----------------------------------------------------------------------------
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, str]]:
+        """``[{"name", "version", "state", "reason"}]`` for every model version the service knows
+        (and every model of the repository, loaded or not); ``ready_only``: READY ones only."""
+        index: list[dict[str, str]] = []
+        for name, slot in self._slots.items():
+            if not slot.versions:
+                index.append({"name": name, "version": "", "state": ModelState.UNAVAILABLE.value,
+                              "reason": slot.reason or "not loaded"})
+            for served in sorted(slot.versions.values(), key=_version_key):
+                index.append({"name": name, "version": served.version, "state": served.state.value,
+                              "reason": served.reason})
+        if self.repository is not None:
+            for name in self.repository.names():  # a directory listing: cheap
+                if name not in self._slots:
+                    index.append({"name": name, "version": "", "state": ModelState.UNAVAILABLE.value,
+                                  "reason": "not loaded"})
+        index.sort(key=lambda e: (e["name"], int(e["version"]) if e["version"].isdigit() else -1))
+        if ready_only:
+            index = [e for e in index if e["state"] == ModelState.READY.value]
+        return index
+
+    async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
+        """Load (or reload) ``name`` from the repository (explicit model control). ``config``, in
+        Triton's JSON form, replaces the model's ``config.pbtxt`` for this load.
+
+        Raises:
+            ProtocolError: 400 when the model control mode is not explicit or the model fails to
+                load (the reason is in the message and the index); 404 when the repository has
+                no such model; 503 while the server stops.
+        """
+        self._check_explicit("load")
+        assert self.repository is not None
+        if not self.repository.has(name):
+            raise ProtocolError(404, f"the model repository has no model {name!r}")
+        if self._draining or self._tg is None:
+            raise unavailable("the server is not running (starting or shutting down)")
+        await self._load(name, config)
+
+    async def unload(self, name: str) -> None:
+        """Unload every version of ``name`` (explicit model control): new requests get 503, those
+        in flight finish (up to ``drain_timeout``), then the workers are disposed."""
+        self._check_explicit("unload")
+        assert self.repository is not None
+        if name not in self._slots and not self.repository.has(name):
+            raise ProtocolError(404, f"unknown model {name!r}")
+        await self._unload(name)
+
+    def _check_explicit(self, action: str) -> None:
+        if self.repository is None:
+            raise ProtocolError(400, f"cannot {action} models: this server serves a fixed set of models, "
+                                     "not a model repository")
+        if self.model_control_mode != "explicit":
+            raise ProtocolError(400, f"cannot {action} models through the API in model control mode "
+                                     f"{self.model_control_mode!r}; start the server with "
+                                     "--model-control-mode explicit")
+
+    def _slot(self, name: str) -> _Slot:
+        slot = self._slots.get(name)
+        if slot is None:
+            slot = self._slots[name] = _Slot(name)
+        if slot.lock is None:
+            slot.lock = anyio.Lock()
+        return slot
+
+    async def _load(self, name: str, config: dict[str, Any] | None) -> None:
+        """Read ``name`` from the repository, start its versions, then retire the old ones. When
+        nothing new could be loaded, versions already serving stay; the reason is recorded."""
+        assert self.repository is not None and self._tg is not None
+        slot = self._slot(name)
+        assert slot.lock is not None
+        async with slot.lock:
+            slot.wanted = True
+            # what the files were when read: poll mode retries a failed load only once they change
+            slot.fingerprint = await anyio.to_thread.run_sync(self.repository.fingerprint, name)
+            try:
+                entry: RepositoryModel = await anyio.to_thread.run_sync(self.repository.read, name, config,
+                                                                        self.defaults)
+            except ModelLoadError as exc:
+                slot.reason = self._relative(str(exc))
+                raise ProtocolError(400, f"failed to load model {name!r}: {slot.reason}") from None
+            fresh: dict[str, ServedModel] = {}
+            for version, path in entry.versions.items():
+                fresh[version] = await self._load_version(name, version, path, entry)
+            for served in fresh.values():
+                if served.model is not None:
+                    await self._tg.start(served.host)
+            failures = {v: s.reason for v, s in fresh.items() if s.state is not ModelState.READY}
+            if failures and len(failures) == len(fresh) and slot.ready_versions():
+                slot.reason = "; ".join(f"version {v}: {r}" for v, r in failures.items())
+                raise ProtocolError(400, f"failed to load model {name!r} ({slot.reason}); "
+                                         "the versions loaded before keep serving")
+            old, slot.versions = slot.versions, fresh
+            slot.reason = ""
+            for served in old.values():  # in the background: their requests in flight may finish
+                self._tg.start_soon(served.stop, self.admission.drain_timeout)
+            if failures:
+                slot.reason = "; ".join(f"version {v}: {r}" for v, r in failures.items())
+                raise ProtocolError(400, f"failed to load model {name!r}: {slot.reason}")
+
+    async def _load_version(self, name: str, version: str, path: Path, entry: RepositoryModel) -> ServedModel:
+        try:
+            model = await anyio.to_thread.run_sync(lambda: load_model(path, limits=self.limits))
+            check_config_against_model(entry.config, model, entry.settings, f"model {name!r} version {version}")
+        except (AsyncInferError, OSError, ValueError) as exc:
+            reason = self._relative(f"{type(exc).__name__}: {exc}")
+            return self._served(name, version, None, entry.settings, reason=reason)
+        return self._served(name, version, model, entry.settings)
+
+    def _relative(self, message: str) -> str:
+        """``message`` with the repository's location cut from its paths: clients see the index."""
+        if self.repository is None:
+            return message
+        return message.replace(str(self.repository.root.resolve()) + os.sep, "").replace(
+            str(self.repository.root) + os.sep, "")
+
+    async def _unload(self, name: str) -> None:
+        slot = self._slot(name)
+        assert slot.lock is not None
+        async with slot.lock:
+            slot.wanted = False
+            slot.reason = "unloaded"
+            slot.fingerprint = None  # the same files put back are loaded again
+            async with anyio.create_task_group() as tg:
+                for served in slot.versions.values():
+                    tg.start_soon(served.stop, self.admission.drain_timeout)
+
+    async def _poll(self) -> None:
+        """Poll mode: every ``repository_poll_secs``, load new and changed models, unload removed ones."""
+        assert self.repository is not None
+        while True:
+            await anyio.sleep(self.repository_poll_secs)
+            try:
+                await self.poll_once()
+            except Exception:  # noqa: BLE001 - a broken scan must not stop the server
+                logger.exception("polling the model repository failed")
+
+    async def poll_once(self) -> None:
+        """One scan of the repository (what poll mode does periodically)."""
+        assert self.repository is not None
+        repository = self.repository
+        names = await anyio.to_thread.run_sync(repository.names)
+        for name in names:
+            fingerprint = await anyio.to_thread.run_sync(repository.fingerprint, name)
+            slot = self._slots.get(name)
+            if slot is None or slot.fingerprint != fingerprint:
+                logger.info("model repository: %s %r", "loading" if slot is None else "reloading", name)
+                try:
+                    await self._load(name, None)
+                except ProtocolError as exc:  # retried when its files change again
+                    logger.error("%s", exc.message)
+        for name in [n for n, slot in self._slots.items() if n not in names and slot.wanted]:
+            logger.info("model repository: %r was removed; unloading it", name)
+            await self._unload(name)
+
+    # -- statistics -----------------------------------------------------------------------------
+    def statistics_for(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
+        """The statistics objects :meth:`statistics` reports: every version the service holds
+        (of ``name``; or ``version`` alone). ProtocolError 404 for an unknown model or version."""
+        if name is None:
+            names = sorted(self._slots)
+        elif name not in self._slots:
+            raise ProtocolError(404, f"unknown model {name!r}; this server has {sorted(self._slots)}")
+        elif version is not None:
+            self._find(name, version)  # 404 for an unknown version
+            return [self.stats_store.of(name, version)]
+        else:
+            names = [name]
+        return [self.stats_store.of(n, s.version) for n in names
+                for s in sorted(self._slots[n].versions.values(), key=_version_key)]
+
+    def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's inference statistics JSON: ``{"model_stats": [...]}`` for every served
+        version (of ``name``, of ``version``); ProtocolError 404 for an unknown model or version."""
+        return {"model_stats": [s.to_json() for s in self.statistics_for(name, version)]}
+
+    def _models_loaded(self) -> int:
+        return sum(len(slot.ready_versions()) for slot in self._slots.values())
+
+    def _pending(self) -> dict[tuple[str, str], int]:
+        return {(s.name, s.version): s.in_flight for slot in self._slots.values() for s in slot.versions.values()}
+
+    # -- requests -------------------------------------------------------------------------------
+    @asynccontextmanager
+    async def request(self, name: str, version: str | None = None) -> AsyncIterator[Call]:
+        """Admit one inference request to ``name`` (``version``; default: the latest ready).
+
+        Raises (on entry):
+            ProtocolError: 404 unknown model or version; 503 with ``Retry-After`` when the model
+                is not ready, its queue is full, or the server is draining.
+        """
+        began = time.perf_counter_ns()
+        served = self._find(name, version)
+        if served is None:
+            reason = self._slots[name].reason or "not loaded"
+            raise unavailable(f"model {name!r} is not ready ({reason})")
+        if not served.ready or self._tg is None:
+            if self._draining:
+                raise unavailable("the server is shutting down and takes no new requests")
+            served.stats.record_failure(time.perf_counter_ns() - began, REJECTED)
+            raise unavailable(f"model {name!r} version {served.version} is not ready "
+                              f"({served.state.value}{': ' + served.reason if served.reason else ''})")
+        call = Call(served, self.admission)
+        served.hold()
+        admitted = False
+        try:
+            async with self.admission.admit(name):
+                admitted = True
+                call.deadline = self.admission.deadline()
+                yield call
+        except BaseException as exc:
+            served.stats.record_failure(time.perf_counter_ns() - began, _failure_reason(exc, admitted))
+            raise
+        else:
+            call._times.total = time.perf_counter_ns() - began
+            served.stats.record_success(call._rows, call._times)
+        finally:
+            served.release()
+
+
+def _failure_reason(exc: BaseException, admitted: bool) -> str:
+    """Triton's ``reason`` label of a failed request."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        return CANCELED
+    if isinstance(exc, ProtocolError):
+        if exc.status == 503:  # refused at the door; once admitted, stopped by the drain or an unload
+            return CANCELED if admitted else REJECTED
+        if exc.status in (408, 504):
+            return CANCELED
+        if exc.status >= 500:
+            return BACKEND
+    return OTHER
