@@ -5,12 +5,12 @@
                      [--max-request-bytes N] [--request-timeout 60] [--max-queue 64] [--drain-timeout 30]
                      [--model-repository DIR [--model-control-mode none|poll|explicit]
                       [--repository-poll-secs 15] [--load-model NAME ...] [--no-strict-readiness]]
-                     [--grpc-port PORT]
+                     [--grpc-port PORT] [--trace-dir DIR]
 
 Models are served under their file stems (``NAME=PATH`` picks another name); with no model, the
 embedded digits CNN is served as ``digits``. ``--model-repository`` serves a Triton-layout
-repository instead (:mod:`.repository`). ``--grpc-port`` also serves the KServe v2 gRPC API: the
-HTTP and gRPC servers then run in one event loop over one :class:`~.service.InferenceService`.
+repository instead (`.repository`). ``--grpc-port`` also serves the KServe v2 gRPC API: the
+HTTP and gRPC servers then run in one event loop over one `InferenceService`.
 Starlette and uvicorn are imported only when the command runs, so the rest of the CLI works
 without the ``serve`` extra.
 """
@@ -98,6 +98,9 @@ def add_serve_command(subparsers: Any) -> None:
                             "every model is)")
     serve.add_argument("--grpc-port", type=bounded(int, 0, 65535), default=0,
                        help="also serve the KServe v2 gRPC API on this port (default 0: no gRPC)")
+    serve.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                       help="folder where Triton's trace_file setting writes request traces (default: traces "
+                            "are only kept in memory, at GET /v2/trace)")
 
 
 def model_sources(specs: list[str]) -> dict[str, Path]:
@@ -142,7 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
         backend=args.backend, batching=not args.no_batching, max_batch_size=args.max_batch_size,
         max_delay=args.max_delay_ms / 1000, threads=args.threads,
         limits=DEFAULT_LIMITS.replace(max_request_bytes=args.max_request_bytes),
-        request_timeout=args.request_timeout or None, max_queue=args.max_queue, drain_timeout=args.drain_timeout)
+        request_timeout=args.request_timeout or None, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
+        trace_dir=getattr(args, "trace_dir", None))
     repository = getattr(args, "model_repository", None)
     try:
         if repository is not None:

@@ -1,8 +1,8 @@
 """``ServedModel``: one model version behind an inference service, with its worker and batcher.
 
-A served version is hosted by a task of the service's task group (:meth:`ServedModel.host`):
-that task builds the worker, enters the :class:`~.batching.DynamicBatcher`, keeps them until
-:meth:`ServedModel.stop`, and disposes them, all in one task (anyio's task groups and cancel
+A served version is hosted by a task of the service's task group (`ServedModel.host`):
+that task builds the worker, enters the `DynamicBatcher`, keeps them until
+`ServedModel.stop`, and disposes them, all in one task (anyio's task groups and cancel
 scopes must be left in the task that entered them, whoever asked for the load or the unload).
 Every engine run is counted in the version's statistics and metrics.
 """
@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import DisposedError, InputError
 from ..model.ir import Model
+from ..runtime.profiling import Profile
 from ..runtime.worker import Worker
 from .batching import DynamicBatcher, RunRecord, RunTiming, batch_symbol
 from .metrics import ServerMetrics
@@ -110,16 +111,17 @@ class ServedModel:
             return await self.batcher.infer(inputs, timing=TIMING.get())
         return await self.infer_values(inputs, None)
 
-    async def infer_values(self, inputs: dict[str, np.ndarray], names: Sequence[str] | None) -> dict[str, np.ndarray]:
+    async def infer_values(self, inputs: dict[str, np.ndarray], names: Sequence[str] | None,
+                           profile: Profile | None = None) -> dict[str, np.ndarray]:
         """The values ``names`` of the graph (None: the model's outputs), on the worker directly:
-        a run asking for intermediate values is never merged with others."""
+        a run asking for intermediate values (or traced into ``profile``) is never merged with others."""
         if self.worker is None:
             raise DisposedError(f"model {self.name!r} is not loaded (server starting or stopping)")
         timing = TIMING.get()
         began = time.perf_counter_ns()
         ok = False
         try:
-            outputs = await self.worker.run(inputs, outputs=names)
+            outputs = await self.worker.run(inputs, outputs=names, profile=profile)
             ok = True
             return outputs
         except InputError:  # refused before running: no engine run
@@ -140,7 +142,7 @@ class ServedModel:
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def host(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Build the worker (and enter the batcher), report started, keep them until :meth:`stop`,
+        """Build the worker (and enter the batcher), report started, keep them until `stop`,
         then dispose them; all in this one task. A failure to build leaves the version
         UNAVAILABLE with the reason; it never escapes (the service's other models go on)."""
         self._stop, self._stopped = anyio.Event(), anyio.Event()
@@ -198,7 +200,7 @@ class ServedModel:
         await self._stopped.wait()
 
     def hold(self) -> None:
-        """A request starts using this version (:meth:`stop` waits for it)."""
+        """A request starts using this version (`stop` waits for it)."""
         self.in_flight += 1
 
     def release(self) -> None:

@@ -2,7 +2,7 @@
 
 ``create_app({"digits": "digits.onnx", ...})`` returns an ASGI app; run it with any ASGI server
 (``asyncinfer serve`` uses uvicorn). The app is a thin adapter over an
-:class:`~.service.InferenceService` (``create_app(service=...)`` serves one built elsewhere, e.g.
+`InferenceService` (``create_app(service=...)`` serves one built elsewhere, e.g.
 from a model repository, or shared with the gRPC server): the service holds the models, their
 workers and batchers, admission, statistics and metrics; the app's lifespan starts and stops it.
 Handlers await the engine, so the event loop never blocks.
@@ -22,7 +22,10 @@ Endpoints (each ``/v2/models/{name}/...`` path also in the ``/v2/models/{name}/v
 ``POST /v2/repository/index``               the models and their states (body ``{"ready": true}``: ready ones)
 ``POST /v2/repository/models/{name}/load``  load or reload a model (explicit model control)
 ``POST /v2/repository/models/{name}/unload`` unload a model (explicit model control)
-``GET  /metrics``                           Prometheus metrics (:mod:`.metrics`)
+``GET  /metrics``                           Prometheus metrics (`.metrics`)
+``GET|POST /v2/trace/setting``              Triton's trace settings (also per model:
+                                            ``/v2/models/{name}/trace/setting``; `.tracing`)
+``GET  /v2/trace``                          the latest traced requests, one Chrome/Perfetto trace
 ``/v2/systemsharedmemory/...``,             501: shared memory is not supported
 ``/v2/cudasharedmemory/...``
 ==========================================  ====================================================
@@ -48,7 +51,7 @@ Every request is untrusted; every error is ``{"error": "..."}`` and the server s
 
 At shutdown the service drains: new inference requests get 503 and readiness 503, requests in
 progress get up to ``drain_timeout`` seconds to finish, then the workers are disposed
-(:mod:`.admission`).
+(`.admission`).
 """
 from __future__ import annotations
 
@@ -90,11 +93,11 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
     """An ASGI app serving ``models`` (``{name: Model or path}``) over the Open Inference Protocol.
 
     Args:
-        models: served names mapped to loaded models or anything :func:`asyncinfer.load_model`
+        models: served names mapped to loaded models or anything `asyncinfer.load_model`
             takes (a path, bytes, an ``onnx.ModelProto``). Paths are loaded now (under
             ``limits``), so a bad file fails here rather than at the first request.
         backend: the backend every model's worker runs on.
-        batching: merge concurrent requests to one model with a :class:`DynamicBatcher`.
+        batching: merge concurrent requests to one model with a `DynamicBatcher`.
         max_batch_size: most rows per merged run.
         max_delay: seconds a request may wait for batch-mates.
         threads: CPU thread-pool size of each worker (default: the core count).
@@ -105,7 +108,7 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
         max_queue: most inference requests per model in progress at once (received, queued or
             running); one more gets 503 with ``Retry-After`` at once. None: no bound.
         drain_timeout: seconds shutdown waits for requests in progress before cancelling them.
-        service: serve this :class:`InferenceService` instead (then give no ``models``; the
+        service: serve this `InferenceService` instead (then give no ``models``; the
             other options are the service's own).
         manage_service: the app's lifespan starts and stops the service (False: the caller
             does, e.g. to share it with a gRPC server).
@@ -135,6 +138,8 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
         Route("/v2/repository/models/{name}/load", _load, methods=["POST"]),
         Route("/v2/repository/models/{name}/unload", _unload, methods=["POST"]),
         Route("/metrics", _metrics, methods=["GET"]),
+        Route("/v2/trace/setting", _trace_setting, methods=["GET", "POST"]),
+        Route("/v2/trace", _traces, methods=["GET"]),
     ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         routes += [
@@ -142,6 +147,7 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
             Route(prefix + "/ready", _model_ready, methods=["GET"]),
             Route(prefix + "/config", _model_config, methods=["GET"]),
             Route(prefix + "/stats", _statistics, methods=["GET"]),
+            Route(prefix + "/trace/setting", _trace_setting, methods=["GET", "POST"]),
             Route(prefix + "/infer", _infer, methods=["POST"]),
         ]
     for kind in ("systemsharedmemory", "cudasharedmemory"):
@@ -225,6 +231,22 @@ async def _model_config(request: Request) -> Response:
 async def _statistics(request: Request) -> Response:
     name = request.path_params.get("name")
     return _json(_service(request).statistics(name, request.path_params.get("version")))
+
+
+async def _trace_setting(request: Request) -> Response:
+    """Triton's trace settings, the server's or a model's (``null`` resets a model's setting)."""
+    service = _service(request)
+    name = request.path_params.get("name")
+    if name is not None:
+        service.model_metadata(name, request.path_params.get("version"))  # 404 for an unknown model
+    if request.method == "POST":
+        return _json(service.tracer.update(await _json_body(request), name).to_json())
+    return _json(service.tracer.settings(name).to_json())
+
+
+async def _traces(request: Request) -> Response:
+    """The latest traced requests as one Chrome/Perfetto trace (see `.tracing`)."""
+    return _json(_service(request).tracer.traces())
 
 
 async def _metrics(request: Request) -> Response:

@@ -1,6 +1,6 @@
 """``InferenceService``: the models one process serves, independent of any transport.
 
-The HTTP app (:mod:`.server`) and the gRPC server are thin adapters over one service: they decode
+The HTTP app (`.server`) and the gRPC server are thin adapters over one service: they decode
 a request, then ::
 
     async with service.request(name, version) as call:   # 404 unknown, 503 full/not ready/draining
@@ -11,17 +11,17 @@ a request, then ::
             answer = encode(outputs)                      # times compute_output
     # leaving the block records success or failure in statistics and metrics
 
-Every error is a :class:`~.protocol.ProtocolError` with an HTTP status (the gRPC side maps it to
+Every error is a `ProtocolError` with an HTTP status (the gRPC side maps it to
 a status code). The service owns:
 
 - the models: given at construction (``{name: Model or path}``, served as version ``"1"``), or
-  read from a Triton-layout model repository (:mod:`.repository`), with Triton's model control
+  read from a Triton-layout model repository (`.repository`), with Triton's model control
   modes ``none`` (load everything at startup), ``poll`` (also follow changes on disk) and
   ``explicit`` (load and unload through the API);
-- one worker (and :class:`~.batching.DynamicBatcher`) per model version, each hosted by a task of
+- one worker (and `DynamicBatcher`) per model version, each hosted by a task of
   the service's task group, so it is entered and left in one task whoever asks for a load;
-- admission (:mod:`.admission`): a bound per model, a deadline per request, a drain at shutdown;
-- statistics (:mod:`.statistics`) and Prometheus metrics (:mod:`.metrics`), with a sampler of
+- admission (`.admission`): a bound per model, a deadline per request, a drain at shutdown;
+- statistics (`.statistics`) and Prometheus metrics (`.metrics`), with a sampler of
   the event loop's lag running beside the models.
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ from .metrics import ServerMetrics
 from .protocol import ProtocolError
 from .repository import ModelSettings, Repository, RepositoryModel, check_config_against_model, triton_config
 from .served import DEFAULT_VERSION, TIMING, ModelState, ServedModel, rows_of
+from .tracing import Tracer
 from .statistics import BACKEND, CANCELED, OTHER, REJECTED, ModelStatistics, RequestTimes, Statistics
 
 __all__ = ["InferenceService", "Call", "ServedModel", "ModelState", "DEFAULT_VERSION"]
@@ -72,12 +73,12 @@ class Call:
         deadline: absolute ``anyio.current_time()`` deadline (``math.inf``: none).
     """
 
-    def __init__(self, served: ServedModel, admission: Admission):
+    def __init__(self, served: ServedModel, admission: Admission, tracer: Tracer):
         assert served.model is not None
         self.model: Model = served.model
         self.name, self.version = served.name, served.version
         self.deadline = math.inf
-        self._served, self._admission = served, admission
+        self._served, self._admission, self._tracer = served, admission, tracer
         self._times = RequestTimes(total=0)
         self._rows = 0
 
@@ -114,8 +115,12 @@ class Call:
         asked = time.perf_counter_ns()
         try:
             with anyio.move_on_at(self.deadline) as running:  # cancelling the run skips its layers not started
-                if values:
-                    result = await self._served.infer_values(inputs, list(dict.fromkeys(outputs or ())))
+                profile = self._tracer.sample(self.name)  # Triton's trace settings: this one traced?
+                if values or profile is not None:  # alone on the worker, not merged into a batch
+                    names = list(dict.fromkeys(outputs or ())) if values else None
+                    result = await self._served.infer_values(inputs, names, profile=profile)
+                    if profile is not None:
+                        await anyio.to_thread.run_sync(self._tracer.record, self.name, self.version, profile)
                 else:
                     result = await self._served.infer(inputs)
         except ProtocolError:
@@ -192,11 +197,11 @@ class InferenceService:
     """Models served by one process: lifecycle, repository, admission, statistics, metrics.
 
     Args:
-        models: served names mapped to loaded models or anything :func:`asyncinfer.load_model`
+        models: served names mapped to loaded models or anything `asyncinfer.load_model`
             takes (paths are loaded now, under ``limits``, so a bad file fails here). Each is
             served as version ``"1"``. Give ``models`` or ``repository``, not both.
         backend: the backend of every model's worker (a repository model's config may choose).
-        batching: merge concurrent requests to one model with a :class:`DynamicBatcher`.
+        batching: merge concurrent requests to one model with a `DynamicBatcher`.
         max_batch_size: most rows per merged run.
         max_delay: seconds a request may wait for batch-mates.
         threads: CPU thread-pool size of each worker (default: the core count).
@@ -207,10 +212,10 @@ class InferenceService:
         repository: a Triton-layout model repository, ``DIR/<model>/<version>/model.onnx``.
         model_control_mode: ``"none"`` (load every repository model at startup), ``"poll"``
             (and follow the repository's changes every ``repository_poll_secs``), or
-            ``"explicit"`` (load ``load_models`` at startup, the rest through :meth:`load`).
+            ``"explicit"`` (load ``load_models`` at startup, the rest through `load`).
         repository_poll_secs: seconds between two scans of the repository in poll mode.
         load_models: models to load at startup in explicit mode (``"*"``: all of them).
-        strict_readiness: :meth:`ready` only when every model asked for is ready (Triton's
+        strict_readiness: `ready` only when every model asked for is ready (Triton's
             default); False: ready as soon as the service runs.
     """
 
@@ -220,7 +225,7 @@ class InferenceService:
                  max_queue: int | None = 64, drain_timeout: float = 30.0,
                  repository: str | os.PathLike[str] | None = None, model_control_mode: str = "none",
                  repository_poll_secs: float = 15.0, load_models: Sequence[str] = (),
-                 strict_readiness: bool = True):
+                 strict_readiness: bool = True, trace_dir: str | os.PathLike[str] | None = None):
         if not isinstance(limits, Limits):
             raise TypeError(f"limits must be an asyncinfer.Limits, got {type(limits).__name__}")
         if model_control_mode not in CONTROL_MODES:
@@ -249,6 +254,7 @@ class InferenceService:
         self.repository_poll_secs = repository_poll_secs
         self.load_models = list(load_models)
         self.strict_readiness = strict_readiness
+        self.tracer = Tracer(trace_dir)  # Triton's trace settings; traced requests' profiles
         self._slots: dict[str, _Slot] = {}
         self.models: Mapping[str, ServedModel] = _LiveModels(self._slots)
         for name, source in (models or {}).items():
@@ -556,7 +562,7 @@ class InferenceService:
 
     # -- statistics -----------------------------------------------------------------------------
     def statistics_for(self, name: str | None = None, version: str | None = None) -> list[ModelStatistics]:
-        """The statistics objects :meth:`statistics` reports: every version the service holds
+        """The statistics objects `statistics` reports: every version the service holds
         (of ``name``; or ``version`` alone). ProtocolError 404 for an unknown model or version."""
         if name is None:
             names = sorted(self._slots)
@@ -601,7 +607,7 @@ class InferenceService:
             served.stats.record_failure(time.perf_counter_ns() - began, REJECTED)
             raise unavailable(f"model {name!r} version {served.version} is not ready "
                               f"({served.state.value}{': ' + served.reason if served.reason else ''})")
-        call = Call(served, self.admission)
+        call = Call(served, self.admission, self.tracer)
         served.hold()
         admitted = False
         try:

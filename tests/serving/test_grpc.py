@@ -629,8 +629,15 @@ async def test_shared_memory_is_unsupported_and_settings_are_read_only(digits_mo
             assert "shared memory is not supported" in error.message(), fn.__name__
         trace = await _call(client.get_trace_settings)
         assert list(trace.settings["trace_level"].value) == ["OFF"]
-        error = await _error(client.update_trace_settings, settings={"trace_level": ["TIMESTAMPS"]})
-        assert error.status() == "StatusCode.UNIMPLEMENTED"
+        trace = await _call(client.update_trace_settings, model_name="digits",
+                            settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"})
+        assert list(trace.settings["trace_level"].value) == ["TIMESTAMPS"]
+        assert list(trace.settings["trace_rate"].value) == ["1"]
+        assert list((await _call(client.get_trace_settings)).settings["trace_level"].value) == ["OFF"]  # server's
+        error = await _error(client.update_trace_settings, settings={"trace_level": ["TENSORS"]})
+        assert error.status() == "StatusCode.INVALID_ARGUMENT" and "not supported" in error.message()
+        error = await _error(client.update_trace_settings, settings={"trace_file": ["/etc/passwd"]})
+        assert error.status() == "StatusCode.INVALID_ARGUMENT"
         log = await _call(client.get_log_settings)
         assert log.settings["log_error"].bool_param
         error = await _error(client.update_log_settings, settings={"log_info": True})

@@ -1,8 +1,8 @@
 """The KServe v2 gRPC endpoint (``inference.GRPCInferenceService``), as Triton's clients call it.
 
-``await start_grpc_server(service, host, port)`` serves an :class:`InferenceService` over gRPC
+``await start_grpc_server(service, host, port)`` serves an `InferenceService` over gRPC
 (grpc.aio) in the running event loop, beside the HTTP app serving the same service. Every RPC is a
-thin adapter: the request is decoded (:mod:`.convert`), the service answers, the answer is
+thin adapter: the request is decoded (`.convert`), the service answers, the answer is
 encoded. Errors are the service's ``ProtocolError``, mapped from their HTTP status:
 
 =========  ==============================  =========  ==============================
@@ -21,8 +21,8 @@ in order, running up to ``STREAM_IN_FLIGHT`` of them at once; a failed request g
 with ``error_message`` and the stream goes on. A client that cancels an RPC (or closes its
 stream) cancels the runs it started. Inference messages are parsed, decoded, encoded and
 serialised on a worker thread when they exceed ``OFFLOAD_BYTES``, so the event loop (shared
-with the HTTP server) stays responsive. Shared-memory RPCs answer UNIMPLEMENTED; trace and log
-settings can be read, not changed.
+with the HTTP server) stays responsive. Shared-memory RPCs answer UNIMPLEMENTED; trace settings are the
+service's (:mod:`..tracing`); log settings can be read, not changed.
 """
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def _wire_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    """Each RPC of ``inference.GRPCInferenceService`` over one :class:`InferenceService`."""
+    """Each RPC of ``inference.GRPCInferenceService`` over one `InferenceService`."""
 
     def __init__(self, service: InferenceService):
         self.service = service
@@ -284,13 +284,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def TraceSetting(self, request: pb.TraceSettingRequest,
                            context: grpc.aio.ServicerContext) -> pb.TraceSettingResponse:
-        if request.settings:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                                "trace settings cannot be changed over gRPC: asyncinfer does not trace requests "
-                                "through this API")
-        response = pb.TraceSettingResponse()
-        response.settings["trace_level"].value.append("OFF")
-        return response
+        def answer() -> pb.TraceSettingResponse:
+            tracer, name = self.service.tracer, request.model_name or None
+            if name is not None:
+                self.service.model_metadata(name)  # NOT_FOUND for an unknown model
+            if request.settings:  # an empty value clears a model's setting (Triton's null)
+                settings = tracer.update({k: list(v.value) or None for k, v in request.settings.items()}, name)
+            else:
+                settings = tracer.settings(name)
+            response = pb.TraceSettingResponse()
+            for key, value in settings.to_json().items():
+                response.settings[key].value.extend(value if isinstance(value, list) else [value])
+            return response
+
+        return await _answer(context, answer)
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
         if request.settings:
