@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from . import (  # noqa: F401  (imported for their @register side effects)
     attention,
+    contrib,
     controlflow,
     conv,
     elementwise,

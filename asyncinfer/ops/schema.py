@@ -33,13 +33,26 @@ def schema_version(op_type: str, opset: int, domain: str = "") -> int | None:
     return None if schema is None else schema.since_version
 
 
+#: Attribute defaults of ops whose schemas onnx does not ship (the ``com.microsoft`` domain,
+#: from ONNX Runtime's operator documentation), by (domain, op_type): stated once, here, by the
+#: module implementing the op (`declare_defaults`), never in its kernels.
+_DECLARED_DEFAULTS: dict[tuple[str, str], Mapping[str, Any]] = {}
+
+
+def declare_defaults(domain: str, op_type: str, defaults: Mapping[str, Any]) -> None:
+    """Declare the attribute defaults of an op onnx has no schema for (a contrib domain's)."""
+    _DECLARED_DEFAULTS[(normalise_domain(domain), op_type)] = MappingProxyType(dict(defaults))
+    attribute_defaults.cache_clear()
+
+
 @lru_cache(maxsize=None)
 def attribute_defaults(op_type: str, opset: int, domain: str = "") -> Mapping[str, Any]:
     """The attributes with a default value in the schema ONNX uses for ``op_type`` at ``opset``
-    (empty for ops onnx does not know). Read-only: shared by every layer of that op."""
+    (for ops onnx does not know: those declared with `declare_defaults`, else none). Read-only:
+    shared by every layer of that op."""
     schema = _schema(op_type, opset, normalise_domain(domain))
     if schema is None:
-        return MappingProxyType({})
+        return _DECLARED_DEFAULTS.get((normalise_domain(domain), op_type), MappingProxyType({}))
     defaults = {}
     for name, attribute in schema.attributes.items():
         proto = attribute.default_value

@@ -1,0 +1,24 @@
+"""The ``com.microsoft`` domain: the ops ONNX Runtime's own tools write into models.
+
+ORT's transformer optimizer fuses attention, layer norms and GELU into ``com.microsoft`` ops;
+``onnxruntime.quantization`` writes the QOperator ops (QLinearAdd, QGemm…) and weight-only
+``MatMulNBits``. Their semantics are ORT's operator documentation (ContribOperators.md); where
+ORT and that text disagree the kernel follows ORT and its docstring says so. Each op is a class
+registered in the one kernel table under ``com.microsoft``, with the attribute defaults declared
+once per op (`asyncinfer.ops.schema.declare_defaults`), since onnx ships no schemas for them.
+
+- :mod:`.transformer`: the transformer-optimizer fusions;
+- :mod:`.quantized`: the QOperator ops and the quantized matmuls.
+"""
+from __future__ import annotations
+
+import importlib
+
+MS_DOMAIN = "com.microsoft"
+
+for _module in ("transformer", "quantized"):  # each registers its ops when imported
+    try:
+        importlib.import_module(f"{__name__}.{_module}")
+    except ModuleNotFoundError as exc:  # while a family is being written, the other still loads
+        if exc.name != f"{__name__}.{_module}":
+            raise
