@@ -1,6 +1,6 @@
 """The asyncinfer exception hierarchy.
 
-Every error the engine raises on purpose is an :class:`AsyncInferError`, and its message names the
+Every error the engine raises on purpose is an `AsyncInferError`, and its message names the
 part of the model at fault (the file, the layer, the op, the input).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ class ModelLoadError(AsyncInferError):
 
 
 class LimitExceededError(AsyncInferError):
-    """An untrusted model, input or request exceeds one of :class:`asyncinfer.Limits`.
+    """An untrusted model, input or request exceeds one of [`asyncinfer.Limits`][asyncinfer.Limits].
 
     ``limit`` is the name of the ``Limits`` field, ``value`` what was found, ``bound`` the limit.
     """

@@ -3,7 +3,7 @@
 A model file, an input and a request are untrusted. Each limit below is checked before the work it
 guards is done (a file's size before it is read, a tensor's declared bytes before they are
 allocated, a request body's length before it is parsed), and an exceeded limit raises a
-:class:`LimitExceededError` naming the limit, the value and the bound: ``ModelTooLargeError`` at
+`LimitExceededError` naming the limit, the value and the bound: ``ModelTooLargeError`` at
 load (also a ``ModelLoadError``), ``RequestTooLargeError`` for inputs and requests (also an
 ``InputError``). ``docs/security.md`` describes the threat model these limits serve.
 

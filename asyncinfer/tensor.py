@@ -1,8 +1,8 @@
 """Tensors: values that may still be pending in a task graph, and their readback.
 
-A :class:`Tensor` returned by a worker wraps the future of the layer that produces it. Reading it
+A `Tensor` returned by a worker wraps the future of the layer that produces it. Reading it
 (`readback_and_clone`, `download_to_array`, `numpy()`) waits for that layer; the async and polling
-forms never block. :class:`TensorData` is the storage on a backend: NumPy arrays on the CPU;
+forms never block. `TensorData` is the storage on a backend: NumPy arrays on the CPU;
 device backends subclass it for their device tensors, and a tensor computed on a device is
 read back by an asynchronous download that completes from a device fence or event.
 """
@@ -131,7 +131,8 @@ class Tensor:
 
     @property
     def state(self) -> TensorState:
-        """Pending while its layer computes; then ready or failed; disposed after :meth:`dispose`."""
+        """Pending while its layer computes; then ready or failed; disposed after
+        [`dispose`][asyncinfer.Tensor.dispose]."""
         if self._disposed:
             return TensorState.DISPOSED
         if not self._future.done():
@@ -281,7 +282,8 @@ class Tensor:
 
     @property
     def disposed(self) -> bool:
-        """True after :meth:`dispose`; any further use raises DisposedError."""
+        """True after [`dispose`][asyncinfer.Tensor.dispose]; any further use raises
+        [`DisposedError`][asyncinfer.DisposedError]."""
         return self._disposed
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 names, the code on the pages runs, and the figure script works without benchmark results at hand."""
 from __future__ import annotations
 
+import html as htmllib
 import json
 import os
 import re
@@ -30,6 +31,12 @@ API_NAMES = [
     "BackendUnavailableError", "DisposedError", "Limits", "LimitExceededError", "ModelTooLargeError",
     "RequestTooLargeError", "Profile", "StepRecord", "RunRecord", "OpTotal", "write_trace", "warmup",
 ]
+
+# A Sphinx role (``:meth:`Worker.run```): mkdocstrings shows it raw. Docstrings link with
+# ``[`Worker.run`][asyncinfer.Worker.run]`` (autorefs) or use plain backticks.
+ROLES = r":(?:py:)?(?:meth|class|func|mod|attr|data|exc|obj|const):"
+RAW_ROLE = re.compile(ROLES + "`")
+RAW_ROLE_RENDERED = re.compile(ROLES + r"\S")  # on the page the backticks have become <code>
 
 
 def python_blocks(page: str) -> list[str]:
@@ -65,6 +72,26 @@ def test_api_page_documents_the_public_names(site):
     missing = [name for name in API_NAMES if name not in html]
     assert not missing, f"API page lacks {missing}"
     assert 'id="asyncinfer.Tensor.readback_and_clone_async"' in html
+
+
+def test_api_page_shows_no_raw_roles_or_unresolved_links(site):
+    """Cross-references render as links: no Sphinx role and no ``[text][asyncinfer.x]`` left as text."""
+    page = (site / "api" / "index.html").read_text(encoding="utf-8")
+    text = htmllib.unescape(re.sub(r"<[^>]+>", "", page))
+    roles = sorted({match.group(0) for match in RAW_ROLE_RENDERED.finditer(text)})
+    assert not roles, f"the API page shows raw roles {roles}"
+    unresolved = re.findall(r"\]\[asyncinfer\.[\w.]*\]", text)
+    assert not unresolved, f"cross-references left unresolved: {unresolved[:5]}"
+    # The docstrings' links resolved to anchors on the page (Worker.run_blocking links Worker.run).
+    for target in ("Worker.run", "Worker.dispose_async", "Limits", "load_model"):
+        assert re.search(rf'<a class="autorefs[^"]*"[^>]*href="#asyncinfer\.{re.escape(target)}"', page), target
+
+
+def test_source_docstrings_use_no_sphinx_roles():
+    """One docstring style in the package, rendered or not (roles show raw in mkdocstrings)."""
+    found = [f"{path.relative_to(REPO)}:{n}" for path in sorted((REPO / "asyncinfer").rglob("*.py"))
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if RAW_ROLE.search(line)]
+    assert not found, f"Sphinx roles in {found[:10]}"
 
 
 def test_site_fetches_nothing_from_the_network(site):

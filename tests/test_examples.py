@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import socket
 import subprocess
 import sys
@@ -202,6 +203,18 @@ def test_notebook_runs_in_a_kernel(kernel_name):
     assert float(accuracy_lines[0].split()[1]) > 0.9  # the embedded model is ~98% accurate
     assert "callback: success = True" in text
     assert "disposed" in text
+
+    # The latency, profile and intermediate-output cells each draw a figure, shown inline as a PNG.
+    plot_cells = [cell for cell in nb.cells if cell.cell_type == "code" and "plt.show()" in cell.source]
+    assert len(plot_cells) >= 3, "the notebook lost its plots"
+    for cell in plot_cells:
+        images = [out for out in cell.outputs
+                  if out.output_type == "display_data" and "image/png" in out.get("data", {})]
+        assert images, f"no image/png output from the cell starting {cell.source.splitlines()[0]!r}"
+        assert all(len(out.data["image/png"]) > 1000 for out in images)  # base64 of a real figure
+    assert re.search(r"^100 runs: p50 \d+\.\d+ ms, p99 \d+\.\d+ ms$", text, flags=re.M), text
+    assert "op type" in text and "Conv+Relu" in text                       # the profile's summary
+    assert "relu1: (4, 16, 8, 8)" in text and "pool: (4, 32, 4, 4)" in text  # intermediate outputs
 
 
 # -- trio ------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Backends and the factory that builds one from a :class:`BackendType`."""
+"""Backends and the factory that builds one from a `BackendType`."""
 from __future__ import annotations
 
 import enum

@@ -1,17 +1,17 @@
 """What a backend provides to the runtime, the step it is handed, and the one kernel table.
 
 A backend sees only what is defined here (and the layers below: the IR, the ops, tensors): it
-never sees the runtime's objects. The runtime hands it a :class:`Step` whose inputs are ready,
-the input values, and a :class:`StepDone` to report back through::
+never sees the runtime's objects. The runtime hands it a `Step` whose inputs are ready,
+the input values, and a `StepDone` to report back through::
 
     backend.dispatch(step, args, done)   # must not block
     # ... later, on any thread:
     if done.begin():                      # False: the run was cancelled (the step is failed already)
         done(outputs)                     # or done.fail(error)
 
-:func:`run_kernel` is that sequence for a kernel that computes synchronously; every backend uses it.
+`run_kernel` is that sequence for a kernel that computes synchronously; every backend uses it.
 
-**The kernel table.** :data:`KERNELS` maps ``(backend, domain, op_type, since_version)`` to a
+**The kernel table.** `KERNELS` maps ``(backend, domain, op_type, since_version)`` to a
 kernel class. The CPU's column is the operator registry itself (``asyncinfer.ops``: every op's
 reference kernel); a device backend registers only the ops it overrides, and a layer it has no
 kernel for falls back to the CPU. Lookups happen once per layer, when the worker's plan is built.
@@ -52,7 +52,7 @@ class Step:
     """One unit of work as a backend sees it.
 
     ``op`` is the layer's reference op (its attributes parsed once; None for transfers) and
-    ``kernel`` what the backend's :meth:`Backend.prepare` chose for the layer (on the CPU, the op
+    ``kernel`` what the backend's `Backend.prepare` chose for the layer (on the CPU, the op
     itself). ``activations`` are the activations the optimizer fused into the layer, each with its
     constant extra inputs. ``n_outputs`` counts the outputs the model uses.
     """
@@ -88,7 +88,7 @@ class StepDone(Protocol):
 
 class Job(Protocol):
     """Work the runtime hands a backend as one unit: a *segment* of consecutive steps, each run
-    with :meth:`Backend.run_now` on the thread that runs the job."""
+    with `Backend.run_now` on the thread that runs the job."""
 
     def run(self) -> None:
         """Run the job (on one of the backend's threads). Never raises."""
@@ -101,10 +101,10 @@ class Backend(ABC):
     """Runs steps whose inputs are ready. One backend instance belongs to one worker."""
 
     name: str = ""
-    #: Where this backend's values live: :data:`HOST` (NumPy arrays) or a device name.
+    #: Where this backend's values live: `HOST` (NumPy arrays) or a device name.
     device: str = HOST
-    #: True for backends that run a :class:`Job` of consecutive steps on one of their threads
-    #: (:meth:`submit_job` and :meth:`run_now`); the runtime then schedules paths of light layers
+    #: True for backends that run a `Job` of consecutive steps on one of their threads
+    #: (`submit_job` and `run_now`); the runtime then schedules paths of light layers
     #: as one job, instead of one dispatch per layer.
     runs_jobs: bool = False
 
@@ -120,7 +120,7 @@ class Backend(ABC):
         ``done``. Must not block."""
 
     def submit_job(self, job: Job) -> None:
-        """Run ``job`` on one of this backend's threads soon (only if :attr:`runs_jobs`). Must not block."""
+        """Run ``job`` on one of this backend's threads soon (only if `runs_jobs`). Must not block."""
         raise NotImplementedError(f"the {self.name} backend does not run jobs")
 
     def run_now(self, step: Step, args: list, done: StepDone) -> None:
@@ -134,7 +134,7 @@ class Backend(ABC):
 
 def run_kernel(step: Step, args: list, done: StepDone, compute: Callable[[Step, list], list]) -> None:
     """Run ``compute(step, args)`` and report it: its outputs, or its failure as an
-    :class:`ExecutionError` naming the layer. Skipped when the run was cancelled. Never raises."""
+    `ExecutionError` naming the layer. Skipped when the run was cancelled. Never raises."""
     if not done.begin():
         return
     try:

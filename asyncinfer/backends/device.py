@@ -1,16 +1,16 @@
 """The base of every device backend (``gpu_pixel``, ``gpu_compute``): what they share, written once.
 
 A device backend keeps its values in device memory and owns one
-:class:`~asyncinfer.concurrency.device_thread.DeviceThread` (the GL thread, the CUDA dispatcher):
+`DeviceThread` (the GL thread, the CUDA dispatcher):
 every device call runs there, in order. Dispatching a step only queues it on that thread; there
 the step is begun, run (a layer's kernel, an upload, or a download), and ended. A layer's step
 ends as soon as its work is *issued*: the device runs one queue's work in order, so later work
 reading its output is correct without waiting. Only a download waits for the device, and it
 completes from a fence or an event that the device thread polls: nothing ever blocks.
 
-A subclass supplies its device thread (``self.thread``), :meth:`prepare` (its kernel table
-lookup), :meth:`run_layer`, :meth:`upload`, :meth:`start_download`, and optionally
-:meth:`check_errors` and :meth:`prepare_constant`.
+A subclass supplies its device thread (``self.thread``), `prepare` (its kernel table
+lookup), `run_layer`, `upload`, `start_download`, and optionally
+`check_errors` and `prepare_constant`.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Cancelling a run skips the layers that have not started; a started kernel normally runs to its
 end. Kernels that may run for long on one call (the bodies of Loop, Scan, SequenceMap) check
 between iterations instead: the thread that starts such a kernel installs its run's check with
-:func:`cancel_scope`, and the kernel calls :func:`cancel_requested` where it may stop early.
+`cancel_scope`, and the kernel calls `cancel_requested` where it may stop early.
 The check is thread-local, so concurrent runs on one pool never see each other's cancellation.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ _current = threading.local()
 
 @contextmanager
 def cancel_scope(is_cancelled: Callable[[], bool]) -> Iterator[None]:
-    """Within the block, :func:`cancel_requested` on this thread asks ``is_cancelled``."""
+    """Within the block, `cancel_requested` on this thread asks ``is_cancelled``."""
     outer = getattr(_current, "check", None)
     _current.check = is_cancelled
     try:

@@ -30,9 +30,9 @@ Job = Callable[[], None]
 class DeviceThread:
     """Runs jobs in order on one thread that owns a device; polls watched completions between them.
 
-    Subclasses acquire the device in :meth:`start_device` and release it in :meth:`stop_device`,
+    Subclasses acquire the device in `start_device` and release it in `stop_device`,
     both on the thread. A failure to start is re-raised by the constructor, through
-    :meth:`start_failed`.
+    `start_failed`.
     """
 
     #: Poll back-off while completions are pending: start short (a copy usually lands within
@@ -68,7 +68,7 @@ class DeviceThread:
         """(device thread) Housekeeping before each round of completion checks."""
 
     def start_failed(self, error: BaseException) -> BaseException:
-        """The error the constructor raises when :meth:`start_device` failed."""
+        """The error the constructor raises when `start_device` failed."""
         return error
 
     # -- from any thread -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A small thread-safe future: the unit of the task graph.
 
-Every scheduled layer gets one :class:`TaskFuture`; its value is the list of the layer's output
+Every scheduled layer gets one `TaskFuture`; its value is the list of the layer's output
 arrays. It is lighter than ``concurrent.futures.Future`` (no condition variable unless somebody
 blocks on it) because a model schedules hundreds of them per run, and its callbacks run on the
 thread that completes it, which is what lets the CPU backend chain layers without a thread ever

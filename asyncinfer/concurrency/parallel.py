@@ -1,13 +1,13 @@
 """Intra-op parallelism: a kernel splits a large piece of work across its pool's idle threads.
 
 Inside asyncinfer, BLAS runs one thread per call (``backends/cpu/blas.py`` says why). A kernel
-with enough work, a large GEMM, cuts it into parts instead, with :func:`run_parts`: the pool's
+with enough work, a large GEMM, cuts it into parts instead, with `run_parts`: the pool's
 threads and the calling thread take parts in turn until none is left. The caller waits only for
 parts another thread has already started, never for a queued helper, so a busy pool cannot
 deadlock it: at worst the caller runs every part itself, as if nothing were split.
 
 The pool a thread may split into is thread-local: the CPU backend binds its pool on each of its
-threads (:func:`bind_pool`). Elsewhere (a device thread, the caller's thread) nothing is split.
+threads (`bind_pool`). Elsewhere (a device thread, the caller's thread) nothing is split.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""From an ONNX file to a runnable :class:`~asyncinfer.model.ir.Model`: import, validate, optimize.
+"""From an ONNX file to a runnable `Model`: import, validate, optimize.
 
 It sits above both ``model/`` (the IR and the ONNX import) and ``ops/`` (op semantics, which the
 optimizer consults to fold constants and fuse activations), so neither of those imports it.

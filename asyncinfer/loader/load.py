@@ -25,7 +25,7 @@ def load_model(source: ModelSource, *, optimize: bool = True, limits: Limits = D
             GEMM-like layers computed in float32 (rounded once at their outputs). The CPU-bound
             analysis runs either way. Turning the optimiser off never changes results beyond
             float rounding.
-        limits: the bounds an untrusted model must keep (:class:`asyncinfer.Limits`); the model
+        limits: the bounds an untrusted model must keep ([`asyncinfer.Limits`][asyncinfer.Limits]); the model
             keeps them, and workers built on it apply their run limits.
         max_tensor_bytes: deprecated, use ``limits=ai.Limits(max_tensor_bytes=...)``.
 

@@ -140,7 +140,7 @@ def _nbytes(value) -> int:
 
 
 # -- output size prediction ----------------------------------------------------------------------
-# Ops whose output size depends on input values in ways :func:`_predicted_elements` does not model:
+# Ops whose output size depends on input values in ways `_predicted_elements` does not model:
 # folded only when shape inference knows their output shape.
 NEEDS_PREDICTION = {"Einsum", "AffineGrid", "Col2Im", "DFT", "STFT", "ConvTranspose", "MelWeightMatrix",
                     "CenterCropPad", "MaxUnpool", "Upsample", "Resize"}

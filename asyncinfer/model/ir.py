@@ -64,7 +64,7 @@ class Layer:
 
 @dataclass
 class Model:
-    """An ONNX model imported into the asyncinfer IR. Build one with :func:`asyncinfer.load_model`."""
+    """An ONNX model imported into the asyncinfer IR. Build one with [`load_model`][asyncinfer.load_model]."""
 
     inputs: list[TensorInfo]
     outputs: list[TensorInfo]

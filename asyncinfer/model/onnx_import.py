@@ -1,8 +1,8 @@
 """ONNX → IR import: parsing, validation, external data, symbolic shapes, op support check.
 
-A model file is untrusted: every step here ends in the IR or in a :class:`ModelLoadError` (or its
-:class:`ModelTooLargeError` subclass) naming the file and the part at fault. The bounds of
-:class:`~asyncinfer.limits.Limits` are checked before the work they guard: the file's size before
+A model file is untrusted: every step here ends in the IR or in a `ModelLoadError` (or its
+`ModelTooLargeError` subclass) naming the file and the part at fault. The bounds of
+`Limits` are checked before the work they guard: the file's size before
 it is read, the node count, nesting depth, ranks and declared tensor sizes of the whole graph
 (subgraphs included, walked without recursion) before any tensor is decoded.
 """

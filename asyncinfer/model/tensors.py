@@ -3,7 +3,7 @@
 A tensor's element type, dims and data must agree (the bytes of ``raw_data``, or the entries of
 the typed field, are exactly what the dims declare) and its decoded size must stay under the
 caller's bound; then the array is decoded in native byte order (ONNX stores data little-endian on
-every host). Anything else is a :class:`ModelLoadError` naming the tensor.
+every host). Anything else is a `ModelLoadError` naming the tensor.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The base class of every operator kernel.
 
 An op class is built once per layer, when a worker is created (so attribute problems surface
-before anything runs), and its :meth:`Op.run` is then called for every execution, possibly from
+before anything runs), and its `Op.run` is then called for every execution, possibly from
 several threads at once: ``run`` must not mutate ``self`` nor its inputs.
 
 Kernels run with NumPy's floating-point warnings off: ONNX expects inf and NaN silently where IEEE
@@ -28,8 +28,8 @@ _REQUIRED = object()
 class Op:
     """A CPU (NumPy) kernel for one ONNX operator.
 
-    Subclasses override :meth:`run` and, when some attribute values are not implemented,
-    :meth:`check` (calling :meth:`unsupported`). Class attributes describe the op to the optimizer:
+    Subclasses override `run` and, when some attribute values are not implemented,
+    `check` (calling `unsupported`). Class attributes describe the op to the optimizer:
 
     - ``value_inputs``: input indices whose *values* are needed to know output shapes (the
       ``shape`` of Reshape, ``axes`` of reductions…): the optimizer keeps their producers on the CPU.
@@ -87,14 +87,14 @@ class Op:
 
     # -- to override ----------------------------------------------------------------------------
     def check(self) -> None:
-        """Validate attributes at worker creation; call :meth:`unsupported` to refuse."""
+        """Validate attributes at worker creation; call `unsupported` to refuse."""
 
     def run(self, *inputs: np.ndarray | None) -> np.ndarray | tuple[np.ndarray | None, ...]:
         """Compute the outputs from the inputs (``None`` for an omitted optional input)."""
         raise NotImplementedError
 
     def run_inplace(self, x: np.ndarray, *inputs: np.ndarray | None) -> np.ndarray:
-        """Like :meth:`run` for a single-output op, but free to overwrite ``x`` (a fresh buffer
+        """Like `run` for a single-output op, but free to overwrite ``x`` (a fresh buffer
         nobody else reads). Fused activations use it to skip an allocation and a memory pass."""
         return self(x, *inputs)[0]  # type: ignore[return-value]
 

@@ -1,7 +1,7 @@
 """Control flow: If, Loop, Scan and SequenceMap, built on a small subgraph evaluator.
 
-Each graph attribute is imported once, when the worker is created, into a :class:`Subgraph`:
-its layers in topological order, each with a kernel made by :func:`registry.create` (so an
+Each graph attribute is imported once, when the worker is created, into a `Subgraph`:
+its layers in topological order, each with a kernel made by `registry.create` (so an
 unsupported op inside a body is refused at load, and nested If/Loop kernels build their own
 subgraphs recursively). Running a subgraph is a sequential walk over a dict of values local to
 the call, so one kernel may run from several threads at once.

@@ -4,9 +4,9 @@ Convolutions are lowered to GEMMs so that the heavy lifting happens in BLAS (whi
 GIL): a 1x1 stride-1 unpadded conv is a GEMM on the ``(C, H*W)`` view of the input; any other conv
 builds its im2col matrix with a single strided copy of the padded input and runs one (batched)
 matmul over all groups. Depthwise convs (one input channel per group) are no GEMM: 2-D ones run
-as a channels-last einsum over the kernel taps (:mod:`.conv_kernels`, where the dispatch rule is
+as a channels-last einsum over the kernel taps (`.conv_kernels`, where the dispatch rule is
 measured and documented), the rest as per-channel im2col + a stack of tiny GEMMs.
-im2col is built from :class:`FlatWindows` — long contiguous runs rather than many short rows,
+im2col is built from `FlatWindows` — long contiguous runs rather than many short rows,
 since NumPy's per-row overhead would otherwise dominate on small feature maps.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def window_geometry(in_shape: Sequence[int], kernel: Sequence[int], strides: Seq
     """Begin pads, end pads and output size of a sliding window over the spatial dims ``in_shape``.
 
     The pads are the explicit (or auto_pad-derived) ones; with ceil_mode the last window may reach
-    past them, which :class:`FlatWindows` accounts for by padding further with the fill value.
+    past them, which `FlatWindows` accounts for by padding further with the fill value.
     """
     n = len(in_shape)
     begin, end, out = [0] * n, [0] * n, [0] * n
@@ -132,7 +132,7 @@ def kernel_taps(kernel: Sequence[int]) -> list[tuple[int, ...]]:
 
 def flat_windows(in_shape: Sequence[int], kernel: Sequence[int], strides: Sequence[int], dilations: Sequence[int],
                  begin: Sequence[int], end: Sequence[int], out: Sequence[int]) -> "FlatWindows":
-    """A (cached, immutable, shareable between threads) :class:`FlatWindows` for this geometry."""
+    """A (cached, immutable, shareable between threads) `FlatWindows` for this geometry."""
     return _flat_windows_cached(*(tuple(int(v) for v in a) for a in (in_shape, kernel, strides, dilations,
                                                                        begin, end, out)))
 
@@ -148,7 +148,7 @@ class FlatWindows:
     NumPy is slow on many short rows, and a 2-D window slice of a small feature map is just that.
     Flattening the padded spatial dims makes "the element under tap t for every output position"
     a single contiguous run ``flat[..., off_t : off_t + L]`` over a *virtual* output grid that
-    keeps the padded row width (the extra columns are garbage, dropped by :meth:`crop`). Strides
+    keeps the padded row width (the extra columns are garbage, dropped by `crop`). Strides
     > 1 are handled by first splitting the padded input into its ``prod(strides)`` phases
     (polyphase), so that every tap reads one phase with unit stride.
     """
@@ -324,7 +324,7 @@ def _exact_im2col_pays(win: FlatWindows, p: int, strides: Sequence[int]) -> bool
 def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], begin: Sequence[int],
                    end: Sequence[int], out: Sequence[int], ones_row: bool = False) -> np.ndarray:
     """im2col ``(N, C·taps [+1], P)`` over exactly the P output positions (undilated kernels), in
-    scratch; ``ones_row`` appends a row of ones, the bias's partner in :func:`_with_bias`."""
+    scratch; ``ones_row`` appends a row of ones, the bias's partner in `_with_bias`."""
     n, c = x.shape[:2]
     rows, p = c * math.prod(kernel), math.prod(out)
     xp = pad_spatial(x, begin, end)

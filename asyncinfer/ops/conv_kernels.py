@@ -1,18 +1,18 @@
-"""Depthwise convolution kernels (``group == C``) for :mod:`asyncinfer.ops.conv`.
+"""Depthwise convolution kernels (``group == C``) for `asyncinfer.ops.conv`.
 
 A depthwise conv does a handful of multiply-adds per output and mixes no channels, so it is no
 GEMM: lowered to per-channel im2col + GEMV it streams ``taps`` copies of the input through memory,
 and one BLAS call per channel costs more than the arithmetic on small maps. Here the channels go
 last (NHWC) and ``np.einsum`` sums over the taps of a strided window view: one NumPy call, no
 im2col, and its inner loop is a SIMD multiply-add over a contiguous run of channels (at unit width
-stride, over a run of ``Wb`` neighbouring output pixels × C channels). See :func:`depthwise_nhwc`.
+stride, over a run of ``Wb`` neighbouring output pixels × C channels). See `depthwise_nhwc`.
 
 Measured with bench/conv_shapes.py (kernel alone, one thread, against the NCHW im2col + GEMV
 kernel it replaces): 2-3.5× faster on the MobileNetV3 / EfficientNet / ConvNeXt depthwise layers
 with 64 channels or more, and on every unit-stride one; with fewer channels and a stride (the
 16-channel 3×3/s2 at 112×112) the inner loop is too short and the NCHW kernel stays (1.8× faster
 there). Large kernels (batches, big maps) share their images or output rows out between threads
-(:func:`run_tasks`, from :data:`PARALLEL_MIN_MACS` multiply-adds on); ``np.einsum`` and BLAS release
+(`run_tasks`, from `PARALLEL_MIN_MACS` multiply-adds on); ``np.einsum`` and BLAS release
 the GIL.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def scratch(shape: tuple[int, ...], dtype: np.dtype, slot: str = "buf") -> np.nd
 
 def threads_for(macs: int) -> int:
     """Parts to split a depthwise kernel of ``macs`` multiply-adds into: as many as the CPU pool
-    running it offers (see ``concurrency/parallel.py``) from :data:`PARALLEL_MIN_MACS` on, else one."""
+    running it offers (see ``concurrency/parallel.py``) from `PARALLEL_MIN_MACS` on, else one."""
     return parallel.parts_available() if macs >= PARALLEL_MIN_MACS else 1
 
 
@@ -81,7 +81,7 @@ def run_tasks(tasks: Sequence[Callable[[], None]], threads: int) -> None:
 
 
 def use_nhwc(channels: int, width_stride: int) -> bool:
-    """Whether :func:`depthwise_nhwc` beats the NCHW flat-window kernel (measured, see module doc)."""
+    """Whether `depthwise_nhwc` beats the NCHW flat-window kernel (measured, see module doc)."""
     return channels >= NHWC_MIN_CHANNELS or width_stride == 1
 
 
@@ -170,7 +170,7 @@ def _window_sum(xp: np.ndarray, taps: np.ndarray, strides: Sequence[int], dilati
 
 
 def row_block(channels: int, width: int) -> int:
-    """Output pixels per inner loop at unit width stride (see :data:`ROW_BLOCK_VALUES`)."""
+    """Output pixels per inner loop at unit width stride (see `ROW_BLOCK_VALUES`)."""
     return max(d for d in range(1, width + 1) if width % d == 0 and d * channels <= max(ROW_BLOCK_VALUES, channels))
 
 

@@ -1,8 +1,8 @@
 """Element-wise kernels: IsInf, Where, Clip, Identity, Cast, and the numerics element-wise ops share.
 
 The unary, binary and variadic element-wise ops (math, activations, arithmetic, comparisons,
-logic, bitwise, Sum/Mean/Max/Min) are generated from the tables of :mod:`.pointwise`; this module
-holds what they share: :func:`compute_dtype`, :func:`float_kernel`, :func:`erf`. Every kernel
+logic, bitwise, Sum/Mean/Max/Min) are generated from the tables of `.pointwise`; this module
+holds what they share: `compute_dtype`, `float_kernel`, `erf`. Every kernel
 returns the dtype ONNX specifies: results are cast back wherever NumPy would promote, and narrow
 floats (float16, bfloat16…) are evaluated in float32, which NumPy computes faster and more accurately.
 """
@@ -101,7 +101,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 def erf(x: np.ndarray) -> np.ndarray:
     """Element-wise error function: float32 (and narrower floats, which come as float32) in
-    float32 by :func:`erf_float32`; float64 exactly with SciPy, else to 1.5e-7 absolute."""
+    float32 by `erf_float32`; float64 exactly with SciPy, else to 1.5e-7 absolute."""
     if x.dtype == np.float32:
         return erf_float32(x)
     return _scipy_erf(x) if _scipy_erf is not None else _erf_float64(x)

@@ -4,7 +4,7 @@ LabelEncoder, Binarizer, ArrayFeatureExtractor, Normalizer, Scaler, OneHotEncode
 FeatureVectorizer, LinearRegressor, LinearClassifier, TreeEnsemble and the older
 TreeEnsembleRegressor / TreeEnsembleClassifier.
 
-All tree ops share one evaluator (:class:`_Forest`): the trees are flattened into node arrays with
+All tree ops share one evaluator (`_Forest`): the trees are flattened into node arrays with
 leaves as extra nodes, and every (row, tree) pair walks down one level per step in vectorised
 NumPy, so the Python loop runs once per tree *level*, not per row or node.
 """
@@ -443,7 +443,7 @@ class TreeEnsemble(Op):
 
 
 class _LegacyTrees(Op):
-    """Builds a :class:`_Forest` from the (tree id, node id)-keyed attributes of the pre-v5 ops."""
+    """Builds a `_Forest` from the (tree id, node id)-keyed attributes of the pre-v5 ops."""
 
     def build(self, vote_prefix: str, vote_target_attr: str) -> None:
         tree_ids = np.asarray(self.attr("nodes_treeids"), dtype=np.int64)

@@ -1,13 +1,13 @@
 """Element-wise ops written once: the tables every backend is generated from.
 
-One entry per ONNX op: :class:`Unary` (``x``; math, predicates, activations) or :class:`Binary`
+One entry per ONNX op: `Unary` (``x``; math, predicates, activations) or `Binary`
 (``a``, ``b``; arithmetic, comparisons, logic, bitwise, the variadic Sum/Mean/Max/Min). It gives
 the name, the schema versions implemented, the array-API function ``fn(xp, x, **attributes)``
 (run on NumPy by the CPU op, on CuPy or NumPy by gpu_compute) and the *device expression*: one
-C-like expression in the small dialect of :data:`DIALECT`, which is GLSL as it stands (gpu_pixel
-draws it on ``float`` and ``vec4``) and CUDA C once :func:`to_cuda` has prefixed its calls
+C-like expression in the small dialect of `DIALECT`, which is GLSL as it stands (gpu_pixel
+draws it on ``float`` and ``vec4``) and CUDA C once `to_cuda` has prefixed its calls
 (gpu_compute's fused epilogues). Attributes are ``fn``'s keyword parameters; their values always
-come from :meth:`Op.attr <asyncinfer.ops.base.Op.attr>` (the layer's, else ONNX's schema default)
+come from `Op.attr` (the layer's, else ONNX's schema default)
 and fill the expression's ``{name}`` placeholders as float literals: no default is restated.
 
 How to add an element-wise op: one table line, plus its array-API function (inline or above it).
@@ -263,7 +263,7 @@ class _Entry:
     def device_expression(self, op: Any, literal: Callable[[float], str],
                           spell: Callable[[str], str] = lambda t: t) -> str:
         """The expression of ``op``'s layer with its attributes filled in as ``literal``\\ s,
-        after ``spell`` (e.g. :func:`to_cuda`) has turned the template into the backend's language."""
+        after ``spell`` (e.g. `to_cuda`) has turned the template into the backend's language."""
         values = self.values(op)
         return fill(spell(self.template(values)), values, literal)
 
@@ -468,7 +468,7 @@ class _TableOp(Op):
 
 
 class UnaryOp(_TableOp):
-    """The CPU op of a :class:`Unary` entry: its function on NumPy (narrow floats in float32)."""
+    """The CPU op of a `Unary` entry: its function on NumPy (narrow floats in float32)."""
 
     spec: ClassVar[Unary]
 
@@ -483,7 +483,7 @@ class UnaryOp(_TableOp):
     def run_inplace(self, x: np.ndarray) -> np.ndarray:
         """The op's result written into ``x`` (a fresh float buffer) where the table has an
         in-place form: fewer passes over memory, no allocation. Narrow floats are computed in
-        float32 by :meth:`run`, so they never take this path."""
+        float32 by `run`, so they never take this path."""
         if self.spec.inplace is None or x.dtype.itemsize < 4:
             return self.run(x)
         return self.spec.inplace(np, x, **self.values)
@@ -494,7 +494,7 @@ _FLOAT_CALL = float_kernel(lambda x, fn, values: fn(np, x, **values))
 
 
 class BinaryOp(_TableOp):
-    """The CPU op of a :class:`Binary` entry, with NumPy broadcasting; the result has A's type
+    """The CPU op of a `Binary` entry, with NumPy broadcasting; the result has A's type
     (bool for comparisons and logic). Before opset 7, ``broadcast=1`` with ``axis`` aligned B's
     dims with A's from ``axis`` on: emulated by reshaping B first."""
 
@@ -515,7 +515,7 @@ class BinaryOp(_TableOp):
 
 
 class VariadicOp(_TableOp):
-    """The CPU op of a variadic :class:`Binary` entry: ``fn`` folded over the inputs (with
+    """The CPU op of a variadic `Binary` entry: ``fn`` folded over the inputs (with
     broadcasting); Mean then divides by their count."""
 
     spec: ClassVar[Binary]

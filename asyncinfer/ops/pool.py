@@ -1,7 +1,7 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
 Windowed pools reduce over kernel taps with one whole-array NumPy op per tap on the flat,
-polyphase-split input of :class:`~asyncinfer.ops.conv.FlatWindows` (long contiguous runs instead
+polyphase-split input of `FlatWindows` (long contiguous runs instead
 of many short rows), sharing the window geometry with Conv.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The operator registry: ``(domain, op_type, since_version)`` → :class:`Op` subclass.
+"""The operator registry: ``(domain, op_type, since_version)`` → `Op` subclass.
 
 Adding an op is one class plus one ``@register`` line. ``versions`` lists the ONNX schema
 versions (``since_version`` values) the class implements; a model whose opset resolves to another
-schema version of that op is refused with :class:`UnsupportedOperatorError` naming the version,
+schema version of that op is refused with `UnsupportedOperatorError` naming the version,
 rather than run with the wrong semantics.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Most of these only move data around, so they return views of their input where NumPy allows it.
 The small helpers at the top (axis normalisation, reading integer lists from value inputs,
-"attribute in old opsets, input in new ones") are shared with :mod:`.indexing`.
+"attribute in old opsets, input in new ones") are shared with `.indexing`.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def normalize_axis(op: Op, axis: int, rank: int) -> int:
 
 
 def normalize_axes(op: Op, axes: Sequence[int], rank: int) -> list[int]:
-    """Every axis of ``axes`` normalised by :func:`normalize_axis`; duplicates are an error."""
+    """Every axis of ``axes`` normalised by `normalize_axis`; duplicates are an error."""
     result = [normalize_axis(op, a, rank) for a in axes]
     if len(set(result)) != len(result):
         raise op_error(op, f"repeated axis in {list(axes)}")

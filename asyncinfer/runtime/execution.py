@@ -74,7 +74,7 @@ class _StepDone:
 
 class _ProfiledStepDone(_StepDone):
     """A step completion that also records the step (queued, start, end, thread) for a profile.
-    Profiled runs use it instead of :class:`_StepDone`: unprofiled runs pay nothing per step."""
+    Profiled runs use it instead of `_StepDone`: unprofiled runs pay nothing per step."""
 
     __slots__ = ("_queued", "_start", "_thread")
 
@@ -439,13 +439,14 @@ class Execution:
         return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
 
     def read_outputs_blocking(self) -> dict[str, np.ndarray]:
-        """Blocking twin of :meth:`read_outputs`: the outputs as caller-owned NumPy arrays
-        (downloaded from a device if needed). Do not call it on an event loop."""
+        """Blocking twin of [`read_outputs`][asyncinfer.Execution.read_outputs]: the outputs as caller-owned NumPy
+        arrays (downloaded from a device if needed). Do not call it on an event loop."""
         return {name: self._tensor(name, None).download_to_array() for name in self.plan.output_names}
 
 
     def output_arrays(self) -> dict[str, np.ndarray]:
-        """Deprecated alias of :meth:`read_outputs_blocking` (removed in the next release)."""
+        """Deprecated alias of [`read_outputs_blocking`][asyncinfer.Execution.read_outputs_blocking] (removed in the
+        next release)."""
         warnings.warn("Execution.output_arrays() is deprecated: use read_outputs_blocking()",
                       DeprecationWarning, stacklevel=2)
         return self.read_outputs_blocking()

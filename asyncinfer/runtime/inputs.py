@@ -18,7 +18,7 @@ from ..concurrency.future import TaskFuture
 
 def example_inputs(model: Model) -> dict[str, np.ndarray]:
     """Zeros of every input's declared type and shape (a symbolic or unknown dimension is 1): inputs
-    that pass the checks of :func:`bind_inputs`, for a warm-up run.
+    that pass the checks of `bind_inputs`, for a warm-up run.
 
     Raises:
         InputError: an input whose example cannot be made up (a sequence or map, or a tensor of

@@ -78,7 +78,7 @@ class Node:
 
 @dataclass(eq=False)
 class Segment:
-    """Consecutive steps that run as one job (see :meth:`Plan._plan_segments`)."""
+    """Consecutive steps that run as one job (see `Plan._plan_segments`)."""
 
     nodes: list[Node]
     light: bool                    # its steps may run inside a job

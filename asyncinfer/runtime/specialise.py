@@ -7,7 +7,7 @@ cannot remove them. But in most models those values depend on the input *shapes*
 once a run with given input shapes and types has computed them, every later run with the same
 signature can take them as constants, and their layers are not dispatched at all.
 
-Which layers: :func:`shape_determined_nodes`. A host layer is *shape-determined* if it is a
+Which layers: `shape_determined_nodes`. A host layer is *shape-determined* if it is a
 ``Shape``/``Size`` or all its inputs are constants or shape-determined values (random ops never).
 That the values depend on the input shapes alone holds when every shape any layer takes from a
 value (its ``value_inputs``: Reshape's target, Slice's bounds, Expand's shape…) is itself
@@ -116,7 +116,7 @@ class ShapePlans:
         return bool(self.nodes)
 
     def plan_for(self, futures: Mapping[str, TaskFuture]) -> tuple[Plan, tuple | None]:
-        """The plan for a run with these inputs, and the signature to :meth:`observe` the run
+        """The plan for a run with these inputs, and the signature to `observe` the run
         for when the run is the first of its signature (else None)."""
         key = signature(futures) if self.nodes else None
         if key is None:

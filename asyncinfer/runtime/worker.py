@@ -24,7 +24,7 @@ from .profiling import Profile, RunRecorder
 
 
 class WorkerState(enum.Enum):
-    """A worker's lifecycle: open until :meth:`Worker.dispose`, then disposed for good."""
+    """A worker's lifecycle: open until [`Worker.dispose`][asyncinfer.Worker.dispose], then disposed for good."""
 
     OPEN = "open"
     DISPOSED = "disposed"
@@ -43,10 +43,10 @@ class Worker:
     named ``outputs`` or ``profile`` is given positionally or in a mapping.
 
     Args:
-        model: a model from :func:`asyncinfer.load_model`.
-        backend: a :class:`BackendType` or its name (``"cpu"``, ``"gpu_compute"``, ``"gpu_pixel"``),
-            or a backend instance built with options (e.g. ``CuPyBackend(device_id=1)``); the worker
-            owns it from then on and closes it when disposed.
+        model: a model from [`asyncinfer.load_model`][asyncinfer.load_model].
+        backend: a [`BackendType`][asyncinfer.BackendType] or its name (``"cpu"``, ``"gpu_compute"``,
+            ``"gpu_pixel"``), or a backend instance built with options (e.g.
+            ``CuPyBackend(device_id=1)``); the worker owns it from then on and closes it when disposed.
         threads: CPU thread-pool size (default: the core count).
         warmup: run the model once now, on inputs built from its declared shapes, so the first
             real request runs at steady-state speed. The constructor cannot await: it blocks the
@@ -101,7 +101,8 @@ class Worker:
 
     @property
     def disposed(self) -> bool:
-        """True once :meth:`dispose` (or :meth:`dispose_async`) ran; the worker then refuses all calls."""
+        """True once [`dispose`][asyncinfer.Worker.dispose] (or [`dispose_async`][asyncinfer.Worker.dispose_async])
+        ran; the worker then refuses all calls."""
         return self._state is WorkerState.DISPOSED
 
     def _check_open(self) -> None:
@@ -151,9 +152,9 @@ class Worker:
 
     def schedule_iterable_async(self, *inputs: Any, outputs: Sequence[str] | None = None,
                                 profile: Profile | None = None, **named: Any) -> AsyncIterator[str]:
-        """Async form of :meth:`schedule_iterable`: ``async for name in ...`` schedules one layer
-        per step and lets the event loop run other tasks between layers. Stopping early (``break``,
-        cancellation) fails the layers never scheduled, so no output is left pending forever."""
+        """Async form of [`schedule_iterable`][asyncinfer.Worker.schedule_iterable]: ``async for name in ...``
+        schedules one layer per step and lets the event loop run other tasks between layers. Stopping early
+        (``break``, cancellation) fails the layers never scheduled, so no output is left pending forever."""
         execution = self._new_execution(inputs, named, outputs, profile)
 
         async def steps() -> AsyncIterator[str]:
@@ -220,7 +221,8 @@ class Worker:
 
     def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
                      **named: Any) -> dict[str, np.ndarray]:
-        """Blocking twin of :meth:`run`: waits on the calling thread. Do not call it on an event loop."""
+        """Blocking twin of [`run`][asyncinfer.Worker.run]: waits on the calling thread. Do not call it on an event
+        loop."""
         execution = self._new_execution(inputs, named, outputs, profile)
         execution.submit_all()
         return {name: execution.take_output(name).download_to_array() for name in execution.plan.output_names}
@@ -241,7 +243,7 @@ class Worker:
         await self.run(*(inputs or (example_inputs(self.model),)), **named)
 
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
-        """Blocking twin of :meth:`warmup`. Do not call it on an event loop."""
+        """Blocking twin of [`warmup`][asyncinfer.Worker.warmup]. Do not call it on an event loop."""
         self.run_blocking(*(inputs or (example_inputs(self.model),)), **named)
 
     # -- profiling ------------------------------------------------------------------------------------
@@ -279,8 +281,8 @@ class Worker:
 
         Layers of the latest run that have not started are skipped, unless the caller took one of
         its outputs with ``take_output``: runs with caller-owned outputs are finished first, so
-        nothing the caller owns is lost (this may block until they complete; :meth:`dispose_async`
-        waits on a helper thread instead).
+        nothing the caller owns is lost (this may block until they complete;
+        [`dispose_async`][asyncinfer.Worker.dispose_async] waits on a helper thread instead).
         """
         with self._state_lock:
             if self._state is WorkerState.DISPOSED:
@@ -305,14 +307,14 @@ class Worker:
             self._fallback.close()
 
     async def dispose_async(self) -> None:
-        """Awaitable twin of :meth:`dispose`: never blocks the event loop (threads are joined on a
-        helper thread)."""
+        """Awaitable twin of [`dispose`][asyncinfer.Worker.dispose]: never blocks the event loop (threads are
+        joined on a helper thread)."""
         import anyio.to_thread
 
         await anyio.to_thread.run_sync(self.dispose)
 
     async def aclose(self) -> None:
-        """Deprecated alias of :meth:`dispose_async` (removed in the next release)."""
+        """Deprecated alias of [`dispose_async`][asyncinfer.Worker.dispose_async] (removed in the next release)."""
         warnings.warn("Worker.aclose() is deprecated: use `await worker.dispose_async()`",
                       DeprecationWarning, stacklevel=2)
         await self.dispose_async()

@@ -5,7 +5,7 @@ time (being received, queued or running); one more is refused at once with 503 a
 ``Retry-After`` header, never queued. Each admitted request has ``request_timeout`` seconds from
 admission: past it, the request answers 408 if its body is still arriving, 504 if inference is
 still running, and the run is cancelled (layers not started are skipped). At shutdown,
-:meth:`Admission.drain` refuses new requests (503), waits up to ``drain_timeout`` seconds for the
+`Admission.drain` refuses new requests (503), waits up to ``drain_timeout`` seconds for the
 admitted ones to finish, and cancels those still running (they answer 503) before the workers go.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Admission:
         models: the served model names (others are added when first admitted: a loaded model).
         max_queue: most requests per model admitted at once (None: no bound).
         request_timeout: seconds an admitted request may take (None: no deadline).
-        drain_timeout: seconds :meth:`drain` waits for admitted requests before cancelling them.
+        drain_timeout: seconds `drain` waits for admitted requests before cancelling them.
     """
 
     def __init__(self, models: Iterable[str], *, max_queue: int | None = 64, request_timeout: float | None = 60.0,

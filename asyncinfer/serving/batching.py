@@ -110,7 +110,7 @@ class DynamicBatcher:
     """Serve ``infer`` calls for one model, merging concurrent ones along the batch axis.
 
     Args:
-        target: a :class:`Worker` (shared, not disposed by the batcher) or a :class:`Model`
+        target: a `Worker` (shared, not disposed by the batcher) or a `Model`
             (the batcher builds a worker on ``backend`` and disposes it when closed).
         backend: the backend of the worker built for a model.
         max_batch_size: most rows (along axis 0) merged into one engine run. A request larger
@@ -118,7 +118,7 @@ class DynamicBatcher:
         max_delay: seconds the oldest waiting request may wait for batch-mates (default 2 ms).
         max_concurrent_batches: batches in flight at once; while they run, the queue fills up.
         threads: CPU thread-pool size of the worker built for a model.
-        on_run: called with a :class:`RunRecord` after every engine run (merged or alone, failed
+        on_run: called with a `RunRecord` after every engine run (merged or alone, failed
             or not), on the event loop; for statistics and metrics. It must not raise or block.
 
     Use it as an async context manager (it owns a background dispatcher task)::
@@ -129,7 +129,7 @@ class DynamicBatcher:
     Requests are merged only when the model is batchable (every input's axis 0 is the same
     symbolic dimension, found on no other axis) and the requests agree on dtypes and non-batch
     dims; anything else runs alone. Each request is checked against the model signature before
-    it is queued, so a bad one fails alone with :class:`~asyncinfer.InputError`. If a merged run
+    it is queued, so a bad one fails alone with `InputError`. If a merged run
     fails, its requests are retried one by one so a failure stays with the request causing it.
     The model must treat batch rows independently (true of inference graphs; not of a graph
     that reduces over axis 0).
@@ -214,7 +214,7 @@ class DynamicBatcher:
     async def dispose_async(self) -> None:
         """Stop accepting requests, run those already queued, wait for batches in flight.
 
-        If this call is cancelled, requests still pending fail with :class:`DisposedError`. A
+        If this call is cancelled, requests still pending fail with `DisposedError`. A
         worker the batcher built is disposed; a worker it was given is left open.
         """
         if self._state is BatcherState.CLOSED:
@@ -240,7 +240,7 @@ class DynamicBatcher:
                     await self.worker.dispose_async()
 
     async def aclose(self) -> None:
-        """Deprecated alias of :meth:`dispose_async` (removed in the next release)."""
+        """Deprecated alias of `dispose_async` (removed in the next release)."""
         warnings.warn("DynamicBatcher.aclose() is deprecated: use `await batcher.dispose_async()`",
                       DeprecationWarning, stacklevel=2)
         await self.dispose_async()
@@ -418,7 +418,7 @@ class DynamicBatcher:
     async def _timed_run(self, inputs: dict[str, np.ndarray], batch: list[_Request], input_ns: int = 0) -> Any:
         """``worker.run(inputs)`` for the requests of ``batch``: the outputs themselves for one
         request, cut back per request for several. The run's start and end go to each request's
-        ``timing``, and a :class:`RunRecord` to ``on_run``; an input the engine refuses before
+        ``timing``, and a `RunRecord` to ``on_run``; an input the engine refuses before
         running (``InputError``) is no run."""
         first = next(iter(inputs.values()), None)
         rows = int(first.shape[0]) if isinstance(first, np.ndarray) and first.ndim else 1

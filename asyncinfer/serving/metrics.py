@@ -1,10 +1,10 @@
 """Prometheus metrics of one inference service (``GET /metrics``), with Triton's names where they exist.
 
-Each :class:`ServerMetrics` owns its own ``prometheus_client.CollectorRegistry`` (never the
+Each `ServerMetrics` owns its own ``prometheus_client.CollectorRegistry`` (never the
 process-global one), so two services in one process do not mix their numbers.
 
 Triton's counters (labels ``model``, ``version``) are read from the service's
-:class:`~.statistics.Statistics` when scraped, so ``/metrics`` and ``/v2/models/stats`` agree:
+`Statistics` when scraped, so ``/metrics`` and ``/v2/models/stats`` agree:
 
 ==========================================  ===============================================
 ``nv_inference_request_success``            requests answered

@@ -1,13 +1,13 @@
 """A small, strict reader of protobuf's text format, for Triton's ``config.pbtxt``.
 
-It reads the syntax, not a schema: :func:`parse` turns the text into a :class:`Message`, a mapping
+It reads the syntax, not a schema: `parse` turns the text into a `Message`, a mapping
 of field name to the list of its values in order (a repeated field has several), each value a
-:class:`Value` carrying the line it came from. The caller (:mod:`.repository`) gives the fields
+`Value` carrying the line it came from. The caller (`.repository`) gives the fields
 their meaning and types. Supported: ``name: value`` and ``name { ... }`` / ``name < ... >``
 (the colon optional before a message), lists ``name: [v, v]`` and ``name [{...}, {...}]``, strings
 in single or double quotes with C escapes (adjacent strings concatenate), integers (decimal,
 hex, octal), floats, identifiers (enum values, ``true``/``false``), ``#`` comments and optional
-``,``/``;`` separators. Anything else raises :class:`PbtxtError` naming the file and line.
+``,``/``;`` separators. Anything else raises `PbtxtError` naming the file and line.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Identifier:
 
 @dataclass
 class Value:
-    """One value of a field: a scalar, an :class:`Identifier`, or a nested :class:`Message`."""
+    """One value of a field: a scalar, an `Identifier`, or a nested `Message`."""
 
     value: Union[Scalar, Identifier, "Message"]
     line: int

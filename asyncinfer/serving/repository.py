@@ -5,7 +5,7 @@ Layout (Triton's)::
     DIR/<model>/config.pbtxt            optional
     DIR/<model>/<version>/model.onnx    versions are positive integers; the highest is served
 
-``config.pbtxt`` (protobuf text format, read by :mod:`.pbtxt`) may set, for asyncinfer:
+``config.pbtxt`` (protobuf text format, read by `.pbtxt`) may set, for asyncinfer:
 
 =====================================  ===================================================================
 ``max_batch_size: N``                  0: no batching (requests are whole inputs); N > 0: the model's
@@ -29,7 +29,7 @@ Fields asyncinfer does not use are logged and ignored; fields that would change 
 computes (``sequence_batching``, ``ensemble_scheduling``, a decoupled transaction policy) are
 refused. Without ``config.pbtxt`` a model gets the server's options (``--backend``,
 ``--max-batch-size``, ``--max-delay-ms``, ``--no-batching``). The same fields in Triton's JSON
-form are accepted as the ``config`` of a load request. :func:`triton_config` writes the JSON
+form are accepted as the ``config`` of a load request. `triton_config` writes the JSON
 form that ``GET /v2/models/{name}/config`` answers.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Inference statistics per model version, counted as Triton counts them and reported in its JSON form.
 
-One :class:`ModelStatistics` per served (model, version) records every request (success or
+One `ModelStatistics` per served (model, version) records every request (success or
 failure, and for a success the time spent queued, decoding its inputs, running, encoding its
 outputs) and every engine run (a merged batch is one execution). ``GET /v2/models/stats`` and
-the gRPC ``ModelStatistics`` call report :meth:`ModelStatistics.to_json`; the Prometheus
+the gRPC ``ModelStatistics`` call report `ModelStatistics.to_json`; the Prometheus
 ``nv_inference_*`` counters are read from the same numbers, so the two always agree.
 
 Times are nanoseconds from ``time.perf_counter_ns``; ``last_inference`` is milliseconds since
@@ -86,7 +86,7 @@ class ModelStatistics:
         self.compute_output.add(times.compute_output)
 
     def record_failure(self, total_ns: int, reason: str) -> None:
-        """A request that ended in an error; ``reason`` is one of :data:`FAILURE_REASONS`."""
+        """A request that ended in an error; ``reason`` is one of `FAILURE_REASONS`."""
         self.last_inference = int(time.time() * 1000)
         self.fail.add(total_ns)
         self.failures[reason if reason in self.failures else OTHER] += 1
@@ -130,7 +130,7 @@ class ModelStatistics:
 
 
 class Statistics:
-    """Every model version's :class:`ModelStatistics`, kept for the life of the server."""
+    """Every model version's `ModelStatistics`, kept for the life of the server."""
 
     def __init__(self) -> None:
         self._by_version: dict[tuple[str, str], ModelStatistics] = {}

@@ -4,7 +4,7 @@
 are enqueued on the stream and its future completes at once, without synchronising: stream
 order makes every dependent kernel correct. Only copies to the host wait for the device, and
 they complete from CUDA events polled by the dispatcher: the plan's download steps (values going
-to a CPU-fallback layer) and output readbacks (:meth:`start_download`). A value's device buffer
+to a CPU-fallback layer) and output readbacks (`start_download`). A value's device buffer
 goes back to CuPy's memory pool when the run drops its last reference.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ class CuPyBackend(DeviceBackend):
     """CUDA through CuPy (``BackendType.GPU_COMPUTE``).
 
     Args:
-        runtime: the device runtime; default a :class:`~.device.CudaRuntime` on ``device_id``.
-            Tests pass a :class:`~.hostdevice.HostRuntime` to run everything on NumPy.
+        runtime: the device runtime; default a `CudaRuntime` on ``device_id``.
+            Tests pass a `HostRuntime` to run everything on NumPy.
         device_id: the CUDA device to use.
         use_cudnn: run convolutions through cuDNN when CuPy has it (default: yes, unless the
             environment sets ``ASYNCINFER_CUDNN=0``); otherwise the im2col kernel.

@@ -1,9 +1,9 @@
 """The device runtime: the small interface the backend drives, and its CUDA implementation.
 
-Everything that touches CUDA directly is here (and in :mod:`.cudnn`): selecting the device,
+Everything that touches CUDA directly is here (and in `.cudnn`): selecting the device,
 the stream, events, pinned host buffers for uploads and readbacks. Every method is called on the
 backend's dispatcher thread only, which owns the device and the stream (CuPy's current device and
-stream are per thread). :class:`~.hostdevice.HostRuntime` implements the same interface on NumPy,
+stream are per thread). `HostRuntime` implements the same interface on NumPy,
 so the backend's machinery runs in CI without a GPU.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ class CudaRuntime:
     Device buffers come from CuPy's (stream-ordered) memory pool: a tensor's buffer is reused as
     soon as its last reference is dropped, which is safe because every kernel runs on the one stream.
     Convolutions use cuDNN when CuPy has it (``use_cudnn``); a layer's bias or addition and its
-    fused activations run as one generated kernel (``fuse_epilogues``, see :mod:`.fusion`).
+    fused activations run as one generated kernel (``fuse_epilogues``, see `.fusion`).
     """
 
     def __init__(self, device_id: int = 0, *, use_cudnn: bool = True, fuse_epilogues: bool = True):

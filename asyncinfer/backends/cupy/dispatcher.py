@@ -1,6 +1,6 @@
 """The dispatcher thread: the one thread that owns the device, its stream, and every CUDA call.
 
-A :class:`~asyncinfer.concurrency.device_thread.DeviceThread`: work arrives on a queue (layers to
+A `DeviceThread`: work arrives on a queue (layers to
 enqueue, downloads to start, constants to upload) from any thread, without ever blocking the
 sender; between work items the thread polls the events of the copies in flight and runs their
 completions.

@@ -4,8 +4,8 @@ Conv, Gemm, Add and Sum layers carrying fused activations (``Conv+Relu``, ``Sum+
 otherwise make one memory pass for the bias or the addition and one per activation. Here the
 whole chain becomes a single CuPy ``ElementwiseKernel``, compiled once per distinct chain. Its C
 is generated, not written: each activation's device expression from the element-wise table
-(:mod:`asyncinfer.ops.pointwise`), spelled in CUDA by :func:`~asyncinfer.ops.pointwise.to_cuda`, over
-:data:`CUDA_PRELUDE`, which defines every function of the expression dialect. So every fusable
+(`asyncinfer.ops.pointwise`), spelled in CUDA by `to_cuda`, over
+`CUDA_PRELUDE`, which defines every function of the expression dialect. So every fusable
 activation of the table fuses, and Clip too. Only float32 chains are fused; anything else (or a
 chain whose kernel fails to build) returns None, and the caller runs the array-API path, which
 computes the same values.
@@ -98,7 +98,7 @@ def chain_code(activations: Sequence[tuple[Op, Sequence[Any]]]) -> str | None:
 
 def epilogue_source(body: str, bias: bool) -> tuple[str, str, str]:
     """The ``ElementwiseKernel`` parameters and operation of a fused epilogue running ``body``
-    (from :func:`chain_code`) on ``x + b`` (``bias``) or ``x``; :data:`CUDA_PRELUDE` is its preamble."""
+    (from `chain_code`) on ``x + b`` (``bias``) or ``x``; `CUDA_PRELUDE` is its preamble."""
     code = ("float v = x + b; " if bias else "float v = x; ") + body + " y = v;"
     return ("T x, T b" if bias else "T x"), "T y", code
 

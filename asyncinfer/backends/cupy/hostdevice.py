@@ -1,4 +1,4 @@
-"""A NumPy stand-in for :class:`~.device.CudaRuntime`: the same interface, on host memory.
+"""A NumPy stand-in for `CudaRuntime`: the same interface, on host memory.
 
 It lets the whole gpu_compute machinery (dispatcher thread, uploads, kernels, fallback, downloads,
 every readback mode) run where there is no GPU, as in CI. Its "events" can be held by a test so

@@ -1,4 +1,4 @@
-"""What kernels use on the GL thread: uploads, draws and fenced downloads of :class:`PixelTensor`s."""
+"""What kernels use on the GL thread: uploads, draws and fenced downloads of `PixelTensor`s."""
 from __future__ import annotations
 
 import weakref

@@ -2,7 +2,7 @@
 
 OpenGL contexts are bound to one thread, so everything that touches GL (uploads, draws,
 downloads, freeing textures) is a closure put on this thread's queue (a
-:class:`~asyncinfer.concurrency.device_thread.DeviceThread`). Between closures the thread polls the
+`DeviceThread`). Between closures the thread polls the
 GL sync fences of downloads in flight and completes their futures, so a download never makes
 anybody wait: not the caller, not the event loop, not even this thread (it polls with a zero
 timeout and keeps executing queued work).

@@ -123,7 +123,7 @@ class _Device(Protocol):
 
 
 class PixelTensor(TensorData):
-    """A tensor stored in a texture: ``shape``, logical ``dtype`` and the :class:`Layout`.
+    """A tensor stored in a texture: ``shape``, logical ``dtype`` and the `Layout`.
 
     Values are float32 in the texture. Integer and boolean tensors are stored exactly as floats
     (uploads refuse integers beyond ±2²⁴) and get their dtype back when downloaded.

@@ -7,8 +7,8 @@ ORT and that text disagree the kernel follows ORT and its docstring says so. Eac
 registered in the one kernel table under ``com.microsoft``, with the attribute defaults declared
 once per op (`asyncinfer.ops.schema.declare_defaults`), since onnx ships no schemas for them.
 
-- :mod:`.transformer`: the transformer-optimizer fusions;
-- :mod:`.quantized`: the QOperator ops and the quantized matmuls.
+- `.transformer`: the transformer-optimizer fusions;
+- `.quantized`: the QOperator ops and the quantized matmuls.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Conversions between the KServe v2 gRPC messages and asyncinfer's arrays and JSON-form dicts.
 
-Pure functions, no server: the gRPC server (:mod:`.server`) decodes a ``ModelInferRequest`` into
+Pure functions, no server: the gRPC server (`.server`) decodes a ``ModelInferRequest`` into
 arrays checked against the model, and builds its answers from the dicts ``InferenceService``
 returns (the same dicts the HTTP side sends as JSON).
 

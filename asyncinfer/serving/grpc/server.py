@@ -22,7 +22,7 @@ with ``error_message`` and the stream goes on. A client that cancels an RPC (or 
 stream) cancels the runs it started. Inference messages are parsed, decoded, encoded and
 serialised on a worker thread when they exceed ``OFFLOAD_BYTES``, so the event loop (shared
 with the HTTP server) stays responsive. Shared-memory RPCs answer UNIMPLEMENTED; trace settings are the
-service's (:mod:`..tracing`); log settings can be read, not changed.
+service's (`..tracing`); log settings can be read, not changed.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The gpu_compute kernel table: one module per op family, each kernel written against ``xp``.
 
-Importing this package registers every kernel. :func:`kernel_class` finds the kernel of a layer;
-:data:`SUPPORTED_OPS` lists the op types that have one.
+Importing this package registers every kernel. `kernel_class` finds the kernel of a layer;
+`SUPPORTED_OPS` lists the op types that have one.
 """
 from __future__ import annotations
 

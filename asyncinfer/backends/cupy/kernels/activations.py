@@ -4,7 +4,7 @@ The optimizer folds single-consumer activations into the layer producing their i
 (``Conv+Relu``, ``Gemm+Relu``, ``Sum+Relu``...). On the device they run right after that
 layer's kernel, on its freshly written output: in place where the activation allows it (Relu,
 Clip), so a fused layer costs no extra buffer. What each activation computes is the array-API
-function of its line in the element-wise table (:mod:`asyncinfer.ops.pointwise`), run here with
+function of its line in the element-wise table (`asyncinfer.ops.pointwise`), run here with
 ``ctx.xp`` on the work-precision input (float16 computed in float32, as the CPU ops do); its
 attributes are read through the layer's CPU op (``op.attr``: ONNX's defaults).
 """
@@ -94,7 +94,7 @@ def apply_activations(ctx: KernelContext, y: Any, activations: Sequence[tuple[Op
 def add_and_activate(ctx: KernelContext, x: Any, b: Any, activations: Sequence[tuple[Op, Sequence[Any]]],
                      inplace: bool) -> Any:
     """``activations(x + b)`` (``b`` may be None). On CUDA a chain with activations runs as one
-    fused kernel where it can (:mod:`..fusion`); otherwise array-API ops, overwriting ``x`` when
+    fused kernel where it can (`..fusion`); otherwise array-API ops, overwriting ``x`` when
     ``inplace`` (then ``x`` must already have the broadcast shape of ``x + b``)."""
     if activations and ctx.fuse is not None:
         y = ctx.fuse(x, b, activations, x if inplace else None)

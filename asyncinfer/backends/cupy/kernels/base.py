@@ -34,7 +34,7 @@ class KernelContext:
     on the stream, never waited for); ``erf`` is the device error function; ``conv`` is an
     optional accelerated convolution (cuDNN) taking ``(x, w, pads, strides, dilations, group)``,
     or None to use the im2col kernel; ``fuse`` optionally runs ``activations(x + b)`` as one
-    kernel (``fuse(x, b, activations, out)``, None when it cannot), see :mod:`..fusion`.
+    kernel (``fuse(x, b, activations, out)``, None when it cannot), see `..fusion`.
     """
 
     xp: ModuleType
@@ -53,7 +53,7 @@ class KernelContext:
 
 
 class Kernel:
-    """A device kernel for one layer. Subclasses set ``op_types`` and implement :meth:`run`.
+    """A device kernel for one layer. Subclasses set ``op_types`` and implement `run`.
 
     Class attributes:
 

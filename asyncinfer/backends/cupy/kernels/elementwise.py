@@ -29,7 +29,7 @@ def _legacy_broadcast(layer: Layer) -> bool:
 @register
 class UnaryMathKernel(Kernel):
     """Every op of the element-wise table with a device form that is neither an activation
-    (:class:`~.activations.ActivationKernel`) nor a logic op on bools (Not, in LogicKernel):
+    (`ActivationKernel`) nor a logic op on bools (Not, in LogicKernel):
     its array-API function on ``ctx.xp``. Predicates (IsNaN) give bool."""
 
     op_types = tuple(name for name, e in UNARY_OPS.items() if e.on_device and not e.activation and not e.bool_input)

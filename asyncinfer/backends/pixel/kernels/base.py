@@ -31,7 +31,7 @@ def pixel_kernel(*op_types: str) -> Callable[[type["PixelKernel"]], type["PixelK
 class PixelKernel:
     """Runs one layer as fragment-shader draws. Built once per layer when the worker is created.
 
-    ``run`` is called on the GL thread with the layer's inputs: :class:`PixelTensor` for data
+    ``run`` is called on the GL thread with the layer's inputs: `PixelTensor` for data
     inputs, NumPy arrays for host inputs (the CPU op's ``value_inputs``, e.g. Reshape's shape),
     None for omitted optional inputs. It returns the output tensors, issuing draws, never waiting.
 

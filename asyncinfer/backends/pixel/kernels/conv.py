@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..device import PixelDevice
     from ..storage import PixelTensor
 
-#: Tag of conv weights uploaded in the packed arrangement of :func:`pack_conv_weights`.
+#: Tag of conv weights uploaded in the packed arrangement of `pack_conv_weights`.
 PACKED_TAG = "conv:packed-weights"
 #: Spatial ranks the window code handles (1-D, 2-D and 3-D).
 MAX_SPATIAL = 3
@@ -151,12 +151,12 @@ def pack_conv_weights(w: np.ndarray, group: int) -> np.ndarray:
 
 
 def packed_shape(w_shape: Sequence[int]) -> tuple[int, ...]:
-    """Shape of :func:`pack_conv_weights`'s result for weights of ``w_shape``."""
+    """Shape of `pack_conv_weights`'s result for weights of ``w_shape``."""
     return (-(-int(w_shape[0]) // 4), math.prod(int(d) for d in w_shape[2:]), -(-int(w_shape[1]) // 4), 4, 4)
 
 
 def pack_weights_on_device(device: "PixelDevice", w: "PixelTensor") -> "PixelTensor":
-    """:func:`pack_conv_weights` as a draw, for weights computed at run time."""
+    """`pack_conv_weights` as a draw, for weights computed at run time."""
     m, cg = int(w.shape[0]), int(w.shape[1])
     shape = packed_shape(w.shape)
     _, taps, cb, _, _ = shape

@@ -2,7 +2,7 @@
 broadcasting, comparisons, logic, Where and Clip.
 
 No expression is written here (Where's ``pick(a, b, c)`` aside): each op's GLSL is its device
-expression in the element-wise tables (:mod:`asyncinfer.ops.pointwise`), whose dialect is GLSL
+expression in the element-wise tables (`asyncinfer.ops.pointwise`), whose dialect is GLSL
 with the helpers of ``shader.py``. Every expression works on ``float`` and ``vec4`` alike, so the
 same text serves the ``vec4`` fast path (all inputs share the output's shape and layout: one texel
 in, one texel out) and the broadcasting path (one element at a time through ``*_at``).
@@ -20,7 +20,7 @@ from ....ops.pointwise import BINARY_OPS, UNARY_OPS, clip_template, fill, fold_e
 from ..layout import natural_layout
 from .base import PixelKernel, broadcast_index, glsl_float, pixel_kernel
 
-#: Dialect functions (:data:`asyncinfer.ops.pointwise.DIALECT`) that are GLSL built-ins; shader.py's
+#: Dialect functions (`asyncinfer.ops.pointwise.DIALECT`) that are GLSL built-ins; shader.py's
 #: HELPERS define the others.
 GLSL_BUILTINS = frozenset({"abs", "sign", "floor", "ceil", "roundEven", "sqrt", "exp", "log", "sin", "cos", "tan",
                            "asin", "acos", "atan", "asinh", "acosh", "atanh", "min", "max", "clamp"})

@@ -10,7 +10,7 @@ in fixed arrangements:
   into it by one draw of ``M·K`` values, cheap next to the ``M·N·K`` multiply-adds.
 - B either as *rows* too (a runtime B: last-axis blocked ``(batch, K, N)``, copied first when it
   is not), where texel ``B[k, 4j..4j+3]`` is ``(b·K + k)·NB + j``; or, for a constant B packed on
-  the host by :meth:`MatMul.prepare_constant`, as *streams*: the ``K`` texels of column block
+  the host by `MatMul.prepare_constant`, as *streams*: the ``K`` texels of column block
   ``j`` are consecutive, ``(b·NB + j)·K + k``, so each fragment reads its B texels in order.
 
 The remainder of ``K`` past the last multiple of 4 is unrolled at compile time: B rows past ``K``
@@ -167,7 +167,7 @@ def choose_splits(p: Product) -> int:
 def product_body(p: Product, streams: bool, splits: int = 1, epilogue: str = "") -> str:
     """The texel-mode body of ``A @ B`` for product ``p``. With ``splits`` > 1 it draws partial sums
     of shape ``(splits, rows, N)``, chunk ``s`` over k-steps ``[s·CH, (s+1)·CH)``, which
-    :func:`sum_body` adds. ``epilogue``: GLSL statements that may rewrite ``v`` (the sums) with
+    `sum_body` adds. ``epilogue``: GLSL statements that may rewrite ``v`` (the sums) with
     ``m`` and ``block`` in scope."""
     kb, nb, full, rest = -(-p.k // 4), -(-p.n // 4), p.k // 4, p.k % 4
     a_row = broadcast_index("bo", p.batch, p.a_batch)
@@ -211,7 +211,7 @@ vec4 texel(int t, int outer, int block, int inner) {{
 
 
 def sum_body(p: Product, splits: int, epilogue: str) -> str:
-    """Texel-mode body adding the ``splits`` partial products ``P`` (see :func:`product_body`)."""
+    """Texel-mode body adding the ``splits`` partial products ``P`` (see `product_body`)."""
     terms = " + ".join(f"P_texel(t + {s * p.layout.texels})" for s in range(splits))
     return f"""
 vec4 texel(int t, int outer, int block, int inner) {{

@@ -6,10 +6,10 @@ a layout addresses elements by flat index (layout.py), so they hand back the sam
 another shape and issue no draw.
 
 Every other op here (Transpose, Concat, Slice, Split, Gather, GatherElements, Expand, Tile, Pad,
-DepthToSpace, SpaceToDepth) is one :class:`Copy`: for each input it reads, a :class:`Source`
+DepthToSpace, SpaceToDepth) is one `Copy`: for each input it reads, a `Source`
 says how each input axis's coordinate follows from the output coordinates ``c0, c1…``
-(:class:`Term`) and on which output ranges that input is read; elements no source covers get the
-fill value (Pad's constant). :func:`draw_copy` turns it into one of two shaders:
+(`Term`) and on which output ranges that input is read; elements no source covers get the
+fill value (Pad's constant). `draw_copy` turns it into one of two shaders:
 
 - ``texel`` mode, when the output's blocked axis follows each input's blocked axis with an
   offset multiple of 4: the four lanes of an output texel are then four lanes of one input

@@ -104,7 +104,7 @@ def reduce_pixels(device: "PixelDevice", x: "PixelTensor", combine: str, element
                   extra: dict | None = None, post: str | None = None) -> "PixelTensor":
     """``(N, C, 1)``: ``combine`` (``"sum"`` or ``"max"``) of ``element`` (GLSL of the ``vec4 v``
     read at each pixel) over the pixels of each channel of the channel-blocked ``x``, then
-    ``finish`` (of ``acc``). Long planes are reduced in chunks of :data:`REDUCE_CHUNK`, then the
+    ``finish`` (of ``acc``). Long planes are reduced in chunks of `REDUCE_CHUNK`, then the
     partial results again. ``extra`` inputs are per-(n, channel block) ``vec4``s that ``element``
     reads at texel ``outer * X_B + block`` (layout ``(N, C, 1)``)."""
     n, c, pixels = x.layout.outer, x.layout.depth, x.layout.inner

@@ -218,7 +218,7 @@ def fold_statements(fold: Fold, passes: Sequence[Pass], group: str = "s") -> str
 
 
 def inner_statements(fold: Fold, passes: Sequence[Pass]) -> str:
-    """Like :func:`fold_statements` for the inner path: ``a0``… are vec4s of four channels, the
+    """Like `fold_statements` for the inner path: ``a0``… are vec4s of four channels, the
     fragment's output texel ``t`` folding input texels ``t·I .. t·I + I-1``."""
     lines = [f"const float R = {float(fold.extent)};"]
     inner = fold.layout.inner
