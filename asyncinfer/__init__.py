@@ -23,6 +23,7 @@ from .errors import (
     UnsupportedOperatorError,
 )
 from .limits import Limits
+from .model.compress import CompressedModel, quantize_weights
 from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
@@ -36,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncInferError",
     "BackendType",
+    "CompressedModel",
     "BackendUnavailableError",
     "DisposedError",
     "Execution",
@@ -61,5 +63,6 @@ __all__ = [
     "Worker",
     "WorkerState",
     "load_model",
+    "quantize_weights",
     "__version__",
 ]

@@ -14,6 +14,7 @@ import numpy as np
 from . import assets
 from .backends import BackendType
 from .errors import AsyncInferError
+from .model.compress import KINDS, MIN_ELEMENTS, quantize_weights
 from .model.ir import Model, TensorInfo
 from .loader import load_model
 from .ops.registry import lookup
@@ -158,6 +159,33 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    """Compress the weights, save, then run both models on the same inputs and say what changed."""
+    compressed = quantize_weights(args.model, args.kind, min_elements=args.min_elements)
+    compressed.save(args.output)
+    print(f"{len(compressed.weights)} weights stored as {args.kind}: {compressed.size_before:,} -> "
+          f"{compressed.size_after:,} bytes ({compressed.size_after / compressed.size_before:.0%})")
+    original, smaller = load_model(args.model), load_model(args.output)
+    if not args.input and args.model.resolve() == assets.default_model_path().resolve():
+        inputs = {original.inputs[0].name: assets.default_samples()[0]}
+    else:
+        inputs = _load_inputs(original, args.input, True, dict(_parse_dim(d) for d in args.dim), args.seed)
+    with Worker(original) as a, Worker(smaller) as b:
+        before, after = a.run_blocking(inputs), b.run_blocking(inputs)
+    for name, ref in before.items():
+        got = after[name]
+        if ref.dtype.kind != "f" or not ref.size:
+            print(f"{name}: {'unchanged' if np.array_equal(ref, got) else 'changed'}")
+            continue
+        scale = float(np.abs(ref).max()) or 1.0
+        line = f"{name}: max abs change {float(np.abs(got - ref).max()):.3g} ({float(np.abs(got - ref).max()) / scale:.2%} of max |value|)"
+        if ref.ndim == 2 and ref.shape[1] > 1:
+            line += f", top-1 unchanged on {float((ref.argmax(1) == got.argmax(1)).mean()):.1%} of {ref.shape[0]} rows"
+        print(line)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def _parse_dim(spec: str) -> tuple[str, int]:
     name, sep, value = spec.partition("=")
     if not sep or not value.isdigit():
@@ -262,6 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="return this value of the graph instead of the model's outputs (repeatable; "
                           "intermediate values included)")
 
+    quantize = sub.add_parser("quantize", help="store a model's large weights as float16 or uint8 (a smaller ONNX "
+                                               "file) and report the size and accuracy change")
+    quantize.add_argument("model", type=Path)
+    quantize.add_argument("output", type=Path, help="the compressed .onnx file to write")
+    quantize.add_argument("--type", dest="kind", default="float16", choices=KINDS)
+    quantize.add_argument("--min-elements", type=bounded(int, 1), default=MIN_ELEMENTS,
+                          help=f"smaller weights stay float32 (default {MIN_ELEMENTS})")
+    quantize.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                          help="inputs to compare the two models on (default: random ones; the embedded "
+                               "model's own samples for it)")
+    quantize.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
+                          help="size of a symbolic dimension for random inputs (default 1)")
+    quantize.add_argument("--seed", type=int, default=0)
+
     info = sub.add_parser("info", help="inputs, outputs, ops and which backend supports each op")
     info.add_argument("model", type=Path)
 
@@ -295,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _operators(args)
         if args.command == "serve":
             return run_serve(args)
+        if args.command == "quantize":
+            return _quantize(args)
         return _info(args)
     except AsyncInferError as exc:
         print(f"asyncinfer: error: {type(exc).__name__}: {exc}", file=sys.stderr)

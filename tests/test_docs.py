@@ -29,7 +29,7 @@ API_NAMES = [
     "download_to_array", "data_on_backend", "from_numpy", "dispose",
     "AsyncInferError", "ModelLoadError", "UnsupportedOperatorError", "InputError", "ExecutionError",
     "BackendUnavailableError", "DisposedError", "Limits", "LimitExceededError", "ModelTooLargeError",
-    "RequestTooLargeError", "Profile", "StepRecord", "RunRecord", "OpTotal", "write_trace", "warmup",
+    "RequestTooLargeError", "quantize_weights", "CompressedModel", "Profile", "StepRecord", "RunRecord", "OpTotal", "write_trace", "warmup",
 ]
 
 # A Sphinx role (``:meth:`Worker.run```): mkdocstrings shows it raw. Docstrings link with
