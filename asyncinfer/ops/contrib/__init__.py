@@ -12,13 +12,6 @@ once per op (`asyncinfer.ops.schema.declare_defaults`), since onnx ships no sche
 """
 from __future__ import annotations
 
-import importlib
-
 MS_DOMAIN = "com.microsoft"
 
-for _module in ("transformer", "quantized"):  # each registers its ops when imported
-    try:
-        importlib.import_module(f"{__name__}.{_module}")
-    except ModuleNotFoundError as exc:  # while a family is being written, the other still loads
-        if exc.name != f"{__name__}.{_module}":
-            raise
+from . import quantized, transformer  # noqa: E402,F401  (imported for their @register side effects)
