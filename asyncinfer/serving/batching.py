@@ -3,8 +3,9 @@
 Concurrent ``infer`` calls whose inputs differ only along the batch axis (axis 0, declared with
 one symbolic dimension on every input) are concatenated, run once, and the outputs are split
 back per request. A batch is sent when it is full (``max_batch_size`` rows) or when its oldest
-request has waited ``max_delay`` seconds, and at most ``max_concurrent_batches`` batches run at
-once: under load the queue grows while the engine is busy, so batches grow with the load.
+request has waited ``max_delay`` seconds, or at once when no batch is in flight (``eager``), and
+at most ``max_concurrent_batches`` batches run at once: under load the queue grows while the
+engine is busy, so batches grow with the load while a lone request waits for nothing.
 
 Everything awaits (anyio primitives), so it runs under asyncio and trio and never blocks the
 event loop. A background dispatcher task lives inside ``async with DynamicBatcher(...)``.
@@ -117,6 +118,10 @@ class DynamicBatcher:
             than this runs alone.
         max_delay: seconds the oldest waiting request may wait for batch-mates (default 2 ms).
         max_concurrent_batches: batches in flight at once; while they run, the queue fills up.
+        eager: when no batch is in flight, run what is queued at once instead of waiting up to
+            ``max_delay`` for batch-mates (a lone request then costs no delay, and under load
+            batches still form while the engine is busy). False: always wait for a full batch
+            or ``max_delay``, as Triton's dynamic batcher does.
         threads: CPU thread-pool size of the worker built for a model.
         on_run: called with a `RunRecord` after every engine run (merged or alone, failed
             or not), on the event loop; for statistics and metrics. It must not raise or block.
@@ -137,6 +142,7 @@ class DynamicBatcher:
 
     def __init__(self, target: Worker | Model, backend: BackendType | str = BackendType.CPU, *,
                  max_batch_size: int = 32, max_delay: float = 0.002, max_concurrent_batches: int = 2,
+                 eager: bool = True,
                  threads: int | None = None, on_run: Callable[[RunRecord], None] | None = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
@@ -154,6 +160,8 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_delay = max_delay
         self.max_concurrent_batches = max_concurrent_batches
+        self.eager = eager
+        self._batches_in_flight = 0
         self.stats = BatcherStats()
         self._on_run = on_run
         self._batch_symbol = batch_symbol(self.model)
@@ -343,7 +351,10 @@ class DynamicBatcher:
             deadline = queue[0].enqueued_at + self.max_delay
             full = sum(r.rows for r in queue) >= self.max_batch_size
             remaining = deadline - anyio.current_time()
-            if full or remaining <= 0 or self._state is not BatcherState.RUNNING:
+            # An idle engine runs what is queued now: waiting for batch-mates only pays while a
+            # run is in flight (the queue fills meanwhile); alone, it would just add the delay.
+            idle = self.eager and self._batches_in_flight == 0
+            if full or idle or remaining <= 0 or self._state is not BatcherState.RUNNING:
                 return self._take(key)
             await self._wait_for_wakeup(remaining)  # a new request, a cancellation, or closing
         return []
@@ -366,6 +377,7 @@ class DynamicBatcher:
 
     async def _run_batch(self, batch: list[_Request], slots: anyio.Semaphore) -> None:
         scope = anyio.CancelScope()
+        self._batches_in_flight += 1
         for request in batch:
             request.batch, request.run_scope = batch, scope
         self._cancel_if_unwanted(batch[0])  # every caller may have gone since the batch was taken
@@ -373,6 +385,7 @@ class DynamicBatcher:
             with scope:  # cancelled when every caller of the batch has gone
                 await self._run_requests(batch)
         finally:
+            self._batches_in_flight -= 1
             slots.release()
             for request in batch:  # cancelled (batcher shut down) before an answer
                 request.fail(DisposedError("the batcher stopped before this request finished"))

@@ -206,7 +206,8 @@ async def test_a_cancelled_waiting_request_leaves_the_others_alone(digits_model,
     images = digits_samples[0][:5]
     async with ai.Worker(digits_model) as worker:
         runs = count_runs(worker)
-        async with DynamicBatcher(worker, max_batch_size=4, max_delay=30) as batcher:
+        # not eager: the requests wait in the queue for their batch, where one is cancelled
+        async with DynamicBatcher(worker, max_batch_size=4, max_delay=30, eager=False) as batcher:
             cancelled = anyio.Event()
 
             async def doomed(scope_holder: list) -> None:
@@ -272,7 +273,7 @@ async def test_dispose_async_drains_pending_requests_then_refuses_new_ones(digit
     images = digits_samples[0][:3]
     async with ai.Worker(digits_model) as worker:
         runs = count_runs(worker)
-        batcher = DynamicBatcher(worker, max_batch_size=32, max_delay=30)
+        batcher = DynamicBatcher(worker, max_batch_size=32, max_delay=30, eager=False)  # the requests wait
         results: dict[int, dict] = {}
         async with batcher:
             async def one(i: int) -> None:
