@@ -12,6 +12,7 @@ import heapq
 import math
 import mmap
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
@@ -292,10 +293,30 @@ def _external_int(info: dict[str, str], key: str, default: int, what: str) -> in
 
 
 # -- value infos -------------------------------------------------------------------------------
+# Names exporters write for "any size" rather than for a size shared by several axes: Paddle2ONNX's
+# "?" (on every unknown axis) and "-1", tf2onnx's "unk__<n>", Keras's "None". ONNX Runtime checks no
+# dimension name, so reading these as names would refuse inputs it runs (two "?" axes made equal).
+_PLACEHOLDER_DIM = re.compile(r"\?|-?\d+|unk__\d+|none|null|unknown|\s*", re.IGNORECASE)
+
+
+def is_placeholder_dim(name: str) -> bool:
+    """Whether the dimension name ``name`` stands for "any size" (see `_PLACEHOLDER_DIM`)."""
+    return _PLACEHOLDER_DIM.fullmatch(name) is not None
+
+
+def _any_size(d: onnx.TensorShapeProto.Dimension) -> bool:
+    """A dimension read as "any size": none given, a negative size (ONNX Runtime's reading of
+    Paddle2ONNX's -1), or a placeholder name. A size of 0 is a literal 0, as for ONNX Runtime."""
+    if d.HasField("dim_value"):
+        return d.dim_value < 0
+    return not d.HasField("dim_param") or is_placeholder_dim(d.dim_param)
+
+
 def value_info_to_tensor_info(vi: onnx.ValueInfoProto, limits: Limits = DEFAULT_LIMITS, where: str = "value") -> TensorInfo:
-    """Name, dtype and (symbolic) shape of a declared value; an unknown element type, a negative
-    dimension or a rank over ``limits.max_tensor_rank`` is a ModelLoadError naming the value
-    (``where`` says what it is: "<file>: graph input"...)."""
+    """Name, dtype and (symbolic) shape of a declared value; an unknown element type or a rank over
+    ``limits.max_tensor_rank`` is a ModelLoadError naming the value (``where`` says what it is:
+    "<file>: graph input"...). A dimension is its size, its name, or None for "any size" (see
+    `_any_size`): placeholder names never tie axes together."""
     field = vi.type.WhichOneof("value")
     if field in ("sequence_type", "optional_type", "map_type"):
         return TensorInfo(vi.name, None, None, kind=field.removesuffix("_type"))
@@ -310,16 +331,11 @@ def value_info_to_tensor_info(vi: onnx.ValueInfoProto, limits: Limits = DEFAULT_
         return TensorInfo(vi.name, dtype, None)
     limits.check_model("max_tensor_rank", len(tt.shape.dim), f"{where} {vi.name!r} rank")
     dims: list[Dim] = []
-    for axis, d in enumerate(tt.shape.dim):
-        if d.HasField("dim_value"):
-            if d.dim_value < 0:
-                raise ModelLoadError(f"{where} {vi.name!r} declares dimension {d.dim_value} on axis {axis}: "
-                                     "dimensions cannot be negative")
-            dims.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
-            dims.append(d.dim_param)
-        else:
+    for d in tt.shape.dim:
+        if _any_size(d):
             dims.append(None)
+        else:
+            dims.append(int(d.dim_value) if d.HasField("dim_value") else d.dim_param)
     return TensorInfo(vi.name, dtype, tuple(dims))
 
 
@@ -331,7 +347,9 @@ def _inferred_infos(proto: onnx.ModelProto, limits: Limits) -> dict[str, TensorI
     busy for hours (found by a survey of every op under hostile inputs). The optimizer folds shape
     computations itself (``Shape`` of static tensors, then the layers reading it)."""
     try:
-        inferred = onnx.shape_inference.infer_shapes(_weightless(proto), strict_mode=False, data_prop=False)
+        light = _weightless(proto)
+        inferred = onnx.shape_inference.infer_shapes(_any_size_cleared(light, owned=light is not proto),
+                                                     strict_mode=False, data_prop=False)
     except Exception:
         return {}
     infos = {}
@@ -341,6 +359,32 @@ def _inferred_infos(proto: onnx.ModelProto, limits: Limits) -> dict[str, TensorI
         except ModelLoadError:
             continue
     return infos
+
+
+def _any_size_cleared(proto: onnx.ModelProto, owned: bool = False) -> onnx.ModelProto:
+    """``proto`` for shape inference with every any-size dimension (`_any_size`) left blank.
+
+    onnx computes with a declared -1 as if it were a size (Flatten of (-1, -1, 4) infers a literal
+    (1, 4), which the optimizer would fold as the Shape) and makes all the "?" of a graph one
+    symbol. ``proto`` is changed in place if ``owned``, else copied when some dimension needs it."""
+    def declared(graph: onnx.GraphProto) -> Iterator[onnx.TensorShapeProto.Dimension]:
+        for vi in _chain(graph.input, graph.output, graph.value_info):
+            if vi.type.HasField("tensor_type"):
+                yield from vi.type.tensor_type.shape.dim
+
+    def marked(model: onnx.ModelProto) -> list[onnx.TensorShapeProto.Dimension]:
+        return [d for g, _, _ in walk_graphs(model.graph) for d in declared(g)
+                if _any_size(d) and (d.HasField("dim_value") or d.HasField("dim_param"))]
+
+    if not owned:
+        if not marked(proto):
+            return proto
+        copy = onnx.ModelProto()
+        copy.CopyFrom(proto)  # small: large weights make _weightless build an owned copy
+        proto = copy
+    for d in marked(proto):
+        d.Clear()
+    return proto
 
 
 def _weightless(proto: onnx.ModelProto) -> onnx.ModelProto:

@@ -104,9 +104,11 @@ class SplitToSequence(Op):
             pieces = np.split(x, size, axis=axis) if size else []
             return pieces if self.attr("keepdims") else [np.squeeze(p, axis=axis) for p in pieces]
         lengths = int_list(split)
-        if any(n <= 0 for n in lengths):
-            raise op_error(self, f"split lengths must be positive, got {lengths}")
+        if any(n < 0 for n in lengths):
+            raise op_error(self, f"split lengths cannot be negative, got {lengths}")
         if np.ndim(split) == 0:  # chunks of that length, the last possibly shorter
+            if lengths[0] == 0:
+                raise op_error(self, "a chunk length of 0 never covers the axis")
             bounds = list(range(lengths[0], size, lengths[0]))
         else:
             if sum(lengths) != size:

@@ -1,9 +1,14 @@
 """Binding and checking a run's inputs against the model's declared (symbolic) signature.
 
 Everything here happens before any work is scheduled, so a bad input never leaves a half-run.
+The checks are ONNX Runtime's, so that every input it accepts is accepted here: the element type,
+the rank where the shape is declared, and every fixed size (0 included). A named dimension
+(``batch``) or an unknown one (None: no size, a negative size, or a placeholder name such as
+``?`` or ``unk__3``, see ``model.onnx_import``) takes any size.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +19,11 @@ from ..limits import Limits
 from ..model.ir import Model, TensorInfo
 from ..tensor import Tensor
 from ..concurrency.future import TaskFuture
+
+
+class InputShapeWarning(UserWarning):
+    """Inputs that ONNX Runtime accepts but that look inconsistent with the model's declared shapes
+    (one dimension name given different sizes)."""
 
 
 def example_inputs(model: Model) -> dict[str, np.ndarray]:
@@ -58,14 +68,15 @@ def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
     if missing:
         raise InputError(f"missing input(s) {missing}; the model's inputs are {list(declared)}")
 
-    bindings: dict[str, int | str] = {}
+    bindings: dict[str, tuple[int, str, int]] = {}
     futures: dict[str, TaskFuture] = {}
     for name, info in declared.items():
         futures[name] = _input_future(info, given[name], bindings, model.limits)
     return futures
 
 
-def _input_future(info: TensorInfo, value: Any, bindings: dict[str, int | str], limits: Limits) -> TaskFuture:
+def _input_future(info: TensorInfo, value: Any, bindings: dict[str, tuple[int, str, int]],
+                  limits: Limits) -> TaskFuture:
     if isinstance(value, Tensor):
         if value.disposed:
             raise InputError(f"input {info.name!r}: the tensor was disposed")
@@ -127,7 +138,14 @@ def _check_dtype(info: TensorInfo, dtype: np.dtype | None) -> None:
                          f"(convert with .astype(np.{info.dtype.name}))")
 
 
-def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, int | str]) -> None:
+def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, tuple[int, str, int]]) -> None:
+    """Rank and fixed sizes must match, as ONNX Runtime requires; a named dimension takes any size.
+
+    A name seen with two sizes (``batch`` 2 on one input, 3 on another) is accepted with a warning,
+    as ONNX Runtime accepts it: where the graph truly needs them equal, the layer that combines them
+    fails with an ExecutionError naming it. ``bindings`` maps each name to its first (size, input,
+    axis) in this run.
+    """
     if info.shape is None:
         return
     want = "(" + ", ".join("?" if d is None else str(d) for d in info.shape) + ")"
@@ -138,7 +156,9 @@ def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, i
             raise InputError(f"input {info.name!r} must have shape {want}, got {tuple(shape)} "
                              f"(axis {axis} is {size}, expected {dim})")
         if isinstance(dim, str) and dim:
-            bound = bindings.setdefault(dim, size)
-            if bound != size:
-                raise InputError(f"input {info.name!r}: dimension {dim!r} is {size} on axis {axis}, "
-                                 f"but {bound} in another input")
+            first = bindings.setdefault(dim, (size, info.name, axis))
+            if first[0] != size:
+                # No sizes in the text: warnings are shown once per distinct message, and requests are untrusted.
+                warnings.warn(f"input {info.name!r} axis {axis} and input {first[1]!r} axis {first[2]} share the "
+                              f"dimension name {dim!r} but were given different sizes; running anyway, as ONNX "
+                              "Runtime does", InputShapeWarning)

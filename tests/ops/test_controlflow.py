@@ -295,6 +295,17 @@ def test_split_to_sequence_scalar_split_leaves_a_shorter_last_piece() -> None:
         make("SplitToSequence").run(x, np.array([2, 2]))
 
 
+def test_split_to_sequence_takes_zero_lengths() -> None:
+    """Lengths are >= 0 (ONNX's simple test_sequence_model8 splits an empty tensor in three)."""
+    pieces = make("SplitToSequence").run(np.arange(5.0), np.array([2, 0, 3]))
+    assert [p.tolist() for p in pieces] == [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
+    assert [p.shape for p in make("SplitToSequence").run(np.zeros(0), np.array([0, 0, 0]))] == [(0,)] * 3
+    with pytest.raises(ExecutionError, match="negative"):
+        make("SplitToSequence").run(np.arange(5.0), np.array([6, -1]))
+    with pytest.raises(ExecutionError, match="chunk length of 0"):
+        make("SplitToSequence").run(np.arange(5.0), np.array(0))
+
+
 def test_optional_ops() -> None:
     x = np.ones(2, np.float32)
     assert make("Optional", 15).run() is None and make("Optional", 15).run(x) is x
