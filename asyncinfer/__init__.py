@@ -27,6 +27,7 @@ from .model.compress import CompressedModel, quantize_weights
 from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
+from .runtime.generation import FinishReason, GenerationStats, TokenStream
 from .runtime.plan import Placement
 from .runtime.profiling import OpTotal, Profile, RunRecord, StepRecord
 from .runtime.worker import Worker, WorkerState
@@ -42,6 +43,8 @@ __all__ = [
     "DisposedError",
     "Execution",
     "ExecutionError",
+    "FinishReason",
+    "GenerationStats",
     "InputError",
     "Layer",
     "LimitExceededError",
@@ -59,6 +62,7 @@ __all__ = [
     "TensorData",
     "TensorInfo",
     "TensorState",
+    "TokenStream",
     "UnsupportedOperatorError",
     "Worker",
     "WorkerState",

@@ -30,6 +30,8 @@ API_NAMES = [
     "AsyncInferError", "ModelLoadError", "UnsupportedOperatorError", "InputError", "ExecutionError",
     "BackendUnavailableError", "DisposedError", "Limits", "LimitExceededError", "ModelTooLargeError",
     "RequestTooLargeError", "quantize_weights", "CompressedModel", "Profile", "StepRecord", "RunRecord", "OpTotal", "write_trace", "warmup",
+    "generate", "generate_blocking", "generation_stats", "TokenStream", "FinishReason", "GenerationStats",
+    "collect", "collect_blocking",
 ]
 
 # A Sphinx role (``:meth:`Worker.run```): mkdocstrings shows it raw. Docstrings link with

@@ -46,6 +46,11 @@ class DeviceBackend(Backend):
         """(any thread) Start copying a device value to the host; the future completes with a
         NumPy array (or fails). Never blocks."""
 
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is already a value of this backend's device (an upload of it is
+        then no copy at all): a model input fed with an output of an earlier run."""
+        return False
+
     def check_errors(self) -> None:
         """(device thread) Raise the device's pending error after a step, if it has such a notion."""
 
@@ -76,7 +81,10 @@ class DeviceBackend(Backend):
 
     def _issue(self, step: Step, args: list) -> list:
         """(device thread) Issue an upload or a layer; the device's pending error fails it."""
-        outputs = [self.upload(args[0])] if step.kind is StepKind.UPLOAD else self.run_layer(step, args)
+        if step.kind is StepKind.UPLOAD:  # a value already on this device (a KV cache fed back) passes through
+            outputs = [args[0] if self.holds(args[0]) else self.upload(args[0])]
+        else:
+            outputs = self.run_layer(step, args)
         self.check_errors()
         return outputs
 

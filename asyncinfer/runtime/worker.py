@@ -16,6 +16,7 @@ from ..errors import AsyncInferError, DisposedError
 from ..model.ir import Model
 from ..tensor import Tensor
 from .execution import Execution
+from .generation import GenerationEngine, GenerationStats, TokenStream
 from .inputs import bind_inputs, example_inputs
 from .outputs import OutputPlans
 from .specialise import ShapePlans
@@ -79,6 +80,7 @@ class Worker:
         self._profiles: tuple[Profile, ...] = ()  # attached by profile(): every run records into them
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
+        self._generation: GenerationEngine | None = None  # made by the first generate()
         self._state_lock = threading.Lock()
         self._state = WorkerState.OPEN
         if warmup:
@@ -179,12 +181,14 @@ class Worker:
         observed = None
         if outputs is None and self._shape_plans.enabled:  # the shape arithmetic, once per input signature
             plan, observed = self._shape_plans.plan_for(futures)
-        profiles = self._profiles if profile is None else (*self._profiles, profile)
-        recorder = RunRecorder(dict.fromkeys(profiles), self.model.name, self.backend_type.value) if profiles else None
-        execution = Execution(plan, futures, worker=self, recorder=recorder)
+        execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile))
         if observed is not None:
             execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.futures))
         return execution
+
+    def _recorder(self, profile: Profile | None) -> RunRecorder | None:
+        profiles = self._profiles if profile is None else (*self._profiles, profile)
+        return RunRecorder(dict.fromkeys(profiles), self.model.name, self.backend_type.value) if profiles else None
 
     def _latest_execution(self) -> Execution:
         self._check_open()
@@ -246,6 +250,75 @@ class Worker:
         """Blocking twin of [`warmup`][asyncinfer.Worker.warmup]. Do not call it on an event loop."""
         self.run_blocking(*(inputs or (example_inputs(self.model),)), **named)
 
+    # -- generation -----------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 eos_token_id: int | Sequence[int] | None = None,
+                 stop: Sequence[int] | Sequence[Sequence[int]] | None = None) -> TokenStream:
+        """Generate tokens from a decoder model, streamed as they come: returns at once.
+
+        ```python
+        async for token in worker.generate(prompt_ids, max_new_tokens=32):
+            ...
+        tokens = await worker.generate(prompt_ids, max_new_tokens=32).collect()
+        ```
+
+        Concurrent streams on one worker share its runs (continuous batching); the KV cache stays
+        on the worker's backend between steps. See the "Streaming generation" page of the docs for
+        the model conventions understood, batching and cancellation.
+
+        Args:
+            prompt_ids: the prompt's token ids.
+            max_new_tokens: stop after this many tokens (or when the model's context is full).
+            temperature: 0 picks the most likely token (greedy); above, tokens are sampled from the
+                logits divided by it.
+            top_k: sample among the ``top_k`` most likely tokens only.
+            top_p: sample among the smallest set of most likely tokens whose probability reaches it.
+            seed: the stream's own random generator (the same seed gives the same tokens).
+            eos_token_id: token id(s) that end the stream (not yielded).
+            stop: token-id sequence(s) that end the stream (not yielded; tokens that may begin one
+                are held back until they cannot).
+
+        Raises:
+            InputError: a bad option or prompt (empty, an id beyond the vocabulary, longer than the
+                model's context), or a model that fits no decoder convention (the message names
+                what is missing).
+        """
+        return self._generation_engine().submit(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                                top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                                                stop=stop)
+
+    def generate_blocking(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                          top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                          eos_token_id: int | Sequence[int] | None = None,
+                          stop: Sequence[int] | Sequence[Sequence[int]] | None = None) -> list[int]:
+        """Blocking twin of [`generate`][asyncinfer.Worker.generate]: waits on the calling thread for the whole
+        stream and returns its tokens (``generate(...).collect_blocking()``; iterate ``generate(...)``
+        with a plain ``for`` to stream them on a thread). Do not call it on an event loop."""
+        return self.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop).collect_blocking()
+
+    def generation_stats(self) -> GenerationStats:
+        """Counters of this worker's generation: runs, tokens, streams running, largest batch,
+        bytes of KV cache held, whether streams share runs (and if not, why)."""
+        return self._generation_engine().stats()
+
+    def _generation_engine(self) -> GenerationEngine:
+        self._check_open()
+        with self._state_lock:
+            if self._generation is None:
+                self._generation = GenerationEngine(self.model, self._plan, self._schedule_generation)
+            return self._generation
+
+    def _schedule_generation(self, futures: dict[str, Any]) -> Execution:
+        """A run of the generation engine: inputs it built and checked itself, possibly values
+        still on this worker's backend (a device's upload step passes them through). Never shape
+        specialised (the past grows every step: see generation/engine.py)."""
+        self._check_open()
+        execution = Execution(self._plan, futures, worker=self, recorder=self._recorder(None))
+        execution.submit_all()
+        return execution
+
     # -- profiling ------------------------------------------------------------------------------------
     def profile(self, profile: Profile | None = None) -> Profiling:
         """Record every run scheduled on this worker inside ``with`` or ``async with``:
@@ -289,6 +362,9 @@ class Worker:
                 return
             self._state = WorkerState.DISPOSED
             owned = list(self._owned_runs)
+            generation = self._generation
+        if generation is not None:
+            generation.close()
         if self._latest is not None and not self._latest.has_taken_outputs:
             self._latest.cancel()
         self._latest = None

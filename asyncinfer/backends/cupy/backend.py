@@ -105,6 +105,9 @@ class CuPyBackend(DeviceBackend):
         xp = self._ctx.xp
         return DeviceTensorData(array if isinstance(array, xp.ndarray) else xp.asarray(array), self)
 
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, DeviceTensorData) and value._owner is self
+
     # -- readback ----------------------------------------------------------------------------------
     def start_download(self, value: Any) -> TaskFuture:
         """Copy a device value to the host: a pinned-memory copy and an event on the stream; the

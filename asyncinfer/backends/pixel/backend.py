@@ -62,6 +62,9 @@ class PixelBackend(DeviceBackend):
     def start_download(self, value: Any) -> TaskFuture:
         return self.gpu.start_download(value)
 
+    def holds(self, value: Any) -> bool:
+        return isinstance(value, PixelTensor) and value._device is self.gpu
+
     def check_errors(self) -> None:
         self.gpu.check_errors()
 
