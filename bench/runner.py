@@ -31,7 +31,8 @@ from typing import Any
 from bench import common
 
 # Every benchmark, in the order a full run takes them (the CPU ones first: they gate the floors).
-BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "pixel", "serving", "gpu_compute")
+BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "load_time", "pixel", "serving",
+                               "serving_load", "gpu_compute")
 
 # Our own packages: failing to import one of them is a bug to report, not a missing dependency.
 OWN_PACKAGES = ("asyncinfer", "bench")
@@ -136,8 +137,8 @@ class Floor:
 
 
 def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
-    """The targets measurable from ``results`` (benchmark name -> result): latency's, overhead's and
-    concurrency's."""
+    """The targets measurable from ``results`` (benchmark name -> result): latency's, overhead's,
+    concurrency's, load_time's and serving_load's."""
     checks = []
     if (lat := results.get("latency")) is not None:
         checks.append(Floor("geomean latency ratio asyncinfer(await)/ORT", common.dig(lat, "geomean_ratio_await"),
@@ -160,6 +161,26 @@ def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
                       at_least=True),
                 Floor(f"loop lag p99 while {tasks} tasks run, {model}", common.dig(r, *lag, "p99_ms"), 2.0, "ms"),
                 Floor(f"loop lag max while {tasks} tasks run, {model}", common.dig(r, *lag, "max_ms"), 10.0, "ms"),
+            ]
+    if (lt := results.get("load_time")) is not None:
+        for model, r in lt["models"].items():
+            if "error" in r:
+                continue
+            checks += [
+                Floor(f"load of {model} (external data), asyncinfer/ORT session", r["load_ratio"], 2.0, "x"),
+                Floor(f"peak RSS after a run of {model}, x model size", r["rss_run_x_model"]["asyncinfer"], 1.5, "x"),
+                Floor(f"first run after warmup() of {model}, x steady state", r["first_after_warmup_x_steady"], 1.2, "x"),
+            ]
+    if (load := results.get("serving_load")) is not None:
+        for model, r in load["models"].items():
+            if not r.get("batchable"):
+                continue  # a fixed batch of 1 leaves nothing to merge: the target is about batching
+            c8 = ("concurrency", "8", "asyncinfer")
+            checks += [
+                Floor(f"serve at concurrency 8, batching/ORT+FastAPI throughput, {model}",
+                      common.dig(r, *c8, "throughput_vs_baseline"), 1.5, "x", at_least=True),
+                Floor(f"serve at concurrency 8, batching/ORT+FastAPI p99, {model}",
+                      common.dig(r, *c8, "p99_vs_baseline"), 1.0, "x"),
             ]
     return checks
 

@@ -149,6 +149,23 @@ def test_floors_report_every_target_of_the_benchmarks_that_ran():
     assert runner.floors({"pixel": {}}) == []
 
 
+def test_load_time_floors_and_external_copy(monkeypatch, tmp_path):
+    import asyncinfer as ai
+    from bench import architectures, load_time
+
+    result = {"models": {"m": {"load_ratio": 0.5, "rss_run_x_model": {"asyncinfer": 1.6},
+                               "first_after_warmup_x_steady": 1.1}, "broken": {"error": "no"}}}
+    assert [f.verdict for f in runner.floors({"load_time": result})] == ["PASS", "MISS", "PASS"]
+    # the external-data copy of a cached model: model.onnx + one weights file, same values
+    monkeypatch.setenv("ASYNCINFER_BENCH_CACHE", str(tmp_path))
+    path = load_time.external_copy("lstm_vad")
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.onnx", "weights.bin"]
+    inline = ai.load_model(architectures.model_path("lstm_vad"))
+    external = ai.load_model(path)
+    for name, value in inline.constants.items():
+        np.testing.assert_array_equal(external.constants[name], value)
+
+
 def test_concurrency_floors_need_throughput_at_least_ort():
     fast = {"ratio": 1.2, "engines": {"asyncinfer": {"loop_lag": {"p99_ms": 3.0, "max_ms": 9.0}}}}
     conc = {"tasks": 8, "models": {"fast": fast, "slow": {"ratio": 0.5}, "broken": {"error": "did not load"}}}
@@ -350,3 +367,121 @@ def test_quick_overhead_run_writes_the_summary(monkeypatch, tmp_path):
     assert len(floors) == 4 and {f["verdict"] for f in floors} <= {"PASS", "MISS"}
     markdown = (tmp_path / "summary.md").read_text()
     assert "| overhead | ok | per-layer await/ORT" in markdown and summary["environment"]["cpu_model"] in markdown
+
+
+# -- serving_load: asyncinfer serve vs ORT behind FastAPI, over HTTP ---------------------------------
+def test_serving_baseline_speaks_kserve_v2():
+    pytest.importorskip("onnxruntime", reason="the baseline server runs onnxruntime")
+    pytest.importorskip("fastapi", reason="the baseline server is a FastAPI app")
+    import asyncio
+
+    import httpx
+
+    from asyncinfer import assets
+    from bench import serving_baseline as sb
+
+    session = sb._session(str(assets.default_model_path()), threads=1)
+    x = assets.default_samples()[0][:2]
+    expected = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"image": x})))
+    body, headers = sb.encode_request({"image": x})  # binary tensor data both ways
+    as_json = {"inputs": [{"name": "image", "shape": [2, 1, 8, 8], "datatype": "FP32", "data": x.ravel().tolist()}],
+               "outputs": [{"name": "probabilities"}]}  # JSON both ways, one output asked for
+
+    async def exchange() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=sb.build_app({"digits": session}))
+        async with httpx.AsyncClient(transport=transport, base_url="http://baseline") as client:
+            return [await client.get("/v2/health/ready"), await client.get("/v2/models/digits"),
+                    await client.get("/v2/models/digits/config"),
+                    await client.post("/v2/models/digits/infer", content=body, headers=headers),
+                    await client.post("/v2/models/digits/infer", json=as_json),
+                    await client.post("/v2/models/digits/infer", content=body[:-4], headers=headers),
+                    await client.post("/v2/models/nope/infer", content=body, headers=headers)]
+
+    ready, meta, config, binary, json_answer, short, unknown = asyncio.run(exchange())
+    assert ready.status_code == 200
+    assert meta.json()["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
+    assert config.json()["input"][0]["dims"] == [-1, 1, 8, 8]
+
+    assert binary.status_code == 200 and sb.HEADER_LENGTH.lower() in binary.headers
+    got = sb.decode_response(binary.content, binary.headers[sb.HEADER_LENGTH.lower()])
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        np.testing.assert_array_equal(got[name], want)
+
+    assert json_answer.status_code == 200 and sb.HEADER_LENGTH.lower() not in json_answer.headers
+    [output] = json_answer.json()["outputs"]
+    assert output["name"] == "probabilities" and output["shape"] == [2, 10]
+    np.testing.assert_allclose(output["data"], expected["probabilities"].ravel(), rtol=1e-6)
+
+    assert short.status_code == 400 and "binary_data_size" in short.json()["error"]
+    assert unknown.status_code == 404
+
+
+def test_serving_load_stops_its_servers_on_an_exception():
+    pytest.importorskip("fastapi", reason="the baseline server is a FastAPI app")
+    from asyncinfer import assets
+    from bench import serving_load
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with serving_load.running_servers({"digits": assets.default_model_path()}, threads=1, kinds=["baseline"],
+                                          verbose=False) as servers:
+            proc = servers["baseline"].proc
+            assert proc.poll() is None  # ready and running
+            raise RuntimeError("boom")
+    assert proc.poll() is not None  # stopped, not orphaned
+
+
+def _assert_serving_load_result(result: dict, models: list[str], levels: list[int]) -> None:
+    from bench import serving_load
+
+    assert list(result["models"]) == models
+    for name in models:
+        r = result["models"][name]
+        assert "error" not in r, r.get("error")
+        assert r["agreement"]["ok"]  # every server, binary and JSON, agreed with the baseline
+        assert set(r["agreement"]["max_abs_diff"]) == {f"{k} {enc}" for k in serving_load.SERVERS
+                                                         for enc in ("binary", "json")}
+        assert list(r["concurrency"]) == [str(level) for level in levels]
+        for row in r["concurrency"].values():
+            assert set(row) == set(serving_load.SERVERS)
+            for figures in row.values():
+                assert figures["client"] == result["client"] and figures["errors"] == 0
+                assert figures["requests"] > 0
+                for key in ("infer_per_s", "p50_ms", "p99_ms", "throughput_vs_baseline", "p99_vs_baseline"):
+                    assert_positive(figures[key])
+                assert figures["p50_ms"] <= figures["p99_ms"]
+            assert row["baseline"]["throughput_vs_baseline"] == pytest.approx(1.0)
+
+
+def test_quick_serving_load_run_writes_its_results(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the baseline server runs onnxruntime")
+    pytest.importorskip("fastapi", reason="the baseline server is a FastAPI app")
+    from bench import serving_load
+
+    monkeypatch.setattr(serving_load, "find_perf_analyzer", lambda: None)  # the local client: no external tool
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    assert runner.main(["serving_load", "--quick"]) == 0
+    result = json.loads((tmp_path / "serving_load.json").read_text())["results"]
+    assert result["client"] == "local" and "perf_analyzer not found" in result["perf_analyzer_unused_because"]
+    assert result["seconds_per_block"] == serving_load.QUICK["seconds"]
+    _assert_serving_load_result(result, ["digits", "squeezenet"], list(serving_load.LEVELS))
+    assert result["models"]["digits"]["batchable"] and not result["models"]["squeezenet"]["batchable"]
+    summary = json.loads((tmp_path / "summary.json").read_text())["results"]
+    [bench] = summary["benchmarks"]
+    assert bench["status"] == "ok" and bench["figures"]["digits c8 infer/s ×base"] > 0
+    # the c8 batching targets, for the model whose batch dimension is free only
+    assert [f["name"].rsplit(", ", 1)[1] for f in summary["floors"]] == ["digits", "digits"]
+
+
+def test_serving_load_with_perf_analyzer():
+    pytest.importorskip("onnxruntime", reason="the baseline server runs onnxruntime")
+    pytest.importorskip("fastapi", reason="the baseline server is a FastAPI app")
+    from bench import serving_load
+
+    problem = serving_load.perf_analyzer_problem(serving_load.find_perf_analyzer())
+    if problem is not None:
+        pytest.skip(f"{problem}")
+    result = serving_load.run(["digits"], levels=[1, 2], seconds=0.3, warmup=0.1, rounds=1, client="perf_analyzer",
+                              verbose=False)
+    assert result["client"] == "perf_analyzer"
+    _assert_serving_load_result(result, ["digits"], [1, 2])
