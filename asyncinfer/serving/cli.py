@@ -82,6 +82,9 @@ def add_serve_command(subparsers: Any) -> None:
                        help="seconds shutdown waits for requests in progress before cancelling them "
                             f"(default {DEFAULT_DRAIN_TIMEOUT:g})")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--access-log", action="store_true",
+                       help="log every request (off by default: a log line per request costs more CPU than "
+                            "a small model's inference)")
     serve.add_argument("--model-repository", type=Path, metavar="DIR",
                        help="serve a Triton-layout model repository: DIR/<model>/<version>/model.onnx, with an "
                             "optional DIR/<model>/config.pbtxt (instead of MODEL arguments)")
@@ -176,13 +179,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if not grpc_port:
         app = create_app(service=service)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=graceful)
+                    access_log=args.access_log, timeout_graceful_shutdown=graceful)
         return 0
     import asyncio
 
     app = create_app(service=service, manage_service=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=graceful)
+                            access_log=args.access_log, timeout_graceful_shutdown=graceful)
     return asyncio.run(serve_http_and_grpc(service, uvicorn.Server(config), args.host, grpc_port, args.drain_timeout))
 
 

@@ -182,6 +182,8 @@ def _load_json(header: bytes, max_depth: int) -> dict[str, Any]:
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_CHUNK = 1 << 20
+_OPENERS = frozenset(b"[{")
+_SHALLOW = 16  # up to 64 brackets: a plain loop beats NumPy's fixed cost
 
 
 def json_depth(text: bytes) -> int:
@@ -190,7 +192,14 @@ def json_depth(text: bytes) -> int:
     ``json.loads``, which recurses once per level. Malformed text gets a depth too (its brackets
     outside strings, counted as they come); the parser then rejects it.
     """
-    brackets = np.frombuffer(_JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS), np.uint8)
+    stripped = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    if len(stripped) <= 4 * _SHALLOW:  # a typical header: a few brackets, count them in Python
+        level = deepest = 0
+        for byte in stripped:
+            level += 1 if byte in _OPENERS else -1
+            deepest = max(deepest, level)
+        return deepest
+    brackets = np.frombuffer(stripped, np.uint8)
     level = deepest = 0
     for start in range(0, brackets.size, _DEPTH_CHUNK):  # chunks: a body of brackets stays cheap
         chunk = brackets[start:start + _DEPTH_CHUNK]

@@ -129,7 +129,9 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
         else:
             yield
 
-    routes = [
+    routes = [  # inference first: Starlette tries routes in order, and almost every request infers
+        Route("/v2/models/{name}/infer", _infer, methods=["POST"]),
+        Route("/v2/models/{name}/versions/{version}/infer", _infer, methods=["POST"]),
         Route("/v2/health/live", _live, methods=["GET"]),
         Route("/v2/health/ready", _ready, methods=["GET"]),
         Route("/v2", _server_metadata, methods=["GET"]),
@@ -148,7 +150,6 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
             Route(prefix + "/config", _model_config, methods=["GET"]),
             Route(prefix + "/stats", _statistics, methods=["GET"]),
             Route(prefix + "/trace/setting", _trace_setting, methods=["GET", "POST"]),
-            Route(prefix + "/infer", _infer, methods=["POST"]),
         ]
     for kind in ("systemsharedmemory", "cudasharedmemory"):
         routes += [Route(f"/v2/{kind}/{{rest:path}}", _shared_memory, methods=["GET", "POST"])]
