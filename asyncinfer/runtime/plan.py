@@ -29,37 +29,6 @@ from ..model.ir import Layer, Model, TensorInfo
 Ref = tuple[int, int]
 
 
-# GEMM-based layers with at most this many multiply-adds run inside segments (see
-# Plan._small_gemm): about 10 µs on one core, far below linalg's split threshold (30M).
-LIGHT_GEMM_MACS = 1 << 20
-
-
-def _static_shape(model: Model, name: str) -> tuple[int, ...] | None:
-    if name in model.constants:
-        return tuple(np.shape(model.constants[name]))
-    info = model.value_info.get(name) or next((i for i in model.inputs if i.name == name), None)
-    if info is None or info.shape is None or not all(isinstance(d, int) for d in info.shape):
-        return None
-    return tuple(info.shape)  # type: ignore[arg-type]
-
-
-def _static_macs(model: Model, layer: Layer) -> int | None:
-    """Multiply-adds of a Conv/MatMul/Gemm/RNN layer when its shapes are static, else None."""
-    shapes = [_static_shape(model, n) if n else None for n in layer.inputs]
-    out = _static_shape(model, layer.outputs[0]) if layer.outputs and layer.outputs[0] else None
-    if layer.domain or len(shapes) < 2 or shapes[0] is None or shapes[1] is None:
-        return None
-    x, w = shapes[0], shapes[1]
-    if layer.op_type == "Conv" and out is not None and len(w) >= 2:
-        return int(np.prod(out)) * int(np.prod(w[1:]))  # outputs × (C/group · taps)
-    if layer.op_type in ("MatMul", "Gemm") and out is not None and x:
-        k = x[0] if layer.op_type == "Gemm" and layer.attrs.get("transA") else x[-1]
-        return int(np.prod(out)) * int(k)
-    if layer.op_type in ("LSTM", "GRU", "RNN") and len(x) == 3 and len(shapes) > 2 and shapes[2] is not None:
-        return x[0] * x[1] * (int(np.prod(w)) + int(np.prod(shapes[2])))  # steps × batch × (W + R)
-    return None
-
-
 @dataclass(eq=False, slots=True)
 class Node:
     """A step placed in the task graph: the backend that runs it and where its inputs come from."""
@@ -300,7 +269,7 @@ class Plan:
                 continue
             step = node.step
             light = (node.backend.runs_jobs and step.kind is StepKind.LAYER
-                     and (not getattr(step.kernel, "multithreaded", False) or self._small_gemm(node.layer)))
+                     and not getattr(step.kernel, "multithreaded", False))
             last = segments[-1].nodes[-1] if segments else None
             if (light and last is not None and last.backend is node.backend and segments[-1].light
                     and last.index in node.sources
@@ -315,14 +284,6 @@ class Plan:
             segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources
                                             if s not in inside and s not in ready}))
         return segments
-
-    def _small_gemm(self, layer: Layer) -> bool:
-        """A GEMM-based layer (Conv, MatMul, Gemm, the RNNs) whose multiply-adds, known from static
-        shapes and constant weights, are too few to use more than one core: it may join a segment
-        like a light layer, so it costs no dispatch of its own (lstm_vad's convs and LSTM: a
-        few µs of work behind a ~40 µs thread hop each)."""
-        macs = _static_macs(self.model, layer)
-        return macs is not None and macs <= LIGHT_GEMM_MACS
 
     def _plan_releases(self) -> None:
         """Free each intermediate value after its last reader, so a run holds only live tensors."""

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 import asyncinfer as ai
 from conftest import BARRIERS, TEST_DOMAIN, LoopTicker, make_model, shape_arithmetic_model, tensor_info
@@ -500,24 +500,3 @@ def test_a_branch_leaving_a_segment_runs_while_the_segment_is_still_busy(gate):
         assert not execution.layer_future("neg").done()
         event.set()
         np.testing.assert_array_equal(execution.take_output("y").readback_and_clone().numpy(), [0, -2])
-
-
-@pytest.mark.parametrize("channels, joins", [(8, True), (256, False)])
-def test_a_small_static_conv_joins_the_segment_and_a_large_one_stays_alone(channels, joins):
-    """GEMM-based layers are dispatched alone (they may use every core) unless their static shapes
-    say they are too small for that: then they run inside the path's job, with no thread hop."""
-    rng = np.random.default_rng(0)
-    w = numpy_helper.from_array(rng.standard_normal((channels, channels, 3, 3)).astype(np.float32), "w")
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
-             helper.make_node("Conv", ["r", "w"], ["c"], pads=[1, 1, 1, 1], name="conv"),
-             helper.make_node("Neg", ["c"], ["y"], name="neg")]
-    shape = [1, channels, 32, 32]
-    model = ai.load_model(make_model(nodes, [tensor_info("x", shape)], [tensor_info("y", shape)], [w]))
-    with ai.Worker(model) as worker:
-        segments = [[n.layer.name for n in s.nodes] for s in worker._plan.segments]
-        assert segments == ([["relu", "conv", "neg"]] if joins else [["relu"], ["conv"], ["neg"]])
-        x = rng.standard_normal(shape).astype(np.float32)
-        from onnx.reference import ReferenceEvaluator
-        want = ReferenceEvaluator(make_model(nodes, [tensor_info("x", shape)], [tensor_info("y", shape)], [w])).run(
-            None, {"x": x})[0]
-        np.testing.assert_allclose(worker.run_blocking(x)["y"], want, rtol=1e-3, atol=1e-3)
