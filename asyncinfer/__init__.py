@@ -27,6 +27,7 @@ from .model.compress import CompressedModel, quantize_weights
 from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
+from .runtime.inputs import InputShapeWarning
 from .runtime.generation import FinishReason, GenerationStats, TokenStream
 from .runtime.plan import Placement
 from .runtime.profiling import OpTotal, Profile, RunRecord, StepRecord
@@ -46,6 +47,7 @@ __all__ = [
     "FinishReason",
     "GenerationStats",
     "InputError",
+    "InputShapeWarning",
     "Layer",
     "LimitExceededError",
     "Limits",

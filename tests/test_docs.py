@@ -27,7 +27,7 @@ API_NAMES = [
     "schedule", "schedule_iterable", "peek_output", "take_output", "run_blocking", "placement",
     "readback_request", "is_readback_request_done", "readback_and_clone", "readback_and_clone_async",
     "download_to_array", "data_on_backend", "from_numpy", "dispose",
-    "AsyncInferError", "ModelLoadError", "UnsupportedOperatorError", "InputError", "ExecutionError",
+    "AsyncInferError", "ModelLoadError", "UnsupportedOperatorError", "InputError", "InputShapeWarning", "ExecutionError",
     "BackendUnavailableError", "DisposedError", "Limits", "LimitExceededError", "ModelTooLargeError",
     "RequestTooLargeError", "quantize_weights", "CompressedModel", "Profile", "StepRecord", "RunRecord", "OpTotal", "write_trace", "warmup",
     "generate", "generate_blocking", "generation_stats", "TokenStream", "FinishReason", "GenerationStats",

@@ -463,12 +463,25 @@ class DynamicBatcher:
                     self._on_run(RunRecord(rows, len(batch), input_ns, ended - began, split_at - ended, ok))
 
 
+#: The batch "symbol" of a one-input model whose axis 0 is declared as any size.
+ANY_SIZE_BATCH = "?"
+
+
 def batch_symbol(model: Model) -> str | None:
     """The symbolic dimension that is axis 0 of every input, or None if the model cannot batch.
 
     Batchable: at least one input, every input a tensor of known rank >= 1 whose axis 0 is the
     same symbolic dimension, appearing on no other axis; every output's axis 0 symbolic or unknown.
+    A model with one input whose axis 0 is "any size" (exporters' ``-1``, ``?``, ``unk__N``, shown
+    as None) batches along it too, under the name ``"?"``: that is how tf2onnx and Paddle2ONNX
+    declare the batch. (With several inputs, unnamed axes say nothing about belonging together.)
     """
+    if (len(model.inputs) == 1 and model.inputs[0].kind == "tensor" and model.inputs[0].shape
+            and model.inputs[0].shape[0] is None):
+        if any(info.kind != "tensor" or (info.shape is not None and (not info.shape or isinstance(info.shape[0], int)))
+               for info in model.outputs):
+            return None
+        return ANY_SIZE_BATCH
     symbols = set()
     for info in model.inputs:
         if info.kind != "tensor" or not info.shape or not isinstance(info.shape[0], str) or not info.shape[0]:

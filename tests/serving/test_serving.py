@@ -99,6 +99,43 @@ def test_batch_symbol(digits_model, int_model, gated_model):
     assert batch_symbol(gated_model[0]) is None  # fixed [2, 3]: every request runs alone
 
 
+@pytest.mark.parametrize("declared", [["unk__12", 3], [-1, 3], ["?", "?"]])  # tf2onnx, Paddle2ONNX
+def test_a_one_input_model_whose_axis_0_is_any_size_batches_and_two_such_inputs_do_not(declared):
+    from onnx import helper as h
+
+    one = ai.load_model(make_model([h.make_node("Relu", ["x"], ["y"])], [tensor_info("x", declared)],
+                                   [tensor_info("y", declared)], extra_domains=()))
+    assert one.inputs[0].shape[0] is None and batch_symbol(one) == "?"
+    two = make_model([h.make_node("Add", ["a", "b"], ["y"])], [tensor_info("a", declared), tensor_info("b", declared)],
+                     [tensor_info("y", declared)], extra_domains=())
+    assert batch_symbol(ai.load_model(two)) is None  # unnamed axes of two inputs need not match
+
+
+@pytest.mark.anyio
+async def test_requests_to_a_model_with_an_any_size_batch_axis_are_merged():
+    from onnx import helper as h
+
+    model = ai.load_model(make_model([h.make_node("Relu", ["x"], ["y"])], [tensor_info("x", [-1, 3])],
+                                     [tensor_info("y", [-1, 3])], extra_domains=()))
+    async with ai.Worker(model) as worker:
+        runs = count_runs(worker)
+        async with DynamicBatcher(worker, max_batch_size=8, max_delay=30, eager=False) as batcher:
+            results = {}
+
+            async def one(i: int) -> None:
+                results[i] = await batcher.infer({"x": np.full((1, 3), i - 2, np.float32)})
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+                while batcher.pending < 4:
+                    await anyio.sleep(0)
+                await batcher.dispose_async()
+        assert runs == [4]
+        for i in range(4):
+            np.testing.assert_array_equal(results[i]["y"], np.full((1, 3), max(i - 2, 0), np.float32))
+
+
 @pytest.mark.anyio
 async def test_concurrent_requests_are_batched_and_match_unbatched_runs(digits_model, digits_samples):
     images = digits_samples[0][:32]
