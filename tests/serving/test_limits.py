@@ -35,11 +35,6 @@ HANG = 20  # seconds: a bound against hangs, never a timing assertion
 DIGITS = "/v2/models/digits/infer"
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
-
-
 @pytest.fixture
 def gated_batch_model(gate):
     """y = Gate(x) + 1 on [N, 3] (batchable): runs cannot finish before the test opens the gate."""

@@ -14,45 +14,17 @@ import anyio
 import httpx
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 from prometheus_client.parser import text_string_to_metric_families
 
 import asyncinfer as ai
-from asyncinfer.ops.base import Op
-from asyncinfer.ops.registry import register
 from asyncinfer.serving import create_app
 from asyncinfer.serving.service import InferenceService
-from conftest import TEST_DOMAIN, make_model, tensor_info
 
 HANG = 20  # seconds: a bound against hangs, never a timing assertion
 TRITON_COUNTERS = ["nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
                    "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
                    "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
                    "nv_inference_compute_output_duration_us"]
-
-
-@register("FailIfNegative", versions=(1,), domain=TEST_DOMAIN)
-class FailIfNegative(Op):
-    """Identity that fails when any value is negative: a failure caused by one request's data."""
-
-    def run(self, x):
-        if (x < 0).any():
-            raise ValueError("negative value")
-        return x.copy()
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def picky_model() -> ai.Model:
-    """y = FailIfNegative(x) * 2 on [N, 3] float32 (batchable)."""
-    two = helper.make_tensor("two", TensorProto.FLOAT, [1], [2.0])
-    nodes = [helper.make_node("FailIfNegative", ["x"], ["checked"], domain=TEST_DOMAIN),
-             helper.make_node("Mul", ["checked", "two"], ["y"])]
-    return ai.load_model(make_model(nodes, [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 3])], [two]))
 
 
 @asynccontextmanager

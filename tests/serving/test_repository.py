@@ -29,11 +29,6 @@ from conftest import TEST_DOMAIN, make_model, tensor_info
 HANG = 20  # seconds: a bound against hangs, never a timing assertion
 
 
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
-
-
 def add_version(repository: Path, name: str, version: int, source: Path | onnx.ModelProto | bytes) -> Path:
     """Write ``repository/name/version/model.onnx``."""
     path = repository / name / str(version) / "model.onnx"

@@ -21,29 +21,12 @@ import pytest
 from onnx import TensorProto, helper
 
 import asyncinfer as ai
-from asyncinfer.ops.base import Op
-from asyncinfer.ops.registry import register
 from asyncinfer.serving import DynamicBatcher, create_app
 from asyncinfer.serving.batching import batch_symbol
 from asyncinfer.serving.cli import add_serve_command, model_sources
 from conftest import TEST_DOMAIN, make_model, tensor_info
 
 RTOL, ATOL = 1e-5, 1e-5  # a batched GEMM may sum in another order than a batch of one (float32 ulps)
-
-
-@register("FailOnNegative", versions=(1,), domain=TEST_DOMAIN)
-class FailOnNegative(Op):
-    """Identity that fails when any value is negative: a failure caused by one request's data."""
-
-    def run(self, x):
-        if (x < 0).any():
-            raise ValueError("negative value")
-        return x.copy()
-
-
-@pytest.fixture(params=["asyncio", "trio"])
-def anyio_backend(request):
-    return request.param
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -57,15 +40,6 @@ def int_model() -> ai.Model:
                        [tensor_info("y", ["N", 3], TensorProto.INT64), tensor_info("positive", ["N", 3], TensorProto.BOOL)],
                        [one, zero], extra_domains=())
     return ai.load_model(proto)
-
-
-@pytest.fixture(scope="module")
-def picky_model() -> ai.Model:
-    """y = FailOnNegative(x) * 2 on [N, 3] float32."""
-    two = helper.make_tensor("two", TensorProto.FLOAT, [1], [2.0])
-    nodes = [helper.make_node("FailOnNegative", ["x"], ["checked"], domain=TEST_DOMAIN),
-             helper.make_node("Mul", ["checked", "two"], ["y"])]
-    return ai.load_model(make_model(nodes, [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 3])], [two]))
 
 
 @pytest.fixture
