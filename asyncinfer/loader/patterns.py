@@ -263,22 +263,17 @@ def fuse_layer_norm(model: Model) -> int:
         users = list({id(u): u for u in g.consumers.get(d, [])}.values())  # Mul(d, d) reads d twice
         if len(users) != 2 or d in g.pinned:
             continue
-        square = next((u for u in users if u.op_type == "Pow" and u.inputs[0] == d and g.is_scalar(u.inputs[1], 2.0)
-                       or u.op_type == "Mul" and u.inputs == [d, d]), None)
+        square = next((u for u in users if _squares(g, u, d)), None)
         divide = next((u for u in users if u.op_type == "Div" and u.inputs[0] == d), None)
         if square is None or divide is None or square is divide:
             continue
-        variance = g.only_consumer(square.outputs[0], "ReduceMean")
-        if variance is None or not g.reduces_last_axis(variance, square.outputs[0]):
+        rms = _root_mean_square(g, square)
+        if rms is None:
             continue
-        plus_eps = g.only_consumer(variance.outputs[0], "Add")
-        eps = g.scalar(g.other(plus_eps, variance.outputs[0]) or "") if plus_eps is not None else None
-        if eps is None or eps < 0:
+        rms_layers, eps, root = rms
+        if divide.inputs != [d, root] or not g.private(root):
             continue
-        root = g.only_consumer(plus_eps.outputs[0], "Sqrt")
-        if root is None or divide.inputs != [d, root.outputs[0]] or not g.private(root.outputs[0]):
-            continue
-        pattern = [mean, sub, square, variance, plus_eps, root, divide]
+        pattern = [mean, sub, *rms_layers, divide]
         last, scale, bias = divide, None, None
         times = g.only_consumer(divide.outputs[0], "Mul")
         gamma = g.other(times, divide.outputs[0]) if times is not None else None
@@ -316,21 +311,11 @@ def fuse_rms_norm(model: Model) -> int:
         if id(square) in g.removed or square.domain or square.op_type not in ("Pow", "Mul"):
             continue
         x = square.inputs[0]
-        if not (square.op_type == "Pow" and len(square.inputs) == 2 and g.is_scalar(square.inputs[1], 2.0)
-                or square.op_type == "Mul" and square.inputs == [x, x]):
+        rms = _root_mean_square(g, square) if _squares(g, square, x) else None
+        if rms is None:
             continue
-        mean = g.only_consumer(square.outputs[0], "ReduceMean")
-        if mean is None or not g.reduces_last_axis(mean, square.outputs[0]):
-            continue
-        plus_eps = g.only_consumer(mean.outputs[0], "Add")
-        eps = g.scalar(g.other(plus_eps, mean.outputs[0]) or "") if plus_eps is not None else None
-        if eps is None or eps < 0:
-            continue
-        root = g.only_consumer(plus_eps.outputs[0], "Sqrt")
-        if root is None:
-            continue
-        pattern = [square, mean, plus_eps, root]
-        normed = _divided_by(g, x, root.outputs[0], pattern)
+        pattern, eps, root = rms
+        normed = _divided_by(g, x, root, pattern)
         if normed is None:
             continue
         times = g.only_consumer(normed.outputs[0], "Mul")
@@ -344,6 +329,28 @@ def fuse_rms_norm(model: Model) -> int:
         count += 1
     g.commit()
     return count
+
+
+def _squares(g: _Graph, layer: Layer, x: str) -> bool:
+    """``layer`` computes ``x²``, as ``Pow(x, 2)`` or ``Mul(x, x)``."""
+    return (layer.op_type == "Pow" and len(layer.inputs) == 2 and layer.inputs[0] == x
+            and g.is_scalar(layer.inputs[1], 2.0)) or (layer.op_type == "Mul" and layer.inputs == [x, x])
+
+
+def _root_mean_square(g: _Graph, square: Layer) -> tuple[list[Layer], float, str] | None:
+    """From a squaring layer: ``sqrt(ReduceMean(square over the last axis) + ε)``, as its layers
+    (the square first), ε and the name of the root; None if that is not what follows."""
+    mean = g.only_consumer(square.outputs[0], "ReduceMean")
+    if mean is None or not g.reduces_last_axis(mean, square.outputs[0]):
+        return None
+    plus_eps = g.only_consumer(mean.outputs[0], "Add")
+    eps = g.scalar(g.other(plus_eps, mean.outputs[0]) or "") if plus_eps is not None else None
+    if plus_eps is None or eps is None or eps < 0:
+        return None
+    root = g.only_consumer(plus_eps.outputs[0], "Sqrt")
+    if root is None:
+        return None
+    return [square, mean, plus_eps, root], eps, root.outputs[0]
 
 
 def _divided_by(g: _Graph, x: str, root: str, pattern: list[Layer]) -> Layer | None:
