@@ -254,37 +254,45 @@ def _decode_input(index: int, raw: Any, declared: Mapping[str, TensorInfo], mode
         if offset + size > len(binary):
             raise ProtocolError(400, f"input {name!r}: 'binary_data_size' is {size}, but only "
                                      f"{len(binary) - offset} bytes of binary data are left")
-        array = _from_binary(name, binary[offset:offset + size], dtype, count)
+        array = decode_binary(name, binary[offset:offset + size], dtype, count, "'binary_data_size'")
         return name, array.reshape(shape), size
     if "data" not in raw:
         raise ProtocolError(400, f"input {name!r} has neither 'data' nor a 'binary_data_size' parameter")
     return name, _from_json(name, raw["data"], datatype, dtype, shape, count), 0
 
 
-def _from_binary(name: str, chunk: bytes, dtype: np.dtype, count: int) -> np.ndarray:
+def decode_binary(name: str, chunk: bytes, dtype: np.dtype, count: int, where: str) -> np.ndarray:
+    """An input's ``count`` elements from their binary wire form (little-endian, row-major; BYTES
+    as length-prefixed elements; BOOL one byte each, any non-zero byte true), for the HTTP binary
+    extension and gRPC's raw contents alike. ``where`` names the field giving the size, for errors."""
     if dtype == np.dtype(object):
-        return _unpack_bytes(name, chunk, count)
+        return unpack_bytes(name, chunk, count)
     expected = count * dtype.itemsize
     if len(chunk) != expected:
         raise ProtocolError(400, f"input {name!r}: shape needs {count} elements = {expected} bytes of "
-                                 f"{datatype_of(dtype)}, 'binary_data_size' is {len(chunk)}")
+                                 f"{datatype_of(dtype)}, {where} is {len(chunk)}")
+    if dtype == np.dtype(bool):
+        return np.frombuffer(chunk, np.uint8) != 0
     return np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).astype(dtype, copy=True)
 
 
-def _unpack_bytes(name: str, chunk: bytes, count: int) -> np.ndarray:
+def unpack_bytes(name: str, chunk: bytes, count: int) -> np.ndarray:
+    """BYTES elements from their wire form (each a 4-byte little-endian length, then its bytes)."""
     items: list[bytes] = []
-    pos = 0
-    while pos < len(chunk):
-        if pos + 4 > len(chunk):
+    pos, end = 0, len(chunk)
+    while pos < end:
+        if pos + 4 > end:
             raise ProtocolError(400, f"input {name!r}: BYTES data ends inside a 4-byte length prefix")
         (length,) = struct.unpack_from("<I", chunk, pos)
         pos += 4
-        if pos + length > len(chunk):
+        if pos + length > end:
             raise ProtocolError(400, f"input {name!r}: a BYTES element of {length} bytes overruns the data")
+        if len(items) == count:
+            raise ProtocolError(400, f"input {name!r}: its shape needs {count} elements, the BYTES data holds more")
         items.append(chunk[pos:pos + length])
         pos += length
     if len(items) != count:
-        raise ProtocolError(400, f"input {name!r}: shape needs {count} elements, the BYTES data holds {len(items)}")
+        raise ProtocolError(400, f"input {name!r}: its shape needs {count} elements, the BYTES data holds {len(items)}")
     array = np.empty(count, dtype=object)
     array[:] = items
     return array

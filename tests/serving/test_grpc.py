@@ -28,7 +28,7 @@ import asyncinfer as ai
 from asyncinfer import assets
 from asyncinfer.ops.base import Op
 from asyncinfer.ops.registry import register
-from asyncinfer.serving.protocol import InferRequest, ProtocolError
+from asyncinfer.serving.protocol import InferRequest, ProtocolError, unpack_bytes
 from conftest import TEST_DOMAIN, make_model, tensor_info
 
 grpc = pytest.importorskip("grpc", reason="the gRPC endpoint needs grpcio (the serve extra)")
@@ -343,7 +343,7 @@ def test_typed_contents_errors(typed_model, name, field, values, message):
 ])
 def test_bytes_wire_form_errors(chunk, message):
     with pytest.raises(ProtocolError, match=message):
-        convert.unpack_bytes("s", chunk, 3)
+        unpack_bytes("s", chunk, 3)
 
 
 def test_encode_reads_back_with_tritons_result_class(typed_model):

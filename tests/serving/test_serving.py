@@ -654,12 +654,12 @@ def test_serve_command_arguments(tmp_path):
 
 
 def test_byte_strings_pack_with_length_prefixes():
-    from asyncinfer.serving.protocol import _to_binary, _unpack_bytes
+    from asyncinfer.serving.protocol import _to_binary, unpack_bytes
 
     values = np.array([b"ab", b"", "héllo".encode()], dtype=object)
     packed = _to_binary(values)
     assert packed[:4] == struct.pack("<I", 2)
-    assert list(_unpack_bytes("s", packed, 3)) == list(values)
+    assert list(unpack_bytes("s", packed, 3)) == list(values)
 
 
 def test_serving_benchmark_smoke():

@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 from ...errors import RequestTooLargeError
 from ...limits import Limits
 from ...model.ir import Model, TensorInfo
-from ..protocol import InferRequest, ProtocolError, datatype_of, dtype_of
+from ..protocol import InferRequest, ProtocolError, datatype_of, decode_binary, dtype_of
 from . import grpc_service_pb2 as pb
 
 M = TypeVar("M", bound=Message)
@@ -121,7 +121,7 @@ def _decode_input(tensor: pb.ModelInferRequest.InferInputTensor, raw: bytes | No
         if filled:
             raise ProtocolError(400, f"input {name!r} has data both in raw_input_contents and in contents.{filled[0]}; "
                                      "give one or the other")
-        array = _from_raw(name, raw, datatype, dtype, count)
+        array = decode_binary(name, raw, dtype, count, "its raw_input_contents entry's size")
     else:
         array = _from_contents(tensor, datatype, dtype, count)
     return array.reshape(shape)
@@ -131,40 +131,6 @@ def _filled_fields(tensor: pb.ModelInferRequest.InferInputTensor) -> list[str]:
     if not tensor.HasField("contents"):
         return []
     return [f for f in _CONTENT_FIELDS if len(getattr(tensor.contents, f))]
-
-
-def _from_raw(name: str, chunk: bytes, datatype: str, dtype: np.dtype, count: int) -> np.ndarray:
-    if datatype == "BYTES":
-        return unpack_bytes(name, chunk, count)
-    expected = count * dtype.itemsize
-    if len(chunk) != expected:
-        raise ProtocolError(400, f"input {name!r}: its shape needs {count} elements = {expected} bytes of {datatype}, "
-                                 f"its raw_input_contents entry has {len(chunk)} bytes")
-    if datatype == "BOOL":  # one byte per element; any non-zero byte is true
-        return np.frombuffer(chunk, np.uint8) != 0
-    return np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).astype(dtype, copy=True)
-
-
-def unpack_bytes(name: str, chunk: bytes, count: int) -> np.ndarray:
-    """BYTES elements from their wire form (each a 4-byte little-endian length, then its bytes)."""
-    items: list[bytes] = []
-    pos, end = 0, len(chunk)
-    while pos < end:
-        if pos + 4 > end:
-            raise ProtocolError(400, f"input {name!r}: BYTES data ends inside a 4-byte length prefix")
-        (length,) = struct.unpack_from("<I", chunk, pos)
-        pos += 4
-        if pos + length > end:
-            raise ProtocolError(400, f"input {name!r}: a BYTES element of {length} bytes overruns the data")
-        if len(items) == count:
-            raise ProtocolError(400, f"input {name!r}: its shape needs {count} elements, the BYTES data holds more")
-        items.append(chunk[pos:pos + length])
-        pos += length
-    if len(items) != count:
-        raise ProtocolError(400, f"input {name!r}: its shape needs {count} elements, the BYTES data holds {len(items)}")
-    array = np.empty(count, dtype=object)
-    array[:] = items
-    return array
 
 
 def _from_contents(tensor: pb.ModelInferRequest.InferInputTensor, datatype: str, dtype: np.dtype,
