@@ -2,6 +2,8 @@
 compare; interpret a node case's graph with the kernels alone."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import onnx
 import pytest
@@ -18,21 +20,34 @@ def make_op(op_type: str, attrs: dict | None = None, version: int = 21, n_inputs
     return ops.create(layer)
 
 
-def one_node(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 21,
-             n_outputs: int = 1) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A one-node model of ``op_type`` and its feeds (``None`` inputs are omitted optional inputs)."""
-    names, infos, feeds = [], [], {}
+def one_node(op_type: str, inputs: list, attrs: dict | None = None, opset: int = 21, n_outputs: int = 1, *,
+             domain: str = "", outputs: list[str] | None = None,
+             constants: Collection[int] = ()) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """A one-node model of ``op_type`` and its feeds (``None`` inputs are omitted optional inputs).
+
+    ``domain``: the op's domain (version 1 of it is imported too); ``outputs``: the output names,
+    ``""`` for an optional output left out (default ``o0``, ``o1``… for ``n_outputs``);
+    ``constants``: positions of inputs stored as initializers rather than fed."""
+    names, infos, inits, feeds = [], [], [], {}
     for k, x in enumerate(inputs):
         if x is None:
             names.append("")
             continue
-        names.append(f"i{k}")
-        infos.append(helper.make_tensor_value_info(f"i{k}", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
-        feeds[f"i{k}"] = x
-    outs = [f"o{k}" for k in range(n_outputs)]
-    node = helper.make_node(op_type, names, outs, **(attrs or {}))
-    graph = helper.make_graph([node], "g", infos, [helper.make_empty_tensor_value_info(o) for o in outs])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        name = f"i{k}"
+        names.append(name)
+        x = np.asarray(x)
+        if k in constants:
+            inits.append(numpy_helper.from_array(x, name))
+        else:
+            infos.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
+            feeds[name] = x
+    while names and names[-1] == "":  # trailing omitted inputs are simply absent
+        names.pop()
+    outs = outputs if outputs is not None else [f"o{k}" for k in range(n_outputs)]
+    node = helper.make_node(op_type, names, outs, domain=domain or None, **(attrs or {}))
+    graph = helper.make_graph([node], "g", infos, [helper.make_empty_tensor_value_info(o) for o in outs if o], inits)
+    opsets = [helper.make_opsetid("", opset)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10 if opset >= 21 else 8
     return model, feeds
 

@@ -32,6 +32,7 @@ from asyncinfer import ops
 from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
 from asyncinfer.model.ir import Layer
 from asyncinfer.ops.schema import attribute_defaults
+from op_testing import one_node
 from pixel_testing import require_pixel
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the second opinion")
@@ -46,27 +47,9 @@ ALL_OPS = QOPERATOR_OPS | {"DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAt
 # -- models and runners ------------------------------------------------------------------------------------
 def ms_model(op_type: str, inputs: list, attrs: dict | None = None, n_outputs: int = 1,
              constants: frozenset[int] = frozenset()) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """A one-node com.microsoft model and its feeds; inputs whose index is in ``constants`` become
-    initializers, ``None`` is an omitted optional input."""
-    names, infos, inits, feeds = [], [], [], {}
-    for k, x in enumerate(inputs):
-        if x is None:
-            names.append("")
-            continue
-        name = f"i{k}"
-        names.append(name)
-        x = np.asarray(x)
-        if k in constants:
-            inits.append(numpy_helper.from_array(x, name))
-        else:
-            infos.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
-            feeds[name] = x
-    outs = [f"o{k}" for k in range(n_outputs)]
-    node = helper.make_node(op_type, names, outs, domain=MS, **(attrs or {}))
-    graph = helper.make_graph([node], "g", infos, [helper.make_empty_tensor_value_info(o) for o in outs], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS, 1)])
-    model.ir_version = 8
-    return model, feeds
+    """A one-node com.microsoft model (ONNX opset 17) and its feeds; inputs whose index is in
+    ``constants`` become initializers, ``None`` is an omitted optional input."""
+    return one_node(op_type, inputs, attrs, 17, n_outputs, domain=MS, constants=constants)
 
 
 def run_ort(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -21,6 +21,7 @@ from onnx import helper
 
 import asyncinfer as ai
 from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
+from op_testing import one_node as _one_node
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the second opinion")
 
@@ -29,25 +30,10 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 # -- harness ----------------------------------------------------------------------------------------
-def one_node(op_type: str, inputs: list, attrs: dict | None = None, n_outputs: int = 1,
-             domain: str = MS, opset: int = 17, outputs: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
-    """A one-node model (``None`` inputs are omitted optional inputs; ``outputs`` may leave some out)."""
-    names, infos, feeds = [], [], {}
-    for k, x in enumerate(inputs):
-        if x is None:
-            names.append("")
-            continue
-        names.append(f"i{k}")
-        infos.append(helper.make_tensor_value_info(f"i{k}", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape))
-        feeds[f"i{k}"] = x
-    while names and names[-1] == "":
-        names.pop()
-    outs = outputs if outputs is not None else [f"o{k}" for k in range(n_outputs)]
-    node = helper.make_node(op_type, names, outs, domain=domain, **(attrs or {}))
-    graph = helper.make_graph([node], "g", infos, [helper.make_empty_tensor_value_info(o) for o in outs if o])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)],
-                              ir_version=8)
-    return model, feeds
+def one_node(op_type: str, inputs: list, attrs: dict | None = None, n_outputs: int = 1, domain: str = MS,
+             opset: int = 17, outputs: list[str] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """`op_testing.one_node` for this file's ops: the com.microsoft domain at ONNX opset 17."""
+    return _one_node(op_type, inputs, attrs, opset, n_outputs, domain=domain, outputs=outputs)
 
 
 def run_ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
