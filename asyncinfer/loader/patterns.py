@@ -16,7 +16,7 @@ place of the pattern's last layer, so the layer order stays topological.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -39,6 +39,13 @@ class _Graph:
         self.consumers = model.consumers()
         self.pinned = {o.name for o in model.outputs} | {n for l in model.layers for n in l.outer_inputs}
         self.removed: set[int] = set()  # ids of layers taken by an earlier match
+
+    def candidates(self, *op_types: str) -> Iterator[Layer]:
+        """The layers of ``op_types`` (default domain, nothing fused into them) a match may start
+        from, in graph order, skipping those an earlier match of the pass took."""
+        for layer in list(self.model.layers):
+            if id(layer) not in self.removed and not layer.domain and not layer.fused and layer.op_type in op_types:
+                yield layer
 
     def op(self, name: str, *op_types: str) -> Layer | None:
         """The live producer of ``name`` if it is one of ``op_types`` (default domain, one output)."""
@@ -177,9 +184,7 @@ def fuse_gelu(model: Model) -> int:
     if not _available(GELU):
         return 0
     g, count = _Graph(model), 0
-    for layer in list(model.layers):
-        if id(layer) in g.removed or layer.domain or layer.op_type not in ("Erf", "Tanh"):
-            continue
+    for layer in g.candidates("Erf", "Tanh"):
         inner = layer.inputs[0]
         match = _erf_argument(g, inner) if layer.op_type == "Erf" else _tanh_argument(g, inner)
         if match is None or not g.private(inner):
@@ -250,9 +255,7 @@ def fuse_layer_norm(model: Model) -> int:
     if not _available(LAYER_NORM):
         return 0
     g, count = _Graph(model), 0
-    for mean in list(model.layers):
-        if id(mean) in g.removed or mean.domain or mean.op_type != "ReduceMean":
-            continue
+    for mean in g.candidates("ReduceMean"):
         x = mean.inputs[0]
         if not g.reduces_last_axis(mean, x):
             continue
@@ -307,9 +310,7 @@ def fuse_rms_norm(model: Model) -> int:
     if not _available(RMS_NORM):
         return 0
     g, count = _Graph(model), 0
-    for square in list(model.layers):
-        if id(square) in g.removed or square.domain or square.op_type not in ("Pow", "Mul"):
-            continue
+    for square in g.candidates("Pow", "Mul"):
         x = square.inputs[0]
         rms = _root_mean_square(g, square) if _squares(g, square, x) else None
         if rms is None:
@@ -376,9 +377,7 @@ def fuse_silu(model: Model) -> int:
     if not _available(SWISH):
         return 0
     g, count = _Graph(model), 0
-    for sigmoid in list(model.layers):
-        if id(sigmoid) in g.removed or sigmoid.domain or sigmoid.op_type != "Sigmoid" or sigmoid.fused:
-            continue
+    for sigmoid in g.candidates("Sigmoid"):
         x = sigmoid.inputs[0]
         times = g.only_consumer(sigmoid.outputs[0], "Mul")
         if times is None or g.other(times, sigmoid.outputs[0]) != x:
