@@ -183,29 +183,23 @@ class Plan:
         outputs, constants or layer outputs; the caller checked them). The model's outputs stay
         readable too. Layers, kernels and device constants are shared with this plan; only which
         values are kept differs, so a specialised plan costs no placement and no upload."""
-        plan = copy.copy(self)
-        plan.output_names = list(names)
-        plan.output_refs = [self.refs[name] for name in names]
-        plan.nodes = [replace(node, release=[]) for node in self.nodes]
-        plan._plan_releases()
-        plan.segments = plan._plan_segments()
-        return plan
+        return self._variant(output_names=list(names), output_refs=[self.refs[name] for name in names])
 
     def keeping(self, names: Sequence[str]) -> "Plan":
         """This plan, with the values ``names`` kept for the run's life (never released), its
         outputs unchanged: how a run records values for later runs (see ``specialise.py``)."""
-        plan = copy.copy(self)
-        plan.kept_refs = self.kept_refs | {self.refs[name] for name in names}
-        plan.nodes = [replace(node, release=[]) for node in self.nodes]
-        plan._plan_releases()
-        plan.segments = plan._plan_segments()
-        return plan
+        return self._variant(kept_refs=self.kept_refs | {self.refs[name] for name in names})
 
     def with_precomputed(self, values: dict[int, list[Any]]) -> "Plan":
         """This plan, with the steps in ``values`` (step index → its outputs) not run: a run's
         futures for them are born complete with those values (see ``specialise.py``)."""
+        return self._variant(precomputed={**self.precomputed, **values})
+
+    def _variant(self, **changes: Any) -> "Plan":
+        """A copy with ``changes`` to which values are kept or known, its releases and segments
+        planned again; layers, kernels and device constants are shared."""
         plan = copy.copy(self)
-        plan.precomputed = {**self.precomputed, **values}
+        plan.__dict__.update(changes)
         plan.nodes = [replace(node, release=[]) for node in self.nodes]
         plan._plan_releases()
         plan.segments = plan._plan_segments()

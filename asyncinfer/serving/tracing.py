@@ -159,6 +159,8 @@ class Tracer:
     # -- sampling and recording ------------------------------------------------------------------
     def sample(self, model: str) -> Profile | None:
         """A fresh Profile when this request to ``model`` is to be traced, else None."""
+        if self._server.level == "OFF" and model not in self._models:
+            return None  # every request asks: tracing off costs no lock and no settings copy
         with self._lock:
             settings = self._settings(model)
             if settings.level == "OFF":
