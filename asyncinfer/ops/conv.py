@@ -4,7 +4,7 @@ Convolutions are lowered to GEMMs so that the heavy lifting happens in BLAS (whi
 GIL): a 1x1 stride-1 unpadded conv is a GEMM on the ``(C, H*W)`` view of the input; any other conv
 builds its im2col matrix with a single strided copy of the padded input and runs one (batched)
 matmul over all groups. Depthwise convs (one input channel per group) are no GEMM: 2-D ones run
-as a channels-last einsum over the kernel taps (`.conv_kernels`, where the dispatch rule is
+on compiled loops over the kernel taps (`.conv_kernels`, where the choice of loop order is
 measured and documented), the rest as per-channel im2col + a stack of tiny GEMMs.
 im2col is built from `FlatWindows` — long contiguous runs rather than many short rows,
 since NumPy's per-row overhead would otherwise dominate on small feature maps.
@@ -20,7 +20,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .base import Op
-from .conv_kernels import depthwise_nhwc, run_tasks, threads_for, use_nhwc
+from .conv_kernels import depthwise2d, run_tasks, threads_for
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
 from .linalg import gemm_dtypes, matmul
 from .registry import register
@@ -279,9 +279,9 @@ class Conv(_ConvBase):
             if bias is not None:
                 y += bias
             return y
-        if cg == 1 and group > 1 and nsp == 2 and use_nhwc(c, strides[1]):
-            # depthwise: a channels-last einsum over the taps, no im2col (see conv_kernels.py)
-            return depthwise_nhwc(x, w, b, strides, dilations, begin, out)
+        if cg == 1 and group > 1 and nsp == 2:
+            # depthwise: compiled loops over the taps, no im2col (see conv_kernels.py)
+            return depthwise2d(x, w, b, strides, dilations, begin, out)
         win = flat_windows(x.shape[2:], kernel, strides, dilations, begin, end, out)
         fold_bias = b is not None and group == 1  # as a row of ones in im2col: BLAS adds it
         if (cg > 1 or group == 1) and all(d == 1 for d in dilations) and _exact_im2col_pays(win, p, strides):
@@ -361,7 +361,7 @@ def _depthwise(win: FlatWindows, buf: np.ndarray, w: np.ndarray, out: np.ndarray
     The per-channel columns are ``taps`` times the input; building and consuming them a block at a
     time keeps them in cache instead of streaming a large im2col matrix through memory.
     ``buf`` is the flat input of one image ``(C, total)``, ``w`` is ``(C, mult, taps)``, ``out`` is
-    ``(C, mult, L)``. (Few channels on a large map with strides: see ``conv_kernels.use_nhwc``.)
+    ``(C, mult, L)``. (1-D and 3-D depthwise convs; 2-D ones run on ``conv_kernels.depthwise2d``.)
     """
     c, mult, taps = w.shape
     block = max(1, _CACHE_BYTES // (taps * win.length * buf.itemsize))

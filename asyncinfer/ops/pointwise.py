@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .base import Op
+from .compiled import activations as compiled_activations
 from .elementwise import compute_dtype, float_kernel
 from .elementwise import erf as host_erf
 from .registry import register
@@ -191,6 +192,9 @@ def _gelu_inplace(xp: Any, x: Any, approximate: str) -> Any:
 
 
 def _swish_inplace(xp: Any, x: Any, alpha: float) -> Any:
+    if _compiled_float32(xp, x):
+        compiled_activations.swish(x.reshape(-1), alpha)
+        return x
     gate = xp.multiply(x, alpha)
     x *= _sigmoid_inplace(xp, gate)
     return x
@@ -282,7 +286,16 @@ class Unary(_Entry):
     inplace: Callable[[Any, Any], Any] | None = None
 
 
+def _compiled_float32(xp: Any, x: Any) -> bool:
+    """Whether ``x`` can take a one-pass compiled activation (`compiled.activations`): a
+    contiguous float32 NumPy array (float64 and device arrays keep the ufunc chains)."""
+    return xp is np and x.dtype == np.float32 and x.flags.c_contiguous
+
+
 def _sigmoid_inplace(xp: Any, x: Any) -> Any:
+    if _compiled_float32(xp, x):
+        compiled_activations.sigmoid(x.reshape(-1))
+        return x
     xp.negative(x, out=x)
     xp.exp(x, out=x)  # overflow for x << 0 gives inf, and 1 / (1 + inf) = 0, which is right
     x += 1
@@ -290,12 +303,18 @@ def _sigmoid_inplace(xp: Any, x: Any) -> Any:
 
 
 def _hard_sigmoid_inplace(xp: Any, x: Any, alpha: float, beta: float) -> Any:
+    if _compiled_float32(xp, x):
+        compiled_activations.hard_sigmoid(x.reshape(-1), alpha, beta)
+        return x
     x *= x.dtype.type(alpha)
     x += x.dtype.type(beta)
     return xp.clip(x, 0, 1, out=x)
 
 
 def _hard_swish_inplace(xp: Any, x: Any) -> Any:
+    if _compiled_float32(xp, x):
+        compiled_activations.hard_swish(x.reshape(-1))
+        return x
     gate = xp.divide(x, 6)
     gate += 0.5
     xp.clip(gate, 0, 1, out=gate)

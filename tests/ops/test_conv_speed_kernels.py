@@ -1,16 +1,13 @@
-"""The depthwise Conv kernels (asyncinfer/ops/conv_kernels.py and the NCHW fallback in conv.py)
-against onnx's reference implementation, the definition.
+"""The depthwise Conv kernels (asyncinfer/ops/conv_kernels.py on the compiled loops of
+asyncinfer/ops/compiled/depthwise.py, and the flat-window fallback in conv.py) against onnx's
+reference implementation, the definition.
 
-Every case runs down each code path, forced by patching the dispatch: the channels-last einsum
-(``nhwc``), its variants that fuse neighbouring output pixels into one inner loop (``nhwc_blocks``:
-blocks of Wb < Wo pixels; ``nhwc_rows``: whole rows), and the NCHW flat-window im2col +
-per-channel GEMV (``nchw``). A spy checks the path really taken. ``nhwc_blocks`` and ``nchw`` also
-share their images / output rows out between threads, as large layers do.
+Every 2-D case runs down each loop order, forced by patching the dispatch rule: ``rows`` (SIMD
+along output rows) and ``channels_last`` (SIMD over channels), each also split into parts on a
+thread pool (``*_threads``), as large layers are. A spy checks the loop really taken.
 """
 from __future__ import annotations
 
-import functools
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,37 +41,34 @@ DEPTHWISE_CASES = {
     "batch2_stride1": ((2, 6, 8, 8), 1, (5, 5), dict(pads=[2, 2, 2, 2])),
     "window_past_end": ((1, 4, 8, 8), 1, (3, 3), dict(strides=[3, 3], pads=[1, 1, 0, 0])),
 }
-PATHS = ("nhwc", "nhwc_blocks", "nhwc_rows", "nchw")
+PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads")
 _HELPERS = ThreadPoolExecutor(2, thread_name_prefix="test-conv-helpers")
 
 
-def _largest_proper_divisor(channels: int, width: int) -> int:
-    return max(d for d in range(1, max(width, 2)) if width % d == 0)
-
-
 def _route(monkeypatch, path: str) -> list:
-    """Force ``path`` for every depthwise 2-D conv; return the list the NHWC kernel's spy fills."""
+    """Force ``path`` for every depthwise 2-D conv; return the list of loops the spies saw."""
     calls: list = []
-    real = conv_kernels.depthwise_nhwc
+    for name in ("depthwise_rows", "depthwise_channels_last"):
+        real = getattr(conv_kernels, name)
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
+        def spy(*args, _real=real, _name=name):
+            calls.append(_name)
+            return _real(*args)
 
-    monkeypatch.setattr(conv_module, "depthwise_nhwc", spy)
-    monkeypatch.setattr(conv_module, "use_nhwc", lambda channels, width_stride: path != "nchw")
-    monkeypatch.setattr(conv_kernels, "ROW_BLOCK_VALUES", 1 << 30 if path == "nhwc_rows" else 0)
-    if path == "nhwc_blocks":
-        monkeypatch.setattr(conv_kernels, "row_block", _largest_proper_divisor)
-    if path == "nhwc":  # one image per einsum (the batch split in chunks); the others: all at once
-        monkeypatch.setattr(conv_kernels, "CHUNK_BYTES", 1)
-    if path in ("nhwc_blocks", "nchw"):  # three parts on a pool, whatever the size and the machine
+        monkeypatch.setattr(conv_kernels, name, spy)
+    channels_last = path.startswith("channels_last")
+    monkeypatch.setattr(conv_kernels, "channels_last_pays", lambda mult, *a: channels_last and mult == 1)
+    if path.endswith("threads"):  # three parts on a pool, whatever the size and the machine
         monkeypatch.setattr(conv_kernels, "threads_for", lambda macs: 3)
         monkeypatch.setattr(conv_module, "threads_for", lambda macs: 3)
         # as on a CPU backend's pool thread: kernels may split into 3 parts handed to helpers
         monkeypatch.setattr(parallel._local, "submit", _HELPERS.submit, raising=False)
         monkeypatch.setattr(parallel._local, "width", 3, raising=False)
     return calls
+
+
+def _expected_loop(path: str, mult: int) -> str:
+    return "depthwise_channels_last" if path.startswith("channels_last") and mult == 1 else "depthwise_rows"
 
 
 def _inputs(rng, shape, mult, kernel, dtype=np.float32, bias=True):
@@ -106,7 +100,7 @@ def test_depthwise_paths_match_reference(name, path, rng, monkeypatch):
     shape, mult, kernel, attrs = DEPTHWISE_CASES[name]
     x, w, b = _inputs(rng, shape, mult, kernel, bias=name != "no_pads")
     _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
-    assert len(calls) == (0 if path == "nchw" else 1)
+    assert calls and set(calls) == {_expected_loop(path, mult)}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -119,7 +113,7 @@ def test_depthwise_float16_and_float64(dtype, path, rng, monkeypatch):
         _check(x, w, b, attrs, rtol=2e-3, atol=2e-3, reference_dtype=np.float32)
     else:
         _check(x, w, b, attrs, rtol=1e-12, atol=1e-12)
-    assert len(calls) == (0 if path == "nchw" else 1)
+    assert calls and set(calls) == {_expected_loop(path, 1)}
 
 
 @pytest.mark.parametrize("name, shape, kernel, attrs", [
@@ -129,22 +123,28 @@ def test_depthwise_float16_and_float64(dtype, path, rng, monkeypatch):
     ("3d_batch2", (2, 3, 5, 5, 6), (3, 3, 3), dict(pads=[1] * 6)),
 ])
 def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, monkeypatch):
-    calls = _route(monkeypatch, "nhwc")  # the NHWC kernel is 2-D only: these must not reach it
+    calls = _route(monkeypatch, "channels_last")  # the compiled loops are 2-D only: not these
     x, w, b = _inputs(rng, shape, 1, kernel)
     _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
     assert calls == []
 
 
-@pytest.mark.parametrize("channels, stride, nhwc", [(64, 2, True), (8, 1, True), (8, 2, False), (63, 2, False)])
-def test_dispatch_rule(channels, stride, nhwc, rng, monkeypatch):
-    """The default rule (conv_kernels.use_nhwc) on a real-sized layer, checked against the reference."""
+@pytest.mark.parametrize("shape, kernel, stride, mult, channels_last", [
+    ((1, 32, 56, 56), 3, 1, 1, False),   # wide map, unit stride, small kernel: rows
+    ((1, 32, 56, 56), 3, 2, 1, True),    # strided: channels last
+    ((1, 64, 14, 14), 5, 1, 1, True),    # narrow map: channels last
+    ((1, 16, 56, 56), 7, 1, 1, True),    # large kernel: channels last
+    ((1, 8, 56, 56), 3, 2, 2, False),    # channel multiplier: rows
+])
+def test_dispatch_rule(shape, kernel, stride, mult, channels_last, rng, monkeypatch):
+    """The default rule (conv_kernels.channels_last_pays) on real-sized layers, checked against the reference."""
     calls: list = []
-    real = conv_kernels.depthwise_nhwc
-    monkeypatch.setattr(conv_module, "depthwise_nhwc", lambda *a: calls.append(1) or real(*a))
-    assert conv_kernels.use_nhwc(channels, stride) is nhwc
-    x, w, b = _inputs(rng, (1, channels, 7, 7), 1, (5, 5))
-    _check(x, w, b, dict(strides=[stride, stride], pads=[2, 2, 2, 2]), rtol=1e-4, atol=1e-5)
-    assert len(calls) == int(nhwc)
+    for name in ("depthwise_rows", "depthwise_channels_last"):
+        real = getattr(conv_kernels, name)
+        monkeypatch.setattr(conv_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
+    _check(x, w, b, dict(strides=[stride, stride], pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
+    assert set(calls) == {"depthwise_channels_last" if channels_last else "depthwise_rows"}
 
 
 # Ungrouped convs: the bias folded into the GEMM as a row of ones under im2col (flat-window or
@@ -173,16 +173,6 @@ def test_dense_conv_bias_folding_matches_reference(name, bias, rng):
     got = make_op("Conv", attrs, n_inputs=len(inputs))(*inputs)[0]
     assert got.shape == expected.shape and got.dtype == np.float32 and got.flags.c_contiguous
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
-
-
-def test_row_block_rule():
-    """Wb divides Wo and keeps Wb*C near ROW_BLOCK_VALUES (1024): the measured sweet spot."""
-    assert conv_kernels.ROW_BLOCK_VALUES == 1024
-    assert conv_kernels.row_block(96, 56) == 8
-    assert conv_kernels.row_block(32, 112) == 28
-    assert conv_kernels.row_block(576, 7) == 1
-    assert conv_kernels.row_block(2048, 7) == 1   # more channels than the target: one pixel
-    assert conv_kernels.row_block(240, 13) == 1   # prime width: no block but the single pixel
 
 
 def test_depthwise_is_thread_safe(rng):

@@ -1,0 +1,34 @@
+"""Compiled inner loops (numba) for kernels NumPy cannot run in one pass over memory.
+
+NumPy runs a depthwise conv or a pooling window as one whole-array pass per kernel tap (9 passes
+for 3x3, 25 for 5x5), each streaming the whole map through memory. Here such loops are written
+once, plainly, and compiled by numba to machine code whose inner loop is a SIMD multiply-add over
+a row held in L1.
+
+- Every function is compiled with `kernel`: ``nogil`` (the CPU pool's threads run them side by
+  side, as they run BLAS), no parallel runtime of numba's own (work is split by the pool, see
+  ``conv_kernels.run_tasks``: one threading policy), ``error_model="numpy"`` (no Python
+  exceptions inside loops), and ``cache=True``: compiled once per signature on first call, then
+  loaded from numba's on-disk cache by later processes (about 1 s per kernel the first time).
+- Kernels take C-contiguous arrays of one float dtype (float32 or float64; narrower floats are
+  computed in float32 by the ops, as everywhere else) and write into an output the caller made.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numba
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def kernel(fn: F) -> F:
+    """Compile ``fn`` as an asyncinfer inner loop (see the module docstring for the options)."""
+    return numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})(fn)
+
+
+def inline(fn: F) -> F:
+    """Compile ``fn``, a scalar helper of kernels, to be inlined into each caller (numba's IR
+    inlining: LLVM then vectorises the caller's loop through it instead of calling per element)."""
+    return numba.njit(inline="always", error_model="numpy", fastmath={"contract"})(fn)

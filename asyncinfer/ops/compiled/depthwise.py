@@ -1,0 +1,108 @@
+"""2-D depthwise convolution (one input channel per group) on NCHW tensors, two loop orders.
+
+Neither makes a padded copy: a tap only visits the output columns whose input column lies inside
+the image (the others would read zero padding), and rows outside the image are skipped.
+
+- `depthwise_rows`: each output row is accumulated tap by tap; the inner loop runs along the row
+  (SIMD over output columns). Best on wide maps at unit stride (little loop overhead per row).
+- `depthwise_channels_last`: one image's channel block is first copied to channels-last scratch,
+  then each output pixel is accumulated tap by tap with the inner loop over channels (SIMD over
+  channels, ONNX Runtime's NCHWc idea); the result is written back to NCHW. Best with strides
+  (no strided loads) and small maps (long inner loops where rows are short).
+
+Indices are cast to unsigned where the loop makes them non-negative: numba then emits no
+negative-index wraparound test, which would stop the loop vectorising.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernel
+
+_U = np.uint64
+
+
+@kernel
+def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
+                   strides: tuple, dilations: tuple, pads: tuple, multiplier: int) -> None:
+    """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo).
+
+    ``x`` is (N, C, H, W); ``w`` is (M, kh, kw); ``bias`` is (M,); output channel ``m`` reads
+    input channel ``m // multiplier`` (ONNX's group order); ``pads`` are the top and left pads.
+    """
+    n_images, _, h, wd = x.shape
+    _, _, ho, wo = out.shape
+    kh, kw = w.shape[1], w.shape[2]
+    sh, sw = strides
+    dh, dw = dilations
+    top, left = pads
+    for n in range(n_images):
+        for m in range(m0, m1):
+            c = m // multiplier
+            b = bias[m]
+            for oh in range(ho):
+                row = out[n, m, oh]
+                for ow in range(wo):
+                    row[_U(ow)] = b
+                for i in range(kh):
+                    ih = oh * sh + i * dh - top
+                    if ih < 0 or ih >= h:
+                        continue
+                    src = x[n, c, ih]
+                    for j in range(kw):
+                        weight = w[m, i, j]
+                        shift = j * dw - left
+                        lo = 0 if shift >= 0 else (sw - 1 - shift) // sw
+                        hi = min(wo, (wd - 1 - shift) // sw + 1)
+                        if sw == 1:
+                            for ow in range(lo, hi):
+                                row[_U(ow)] += weight * src[_U(ow + shift)]
+                        else:
+                            for ow in range(lo, hi):
+                                row[_U(ow)] += weight * src[_U(ow * sw + shift)]
+
+
+@kernel
+def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray,
+                            scratch: np.ndarray, acc: np.ndarray, c0: int, c1: int,
+                            strides: tuple, dilations: tuple, pads: tuple) -> None:
+    """Channels ``c0:c1`` of one image (multiplier 1): ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
+
+    ``w`` is (kh, kw, C) and ``bias`` (C,); ``scratch`` is at least (H, W, c1 - c0) and ``acc``
+    (Wo, c1 - c0), both of ``x``'s dtype and C-contiguous.
+    """
+    _, h, wd = x.shape
+    _, ho, wo = out.shape
+    kh, kw = w.shape[0], w.shape[1]
+    sh, sw = strides
+    dh, dw = dilations
+    top, left = pads
+    cb = c1 - c0
+    for r in range(h):
+        for k in range(cb):
+            src = x[c0 + k, r]
+            for q in range(wd):
+                scratch[r, q, k] = src[q]
+    for oh in range(ho):
+        for ow in range(wo):
+            a = acc[ow]
+            for k in range(cb):
+                a[_U(k)] = bias[_U(c0 + k)]
+        for i in range(kh):
+            ih = oh * sh + i * dh - top
+            if ih < 0 or ih >= h:
+                continue
+            for j in range(kw):
+                wt = w[i, j, c0:c1]
+                shift = j * dw - left
+                lo = 0 if shift >= 0 else (sw - 1 - shift) // sw
+                hi = min(wo, (wd - 1 - shift) // sw + 1)
+                for ow in range(lo, hi):
+                    a = acc[ow]
+                    s = scratch[ih, ow * sw + shift]
+                    for k in range(cb):
+                        a[_U(k)] += wt[_U(k)] * s[_U(k)]
+        for k in range(cb):
+            dst = out[c0 + k, oh]
+            for ow in range(wo):
+                dst[_U(ow)] = acc[ow, k]

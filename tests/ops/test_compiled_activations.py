@@ -1,0 +1,69 @@
+"""The one-pass float32 activations (asyncinfer/ops/compiled/activations.py) against their
+definitions evaluated in float64, on a dense grid and on the special values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncinfer.ops.compiled import activations
+
+GRID = np.concatenate([np.linspace(-100, 100, 400_001, dtype=np.float32),
+                       np.float32([0.0, -0.0, 1e-30, -1e-30, 88.0, 88.5, 88.7, -87.0, -87.5, -103.0])])
+SPECIAL = np.float32([np.nan, np.inf, -np.inf, 0.0, -0.0, -3.0, 3.0, -5.0, 5.0])
+
+
+def _ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| in units of float32 spacing at ``want`` (results under 1e-30 left out: the
+    kernels flush subnormal and near-subnormal exponentials to zero)."""
+    keep = np.abs(want) > 1e-30
+    spacing = np.spacing(np.abs(want[keep]).astype(np.float32)).astype(np.float64)
+    return np.abs(got[keep].astype(np.float64) - want[keep]) / spacing
+
+
+def _run(kernel, x: np.ndarray, *args) -> np.ndarray:
+    y = x.copy()
+    kernel(y, *args)
+    return y
+
+
+def test_exp_within_3_ulp():
+    x = GRID[(GRID > -87.3) & (GRID < 88.7)]
+    got = np.array([activations._exp(v) for v in x[::97]], dtype=np.float32)
+    assert _ulps(got, np.exp(x[::97].astype(np.float64))).max() <= 3
+
+
+@pytest.mark.parametrize("alpha", [1.0, 1.702])
+def test_swish_matches_definition(alpha):
+    x = GRID.astype(np.float64)
+    # the definition's one float32 rounding of alpha·x kept: it alone moves e^(alpha·x) by up
+    # to |alpha·x|·2^-24 relative (60 ulp at x = -39), the same in any float32 evaluation
+    scaled = (np.float32(alpha) * GRID).astype(np.float64)
+    want = x / (1 + np.exp(-scaled))
+    assert _ulps(_run(activations.swish, GRID, alpha), want).max() <= 4
+
+
+def test_sigmoid_matches_definition():
+    want = 1 / (1 + np.exp(-GRID.astype(np.float64)))
+    assert _ulps(_run(activations.sigmoid, GRID), want).max() <= 4
+
+
+def test_hard_activations_match_definition():
+    """Within 2 ulp, plus the float32 rounding of the gate ``x/6 + 1/2`` (absolute, up to
+    2^-24): near x = -3 the gate cancels to almost 0, as in any float32 evaluation."""
+    x = GRID.astype(np.float64)
+    want = x * np.clip(x / 6 + 0.5, 0, 1)
+    err = np.abs(_run(activations.hard_swish, GRID).astype(np.float64) - want)
+    assert (err <= 2 * np.spacing(np.abs(want).astype(np.float32)) + np.abs(x) * 2.0 ** -24).all()
+    alpha, beta = float(np.float32(0.2)), 0.5
+    assert _ulps(_run(activations.hard_sigmoid, GRID, alpha, beta), np.clip(alpha * x + beta, 0, 1)).max() <= 2
+
+
+def test_special_values_follow_the_definitions():
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(_run(activations.sigmoid, SPECIAL), 1 / (1 + np.exp(-SPECIAL)))
+        np.testing.assert_array_equal(_run(activations.hard_swish, SPECIAL), SPECIAL * np.clip(SPECIAL / 6 + 0.5, 0, 1))
+        np.testing.assert_array_equal(_run(activations.hard_sigmoid, SPECIAL, 0.2, 0.5),
+                                      np.clip(np.float32(0.2) * SPECIAL + np.float32(0.5), 0, 1))  # NaN stays
+        swish = _run(activations.swish, SPECIAL, 1.0)
+    assert np.isnan(swish[0]) and swish[1] == np.inf and np.isnan(swish[2])  # -inf/(1+inf) is NaN
+    np.testing.assert_array_equal(np.signbit(swish[3:5]), [False, True])  # ±0 keep their sign
