@@ -20,6 +20,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .base import Op
+from .compiled.im2col import im2col2d
 from .conv_kernels import depthwise2d, run_tasks, threads_for
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
 from .linalg import gemm_dtypes, matmul
@@ -327,6 +328,16 @@ def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int],
     scratch; ``ones_row`` appends a row of ones, the bias's partner in `_with_bias`."""
     n, c = x.shape[:2]
     rows, p = c * math.prod(kernel), math.prod(out)
+    if len(kernel) == 2 and x.dtype in (np.float32, np.float64):  # compiled: no padded copy
+        cols = _scratch((n, rows + ones_row, p), x.dtype)
+        x = np.ascontiguousarray(x)
+        geometry = ((int(kernel[0]), int(kernel[1])), int(out[1]), tuple(int(s) for s in strides), (1, 1),
+                    (int(begin[0]), int(begin[1])))
+        for i in range(n):
+            im2col2d(x[i], cols[i], *geometry)
+        if ones_row:
+            cols[:, rows] = 1
+        return cols
     xp = pad_spatial(x, begin, end)
     # (N, C, k…, o…): window origin on the strided output grid, tap offset inside the window
     shape = (n, c) + tuple(kernel) + tuple(out)

@@ -204,3 +204,31 @@ def test_many_tap_kernels_take_the_exact_im2col_and_match_the_reference(monkeypa
     (want,) = reference_run("Conv", [x, w], attrs, opset=11)
     assert calls, "the exact im2col path was not taken"
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape, kernel, strides, dilations, pads, out", [
+    ((3, 9, 10), (3, 3), (2, 2), (1, 1), (1, 1), (5, 5)),
+    ((2, 7, 8), (5, 3), (1, 3), (2, 1), (3, 0), (5, 2)),
+    ((4, 5, 5), (4, 4), (4, 4), (1, 1), (0, 0), (1, 1)),
+    ((1, 4, 6), (3, 3), (1, 1), (1, 1), (2, 2), (6, 8)),   # windows wholly in the padding
+])
+def test_compiled_im2col_matches_a_direct_loop(shape, kernel, strides, dilations, pads, out, rng):
+    from asyncinfer.ops.compiled.im2col import im2col2d
+
+    x = randn(rng, *shape)
+    c, h, w = shape
+    rows = c * kernel[0] * kernel[1]
+    cols = np.full((rows + 1, out[0] * out[1]), 7.0, np.float32)  # the extra row must stay untouched
+    im2col2d(x, cols, kernel, out[1], strides, dilations, pads)
+    want = np.zeros((rows, out[0], out[1]), np.float32)
+    for ci in range(c):
+        for i in range(kernel[0]):
+            for j in range(kernel[1]):
+                for oh in range(out[0]):
+                    for ow in range(out[1]):
+                        ih = oh * strides[0] + i * dilations[0] - pads[0]
+                        iw = ow * strides[1] + j * dilations[1] - pads[1]
+                        if 0 <= ih < h and 0 <= iw < w:
+                            want[(ci * kernel[0] + i) * kernel[1] + j, oh, ow] = x[ci, ih, iw]
+    np.testing.assert_array_equal(cols[:rows], want.reshape(rows, -1))
+    assert (cols[rows] == 7.0).all()
