@@ -176,6 +176,9 @@ def _gelu(xp: Any, x: Any, approximate: str) -> Any:
 
 
 def _gelu_inplace(xp: Any, x: Any, approximate: str) -> Any:
+    if _compiled_float32(xp, x):
+        (compiled_activations.gelu_tanh if approximate == "tanh" else compiled_activations.gelu)(x.reshape(-1))
+        return x
     if approximate == "tanh":
         gate = xp.multiply(x, x)
         gate *= 0.044715

@@ -67,3 +67,24 @@ def test_special_values_follow_the_definitions():
         swish = _run(activations.swish, SPECIAL, 1.0)
     assert np.isnan(swish[0]) and swish[1] == np.inf and np.isnan(swish[2])  # -inf/(1+inf) is NaN
     np.testing.assert_array_equal(np.signbit(swish[3:5]), [False, True])  # ±0 keep their sign
+
+
+def test_gelu_matches_definition():
+    """erf form: within the erf fit's error (3.6e-7 relative on erf) of the float64 definition,
+    as an absolute bound scaled by |x|/2; tanh form: 8 ulp plus the float32 rounding of its
+    argument y (a few roundings of terms as large as y, each moving e^(2y) by |y|·2^-23)."""
+    from math import erf
+
+    x = GRID[::7].astype(np.float64)
+    want = 0.5 * x * (1 + np.vectorize(erf)(x / np.sqrt(2)))
+    err = np.abs(_run(activations.gelu, GRID[::7]).astype(np.float64) - want)
+    assert (err <= 4 * np.spacing(np.abs(want).astype(np.float32)) + np.abs(x) * 4e-7).all()
+    y = np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)
+    with np.errstate(over="ignore"):  # e^(-2y) overflows to inf far left: x/inf = -0, right
+        want_tanh = x / (1 + np.exp(-2 * y))  # = x/2·(1 + tanh y), without float64's own cancellation
+    err = np.abs(_run(activations.gelu_tanh, GRID[::7]).astype(np.float64) - want_tanh)
+    keep = np.abs(want_tanh) > 1e-30
+    assert (err[keep] <= (8 + 8 * np.abs(y[keep])) * np.spacing(np.abs(want_tanh[keep]).astype(np.float32))).all()
+    with np.errstate(all="ignore"):
+        special = _run(activations.gelu, SPECIAL)
+    assert np.isnan(special[0]) and special[1] == np.inf and np.isnan(special[2])  # -inf·0 is NaN

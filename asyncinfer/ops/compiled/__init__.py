@@ -23,9 +23,16 @@ import numba
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def kernel(fn: F) -> F:
-    """Compile ``fn`` as an asyncinfer inner loop (see the module docstring for the options)."""
-    return numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})(fn)
+def kernel(fn: F | None = None, *, contract: bool = True) -> Any:
+    """Compile ``fn`` as an asyncinfer inner loop (see the module docstring for the options).
+
+    ``contract`` lets LLVM fuse a multiply and an add into one FMA (one rounding instead of two);
+    ``@kernel(contract=False)`` keeps every operation IEEE-rounded, for kernels that must give the
+    very bits of a NumPy evaluation of the same formula."""
+    def compile_(f: F) -> F:
+        return numba.njit(cache=True, nogil=True, error_model="numpy",
+                          fastmath={"contract"} if contract else False)(f)
+    return compile_(fn) if fn is not None else compile_
 
 
 def inline(fn: F) -> F:

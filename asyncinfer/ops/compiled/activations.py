@@ -1,4 +1,4 @@
-"""One-pass float32 activations, in place: Sigmoid, Swish, HardSigmoid, HardSwish.
+"""One-pass float32 activations, in place: Sigmoid, Swish, HardSigmoid, HardSwish, Gelu.
 
 As NumPy ufunc chains these take 3-6 passes over the tensor (Swish: scale, negate, exp, add,
 reciprocal, multiply); fused after a conv or GEMM they cost as much as the GEMM itself. Here each
@@ -18,6 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from ..elementwise import _ERF_CLAMP, _ERF_P, _ERF_Q
 from . import inline, kernel
 
 _F = np.float32
@@ -98,3 +99,40 @@ def hard_swish(x: np.ndarray) -> None:
         g = v * sixth + half
         # a product even where the gate clamps, as the definition: -inf·0 is NaN, x<-3 gives -0
         x[i] = v * (_F(0.0) if g < 0 else (_F(1.0) if g > 1 else g))
+
+
+_ERF_C = _F(_ERF_CLAMP)
+_P0, _P1, _P2, _P3, _P4, _P5 = (_F(c) for c in _ERF_P)
+_Q1, _Q2, _Q3, _Q4, _Q5 = (_F(c) for c in _ERF_Q[1:])
+_INV_SQRT2 = _F(0.7071067811865476)
+_SQRT_2_OVER_PI = _F(0.7978845608028654)
+
+
+@kernel(contract=False)
+def gelu(x: np.ndarray) -> None:
+    """``x ← x · ((1 + erf(x/√2)) · 1/2)``, ``x`` a flat float32 array: erf by the (5, 5) rational
+    of `asyncinfer.ops.elementwise.erf_float32`, each operation in the same order and rounding
+    as that NumPy form (no FMA), so both give the same bits, in one pass instead of 24."""
+    one, half = _F(1.0), _F(0.5)
+    for i in range(x.size):
+        v = x[i]
+        a = v * _INV_SQRT2
+        a = _ERF_C if a > _ERF_C else (-_ERF_C if a < -_ERF_C else a)  # NaN passes
+        z = a * a
+        p = ((((_P5 * z + _P4) * z + _P3) * z + _P2) * z + _P1) * z + _P0
+        q = ((((_Q5 * z + _Q4) * z + _Q3) * z + _Q2) * z + _Q1) * z + one
+        e = a * p / q
+        e = one if e > one else (-one if e < -one else e)  # the fit overshoots 1 by an ulp
+        x[i] = v * ((one + e) * half)
+
+
+@kernel
+def gelu_tanh(x: np.ndarray) -> None:
+    """``x ← x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))``, ``x`` a flat float32 array, as
+    ``x · sigmoid(2y)`` (the same function: 1 + tanh(y) = 2·sigmoid(2y)), which needs no tanh and
+    does not cancel where tanh nears -1."""
+    one = _F(1.0)
+    for i in range(x.size):
+        v = x[i]
+        y = _SQRT_2_OVER_PI * (v + _F(0.044715) * v * v * v)
+        x[i] = v / (one + _exp(_F(-2.0) * y))
