@@ -42,6 +42,10 @@ class Limits:
     Attributes:
         max_tensor_elements: elements of one input or of one tensor a kernel allocates from data
             (Expand, Tile, ConstantOfShape, Range, Resize, Pad, Reshape/Upsample targets…).
+        max_image_pixels: pixels (width × height) of one image ImageDecoder decodes, checked on
+            the image's header before any pixel is decoded ("decompression bombs": a few bytes
+            that decode to gigabytes). The default, 8192 × 8192, is below the size at which
+            Pillow itself warns.
 
     Request limits (checked by the server before a body is parsed):
 
@@ -57,6 +61,7 @@ class Limits:
     max_tensor_bytes: int = 4 * GiB
     max_folded_bytes: int = 1 * GiB
     max_tensor_elements: int = 1 << 31
+    max_image_pixels: int = 8192 * 8192
     max_request_bytes: int = 256 * MiB
     max_json_depth: int = 32
 

@@ -33,7 +33,6 @@ import pytest
 from onnx import numpy_helper
 
 from asyncinfer import conformance
-from asyncinfer.errors import ExecutionError, UnsupportedOperatorError
 
 HERE = Path(__file__).parent
 # The cases that pass on the CPU (``asyncinfer conformance --write-passing``; README and docs name it).
@@ -96,30 +95,12 @@ class ExpectedFailure:
     reason: str
 
 
-_NO_CODEC = ExpectedFailure(UnsupportedOperatorError,
-                            "ImageDecoder is refused on purpose: no image codec library is a dependency")
-_TRAINING_BATCHNORM = ExpectedFailure(UnsupportedOperatorError,
-                                      "training_mode=1 is refused on purpose (inference engine)")
-_TRAINING_DROPOUT = ExpectedFailure(ExecutionError,
-                                    "training-mode dropout is random; only inference mode is implemented")
 _RANDOM_DRAW = ExpectedFailure(AssertionError, "Bernoulli draws at random: its outputs cannot equal the ones NumPy "
                                                "drew when onnx made the case (tests/ops/test_random.py checks "
                                                "that it follows the probabilities)")
 
 # Cases that fail on every backend (the CPU runs them where a device has no kernel), and why.
 EXPECTED_FAILURES: dict[str, ExpectedFailure] = {
-    # ops/image.py
-    **{f"test_image_decoder_decode_{fmt}": _NO_CODEC
-       for fmt in ("bmp_rgb", "jpeg2k_rgb", "jpeg_bgr", "jpeg_grayscale", "jpeg_rgb", "png_rgb", "pnm_rgb",
-                   "tiff_rgb", "webp_rgb")},
-    # ops/normalization.py
-    "test_batchnorm_epsilon_training_mode": _TRAINING_BATCHNORM,
-    "test_batchnorm_example_training_mode": _TRAINING_BATCHNORM,
-    # ops/shape.py
-    "test_training_dropout": _TRAINING_DROPOUT,
-    "test_training_dropout_default": _TRAINING_DROPOUT,
-    "test_training_dropout_default_mask": _TRAINING_DROPOUT,
-    "test_training_dropout_mask": _TRAINING_DROPOUT,
     # ops/random.py
     **{f"test_bernoulli{variant}": _RANDOM_DRAW
        for variant in ("", "_double", "_double_expanded", "_expanded", "_seed", "_seed_expanded")},

@@ -2,7 +2,7 @@
 
 The IR is backend-neutral and immutable once a worker is built on it. Constants (initializers,
 folded layers) live in ``Model.constants``; every other value is produced by exactly one layer or
-is a model input.
+is a model input (an overridable initializer is an input with a default, ``Model.input_defaults``).
 """
 from __future__ import annotations
 
@@ -79,6 +79,13 @@ class Model:
     optimizations: dict[str, int] = field(default_factory=dict)
     # The bounds the model was loaded under; workers apply the run limits among them.
     limits: Limits = DEFAULT_LIMITS
+    # Overridable initializers (IR >= 4: an initializer also listed as a graph input, as ONNX
+    # Runtime reads it): they are model inputs, listed after the others, and a run that does not
+    # feed one uses its default value here. Read-only arrays.
+    input_defaults: dict[str, np.ndarray] = field(default_factory=dict)
+    # Names of the initializers that are not inputs (constants a caller cannot override), so that
+    # feeding one by name is an error that says so.
+    constant_initializers: frozenset[str] = frozenset()
 
     def op_types(self) -> list[str]:
         """Sorted distinct op types of the model's layers (fused activations included)."""

@@ -28,6 +28,8 @@ from ..dtypes import onnx_to_numpy
 from ..errors import ModelLoadError, ModelTooLargeError
 from ..limits import DEFAULT_LIMITS, Limits
 from .attributes import attribute_value, attributes_dict, sparse_to_dense, subgraphs
+from .gradient_graph import FORWARD_OPSETS, is_gradient, with_forward_graph
+from .gradient_graph import producers as gradient_producers
 from .ir import Dim, Layer, Model, TensorInfo
 from .tensors import PACKED_BITS, check_size, check_tensor_data, declared_bytes, inline_to_array, itemsize, native
 
@@ -431,6 +433,8 @@ def import_model(source: ModelSource, *, limits: Limits = DEFAULT_LIMITS) -> Mod
     graph = proto.graph
     check_structure(graph, limits, label)
     inputs, outputs, layers, constants = import_graph(graph, opsets, base_dir=base_dir, label=label, limits=limits)
+    defaults = _overridable_initializers(graph, proto.ir_version, inputs, constants, limits, label)
+    initializer_names = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
     if not outputs:
         raise ModelLoadError(f"{label}: the graph declares no outputs")
     value_info = _inferred_infos(proto, limits) if layers else {}
@@ -440,7 +444,44 @@ def import_model(source: ModelSource, *, limits: Limits = DEFAULT_LIMITS) -> Mod
     outputs = [value_info.get(o.name, o) if o.dtype is None else o for o in outputs]
     return Model(inputs=inputs, outputs=outputs, layers=layers, constants=constants, opsets=opsets,
                  value_info=value_info, name=graph.name or Path(label).stem, producer=proto.producer_name,
-                 source=label, limits=limits)
+                 source=label, limits=limits, input_defaults=defaults,
+                 constant_initializers=frozenset(initializer_names - set(defaults)))
+
+
+#: The first IR version whose initializers may be left out of the graph inputs: from it on, an
+#: initializer listed as an input is a default the caller may override (before it, every
+#: initializer had to be listed, and a listed one is a constant).
+OVERRIDABLE_IR_VERSION = 4
+
+
+def _overridable_initializers(graph: onnx.GraphProto, ir_version: int, inputs: list[TensorInfo],
+                              constants: dict[str, np.ndarray], limits: Limits, label: str) -> dict[str, np.ndarray]:
+    """Move the initializers that are also graph inputs (IR >= 4) from ``constants`` to the end of
+    ``inputs`` (in graph-input order) and return their default values, read-only.
+
+    The declared element type must be the initializer's (a ModelLoadError otherwise); a declared
+    shape the default does not have gives way to the default's shape, which overrides must match."""
+    if ir_version < OVERRIDABLE_IR_VERSION:
+        return {}
+    defaults: dict[str, np.ndarray] = {}
+    for vi in graph.input:
+        if vi.name not in constants or vi.name in defaults:
+            continue
+        value = constants.pop(vi.name)
+        info = value_info_to_tensor_info(vi, limits, f"{label}: graph input")
+        if info.kind != "tensor":
+            raise ModelLoadError(f"{label}: graph input {vi.name!r} is declared a {info.kind} but has a tensor "
+                                 "initializer")
+        if info.dtype is not None and info.dtype != value.dtype:
+            raise ModelLoadError(f"{label}: graph input {vi.name!r} is declared {info.dtype.name} but its "
+                                 f"initializer is {value.dtype.name}")
+        fits = info.shape is not None and len(info.shape) == value.ndim and all(
+            not isinstance(d, int) or d == s for d, s in zip(info.shape, value.shape))
+        inputs.append(TensorInfo(vi.name, value.dtype, info.shape if fits else tuple(value.shape)))
+        default = value.view()
+        default.flags.writeable = False  # shared by every run that does not override it
+        defaults[vi.name] = default
+    return defaults
 
 
 def import_graph(graph: onnx.GraphProto, opsets: dict[str, int], *, base_dir: Path | None = None,
@@ -476,6 +517,8 @@ def import_graph(graph: onnx.GraphProto, opsets: dict[str, int], *, base_dir: Pa
 
     layers: list[Layer] = []
     names_seen: set[str] = set()
+    producer: dict[str, int] | None = None  # of this graph's values, for Gradient nodes
+    copied = 0  # nodes copied into Gradient forward graphs: bounded like the graph's own
     for index, node in enumerate(graph.node):
         name = node.name or f"{node.op_type}_{index}"
         if name in names_seen:
@@ -492,10 +535,19 @@ def import_graph(graph: onnx.GraphProto, opsets: dict[str, int], *, base_dir: Pa
                 raise ModelLoadError(f"{where}: value {node.output[0]!r} is produced twice")
             constants[node.output[0]] = _constant_node_value(node, where, base_dir, max_bytes)
             continue
+        gradient = is_gradient(node.op_type, domain)
+        if gradient:  # it differentiates nodes of this graph: they become its subgraph
+            producer = gradient_producers(graph) if producer is None else producer
+            node, count = with_forward_graph(node, graph, producer, where)
+            copied += count
+            limits.check_model("max_nodes", len(graph.node) + copied,
+                               f"{label}: node count, the forward graphs of Gradient nodes included")
         try:
             attrs = attributes_dict(node.attribute, max_bytes)
         except ModelLoadError as exc:
             raise ModelLoadError(f"{where}: {exc}") from exc
+        if gradient:
+            attrs[FORWARD_OPSETS] = dict(opsets)
         has_subgraph = any(subgraphs(a) for a in node.attribute)
         outer = _outer_references(node, scope, where) if has_subgraph else []
         layers.append(Layer(name=name, op_type=node.op_type, inputs=list(node.input) + outer,

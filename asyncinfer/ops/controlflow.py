@@ -50,11 +50,13 @@ def _domain(name: str) -> str:
 class Subgraph:
     """A graph attribute imported once and evaluated layer by layer on NumPy values."""
 
-    def __init__(self, owner: Op, attr_name: str):
+    def __init__(self, owner: Op, attr_name: str, opsets: Mapping[str, int] | None = None):
+        """``opsets``: the opset of each domain the graph's nodes use; by default the owner's for
+        its own domain and the newest onnx knows for the others."""
         graph: onnx.GraphProto = owner.attr(attr_name)
         layer = owner.layer
         self.owner = owner
-        opsets = {_domain(layer.domain): layer.version}
+        opsets = dict(opsets) if opsets is not None else {_domain(layer.domain): layer.version}
         for node in graph.node:
             opsets.setdefault(_domain(node.domain), _newest_opset(_domain(node.domain)))
         label = f"{layer.describe()}, attribute {attr_name!r}"

@@ -1,5 +1,5 @@
 """Image and geometry ops: GridSample, AffineGrid, Col2Im, CenterCropPad, RoiAlign, MaxUnpool,
-DeformConv, NonMaxSuppression, plus Det, the deprecated Scatter and ImageDecoder.
+DeformConv, NonMaxSuppression, plus Det and the deprecated Scatter (ImageDecoder: `.image_decoder`).
 
 The samplers (GridSample, RoiAlign, DeformConv) share one idea: per spatial axis, compute the
 integer taps and their weights for every sampling point, then gather from the flattened input
@@ -528,7 +528,7 @@ class MaxUnpool(Op):
         return out
 
 
-# -- odds and ends: Det, Scatter, ImageDecoder ---------------------------------------------
+# -- odds and ends: Det, Scatter ---------------------------------------------
 @register("Det", versions=(11, 22))
 class Det(Op):
     """Determinant of the trailing square matrices (LU in LAPACK; narrow floats in float32)."""
@@ -546,12 +546,3 @@ class Scatter(ScatterElements):
     def check(self) -> None:
         if "reduction" in self.attrs:  # not part of Scatter's schema
             self.unsupported(f"attribute reduction={self.attr('reduction')!r}")
-
-
-@register("ImageDecoder", versions=(20,))
-class ImageDecoder(Op):
-    """Refused: decoding JPEG/PNG/WebP/TIFF/JPEG2000 needs an image codec library, and asyncinfer
-    depends on none (a partial decoder that fails on most real inputs would be worse)."""
-
-    def check(self) -> None:
-        self.unsupported("decoding images (no image codec library is available)")

@@ -1,4 +1,4 @@
-"""Normalization ops: BatchNormalization (inference), LayerNormalization, InstanceNormalization,
+"""Normalization ops: BatchNormalization (inference and training mode), LayerNormalization, InstanceNormalization,
 GroupNormalization, LRN, MeanVarianceNormalization, LpNormalization and RMSNormalization.
 
 Per-channel affine work is folded into one multiply-add on the big tensor; statistics are computed
@@ -12,6 +12,7 @@ from onnx import TensorProto, helper
 
 from .base import Op
 from .registry import register
+from .shape import op_error
 
 
 def _stash_dtype(op: Op) -> np.dtype:
@@ -46,18 +47,33 @@ def _stats(x: np.ndarray, axes: tuple[int, ...], dtype: np.dtype) -> tuple[np.nd
 
 @register("BatchNormalization", versions=(1, 6, 7, 9, 14, 15))
 class BatchNormalization(Op):
-    """Inference-mode batch norm, folded into ``x * a + b`` with per-channel ``a`` and ``b``."""
+    """Batch norm. Inference mode is folded into ``x * a + b`` with per-channel ``a`` and ``b``.
+
+    Training mode (``training_mode=1``, opset 14 on) normalizes with the batch's own statistics
+    (mean and population variance over every axis but the channel one, computed in float32 at
+    least) and, when asked, outputs ``running_mean = input_mean * momentum + mean * (1 - momentum)``
+    and the same for the variance, as the definition and onnx.reference do. The training outputs of
+    opsets before 14 (mean, var, saved_mean, saved_var, whose meaning the old specs leave open)
+    are refused."""
 
     def check(self) -> None:
-        if int(self.attr("training_mode", 0)) != 0:
-            self.unsupported("training_mode=1")
+        self.training = self.version >= 14 and int(self.attr("training_mode", 0)) != 0
         if self.version < 9 and int(self.attr("spatial", 1)) != 1:
             self.unsupported("spatial=0")
-        if sum(1 for o in self.layer.outputs[1:] if o):
-            self.unsupported("the training outputs (running/saved mean and variance)")
+        extra = sum(1 for o in self.layer.outputs[1:] if o)
+        if extra and self.version < 14:
+            self.unsupported("the training outputs of opsets before 14 (mean, var, saved_mean, saved_var)")
+        if extra and not self.training:
+            self.unsupported("running_mean/running_var outputs with training_mode=0")
 
     def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
-            var: np.ndarray) -> np.ndarray:
+            var: np.ndarray) -> np.ndarray | tuple[np.ndarray, ...]:
+        if self.training:
+            return self._train(x, scale, bias, mean, var)
+        return self._affine(x, scale, bias, mean, var)
+
+    def _affine(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
+                var: np.ndarray) -> np.ndarray:
         eps = float(self.attr("epsilon"))
         # fold in float32 at least (these are tiny per-channel vectors)
         work = np.promote_types(np.result_type(scale, var), np.float32)
@@ -67,6 +83,19 @@ class BatchNormalization(Op):
         y = x * a.astype(x.dtype).reshape(shape)
         y += b.astype(x.dtype).reshape(shape)
         return y
+
+    def _train(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
+               var: np.ndarray) -> tuple[np.ndarray, ...]:
+        if x.ndim < 2:
+            raise op_error(self, f"training mode needs an input of rank 2 or more, got shape {x.shape}")
+        work = np.promote_types(x.dtype, np.float32)
+        axes = (0,) + tuple(range(2, x.ndim))
+        batch_mean, batch_var = _stats(x, axes, work)
+        y = self._affine(x, scale, bias, batch_mean.reshape(-1), batch_var.reshape(-1))
+        momentum = work.type(self.attr("momentum"))
+        running = [(stat.astype(work) * momentum + batch.reshape(-1) * (work.type(1) - momentum)).astype(stat.dtype)
+                   for stat, batch in ((mean, batch_mean), (var, batch_var))]
+        return (y, *running)
 
 
 @register("InstanceNormalization", versions=(1, 6, 22))

@@ -46,6 +46,7 @@ from .compiled import activations as compiled_activations
 from .elementwise import compute_dtype, float_kernel
 from .elementwise import erf as host_erf
 from .registry import register
+from .shape import op_error
 
 #: The device dialect: the functions an expression may call, with their arity. Everything is
 #: float -> float (GLSL: float and vec4 alike); comparisons give 1.0 or 0.0; ``pick(c, a, b)`` is
@@ -567,3 +568,22 @@ def op_class(spec: _Entry) -> type[_TableOp]:
 OP_CLASSES: dict[str, type[_TableOp]] = {
     name: register(name, spec.versions)(op_class(spec))  # type: ignore[misc]
     for name, spec in [*UNARY_OPS.items(), *BINARY_OPS.items()]}
+
+
+@register("PRelu", versions=(1, 6))
+class PRelu6(OP_CLASSES["PRelu"]):  # type: ignore[misc, valid-type]
+    """PRelu before opset 7: the slope is one value, or one per channel (axis 1 of X, as the
+    schema's "shared across different channels" and the pytorch exporters of the time mean),
+    not NumPy-broadcast from the right. A slope of any other shape must broadcast to X."""
+
+    def _legacy_align(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        if b.size == 1:
+            return b.reshape(())
+        if b.ndim == 1 and a.ndim >= 2 and b.shape[0] == a.shape[1]:
+            return b.reshape(b.shape + (1,) * (a.ndim - 2))
+        try:
+            np.broadcast_shapes(b.shape, a.shape)
+        except ValueError:
+            raise op_error(self, f"slope of shape {b.shape} is neither one value, one per channel "
+                                 f"(axis 1 of X, shape {a.shape}) nor broadcastable to X") from None
+        return b

@@ -78,16 +78,23 @@ class _Reduce(Op):
     def reduce(self, xp: Any, x: Any, axes: Any = None) -> Any:
         """The reduction with the array module ``xp`` (NumPy here, CuPy on gpu_compute); ``axes``
         is the host input of the newer opsets. Narrow floats accumulate in float32."""
+        normalised = self.reduced_axes(x.ndim, axes)
+        if normalised is None:
+            return x
+        out = type(self).reduction(xp, x.astype(compute_dtype(x.dtype), copy=False), normalised,
+                                   bool(self.attr("keepdims")))
+        return xp.asarray(out).astype(x.dtype, copy=False)
+
+    def reduced_axes(self, rank: int, axes: Any = None) -> Axes | None:
+        """The sorted axes reduced for an input of ``rank`` (``axes``: the host input of the newer
+        opsets); None when none is (empty axes with ``noop_with_empty_axes``)."""
         if not self.axes_as_input:
             axes = self.attr("axes", None)
         if axes is None or len(axes) == 0:
             if self.attr("noop_with_empty_axes", 0):
-                return x
-            axes = range(x.ndim)
-        normalised = tuple(sorted({int(a) % x.ndim for a in np.asarray(axes).reshape(-1)})) if x.ndim else ()
-        out = type(self).reduction(xp, x.astype(compute_dtype(x.dtype), copy=False), normalised,
-                                   bool(self.attr("keepdims")))
-        return xp.asarray(out).astype(x.dtype, copy=False)
+                return None
+            return tuple(range(rank))
+        return tuple(sorted({int(a) % rank for a in np.asarray(axes).reshape(-1)})) if rank else ()
 
 
 for _name, (_fn, _input_since, _versions) in REDUCTIONS.items():

@@ -392,22 +392,59 @@ class Range(Op):
 
 @register("Dropout", versions=(1, 6, 7, 10, 12, 13, 22))
 class Dropout(Op):
-    """Inference-mode dropout: the identity, with an all-true mask when the mask is asked for."""
+    """Dropout: the identity in inference mode (with an all-true mask when the mask is asked for);
+    from opset 12, a true ``training_mode`` input with a non-zero ``ratio`` drops elements at random.
+
+    Training mode follows the definition of onnx.reference: ``mask = uniform(0, 1, shape) >= ratio``
+    and ``y = x * mask / (1 - ratio)``. With a ``seed`` attribute the uniform draw is NumPy's
+    ``RandomState(seed)`` (the legacy Mersenne Twister, the seed's low 32 bits), so a run is
+    reproducible and equals onnx.reference's; without one, each run draws fresh values from OS
+    entropy. Opsets 1 and 6 (``is_test``) are run in inference mode only: ``is_test=0`` with a
+    non-zero ratio is refused (the optimizer removes such a layer when its mask is not used, as an
+    inference engine does)."""
+
+    deterministic = False  # training mode draws at random: never constant-folded
 
     def check(self) -> None:
         if self.version < 7 and not self.attr("is_test", 0) and self.attr("ratio", 0.5) != 0:
             self.unsupported("training mode (is_test=0)")
 
+    @property
+    def may_train(self) -> bool:
+        """True when a run may be in training mode (a ``training_mode`` input is given): a device
+        kernel, which only copies its input, must leave such a layer to this op."""
+        return self.version >= 12 and len(self.layer.inputs) > 2 and bool(self.layer.inputs[2])
+
     def run(self, data: Array,
             ratio: MaybeArray = None,
             training_mode: MaybeArray = None) -> Array | tuple[Array, Array]:
-        if training_mode is not None and bool(np.asarray(training_mode)) and \
-                (ratio is None or float(np.asarray(ratio)) != 0.0):
-            raise op_error(self, "training_mode=true with a non-zero ratio (random dropout) is not supported")
-        if len(self.layer.outputs) < 2 or not self.layer.outputs[1]:
-            return data
         data = np.asarray(data)
+        want_mask = len(self.layer.outputs) > 1 and bool(self.layer.outputs[1])
+        if training_mode is not None and self._scalar(training_mode, "training_mode", bool):
+            rate = 0.5 if ratio is None else self._scalar(ratio, "ratio", float)
+            if rate != 0.0:
+                return self._train(data, rate, want_mask)
+        if not want_mask:
+            return data
         return data, np.ones(data.shape, dtype=bool if self.version >= 10 else data.dtype)
+
+    def _scalar(self, value: Array, what: str, kind: type) -> Any:
+        if np.size(value) != 1:
+            raise op_error(self, f"{what} must be a scalar, got shape {np.shape(value)}")
+        return kind(np.asarray(value).reshape(-1)[0])
+
+    def _train(self, data: Array, rate: float, want_mask: bool) -> Array | tuple[Array, Array]:
+        if not 0.0 <= rate < 1.0:
+            raise op_error(self, f"ratio {rate} is outside [0, 1)")
+        seed = self.attr("seed", None)
+        # The legacy generator with a seed (onnx.reference's draw); fresh OS entropy without one.
+        draw = (np.random.RandomState(int(seed) & 0xFFFFFFFF).uniform(0.0, 1.0, data.shape) if seed is not None
+                else np.random.default_rng().uniform(0.0, 1.0, data.shape))
+        mask = draw >= rate
+        work = data.dtype if data.dtype in (np.float32, np.float64) else np.dtype(np.float32)
+        scale = work.type(1.0) / (work.type(1.0) - work.type(rate))
+        y = np.where(mask, data.astype(work, copy=False) * scale, work.type(0)).astype(data.dtype, copy=False)
+        return (y, mask) if want_mask else y
 
 
 # -- block rearrangements and matrices ------------------------------------------------------------

@@ -4,7 +4,8 @@ Everything here happens before any work is scheduled, so a bad input never leave
 The checks are ONNX Runtime's, so that every input it accepts is accepted here: the element type,
 the rank where the shape is declared, and every fixed size (0 included). A named dimension
 (``batch``) or an unknown one (None: no size, a negative size, or a placeholder name such as
-``?`` or ``unk__3``, see ``model.onnx_import``) takes any size.
+``?`` or ``unk__3``, see ``model.onnx_import``) takes any size. An overridable initializer (an
+input with a default, ``Model.input_defaults``) may be left out: the run uses its default.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def example_inputs(model: Model) -> dict[str, np.ndarray]:
     """
     examples = {}
     for info in model.inputs:
+        if info.name in model.input_defaults:  # an overridable initializer: its own value
+            examples[info.name] = model.input_defaults[info.name]
+            continue
         if info.kind != "tensor":
             raise InputError(f"input {info.name!r} is a {info.kind}: give example inputs to warm this model up")
         if info.shape is None:
@@ -63,15 +67,23 @@ def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any]) ->
             given[name] = value
     extra = [n for n in given if n not in declared]
     if extra:
-        raise InputError(f"unknown input(s) {extra}; the model's inputs are {list(declared)}")
-    missing = [n for n in declared if n not in given]
+        fixed = [n for n in extra if n in model.constant_initializers]
+        why = (f" ({', '.join(map(repr, fixed))}: an initializer of the model, a constant; a caller may override "
+               "an initializer only where the model also lists it among its graph inputs, IR version 4 or later)"
+               ) if fixed else ""
+        raise InputError(f"unknown input(s) {extra}; the model's inputs are {list(declared)}{why}")
+    defaults = model.input_defaults
+    missing = [n for n in declared if n not in given and n not in defaults]
     if missing:
         raise InputError(f"missing input(s) {missing}; the model's inputs are {list(declared)}")
 
     bindings: dict[str, tuple[int, str, int]] = {}
     futures: dict[str, TaskFuture] = {}
     for name, info in declared.items():
-        futures[name] = _input_future(info, given[name], bindings, model.limits)
+        if name in given:  # an overridable initializer fed by the caller is checked as any input
+            futures[name] = _input_future(info, given[name], bindings, model.limits)
+        else:  # read-only, shared by the runs that do not override it
+            futures[name] = TaskFuture.completed([defaults[name]], label=name)
     return futures
 
 

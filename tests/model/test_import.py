@@ -228,9 +228,11 @@ def test_every_unsupported_op_is_listed_at_load():
 
 
 def test_unsupported_attribute_names_op_version_and_attribute():
-    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y"], training_mode=1, name="bn")
+    # running statistics are outputs of training mode only
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], ["y", "rm", "rv"], name="bn")
     inits = [numpy_helper.from_array(np.ones(2, np.float32), n) for n in "sbmv"]
-    proto = make_model([node], [tensor_info("x", [1, 2, 3])], [tensor_info("y", [1, 2, 3])], inits, extra_domains=())
+    proto = make_model([node], [tensor_info("x", [1, 2, 3])], [tensor_info("y", [1, 2, 3]), tensor_info("rm", [2]),
+                                                               tensor_info("rv", [2])], inits, extra_domains=())
     with pytest.raises(ai.UnsupportedOperatorError, match="BatchNormalization version 15.*training_mode"):
         ai.load_model(proto)
 

@@ -212,7 +212,6 @@ def test_float64_erf_without_scipy_is_accurate() -> None:
     ("Cast", 1, {"to": "NOT_A_TYPE"}),
     ("Cast", 25, {"to": 24, "round_mode": "sideways"}),
     ("Cast", 19, {}),
-    ("PRelu", 6, {}),  # pre-7 slope broadcasting is not implemented
 ])
 def test_unsupported_is_refused_at_creation(op_type: str, opset: int, attrs: dict) -> None:
     with pytest.raises(UnsupportedOperatorError):

@@ -1,7 +1,7 @@
 """Kernels of asyncinfer/ops/{loss,signal,image}.py.
 
 Every ONNX backend node test case that uses one of these ops runs through the whole engine on every
-backend (tests/node_cases.py; the ImageDecoder cases are expected failures there). Targeted tests
+backend (tests/node_cases.py; ImageDecoder has its own tests in test_image_decoder.py). Targeted tests
 compare with onnxruntime on random inputs for what the node cases cover thinly (GridSample's
 mode/padding/align grid, NonMaxSuppression on many overlapping boxes, RoiAlign, DFT, Col2Im), check
 that inputs are never modified, and that what is not implemented is refused at load time.
@@ -33,11 +33,7 @@ def test_node_case_selection():
     assert len(names) >= 170
     for op in OPS:
         assert any(op in {n.op_type for n in c.model.graph.node} for c in names.values()), op
-    # the only ones that cannot pass: the ImageDecoder cases (refused on purpose: no codec library)
-    failures = expected_failures_among(names)
-    assert len(failures) == 9
-    assert all(name.startswith("test_image_decoder_decode_") and f.raises is UnsupportedOperatorError
-               for name, f in failures.items())
+    assert not expected_failures_among(names)  # every case passes
 
 
 # -- GridSample ----------------------------------------------------------------------------------
@@ -154,7 +150,7 @@ def test_window_output_datatype(datatype):
     ("NonMaxSuppression", dict(center_point_box=2), 11),
     ("HannWindow", dict(output_datatype=onnx.TensorProto.STRING), 17),
     ("Scatter", dict(reduction="add"), 11),
-    ("ImageDecoder", {}, 20),
+    ("ImageDecoder", dict(pixel_format="CMYK"), 20),
 ])
 def test_unsupported_attributes_are_refused(op_type, attrs, version):
     with pytest.raises(UnsupportedOperatorError, match=op_type):

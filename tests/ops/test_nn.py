@@ -38,10 +38,7 @@ def test_node_case_selection_is_not_empty():
     assert len(names) >= 200
     for op in OPS - {"Upsample", "RMSNormalization", "GlobalLpPool"}:
         assert any(op in {n.op_type for n in c.model.graph.node} for c in names.values()), op
-    # the only ones that cannot pass: training-mode BatchNormalization (refused on purpose)
-    failures = expected_failures_among(names)
-    assert set(failures) == {"test_batchnorm_epsilon_training_mode", "test_batchnorm_example_training_mode"}
-    assert all(f.raises is UnsupportedOperatorError for f in failures.values())
+    assert not expected_failures_among(names)  # every case passes, training-mode BatchNormalization included
 
 
 # -- Conv / ConvTranspose --------------------------------------------------------------------------
@@ -449,7 +446,6 @@ def test_float32_stays_float32(op_type, attrs, inputs, rng):
 
 
 @pytest.mark.parametrize("op_type, attrs, version", [
-    ("BatchNormalization", dict(training_mode=1), 15),
     ("Conv", dict(auto_pad="SAME_EVERYWHERE"), 11),
     ("Conv", dict(pads=[-1, 0, 0, 0]), 11),
     ("MaxPool", dict(kernel_shape=[2, 2], storage_order=2), 12),

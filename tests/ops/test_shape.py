@@ -34,11 +34,7 @@ def _my_cases() -> dict[str, object]:
 def test_every_op_has_node_cases() -> None:
     covered = {n.op_type for case in _my_cases().values() for n in case.model.graph.node}
     assert covered == MY_OPS
-    # the only ones that cannot pass: training-mode Dropout (random; only inference mode is implemented)
-    failures = expected_failures_among(_my_cases())
-    assert set(failures) == {"test_training_dropout", "test_training_dropout_default",
-                             "test_training_dropout_default_mask", "test_training_dropout_mask"}
-    assert all(f.raises is ExecutionError for f in failures.values())
+    assert not expected_failures_among(_my_cases())  # every case passes, training-mode Dropout included
 
 
 # -- targeted tests -------------------------------------------------------------------------------
@@ -141,12 +137,12 @@ def test_shape_size_nonzero_dtypes() -> None:
     assert out.dtype == np.int64 and out.tolist() == [[0, 1], [1, 0]]
 
 
-def test_dropout_inference_mask_and_training_refusal() -> None:
+def test_dropout_inference_mask() -> None:
     x = np.ones((2, 2), np.float32)
     out, mask = make("Dropout", 13, 2)(x)
     assert out is x and mask.dtype == np.bool_ and mask.all()
-    with pytest.raises(ExecutionError, match="training"):
-        make("Dropout", 13)(x, np.array(0.5, np.float32), np.array(True))
+    out, mask = make("Dropout", 13, 2)(x, np.array(0.5, np.float32), np.array(False))
+    assert out is x and mask.all()
 
 
 def test_constant_value_attributes() -> None:

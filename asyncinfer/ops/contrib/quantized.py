@@ -1,12 +1,13 @@
 """The ``com.microsoft`` quantized ops: the QOperator ops ``onnxruntime.quantization`` writes
 (QLinearAdd, QLinearMul, QLinearGlobalAveragePool, QLinearAveragePool, QLinearConcat,
-QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax, QGemm), the quantized matmuls ORT's optimizer
+QLinearSigmoid, QLinearLeakyRelu, QLinearSoftmax, QGemm, and QLinearConv, which ORT's NHWC
+transformer writes with ``channels_last``), the quantized matmuls ORT's optimizer
 fuses (DynamicQuantizeMatMul, MatMulIntegerToFloat), the quantized BERT fusions (QAttention,
 QEmbedLayerNormalization) and weight-only ``MatMulNBits``.
 
 Two kinds of arithmetic, each written once:
 
-- **Integer matmuls** (QGemm, DynamicQuantizeMatMul, MatMulIntegerToFloat) reuse the ONNX domain's
+- **Integer matmuls** (QGemm, DynamicQuantizeMatMul, MatMulIntegerToFloat, QLinearConv) reuse the ONNX domain's
   exact int32 accumulation (`asyncinfer.ops.quantize`) and its requantization, as ORT defines it:
   ``round_half_even(float32(acc) * multiplier) + zero_point`` with the multiplier computed in
   float32, then saturation; float outputs are ``float32(acc) * scale (+ bias)``.
@@ -38,7 +39,7 @@ from ...model.ir import Layer
 from ..base import Op
 from ..conv import spatial_attrs
 from ..pool import AveragePool, _window_counts
-from ..quantize import DynamicQuantizeLinear, _int_matmul, _requantize, to_quantized
+from ..quantize import DynamicQuantizeLinear, QLinearConv, _int_matmul, _requantize, to_quantized
 from ..registry import create, register
 from ..schema import declare_defaults
 from ..shape import normalize_axis, op_error
@@ -276,6 +277,25 @@ class QLinearAveragePool(AveragePool):
         else:
             y = total.astype(x.dtype)
         return np.ascontiguousarray(np.moveaxis(y, 1, -1)) if self.nhwc else y
+
+
+@register("QLinearConv", versions=(1,), domain=MS_DOMAIN)
+class MsQLinearConv(QLinearConv):
+    """ONNX's QLinearConv (the same kernel: exact int32 accumulation, then requantization) with
+    ORT's ``channels_last``: X and Y are (N, spatial…, C) while W stays (M, C/group, kernel…), the
+    layout ORT's NHWC transformer writes."""
+
+    def check(self) -> None:
+        super().check()
+        self.nhwc = _channels_last(self)
+
+    def run(self, x: np.ndarray, *rest: np.ndarray | None) -> np.ndarray:
+        if not self.nhwc:
+            return super().run(x, *rest)
+        if x.ndim < 3:
+            raise op_error(self, f"X must have rank >= 3 (N, spatial..., C), got shape {x.shape}")
+        y = super().run(np.moveaxis(x, -1, 1), *rest)
+        return np.ascontiguousarray(np.moveaxis(y, 1, -1))
 
 
 @register("QLinearConcat", versions=(1,), domain=MS_DOMAIN)
@@ -583,6 +603,7 @@ for _op_type, _defaults in {
     "QLinearLeakyRelu": {"alpha": 0.01},
     "QLinearGlobalAveragePool": {"channels_last": 0},
     "QLinearAveragePool": {"auto_pad": "NOTSET", "ceil_mode": 0, "channels_last": 0, "count_include_pad": 0},
+    "QLinearConv": {"auto_pad": "NOTSET", "group": 1, "channels_last": 0},
     "QGemm": {"alpha": 1.0, "transA": 0, "transB": 0},
     "QAttention": {"unidirectional": 0},
     "QEmbedLayerNormalization": {"epsilon": 1e-12},

@@ -22,7 +22,10 @@ from .base import FLOATS, PLAIN, Kernel, KernelContext, all_typed, register, sam
 
 
 def _legacy_broadcast(layer: Layer) -> bool:
-    """Opsets < 7 aligned B to A from ``axis`` (broadcast=1 with an axis): not done on the device."""
+    """Opsets < 7 aligned B to A from ``axis`` (broadcast=1 with an axis), and PRelu's slope to
+    the channel axis: not done on the device."""
+    if layer.version < 7 and layer.op_type == "PRelu":
+        return True
     return layer.version < 7 and bool(layer.attrs.get("broadcast", 0)) and layer.attrs.get("axis") is not None
 
 

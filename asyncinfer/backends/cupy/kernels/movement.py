@@ -250,15 +250,15 @@ class IdentityKernel(_Movement):
 @register
 class DropoutKernel(_Movement):
     """Inference-mode Dropout: the identity, with an all-true mask when the mask is asked for.
-    A layer given a ``training_mode`` input (which may be true at run time) stays on the CPU."""
+    A layer that may run in training mode (the CPU op's ``may_train``: a ``training_mode`` input,
+    true or not at run time) stays on the CPU, which draws the random mask."""
 
     op_types = ("Dropout",)
 
     @classmethod
     def accepts(cls, layer: Layer, op: Op, types: ValueTypes, host: frozenset[int]) -> bool:
-        training = len(layer.inputs) > 2 and bool(layer.inputs[2])
         data = [layer.inputs[0], layer.outputs[0]]
-        return not training and all_typed(types, data, PLAIN)
+        return not op.may_train and all_typed(types, data, PLAIN)  # type: ignore[attr-defined]
 
     def run(self, ctx: KernelContext, x: Any, *unused: Any) -> Any:
         if len(self.layer.outputs) < 2 or not self.layer.outputs[1]:

@@ -73,8 +73,9 @@ class BatchNormKernel(Kernel):
 
     @classmethod
     def accepts(cls, layer: Layer, op: Op, types: ValueTypes, host: frozenset[int]) -> bool:
-        return (sum(1 for o in layer.outputs if o) == 1 and super().accepts(layer, op, types, host)
-                and same_type(types, layer.inputs))
+        # training mode (the CPU op's ``training``) normalizes with the batch's statistics: not here
+        return (not op.training and sum(1 for o in layer.outputs if o) == 1  # type: ignore[attr-defined]
+                and super().accepts(layer, op, types, host) and same_type(types, layer.inputs))
 
     def run(self, ctx: KernelContext, x: Any, scale: Any, bias: Any, mean: Any, var: Any, *,
             activations: Sequence = ()) -> Any:

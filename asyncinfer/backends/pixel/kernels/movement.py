@@ -238,7 +238,8 @@ class View(_Movement):
 @pixel_kernel("Dropout")
 class Dropout(_Movement):
     """Inference-mode Dropout that the optimizer kept because its mask output is named: the
-    data is a view, the mask a draw of ones. Training mode is refused as on the CPU."""
+    data is a view, the mask a draw of ones. A layer that may run in training mode (the CPU op's
+    ``may_train``) is declined: the CPU op draws its random mask."""
 
     fuses_activation = False
 
@@ -250,13 +251,15 @@ class Dropout(_Movement):
         names = [self.layer.inputs[0], self.layer.outputs[0]]
         dtypes = {types.get(n) for n in names}
         mask = self.layer.outputs[1] if len(self.layer.outputs) > 1 else ""
+        if self.op.may_train:  # type: ignore[attr-defined]
+            return False
         # The mask's type is often not inferred (opset < 10): the op knows it, as it writes only ones.
         return None not in dtypes and len(dtypes) == 1 and np.dtype(types[names[0]]) in DATA_TYPES and \
             (not mask or types.get(mask) is None or np.dtype(types[mask]) in DATA_TYPES)
 
     def run(self, device, inputs, post):  # type: ignore[no-untyped-def]
         x = inputs[0]
-        # An empty stand-in: raises for training mode as the CPU does, and tells the mask's dtype.
+        # An empty stand-in tells the mask's dtype (inference mode only: see supports).
         results = self.op(np.zeros(0, x.dtype), *inputs[1:])
         outputs = [x.view(x.shape)]
         if len(results) > 1:

@@ -195,7 +195,9 @@ class BatchNormalization(PixelKernel):
     output keeps the input's layout."""
 
     def supports(self, types: Mapping[str, np.dtype | None]) -> bool:
-        return len([o for o in self.layer.outputs if o]) == 1 and super().supports(types)
+        # training mode (the CPU op's ``training``) normalizes with the batch's statistics: not here
+        return (not self.op.training and len([o for o in self.layer.outputs if o]) == 1  # type: ignore[attr-defined]
+                and super().supports(types))
 
     def run(self, device: "PixelDevice", inputs: list, post: str | None) -> list["PixelTensor"]:
         x, scale, bias, mean, var = inputs[:5]
