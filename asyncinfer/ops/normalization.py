@@ -6,11 +6,14 @@ in float32 (or the requested ``stash_type``) and never in float64 for float32 da
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx.defs
 from onnx import TensorProto, helper
 
 from .base import Op
+from .compiled.normalization import layer_norm_rows
 from .registry import register
 from .shape import op_error
 
@@ -124,6 +127,10 @@ class LayerNormalization(Op):
         axis = axis + x.ndim if axis < 0 else axis
         eps = float(self.attr("epsilon"))
         stash = _stash_dtype(self)
+        d = math.prod(x.shape[axis:])
+        if (x.dtype == stash == np.float32 and x.size and scale.dtype == np.float32 and scale.size == d
+                and (bias is None or (bias.dtype == np.float32 and bias.size == d))):
+            return self._compiled(x, scale, bias, axis, eps)
         mean, var = _stats(x, tuple(range(axis, x.ndim)), stash)
         inv_std = (1.0 / np.sqrt(var + stash.type(eps))).astype(stash, copy=False)
         normed = ((x.astype(stash, copy=False) - mean) * inv_std).astype(x.dtype, copy=False)
@@ -131,6 +138,20 @@ class LayerNormalization(Op):
         if bias is not None:
             y += bias
         return y.astype(x.dtype, copy=False), mean, inv_std
+
+    @staticmethod
+    def _compiled(x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, axis: int,
+                  eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """float32 with a full-size scale (and bias): one compiled pass per row (`compiled.normalization`)."""
+        rows = x.reshape(-1, math.prod(x.shape[axis:]))
+        stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
+        y = np.empty(x.shape, np.float32)
+        mean = np.empty(stats_shape, np.float32)
+        inv_std = np.empty(stats_shape, np.float32)
+        flat_bias = scale.reshape(-1) if bias is None else np.ascontiguousarray(bias).reshape(-1)
+        layer_norm_rows(np.ascontiguousarray(rows), np.ascontiguousarray(scale).reshape(-1), flat_bias,
+                        bias is not None, eps, y.reshape(rows.shape), mean.reshape(-1), inv_std.reshape(-1))
+        return y, mean, inv_std
 
 
 @register("GroupNormalization", versions=(18, 21))

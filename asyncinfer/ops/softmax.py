@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .base import Op
+from .compiled.normalization import softmax_rows
 from .elementwise import compute_dtype
 from .registry import register
 
@@ -49,6 +50,13 @@ class _Normalise(Op):
     along: ClassVar[Callable[[Any, Any, int], Any]]
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        if type(self).along is _softmax and x.dtype == np.float32 and x.size:
+            axis = self.attr("axis") % max(x.ndim, 1)
+            if self.version < 13 or axis == x.ndim - 1:  # rows: the last axis, or the 2-D coercion
+                rows = np.ascontiguousarray(x).reshape(-1, math.prod(x.shape[axis:]))
+                y = np.empty(x.shape, np.float32)
+                softmax_rows(rows, y.reshape(rows.shape))  # one compiled pass per row
+                return y
         with np.errstate(all="ignore"):
             return self.normalise(np, x)
 
