@@ -28,7 +28,8 @@ from .model.ir import Layer, Model, TensorInfo
 from .loader import load_model
 from .runtime.execution import Execution
 from .runtime.inputs import InputShapeWarning
-from .runtime.generation import FinishReason, GenerationStats, TokenStream
+from .runtime.generation import (FinishReason, GenerationStats, TextStream, TextTokenizer, TokenizerUnavailableError,
+                                 TokenStream)
 from .runtime.plan import Placement
 from .runtime.profiling import OpTotal, Profile, RunRecord, StepRecord
 from .runtime.worker import Worker, WorkerState
@@ -64,7 +65,10 @@ __all__ = [
     "TensorData",
     "TensorInfo",
     "TensorState",
+    "TextStream",
+    "TextTokenizer",
     "TokenStream",
+    "TokenizerUnavailableError",
     "UnsupportedOperatorError",
     "Worker",
     "WorkerState",

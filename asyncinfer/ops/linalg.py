@@ -16,6 +16,14 @@ from .registry import register
 # (bench/latency.py), splitting from 4M MACs made squeezenet 15.5 ms and inception_v2 49 ms,
 # from 30M 13.4 and 43.7 ms (resnet50 72 ms either way; 83 ms with no splitting at all).
 SPLIT_MIN_MACS = 30_000_000
+# A GEMM of a few rows (a decode step's 1 × 768 @ 768 × 2304) is bound by reading B, not by its
+# multiply-adds: it is split, along K, once B holds this many bytes. Each part reads its own
+# contiguous block of B's rows (bands of B's columns would make each part stride over all of B:
+# measured slower than not splitting), and the few-row partial results are summed. From two rows
+# on, OpenBLAS packs B before multiplying (one row is a GEMV): measured 3x the time of one row
+# for 2 to 24 rows, so those are split from a quarter of the size.
+SPLIT_MIN_B_BYTES = 4 << 20
+FEW_ROWS = 16
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -31,7 +39,13 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     count = math.prod(batch)
-    if count * m * k * n < SPLIT_MIN_MACS or b.shape[-2] != k:
+    if b.shape[-2] != k:
+        return np.matmul(a, b)
+    if m <= FEW_ROWS and b.ndim == 2 and k >= 2 * parts and b.strides[-1] == b.itemsize:
+        if b.nbytes >= (SPLIT_MIN_B_BYTES if m == 1 else SPLIT_MIN_B_BYTES // 4) or m * k * n >= SPLIT_MIN_MACS:
+            return _split_k(a, b, parts)
+        return np.matmul(a, b)
+    if count * m * k * n < SPLIT_MIN_MACS:
         return np.matmul(a, b)
     y = np.empty((*batch, m, n), dtype=a.dtype)
     if count >= parts:  # whole batch entries per part
@@ -42,8 +56,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         parallel.run_parts(parts, lambda i: np.matmul(a3[bounds[i]:bounds[i + 1]], b3[bounds[i]:bounds[i + 1]],
                                                       out=y3[bounds[i]:bounds[i + 1]]))
         return y
-    # one batch entry (or a few): bands of rows of each, or of columns when rows are few (a
-    # decode step's 1×768 @ 768×50257); a column band of a C-ordered matrix is still BLAS-able
+    # one batch entry (or a few): bands of rows of each, or of columns when rows are few and B
+    # is not C-ordered (a column band of a transposed weight is a contiguous block of it)
     a3 = np.broadcast_to(a, (*batch, m, k)).reshape(count, m, k)
     b3 = np.broadcast_to(b, (*batch, k, n)).reshape(count, k, n)
     y3 = y.reshape(count, m, n)
@@ -60,6 +74,24 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     parallel.run_parts(parts, band)
     return y
+
+
+def _split_k(a: np.ndarray, b: np.ndarray, parts: int) -> np.ndarray:
+    """``a @ b`` for a few-row ``a`` and a C-ordered 2-D ``b``: each part multiplies a band of
+    a's columns by the matching block of b's rows (contiguous), then the partial results add up."""
+    k = b.shape[0]
+    bounds = np.linspace(0, k, parts + 1).astype(int)
+    partial: list[np.ndarray | None] = [None] * parts
+
+    def block(i: int) -> None:
+        lo, hi = bounds[i], bounds[i + 1]
+        partial[i] = np.matmul(a[..., lo:hi], b[lo:hi])
+
+    parallel.run_parts(parts, block)
+    y = partial[0]
+    for other in partial[1:]:
+        np.add(y, other, out=y)  # type: ignore[arg-type]
+    return y  # type: ignore[return-value]
 
 
 @register("MatMul", versions=(1, 9, 13))

@@ -16,7 +16,8 @@ from ..errors import AsyncInferError, DisposedError
 from ..model.ir import Model
 from ..tensor import Tensor
 from .execution import Execution
-from .generation import GenerationEngine, GenerationStats, TokenStream
+from .generation import GenerationEngine, GenerationStats, TextStream, TokenizerSource, TokenStream
+from .generation.text import stop_strings
 from .inputs import bind_inputs, example_inputs
 from .outputs import OutputPlans
 from .specialise import ShapePlans
@@ -81,6 +82,7 @@ class Worker:
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
         self._generation: GenerationEngine | None = None  # made by the first generate()
+        self._tokenizer: TokenizerSource | None = None  # found by the first generate_text()
         self._state_lock = threading.Lock()
         self._state = WorkerState.OPEN
         if warmup:
@@ -298,6 +300,68 @@ class Worker:
         return self.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop).collect_blocking()
 
+    def generate_text(self, prompt: str | Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                      top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                      eos_token_id: int | Sequence[int] | None = None, stop: str | Sequence[str] | None = None,
+                      tokenizer: Any = None, add_special_tokens: bool = True,
+                      skip_special_tokens: bool = True) -> TextStream:
+        """Generate text from a decoder model, streamed in decoded pieces: returns at once.
+
+        ```python
+        async for piece in worker.generate_text("Once upon a time", max_new_tokens=64):
+            print(piece, end="", flush=True)
+        text = await worker.generate_text("Once upon a time", max_new_tokens=64).collect()
+        ```
+
+        Needs the ``tokenizers`` package (the ``text`` extra) and a ``tokenizer.json`` beside
+        the model file, or ``tokenizer=``. The prompt is encoded (and the tokenizer loaded, off the
+        event loop) by the stream's first iteration or ``await stream.start()``, which raise an
+        error of the prompt or options. Options are those of `generate`, except:
+
+        Args:
+            prompt: the text (or its token ids, used as they are).
+            eos_token_id: token id(s) that end the stream; default: the tokenizer folder's
+                (``generation_config.json``, ``config.json``, else ``tokenizer_config.json``'s
+                ``eos_token``); ``()`` for none.
+            stop: string(s) that end the stream, matched on the text (neither the stop string nor
+                anything after it is yielded).
+            tokenizer: a path (``tokenizer.json`` or its folder), a ``tokenizers.Tokenizer`` or
+                a `TextTokenizer`; default: the one beside the model, loaded once per worker.
+            add_special_tokens: let the tokenizer add its own tokens (a BOS) to a text prompt.
+            skip_special_tokens: leave special tokens out of the text.
+
+        Raises:
+            TokenizerUnavailableError: the ``tokenizers`` package is not installed.
+            InputError: no tokenizer beside the model, a bad ``stop``, or a model that fits no
+                decoder convention.
+        """
+        engine = self._generation_engine()
+        source = TokenizerSource(tokenizer) if tokenizer is not None else self._model_tokenizer()
+        return TextStream(engine.submit, source, prompt, stop=stop_strings(stop), eos_token_id=eos_token_id,
+                          add_special_tokens=add_special_tokens, skip_special_tokens=skip_special_tokens,
+                          options=dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, seed=seed))
+
+    def generate_text_blocking(self, prompt: str | Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                               eos_token_id: int | Sequence[int] | None = None,
+                               stop: str | Sequence[str] | None = None, tokenizer: Any = None,
+                               add_special_tokens: bool = True, skip_special_tokens: bool = True) -> str:
+        """Blocking twin of [`generate_text`][asyncinfer.Worker.generate_text]: the whole text
+        (``generate_text(...).collect_blocking()``; iterate ``generate_text(...)`` with a plain
+        ``for`` to stream it on a thread). Do not call it on an event loop."""
+        return self.generate_text(prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                                  top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop, tokenizer=tokenizer,
+                                  add_special_tokens=add_special_tokens,
+                                  skip_special_tokens=skip_special_tokens).collect_blocking()
+
+    def _model_tokenizer(self) -> TokenizerSource:
+        """The tokenizer beside the model file, loaded (once) by the first stream that needs it."""
+        with self._state_lock:
+            if self._tokenizer is None:
+                self._tokenizer = TokenizerSource.for_model(self.model.source, self.model.name)
+            return self._tokenizer
+
     def generation_stats(self) -> GenerationStats:
         """Counters of this worker's generation: runs, tokens, streams running, largest batch,
         bytes of KV cache held, whether streams share runs (and if not, why)."""
@@ -310,12 +374,12 @@ class Worker:
                 self._generation = GenerationEngine(self.model, self._plan, self._schedule_generation)
             return self._generation
 
-    def _schedule_generation(self, futures: dict[str, Any]) -> Execution:
+    def _schedule_generation(self, futures: dict[str, Any], plan: Plan | None = None) -> Execution:
         """A run of the generation engine: inputs it built and checked itself, possibly values
-        still on this worker's backend (a device's upload step passes them through). Never shape
-        specialised (the past grows every step: see generation/engine.py)."""
+        still on this worker's backend (a device's upload step passes them through). ``plan``:
+        the engine's own shape-specialised variant of this worker's plan (see generation/engine.py)."""
         self._check_open()
-        execution = Execution(self._plan, futures, worker=self, recorder=self._recorder(None))
+        execution = Execution(plan or self._plan, futures, worker=self, recorder=self._recorder(None))
         execution.submit_all()
         return execution
 

@@ -557,3 +557,111 @@ def test_blocking_iteration_on_a_thread(gpt2):
         thread.start()
         thread.join(30)
     assert got == expected
+
+
+# -- the decode step's speed: cache blocks, shape specialisation, sampling ----------------------------
+def _steps_per_run(profile) -> list[tuple[int, set[tuple]]]:
+    """For each profiled run, in order: how many steps ran, and the cache shapes it fed (the
+    shapes of its ``present.*`` Concat outputs)."""
+    runs: dict[int, list] = {}
+    for record in profile.records:
+        runs.setdefault(record.run, []).append(record)
+    return [(len(records), {r.output_shapes[0] for r in records if r.op_type == "Concat" and len(r.output_shapes[0]) == 4})
+            for _, records in sorted(runs.items())]
+
+
+def test_decode_steps_keep_the_cache_in_blocks_and_skip_the_shape_arithmetic(long_gpt2):
+    """A host cache is kept to a multiple of CACHE_BLOCK columns, so decode steps repeat their
+    input shapes and run the shape-specialised plan (Shape/Gather/Concat… of the reshape targets
+    are not dispatched): the tokens still equal the unpadded reference loop's."""
+    from asyncinfer.runtime.generation import engine
+
+    proto, model = long_gpt2
+    prompt, n = PROMPTS[1], 2 * engine.CACHE_BLOCK  # crosses into a second block
+    with ai.Worker(model, "cpu") as worker:
+        with worker.profile() as profile:
+            tokens = worker.generate_blocking(prompt, max_new_tokens=n)
+    assert tokens == reference_greedy(proto, prompt, n)
+    runs = _steps_per_run(profile)
+    assert len(runs) == n  # the prompt's run, then one per further token
+    block = engine.CACHE_BLOCK
+    for i, (_, shapes) in enumerate(runs[1:], start=1):  # present = past (a whole block) + 1
+        cached = len(prompt) + i - 1
+        assert shapes == {(1, 4, -(-cached // block) * block + 1, 8)}, (i, shapes)
+    full = max(count for count, _ in runs)
+    # after the first step of each block (which records its shape values), steps run fewer layers
+    assert runs[2][0] < full and runs[-1][0] == runs[2][0]
+
+
+@pytest.mark.asyncio
+async def test_concurrent_streams_crossing_cache_blocks_equal_their_solo_runs(llama):
+    """Rows of one batch cross block boundaries at different steps; each still equals its solo run."""
+    from asyncinfer.runtime.generation import engine
+
+    proto, model = llama
+    prompts = [[3] * (engine.CACHE_BLOCK - 2), PROMPTS[0], [7] * (engine.CACHE_BLOCK + 1)]
+    n = 6
+    async with ai.Worker(model, "cpu") as worker:
+        solo = [await worker.generate(p, max_new_tokens=n).collect() for p in prompts]
+        together = await asyncio.gather(*(worker.generate(p, max_new_tokens=n).collect() for p in prompts))
+    assert together == solo == [reference_greedy(proto, p, n) for p in prompts]
+
+
+def _sampled_distribution(row: np.ndarray, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
+    """The definition, computed the long way: scale, sort everything, keep top_k, renormalise,
+    keep the smallest most-likely set reaching top_p, renormalise."""
+    logits = row.astype(np.float64) / temperature
+    order = np.argsort(-logits, kind="stable")
+    if top_k is not None:
+        order = order[:top_k]
+    probs = np.exp(logits[order] - logits[order].max())
+    probs /= probs.sum()
+    if top_p is not None:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p)) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    dist = np.zeros(len(row))
+    dist[order] = probs
+    return dist
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.3, None, 0.8),
+                                                       (0.9, 12, 0.6), (1.0, None, 0.999)])
+def test_sampling_draws_from_the_defined_distribution(temperature, top_k, top_p, monkeypatch):
+    """choose() sorts only what the options need (nothing for temperature alone; a growing guess
+    at the nucleus for top_p): it draws from exactly the tokens the definition keeps, with their
+    probabilities."""
+    from asyncinfer.runtime.generation import sampling
+
+    monkeypatch.setattr(sampling, "NUCLEUS_GUESS", 4)  # the guess must grow on this small vocabulary
+    row = (np.random.default_rng(3).standard_normal(60) * 2).astype(np.float32)
+    expected = _sampled_distribution(row, temperature, top_k, top_p)
+    rng = np.random.default_rng(11)
+    options = sampling.Sampling(temperature, top_k, top_p)
+    draws = 20_000
+    counts = np.bincount([sampling.choose(row, options, rng) for _ in range(draws)], minlength=len(row))
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(expected))  # never a token the options exclude
+    np.testing.assert_allclose(counts / draws, expected, atol=0.015)  # 20k draws: a few sigma of 0.0035
+
+
+@pytest.mark.parametrize("m, transposed", [(1, False), (8, False), (3, True), (16, False)])
+def test_few_row_gemms_of_decode_steps_split_across_the_pool_equal_numpy(m, transposed, monkeypatch):
+    """A decode step's GEMMs have a row per stream: split along K (C-ordered weights) or into
+    column bands (transposed ones, which are contiguous that way), they equal one matmul."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncinfer.concurrency import parallel
+    from asyncinfer.ops import linalg
+
+    monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
+    monkeypatch.setattr(linalg, "SPLIT_MIN_MACS", 0)  # the transposed weight's column bands too
+    calls = []
+    real = parallel.run_parts
+    monkeypatch.setattr(parallel, "run_parts", lambda count, part: (calls.append(count), real(count, part)))
+    rng = np.random.default_rng(m)
+    a = rng.standard_normal((m, 300)).astype(np.float32)
+    b = rng.standard_normal((700, 300)).astype(np.float32).T if transposed else \
+        rng.standard_normal((300, 700)).astype(np.float32)
+    with ThreadPoolExecutor(2) as pool, parallel.pool_bound(pool.submit, 2):
+        got = linalg.matmul(a, b)
+    np.testing.assert_allclose(got, np.matmul(a, b), rtol=1e-5, atol=1e-4)
+    assert got.shape == (m, 700) and calls == [2]
