@@ -13,7 +13,7 @@ from asyncinfer import assets
 from asyncinfer.serving import create_app
 from asyncinfer.serving.service import InferenceService
 from asyncinfer.serving.tracing import Tracer
-from .test_triton_http import ServerThread
+from .uvicorn_thread import ServerThread
 
 triton = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a dev dependency")
 from tritonclient.utils import InferenceServerException  # noqa: E402

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +26,8 @@ from conftest import make_model, tensor_info
 triton = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is a dev dependency")
 uvicorn = pytest.importorskip("uvicorn", reason="uvicorn comes with the serve extra")
 
+from .uvicorn_thread import ServerThread  # noqa: E402 - after the skips
+
 RTOL, ATOL = 1e-5, 1e-5
 
 
@@ -37,47 +37,21 @@ def scaled_model(factor: float) -> onnx.ModelProto:
                       [tensor_info("y", ["N", 3])], [k], extra_domains=())
 
 
-def free_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # held from the start: no race with other processes for the port
-    return sock
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on a thread of its own, on a free port."""
-
-    def __init__(self, app):
-        self.sock = free_socket()
-        self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self) -> ServerThread:
-        self.thread.start()
-        for _ in range(2000):  # up to 20 s
-            if self.server.started or not self.thread.is_alive():
-                break
-            threading.Event().wait(0.01)
-        assert self.server.started, "uvicorn did not start"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
-        self.sock.close()
-        assert not self.thread.is_alive(), "uvicorn did not stop"
+def write_repository(root: Path) -> Path:
+    """A Triton model repository in ``root``: digits (versions 1 and 2, dynamic batching) and scale."""
+    for version in (1, 2):
+        (root / "digits" / str(version)).mkdir(parents=True)
+        shutil.copyfile(assets.default_model_path(), root / "digits" / str(version) / "model.onnx")
+    (root / "digits" / "config.pbtxt").write_text(
+        'name: "digits"\nmax_batch_size: 16\ndynamic_batching { max_queue_delay_microseconds: 1000 }\n')
+    (root / "scale" / "1").mkdir(parents=True)
+    onnx.save(scaled_model(3.0), str(root / "scale" / "1" / "model.onnx"))
+    return root
 
 
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
-    for version in (1, 2):
-        (tmp_path / "digits" / str(version)).mkdir(parents=True)
-        shutil.copyfile(assets.default_model_path(), tmp_path / "digits" / str(version) / "model.onnx")
-    (tmp_path / "digits" / "config.pbtxt").write_text(
-        'name: "digits"\nmax_batch_size: 16\ndynamic_batching { max_queue_delay_microseconds: 1000 }\n')
-    (tmp_path / "scale" / "1").mkdir(parents=True)
-    onnx.save(scaled_model(3.0), str(tmp_path / "scale" / "1" / "model.onnx"))
-    return tmp_path
+    return write_repository(tmp_path)
 
 
 @pytest.fixture
