@@ -31,8 +31,8 @@ from typing import Any
 from bench import common
 
 # Every benchmark, in the order a full run takes them (the CPU ones first: they gate the floors).
-BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "load_time", "pixel", "serving",
-                               "serving_load", "gpu_compute")
+BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "load_time", "generate", "pixel",
+                               "serving", "serving_load", "gpu_compute")
 
 # Our own packages: failing to import one of them is a bug to report, not a missing dependency.
 OWN_PACKAGES = ("asyncinfer", "bench")
@@ -138,7 +138,7 @@ class Floor:
 
 def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
     """The targets measurable from ``results`` (benchmark name -> result): latency's, overhead's,
-    concurrency's, load_time's and serving_load's."""
+    concurrency's, load_time's, generate's and serving_load's."""
     checks = []
     if (lat := results.get("latency")) is not None:
         checks.append(Floor("geomean latency ratio asyncinfer(await)/ORT", common.dig(lat, "geomean_ratio_await"),
@@ -171,16 +171,34 @@ def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
                 Floor(f"peak RSS after a run of {model}, x model size", r["rss_run_x_model"]["asyncinfer"], 1.5, "x"),
                 Floor(f"first run after warmup() of {model}, x steady state", r["first_after_warmup_x_steady"], 1.2, "x"),
             ]
+    if (gen := results.get("generate")) is not None:
+        n = gen["streams"]
+        for model, r in gen["models"].items():
+            ours = ("engines", "asyncinfer")
+            checks += [
+                Floor(f"generate {model}: ms/token, one stream, asyncinfer/ORT IO-binding loop",
+                      common.dig(r, "ratios", "ort_iobinding", "per_token"), 1.2, "x"),
+                Floor(f"generate {model}: {n} streams' tokens/s, x one stream's",
+                      common.dig(r, *ours, f"{n}_streams", "x_one_stream"), 4.0, "x", at_least=True),
+                Floor(f"generate {model}: loop lag p99 while {n} streams run",
+                      common.dig(r, *ours, f"{n}_streams", "loop_lag", "p99_ms"), 2.0, "ms"),
+                Floor(f"generate {model}: greedy tokens equal ORT's, and each of {n} streams its solo run",
+                      None if "identical_tokens" not in r else float(all(r["identical_tokens"].values())), 1.0,
+                      at_least=True),
+            ]
     if (load := results.get("serving_load")) is not None:
         for model, r in load["models"].items():
             if not r.get("batchable"):
                 continue  # a fixed batch of 1 leaves nothing to merge: the target is about batching
-            c8 = ("concurrency", "8", "asyncinfer")
+            row = (r.get("concurrency") or {}).get("8") or {}
+            # serve --workers N where measured (bench/serving_load.py's floor_kind), else one process
+            kind = next((k for k in row if k.startswith("asyncinfer_w")), "asyncinfer")
+            label = "" if kind == "asyncinfer" else f" --workers {kind[len('asyncinfer_w'):]}"
             checks += [
-                Floor(f"serve at concurrency 8, batching/ORT+FastAPI throughput, {model}",
-                      common.dig(r, *c8, "throughput_vs_baseline"), 1.5, "x", at_least=True),
-                Floor(f"serve at concurrency 8, batching/ORT+FastAPI p99, {model}",
-                      common.dig(r, *c8, "p99_vs_baseline"), 1.0, "x"),
+                Floor(f"serve{label} at concurrency 8, batching/ORT+FastAPI throughput, {model}",
+                      common.dig(row, kind, "throughput_vs_baseline"), 1.5, "x", at_least=True),
+                Floor(f"serve{label} at concurrency 8, batching/ORT+FastAPI p99, {model}",
+                      common.dig(row, kind, "p99_vs_baseline"), 1.0, "x"),
             ]
     return checks
 

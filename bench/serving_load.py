@@ -1,9 +1,11 @@
 """Serving load test: `asyncinfer serve` against ONNX Runtime behind a plain FastAPI handler, over HTTP.
 
-Three servers, each its own process on a free local port, serving the same models:
+Servers, each its own process(es) on a free local port, serving the same models:
 
 - ``asyncinfer``: ``python -m asyncinfer serve`` with dynamic batching (its default options);
-- ``asyncinfer_unbatched``: the same with ``--no-batching``;
+- ``asyncinfer_w2`` (``--workers 2``, the default where there are 2 cores or more): the same with
+  ``--workers 2``, two server processes behind one port, each with half the CPU threads;
+- ``asyncinfer_unbatched``: the same as ``asyncinfer`` with ``--no-batching``;
 - ``baseline``: ``bench/serving_baseline.py``, one ``onnxruntime.InferenceSession`` per model
   behind an async FastAPI/uvicorn handler calling ``await loop.run_in_executor(None, session.run,
   ...)``: what a user would write.
@@ -19,11 +21,14 @@ keep-alive connection (raw asyncio streams: a few tens of µs of client CPU per 
 way the client runs on the same cores as the servers; the report gives its CPU use.
 
 Reported per model, level and server: throughput (infer/s), p50/p99 latency, errors, the ratio to
-the baseline, the client's and the server's CPU use (cores), and for asyncinfer the requests each
-engine run carried (from the server's statistics endpoint, where it has one).
+the baseline, the client's and the server's CPU use (cores; a server with workers: all its
+processes), and for asyncinfer the requests each engine run carried (from the server's statistics
+endpoint, where it has one). The issue's floor (concurrency 8) is read from the multi-worker
+server where it was measured (`floor_kind`), else from ``asyncinfer``.
 
     python3 bench/serving_load.py [--models digits squeezenet] [--levels 1 4 8 16] [--seconds 5] \
-        [--rounds 2] [--warmup 1] [--client auto|local|perf_analyzer] [--threads N] [--no-write]
+        [--rounds 2] [--warmup 1] [--client auto|local|perf_analyzer] [--threads N] [--workers N] \
+        [--no-write]
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ SERVERS: dict[str, str] = {
     "baseline": "ONNX Runtime behind FastAPI/uvicorn, session.run in the default executor",
 }
 BASELINE = "baseline"
+WORKERS_KIND = "asyncinfer_w{}"  # asyncinfer serve --workers N
 LEVELS: tuple[int, ...] = (1, 4, 8, 16)
 CLIENTS = ("auto", "local", "perf_analyzer")
 HOST = "127.0.0.1"
@@ -137,15 +143,43 @@ def http(method: str, url: str, body: bytes | None = None, headers: Mapping[str,
         return err.code, {k.lower(): v for k, v in err.headers.items()}, err.read()
 
 
+def kinds_for(workers: int) -> list[str]:
+    """The servers a run measures: ``asyncinfer``, ``asyncinfer_w<workers>`` when ``workers`` > 1,
+    ``asyncinfer_unbatched`` and the baseline."""
+    kinds = ["asyncinfer", *([WORKERS_KIND.format(workers)] if workers > 1 else []), "asyncinfer_unbatched", BASELINE]
+    return kinds
+
+
+def workers_of(kind: str) -> int:
+    """N of ``asyncinfer_wN`` (1 for any other server)."""
+    prefix = WORKERS_KIND.format("")
+    return int(kind[len(prefix):]) if kind.startswith(prefix) and kind[len(prefix):].isdigit() else 1
+
+
+def describe_server(kind: str) -> str:
+    workers = workers_of(kind)
+    return f"asyncinfer serve --workers {workers}, dynamic batching" if workers > 1 else SERVERS[kind]
+
+
+def floor_kind(row: Mapping[str, Any]) -> str:
+    """Which server the issue's floor is read from in one level's ``row``: the multi-worker one
+    when measured (what ``serve --workers auto`` runs on this machine), else ``asyncinfer``."""
+    multi = [kind for kind in row if workers_of(kind) > 1]
+    return multi[0] if multi else "asyncinfer"
+
+
 def server_argv(kind: str, models: Mapping[str, Path], port: int, threads: int) -> list[str]:
     """The command line that starts server ``kind`` on ``port``."""
     specs = [f"{name}={path}" for name, path in models.items()]
     if kind == BASELINE:
         return [sys.executable, "-m", "bench.serving_baseline", *specs, "--host", HOST, "--port", str(port),
                 "--threads", str(threads)]
+    workers = workers_of(kind)
     # Warnings only: an access log line per request would cost asyncinfer what the baseline does not pay.
     argv = [sys.executable, "-m", "asyncinfer", "serve", *specs, "--host", HOST, "--port", str(port),
-            "--threads", str(threads), "--log-level", "warning"]
+            "--threads", str(max(1, threads // workers)), "--log-level", "warning"]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
     return argv + (["--no-batching"] if kind == "asyncinfer_unbatched" else [])
 
 
@@ -195,10 +229,17 @@ class Server:
         raise ServerError(f"{self.kind} server not ready after {timeout:.0f} s:\n{self.log_tail()}")
 
     def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the server process so far (Linux), else None."""
+        """User + system CPU time so far of the server process and its children, the worker
+        processes of ``--workers N`` (Linux), else None."""
         try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            pid = self.proc.pid
+            total = _cpu_ticks(pid)
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    fields = stat.read_text().rpartition(")")[2].split()
+                    if int(fields[1]) == pid:  # a child (ppid), e.g. a worker
+                        total += int(fields[11]) + int(fields[12])
+            return total / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError, AttributeError):
             return None
 
@@ -220,6 +261,11 @@ class Server:
         if self.log is not None:
             self.log.close()
             self.log = None
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
 
 
 def stop_all(servers: Sequence[Server]) -> None:
@@ -579,20 +625,28 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a and b else None
 
 
+def default_workers() -> int:
+    """Workers of the multi-worker server: 2 where there are 2 cores or more (0: none)."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 0
+
+
 def run(models: Sequence[str] = ("digits", "squeezenet"), *, levels: Sequence[int] = LEVELS, seconds: float = 5.0,
         warmup: float = 1.0, rounds: int = 2, client: str = "auto", threads: int | None = None,
-        verbose: bool = True) -> dict[str, Any]:
-    """Start the servers, pick the client, measure every model; stop the servers whatever happens."""
+        workers: int | None = None, verbose: bool = True) -> dict[str, Any]:
+    """Start the servers, pick the client, measure every model; stop the servers whatever happens.
+    ``workers`` > 1 adds ``asyncinfer serve --workers <workers>`` (default `default_workers`)."""
     if client not in CLIENTS:
         raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
     threads = threads or common.default_threads()
+    workers = default_workers() if workers is None else workers
+    kinds = kinds_for(workers)
     specs, per_model = {}, {}
     for name in models:
         try:
             specs[name] = model_spec(name)
         except FileNotFoundError as exc:
             per_model[name] = {"error": common.error_text(exc)}
-    with running_servers({n: s.path for n, s in specs.items()}, threads, verbose=verbose) as servers:
+    with running_servers({n: s.path for n, s in specs.items()}, threads, kinds, verbose=verbose) as servers:
         chosen, why_not = choose_client(client, servers, list(specs.values()))
         if verbose:
             print(f"client: {chosen}" + (f" ({why_not})" if why_not else ""), flush=True)
@@ -603,7 +657,8 @@ def run(models: Sequence[str] = ("digits", "squeezenet"), *, levels: Sequence[in
     return {"client": chosen, "perf_analyzer_unused_because": why_not, "cores": os.cpu_count(),
             "client_note": f"the client runs on the same {os.cpu_count()} cores as the servers",
             "threads": threads, "levels": list(levels), "seconds_per_block": seconds, "warmup_s": warmup,
-            "rounds": rounds, "servers": dict(SERVERS), "blas_threads_env": {k: os.environ.get(k) for k in BLAS_ENV},
+            "rounds": rounds, "servers": {kind: describe_server(kind) for kind in kinds}, "workers": workers,
+            "blas_threads_env": {k: os.environ.get(k) for k in BLAS_ENV},
             "models": {name: per_model[name] for name in models}}
 
 
@@ -650,13 +705,15 @@ def unavailable_reason() -> str | None:
 
 
 def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
-    """Per model, at concurrency 8: asyncinfer's throughput and p99 over the baseline's."""
+    """Per model, at concurrency 8: asyncinfer's throughput and p99 over the baseline's (one
+    process, and the multi-worker server where measured)."""
     figures: dict[str, float | None] = {}
     for name, r in result["models"].items():
-        figures[f"{name} c{KEY_LEVEL} infer/s ×base"] = common.dig(r, "concurrency", KEY_LEVEL, "asyncinfer",
-                                                                   "throughput_vs_baseline")
-        figures[f"{name} c{KEY_LEVEL} p99 ×base"] = common.dig(r, "concurrency", KEY_LEVEL, "asyncinfer",
-                                                               "p99_vs_baseline")
+        row = (r.get("concurrency") or {}).get(KEY_LEVEL) or {}
+        for kind in dict.fromkeys(["asyncinfer", floor_kind(row)]):
+            label = "" if kind == "asyncinfer" else f" {kind}"
+            figures[f"{name} c{KEY_LEVEL}{label} infer/s ×base"] = common.dig(row, kind, "throughput_vs_baseline")
+            figures[f"{name} c{KEY_LEVEL}{label} p99 ×base"] = common.dig(row, kind, "p99_vs_baseline")
         figures[f"{name} c{KEY_LEVEL} unbatched infer/s ×base"] = common.dig(
             r, "concurrency", KEY_LEVEL, "asyncinfer_unbatched", "throughput_vs_baseline")
     return figures
@@ -673,13 +730,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="blocks per server and level, alternating (default 2)")
     parser.add_argument("--client", choices=CLIENTS, default="auto",
                         help="auto: perf_analyzer when it runs against every server, else local (default)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="also measure 'asyncinfer serve --workers N' (N > 1; default 2 where there are 2 cores "
+                             "or more; 0: not)")
     common.add_engine_args(parser, "serving_load.json")
     args = parser.parse_args(argv)
     if (reason := unavailable_reason()) is not None:
         return common.cannot_run(__file__, reason)
     try:
         result = run(args.models, levels=args.levels, seconds=args.seconds, warmup=args.warmup, rounds=args.rounds,
-                     client=args.client, threads=args.threads)
+                     client=args.client, threads=args.threads, workers=args.workers)
     except KeyboardInterrupt:  # the servers are already stopped
         print("interrupted", file=sys.stderr)
         return 130

@@ -369,6 +369,60 @@ def test_quick_overhead_run_writes_the_summary(monkeypatch, tmp_path):
     assert "| overhead | ok | per-layer await/ORT" in markdown and summary["environment"]["cpu_model"] in markdown
 
 
+# -- generate: token streams against ORT loops ----------------------------------------------------------
+def test_generate_on_the_small_decoders(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the generate benchmark compares against onnxruntime")
+    from bench import generate
+
+    monkeypatch.setenv("ASYNCINFER_BENCH_CACHE", str(tmp_path))  # build into a fresh cache
+    result = generate.run(["gpt2", "llama"], tokens=3, streams=2, rounds=1, small=True, verbose=False)
+    for name in ("gpt2", "llama"):
+        r = result["models"][name]
+        assert "error" not in r, r.get("error")
+        assert r["identical_tokens"]["asyncinfer"], r["identical_tokens"]  # solo = ORT's, and 2 streams = solo
+        assert r["asyncinfer_streams_equal_solo"]
+        engines = set(r["engines"]) | set(r["unavailable"])
+        assert engines == set(generate.ENGINES) and {"asyncinfer", "ort_iobinding"} <= set(r["engines"])
+        for engine in r["engines"].values():
+            one, two = engine["one_stream"], engine["2_streams"]
+            for value in (one["ttft_ms"], one["per_token_ms"], one["tokens_per_s"], two["aggregate_tokens_per_s"],
+                          two["x_one_stream"]):
+                assert_positive(value)
+            assert_lag(two["loop_lag"])
+        ratio = r["ratios"]["ort_iobinding"]["per_token"]
+        assert ratio == pytest.approx(r["engines"]["asyncinfer"]["one_stream"]["per_token_ms"]
+                                      / r["engines"]["ort_iobinding"]["one_stream"]["per_token_ms"])
+    # the decoders were built once, each in its folder with the genai_config.json of its names
+    folders = sorted(p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir())
+    assert folders == ["generate-gpt2_small_test", "generate-llama_small_test"]
+    for folder in tmp_path.iterdir():
+        config = json.loads((folder / "genai_config.json").read_text())
+        assert config["model"]["decoder"]["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    figures = generate.key_figures(result)
+    assert figures["gpt2 ms/token ×ORT-iobinding"] == pytest.approx(result["models"]["gpt2"]["ratios"]["ort_iobinding"]
+                                                                       ["per_token"])
+
+
+def test_generate_floors_and_unequal_tokens_void_the_ratios():
+    good = {"ratios": {"ort_iobinding": {"per_token": 1.1}}, "identical_tokens": {"asyncinfer": True, "ort": True},
+            "engines": {"asyncinfer": {"8_streams": {"x_one_stream": 3.0, "loop_lag": {"p99_ms": 1.5}}}}}
+    checks = runner.floors({"generate": {"streams": 8, "models": {"m": good, "broken": {"error": "no"}}}})
+    verdicts = {f.name: f.verdict for f in checks}
+    assert verdicts["generate m: ms/token, one stream, asyncinfer/ORT IO-binding loop"] == "PASS"
+    assert verdicts["generate m: 8 streams' tokens/s, x one stream's"] == "MISS"  # at least 4x
+    assert verdicts["generate m: loop lag p99 while 8 streams run"] == "PASS"
+    assert verdicts["generate m: greedy tokens equal ORT's, and each of 8 streams its solo run"] == "PASS"
+    assert sorted(v for k, v in verdicts.items() if "broken" in k) == ["N/A"] * 4
+    from bench import generate
+
+    engine = {"one_stream": {"per_token_ms": 20.0, "ttft_ms": 50.0}, "8_streams": {"aggregate_tokens_per_s": 200.0}}
+    fast = {"one_stream": {"per_token_ms": 10.0, "ttft_ms": 25.0}, "8_streams": {"aggregate_tokens_per_s": 400.0}}
+    engines = {"asyncinfer": engine, "ort_iobinding": fast, "ort_genai": fast}
+    got = generate.ratios(engines, {"asyncinfer": True, "ort_iobinding": True, "ort_genai": False}, 8)
+    assert got["ort_iobinding"] == {"per_token": 2.0, "ttft": 2.0, "aggregate_tokens_per_s": 0.5}
+    assert got["ort_genai"] == {"per_token": None, "ttft": None, "aggregate_tokens_per_s": None}
+
+
 # -- serving_load: asyncinfer serve vs ORT behind FastAPI, over HTTP ---------------------------------
 def test_serving_baseline_speaks_kserve_v2():
     pytest.importorskip("onnxruntime", reason="the baseline server runs onnxruntime")
@@ -439,11 +493,11 @@ def _assert_serving_load_result(result: dict, models: list[str], levels: list[in
         r = result["models"][name]
         assert "error" not in r, r.get("error")
         assert r["agreement"]["ok"]  # every server, binary and JSON, agreed with the baseline
-        assert set(r["agreement"]["max_abs_diff"]) == {f"{k} {enc}" for k in serving_load.SERVERS
+        assert set(r["agreement"]["max_abs_diff"]) == {f"{k} {enc}" for k in result["servers"]
                                                          for enc in ("binary", "json")}
         assert list(r["concurrency"]) == [str(level) for level in levels]
         for row in r["concurrency"].values():
-            assert set(row) == set(serving_load.SERVERS)
+            assert set(row) == set(result["servers"]) == set(serving_load.kinds_for(result["workers"]))
             for figures in row.values():
                 assert figures["client"] == result["client"] and figures["errors"] == 0
                 assert figures["requests"] > 0

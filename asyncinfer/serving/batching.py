@@ -120,8 +120,9 @@ class DynamicBatcher:
         max_concurrent_batches: batches in flight at once; while they run, the queue fills up.
         eager: when no batch is in flight, run what is queued at once instead of waiting up to
             ``max_delay`` for batch-mates (a lone request then costs no delay, and under load
-            batches still form while the engine is busy). False: always wait for a full batch
-            or ``max_delay``, as Triton's dynamic batcher does.
+            batches still form while the engine is busy; under load, the requests already
+            arriving, a few event-loop turns away, join too). False: always wait for a full
+            batch or ``max_delay``, as Triton's dynamic batcher does.
         threads: CPU thread-pool size of the worker built for a model.
         on_run: called with a `RunRecord` after every engine run (merged or alone, failed
             or not), on the event loop; for statistics and metrics. It must not raise or block.
@@ -162,9 +163,15 @@ class DynamicBatcher:
         self.max_concurrent_batches = max_concurrent_batches
         self.eager = eager
         self._batches_in_flight = 0
+        self._last_run_requests = 0  # requests merged into the latest engine run: is there load?
         self.stats = BatcherStats()
         self._on_run = on_run
         self._batch_symbol = batch_symbol(self.model)
+        self._input_names = [info.name for info in self.model.inputs]
+        # Request keys (names, dtypes, ranks and non-batch dims) already checked against the model
+        # signature, with the most rows checked: a request with a known key and no more rows is
+        # valid (more rows: only the size limits, which grow with the rows, are checked again).
+        self._checked: dict[Hashable, int] = {}
         self._queues: dict[Hashable, deque[_Request]] = {}
         self._state = BatcherState.NEW
         # Events belong to an event loop: made in __aenter__, not here (built outside any loop).
@@ -186,11 +193,14 @@ class DynamicBatcher:
         """Requests queued and not yet sent to the engine."""
         return sum(len(q) for q in self._queues.values())
 
-    async def infer(self, inputs: Mapping[str, Any], *, timing: RunTiming | None = None) -> dict[str, np.ndarray]:
+    async def infer(self, inputs: Mapping[str, Any], *, timing: RunTiming | None = None,
+                    copy: bool = True) -> dict[str, np.ndarray]:
         """Run the model on ``inputs`` (``{name: array}``), merged with concurrent calls when possible.
 
         Returns ``{output name: ndarray}`` for this request's rows only. ``timing``, when given,
-        receives the start and end of the engine run that answered this call.
+        receives the start and end of the engine run that answered this call. ``copy=False``
+        hands the arrays over: the caller promises not to change them while the request waits
+        (by default they are copied, so the caller may reuse its buffers at once).
 
         Raises:
             InputError: the inputs do not match the model signature (only this call fails).
@@ -199,7 +209,7 @@ class DynamicBatcher:
         """
         if self._state is not BatcherState.RUNNING:
             raise DisposedError(self._not_running_message())
-        request = self._admit(inputs, timing)
+        request = self._admit(inputs, timing, copy)
         self.stats.requests += 1
         if request is None:  # not mergeable: run alone, in the caller's task
             return await self._run_solo(inputs, timing)
@@ -274,21 +284,54 @@ class DynamicBatcher:
                 f"max_delay={self.max_delay} {self._state.value}, {self.pending} pending>")
 
     # -- admission --------------------------------------------------------------------------------
-    def _admit(self, inputs: Mapping[str, Any], timing: RunTiming | None = None) -> _Request | None:
+    def _admit(self, inputs: Mapping[str, Any], timing: RunTiming | None = None,
+               copy: bool = True) -> _Request | None:
         """Check ``inputs`` against the model; return a queueable request, or None to run alone."""
         if not isinstance(inputs, Mapping):
             raise TypeError(f"infer() takes a mapping {{input name: array}}, got {type(inputs).__name__}")
-        bind_inputs(self.model, (inputs,), {})  # raises InputError naming the input at fault
-        if self._batch_symbol is None or not all(isinstance(v, np.ndarray) for v in inputs.values()):
-            return None
-        arrays = {info.name: inputs[info.name] for info in self.model.inputs}
+        key = self._known_key(inputs)
+        if key is None:  # the full check: raises InputError naming the input at fault
+            bind_inputs(self.model, (inputs,), {})
+            if self._batch_symbol is None or not all(isinstance(v, np.ndarray) for v in inputs.values()):
+                return None
+        arrays = {name: inputs[name] for name in self._input_names}
         rows = next(iter(arrays.values())).shape[0]
         if rows < 1 or rows > self.max_batch_size:
             return None
-        key = tuple((name, a.dtype.str, a.shape[1:]) for name, a in arrays.items())
-        # A private copy: the caller may reuse its buffers while the request waits.
-        arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
+        if key is None:
+            key = _key_of(arrays)
+            if all(a.shape[0] == rows for a in arrays.values()):
+                if len(self._checked) >= _MAX_CHECKED:  # bounded, whatever shapes clients send
+                    self._checked.clear()
+                self._checked[key] = max(rows, self._checked.get(key, 0))
+        if copy:  # a private copy: the caller may reuse its buffers while the request waits
+            arrays = {name: np.array(a, copy=True) for name, a in arrays.items()}
         return _Request(arrays, rows, key, anyio.current_time(), timing)
+
+    def _known_key(self, inputs: Mapping[str, Any]) -> Hashable | None:
+        """The request's key when its signature was checked before (then only the size limits,
+        which depend on the rows, are checked now); None when `bind_inputs` must check it."""
+        if self._batch_symbol is None or not self._checked or len(inputs) != len(self._input_names):
+            return None
+        arrays = []
+        for name in self._input_names:
+            array = inputs.get(name)
+            if type(array) is not np.ndarray or not array.ndim:
+                return None
+            arrays.append((name, array))
+        rows = arrays[0][1].shape[0]
+        if any(a.shape[0] != rows for _, a in arrays):
+            return None
+        key = _key_of(dict(arrays))
+        checked = self._checked.get(key)
+        if checked is None:
+            return None
+        if rows > checked:
+            limits = self.model.limits
+            for name, array in arrays:  # what bind_inputs checks that depends on the rows
+                limits.check_shape(array.shape, f"input {name!r} of shape {array.shape}")
+            self._checked[key] = rows
+        return key
 
     def _discard(self, request: _Request) -> None:
         queue = self._queues.get(request.key)
@@ -345,6 +388,7 @@ class DynamicBatcher:
 
     async def _collect(self) -> list[_Request]:
         """Wait until the oldest request's batch is full or its delay is over; take the batch."""
+        gathered = False
         while self._queues:
             key = min(self._queues, key=lambda k: self._queues[k][0].enqueued_at)
             queue = self._queues[key]
@@ -354,7 +398,17 @@ class DynamicBatcher:
             # An idle engine runs what is queued now: waiting for batch-mates only pays while a
             # run is in flight (the queue fills meanwhile); alone, it would just add the delay.
             idle = self.eager and self._batches_in_flight == 0
-            if full or idle or remaining <= 0 or self._state is not BatcherState.RUNNING:
+            running = self._state is BatcherState.RUNNING
+            if idle and not full and not gathered and running and self._last_run_requests > 1:
+                # Under load (the last run merged requests), requests that arrived with this one
+                # are still on their way through the event loop: a few turns of it let them join
+                # this run rather than start the next (digits at concurrency 8: 6.5 -> 7.8
+                # requests per run, +14% infer/s). A request alone still goes at once.
+                gathered = True
+                for _ in range(GATHER_TURNS):
+                    await anyio.sleep(0)
+                continue
+            if full or idle or remaining <= 0 or not running:
                 return self._take(key)
             await self._wait_for_wakeup(remaining)  # a new request, a cancellation, or closing
         return []
@@ -376,6 +430,7 @@ class DynamicBatcher:
         return batch
 
     async def _run_batch(self, batch: list[_Request], slots: anyio.Semaphore) -> None:
+        self._last_run_requests = len(batch)
         scope = anyio.CancelScope()
         self._batches_in_flight += 1
         for request in batch:
@@ -463,6 +518,9 @@ class DynamicBatcher:
                     self._on_run(RunRecord(rows, len(batch), input_ns, ended - began, split_at - ended, ok))
 
 
+_MAX_CHECKED = 256  # request keys remembered as checked, per batcher
+GATHER_TURNS = 3  # event-loop turns an idle engine waits, under load, for requests already arriving
+
 #: The batch "symbol" of a one-input model whose axis 0 is declared as any size.
 ANY_SIZE_BATCH = "?"
 
@@ -498,13 +556,22 @@ def batch_symbol(model: Model) -> str | None:
     return symbol
 
 
+def _key_of(arrays: Mapping[str, np.ndarray]) -> Hashable:
+    """What requests must share to be merged: input names, dtypes, ranks and non-batch dims."""
+    return tuple((name, a.dtype.str, a.shape[1:]) for name, a in arrays.items())
+
+
 def _split(outputs: dict[str, np.ndarray], rows: list[int]) -> list[dict[str, np.ndarray]]:
     """Cut every output back into per-request parts along axis 0."""
     total = sum(rows)
     for name, value in outputs.items():
         if value.ndim == 0 or value.shape[0] != total:
             raise AsyncInferError(f"output {name!r} has shape {value.shape}: axis 0 is not the batch of {total}")
-    bounds = np.cumsum(rows)[:-1]
-    per_output = {name: np.split(value, bounds) for name, value in outputs.items()}
-    # Copies, so one request's result does not keep the whole batch alive.
-    return [{name: parts[i].copy() for name, parts in per_output.items()} for i in range(len(rows))]
+    parts: list[dict[str, np.ndarray]] = [{} for _ in rows]
+    for name, value in outputs.items():
+        start = 0
+        for part, count in zip(parts, rows):
+            # a copy, so one request's result does not keep the whole batch alive
+            part[name] = value[start:start + count].copy()
+            start += count
+    return parts

@@ -5,12 +5,15 @@
                      [--max-request-bytes N] [--request-timeout 60] [--max-queue 64] [--drain-timeout 30]
                      [--model-repository DIR [--model-control-mode none|poll|explicit]
                       [--repository-poll-secs 15] [--load-model NAME ...] [--no-strict-readiness]]
-                     [--grpc-port PORT] [--trace-dir DIR]
+                     [--grpc-port PORT] [--trace-dir DIR] [--workers N|auto]
+                     [--ray [--replicas N | --autoscale MIN:MAX] [--cpus-per-replica C] [--gpus-per-replica G]]
 
 Models are served under their file stems (``NAME=PATH`` picks another name); with no model, the
 embedded digits CNN is served as ``digits``. ``--model-repository`` serves a Triton-layout
 repository instead (`.repository`). ``--grpc-port`` also serves the KServe v2 gRPC API: the
-HTTP and gRPC servers then run in one event loop over one `InferenceService`.
+HTTP and gRPC servers then run in one event loop over one `InferenceService`. ``--ray`` serves
+the same protocol from replicas on Ray Serve (`.ray`, the ``ray`` extra) behind its HTTP proxy.
+``--workers N`` serves from N processes (`.supervisor`, `.multiprocess`).
 Starlette and uvicorn are imported only when the command runs, so the rest of the CLI works
 without the ``serve`` extra.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from collections.abc import Callable
@@ -35,6 +39,9 @@ DEFAULT_DRAIN_TIMEOUT = 30.0
 DEFAULT_POLL_SECS = 15.0
 
 if TYPE_CHECKING:
+    import socket
+
+    from .multiprocess import WorkerGroup
     from .service import InferenceService
 
 
@@ -55,6 +62,28 @@ def bounded(kind: type, low: float | None = None, high: float | None = None) -> 
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def replica_range(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` replicas for ``--autoscale`` (0 <= MIN <= MAX, MAX >= 1)."""
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high)) if sep else None
+    except ValueError:
+        bounds = None
+    if bounds is None or not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX replicas with 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
+    return bounds
+
+
+def worker_count(text: str) -> int:
+    """``--workers``: a positive integer, or ``auto`` (one per core)."""
+    if text == "auto":
+        return max(1, os.cpu_count() or 1)
+    return bounded(int, 1)(text)
+
+
+worker_count.__name__ = "int"  # argparse names the type in its messages
 
 
 def add_serve_command(subparsers: Any) -> None:
@@ -101,6 +130,23 @@ def add_serve_command(subparsers: Any) -> None:
                             "every model is)")
     serve.add_argument("--grpc-port", type=bounded(int, 0, 65535), default=0,
                        help="also serve the KServe v2 gRPC API on this port (default 0: no gRPC)")
+    ray = serve.add_argument_group("scale-out on Ray Serve (the 'ray' extra; see docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve from replicas on Ray Serve, behind its HTTP proxy at --host/--port (connects to "
+                          "the cluster of RAY_ADDRESS or `ray start`, else starts a local one)")
+    scale = ray.add_mutually_exclusive_group()
+    scale.add_argument("--replicas", type=bounded(int, 1), default=None, metavar="N",
+                       help="with --ray: the number of replicas (default 1)")
+    scale.add_argument("--autoscale", type=replica_range, default=None, metavar="MIN:MAX",
+                       help="with --ray: let Ray Serve scale between MIN and MAX replicas with the load")
+    ray.add_argument("--cpus-per-replica", type=bounded(float, 0.0), default=None, metavar="C",
+                     help="with --ray: CPUs Ray reserves per replica (default 1; match --threads)")
+    ray.add_argument("--gpus-per-replica", type=bounded(float, 0.0), default=None, metavar="G",
+                     help="with --ray: GPUs Ray reserves per replica (default 0; may be fractional)")
+    serve.add_argument("--workers", type=worker_count, default=1, metavar="N",
+                       help="server processes sharing the port(s), each with --threads (default: cores / N) CPU "
+                            "threads; 'auto': one per core (default 1). A supervisor restarts a worker that dies; "
+                            "statistics, metrics, model control and trace settings cover every process")
     serve.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
                        help="folder where Triton's trace_file setting writes request traces (default: traces "
                             "are only kept in memory, at GET /v2/trace)")
@@ -126,8 +172,13 @@ def model_sources(specs: list[str]) -> dict[str, Path]:
     return sources
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Load the models, then serve them with uvicorn (and gRPC) until interrupted; returns the exit status."""
+def run_serve(args: argparse.Namespace, *, channel: socket.socket | None = None,
+              group: WorkerGroup | None = None) -> int:
+    """Load the models, then serve them with uvicorn (and gRPC) until interrupted; returns the exit status.
+
+    ``--workers N`` (N > 1) hands over to the supervisor (`.supervisor`), which runs this
+    again in each worker process with the ``channel`` its HTTP connections arrive on
+    (`.handoff`) and the worker's ``group``."""
     try:
         import uvicorn
 
@@ -140,7 +191,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_batch_size < 1 or args.max_delay_ms < 0:
         print("asyncinfer: error: --max-batch-size must be >= 1 and --max-delay-ms >= 0", file=sys.stderr)
         return 2
-    problem = _repository_problem(args)
+    problem = _repository_problem(args) or _ray_problem(args)
     if problem:
         print(f"asyncinfer: error: {problem}", file=sys.stderr)
         return 2
@@ -151,6 +202,16 @@ def run_serve(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout or None, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
         trace_dir=getattr(args, "trace_dir", None))
     repository = getattr(args, "model_repository", None)
+    if getattr(args, "ray", False):
+        if getattr(args, "workers", 1) > 1:
+            print("asyncinfer: error: --workers is for one machine; with --ray, Ray Serve runs the replicas "
+                  "(--replicas)", file=sys.stderr)
+            return 2
+        return run_serve_ray(args, options)
+    if getattr(args, "workers", 1) > 1 and group is None:
+        from .supervisor import run_supervisor
+
+        return run_supervisor(args, args.workers)
     try:
         if repository is not None:
             service = InferenceService.from_repository(
@@ -167,7 +228,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"asyncinfer: error: {exc}", file=sys.stderr)
         return 2
     base = f"http://{args.host}:{args.port}"
-    if repository is not None:
+    if group is not None:
+        service.siblings = group  # one worker of --workers N (the supervisor printed where they serve)
+    elif repository is not None:
         print(f"serving the model repository {repository} (model control mode {args.model_control_mode}) "
               f"at {base}/v2", file=sys.stderr)
     else:
@@ -178,15 +241,90 @@ def run_serve(args: argparse.Namespace) -> int:
     graceful = math.ceil(args.drain_timeout)
     if not grpc_port:
         app = create_app(service=service)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    access_log=args.access_log, timeout_graceful_shutdown=graceful)
-        return 0
+        if channel is None:
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                        access_log=args.access_log, timeout_graceful_shutdown=graceful)
+            return 0
+        from .handoff import dealt_server
+
+        server = dealt_server(uvicorn.Config(app, log_level=args.log_level, access_log=args.access_log,
+                                             timeout_graceful_shutdown=graceful), channel)
+        server.run()
+        return 0 if server.started else 3  # 3: uvicorn's "startup failed"
     import asyncio
 
     app = create_app(service=service, manage_service=False)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=graceful)
-    return asyncio.run(serve_http_and_grpc(service, uvicorn.Server(config), args.host, grpc_port, args.drain_timeout))
+    if channel is None:
+        return asyncio.run(serve_http_and_grpc(service, uvicorn.Server(config), args.host, grpc_port,
+                                               args.drain_timeout))
+    from .handoff import dealt_server  # a worker of --workers N: on the group's gRPC port too
+
+    return asyncio.run(serve_http_and_grpc(service, dealt_server(config, channel), args.host, grpc_port,
+                                           args.drain_timeout, reuse_port=True))
+
+
+def serve_worker(folder: str, index: str, workers: str, fd: str, supervisor: str) -> int:
+    """One worker process of ``serve --workers N``: started by `.supervisor` with the group's
+    folder, this worker's number, the group's size, the file descriptor of its channel (where
+    the supervisor sends it connections) and the supervisor's pid; serves the options the
+    supervisor saved until SIGTERM."""
+    import pickle
+    import socket
+
+    from .multiprocess import WorkerGroup, die_with_parent
+
+    die_with_parent()
+    if os.getppid() != int(supervisor):
+        return 1  # the supervisor died before this worker could follow it
+    with open(Path(folder) / "args.pickle", "rb") as f:
+        args = pickle.load(f)  # written by the supervisor, in a folder only its user can write
+    group = WorkerGroup(folder, int(index), int(workers), int(supervisor))
+    return run_serve(args, channel=socket.socket(fileno=int(fd)), group=group)
+
+
+def run_serve_ray(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``asyncinfer serve --ray``: the same service options, on Ray Serve replicas."""
+    if getattr(args, "grpc_port", 0):
+        print("asyncinfer: error: --grpc-port is not available with --ray: Ray Serve's gRPC proxy cannot serve "
+              "the KServe gRPC service unchanged (see docs/scale-out.md); use HTTP", file=sys.stderr)
+        return 2
+    try:
+        from .ray import deployment, serve_forever
+    except ImportError as exc:
+        print(f"asyncinfer: error: --ray needs the 'ray' extra (pip install 'asyncinfer[ray]'): {exc}", file=sys.stderr)
+        return 2
+    scale: dict[str, Any] = {"replicas": args.replicas or 1, "autoscale": args.autoscale}
+    if args.cpus_per_replica is not None:
+        scale["cpus_per_replica"] = args.cpus_per_replica
+    if args.gpus_per_replica is not None:
+        scale["gpus_per_replica"] = args.gpus_per_replica
+    repository = getattr(args, "model_repository", None)
+    try:
+        if repository is not None:
+            app = deployment(repository=repository, model_control_mode=args.model_control_mode,
+                             repository_poll_secs=args.repository_poll_secs, load_models=args.load_model,
+                             strict_readiness=not args.no_strict_readiness, **scale, **options)
+        else:
+            app = deployment(model_sources(args.models), strict_readiness=not args.no_strict_readiness,
+                             **scale, **options)
+    except (AsyncInferError, ValueError) as exc:
+        print(f"asyncinfer: error: {exc}", file=sys.stderr)
+        return 2
+    return serve_forever(app, args.host, args.port)
+
+
+def _ray_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the Ray options, or None."""
+    if getattr(args, "ray", False):
+        return None
+    given = [flag for flag, value in (("--replicas", getattr(args, "replicas", None)),
+                                      ("--autoscale", getattr(args, "autoscale", None)),
+                                      ("--cpus-per-replica", getattr(args, "cpus_per_replica", None)),
+                                      ("--gpus-per-replica", getattr(args, "gpus_per_replica", None)))
+             if value is not None]
+    return f"{', '.join(given)} need(s) --ray" if given else None
 
 
 def _repository_problem(args: argparse.Namespace) -> str | None:
@@ -207,19 +345,22 @@ def _repository_problem(args: argparse.Namespace) -> str | None:
 
 
 async def serve_http_and_grpc(service: InferenceService, http: Any, host: str, grpc_port: int,
-                              drain_timeout: float, on_started: Callable[[Any], None] | None = None) -> int:
+                              drain_timeout: float, on_started: Callable[[Any], None] | None = None, *,
+                              reuse_port: bool = False) -> int:
     """Serve ``service`` with the uvicorn ``http`` server and a gRPC server on ``grpc_port``, in
     this event loop, until uvicorn is told to stop (a signal); returns the exit status.
-    ``on_started`` is called with the started gRPC server (its port is ``server.port``)."""
+    ``on_started`` is called with the started gRPC server (its port is ``server.port``).
+    ``reuse_port``: join the other worker processes of ``--workers N`` on the gRPC port."""
     from .grpc import start_grpc_server
 
     async with service:  # one service for both: drained, then disposed, after both servers stop
         try:
-            grpc_server = await start_grpc_server(service, host, grpc_port)
+            grpc_server = await start_grpc_server(service, host, grpc_port, reuse_port=reuse_port)
         except OSError as exc:
             print(f"asyncinfer: error: {exc}", file=sys.stderr)
             return 1
-        print(f"serving gRPC at {host}:{getattr(grpc_server, 'port', grpc_port)}", file=sys.stderr)
+        if not reuse_port:
+            print(f"serving gRPC at {host}:{getattr(grpc_server, 'port', grpc_port)}", file=sys.stderr)
         if on_started is not None:
             on_started(grpc_server)
         try:

@@ -25,14 +25,27 @@ of the same name): prometheus-client's own writer would append ``_total``, which
 for Triton do not expect. asyncinfer's own metrics come from the registry as prometheus-client
 writes them: ``asyncinfer_batch_size`` (histogram of rows per engine run),
 ``asyncinfer_event_loop_lag_seconds`` (histogram of how late a periodic timer fires: a blocked
-loop shows here) and ``asyncinfer_models_loaded`` (model versions ready).
+loop shows here) and ``asyncinfer_models_loaded`` (model versions ready). Generation streams (`.generation`) add,
+per model and version: ``asyncinfer_time_to_first_token_seconds`` (histogram: from admission to
+the first token), ``asyncinfer_inter_token_latency_seconds`` (histogram: between two tokens of a
+stream), ``asyncinfer_generated_tokens_total`` (counter: its rate is tokens/s) and
+``asyncinfer_generation_streams_total`` (counter, label ``finish_reason``: stop, length,
+cancelled, error).
+
+With several worker processes (``asyncinfer serve --workers N``) every process exposes the whole
+server's numbers (`ServerMetrics.render_processes`): the histograms and counters live in
+prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, a folder the supervisor
+makes and removes) and are summed over the processes, those that exited included; Triton's
+counters are the processes' summed statistics; ``nv_inference_pending_request_count`` is summed
+over the live processes (prometheus-client's ``livesum`` mode) and ``asyncinfer_models_loaded``
+is their largest count (``livemax``).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import anyio
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
@@ -42,6 +55,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LAG_INTERVAL = 0.25  # seconds between two samples of the event loop's lag
+FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # name, help, value read from a ModelStatistics (Triton's wording for the help texts' meaning)
 _COUNTERS: list[tuple[str, str, Callable[[ModelStatistics], float]]] = [
@@ -100,7 +115,28 @@ class ServerMetrics:
         self.event_loop_lag = Histogram("asyncinfer_event_loop_lag_seconds",
                                         "How late a periodic timer on the server's event loop fires",
                                         buckets=LAG_BUCKETS, registry=self.registry)
+        labels = ["model", "version"]
+        self.first_token = Histogram("asyncinfer_time_to_first_token_seconds",
+                                     "Seconds from a generation request's admission to its first token", labels,
+                                     buckets=FIRST_TOKEN_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram("asyncinfer_inter_token_latency_seconds",
+                                     "Seconds between two consecutive tokens of a generation stream", labels,
+                                     buckets=INTER_TOKEN_BUCKETS, registry=self.registry)
+        self.generated_tokens = Counter("asyncinfer_generated_tokens", "Tokens generated, all streams", labels,
+                                        registry=self.registry)
+        self.generation_streams = Counter("asyncinfer_generation_streams", "Generation streams ended, by why",
+                                          [*labels, "finish_reason"], registry=self.registry)
         self.registry.register(_ServiceCollector(models_loaded, pending))
+
+    def observe_token(self, name: str, version: str, seconds: float, first: bool) -> None:
+        """One generated token, ``seconds`` after the request's admission (``first``) or after
+        the stream's previous token."""
+        (self.first_token if first else self.inter_token).labels(name, version).observe(seconds)
+        self.generated_tokens.labels(name, version).inc()
+
+    def observe_stream_end(self, name: str, version: str, finish_reason: str) -> None:
+        """A generation stream ended (``stop``, ``length``, ``cancelled`` or ``error``)."""
+        self.generation_streams.labels(name, version, finish_reason).inc()
 
     def observe_execution(self, name: str, version: str, batch_size: int) -> None:
         """One engine run of ``batch_size`` rows."""
@@ -110,9 +146,24 @@ class ServerMetrics:
         """The Prometheus text exposition (format 0.0.4) of every metric."""
         return self.triton_text().encode() + generate_latest(self.registry)
 
-    def triton_text(self) -> str:
-        """Triton's ``nv_inference_*`` counters, written as Triton writes them."""
-        everything = self.statistics.all()
+    def render_processes(self, statistics: Iterable[ModelStatistics], pending: Mapping[tuple[str, str], int],
+                         models_loaded: int, multiprocess_dir: str) -> bytes:
+        """The exposition of several worker processes (`.multiprocess`): Triton's counters from
+        their summed ``statistics``; the gauges as given (``pending`` summed over the live
+        processes, prometheus-client's ``livesum``; ``models_loaded`` their most, ``livemax``);
+        every other metric (histograms, counters) summed by prometheus-client's multiprocess
+        mode from the files of ``multiprocess_dir``, the dead processes' included."""
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=multiprocess_dir)
+        registry.register(_ServiceCollector(lambda: models_loaded, lambda: dict(pending)))
+        return self.triton_text(statistics).encode() + generate_latest(registry)
+
+    def triton_text(self, statistics: Iterable[ModelStatistics] | None = None) -> str:
+        """Triton's ``nv_inference_*`` counters, written as Triton writes them (of ``statistics``;
+        default: this service's)."""
+        everything = list(statistics) if statistics is not None else self.statistics.all()
         lines: list[str] = []
         lines += _family("nv_inference_request_success", _COUNTERS[0][1],
                          [({"model": s.name, "version": s.version}, s.success.count) for s in everything])

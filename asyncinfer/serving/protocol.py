@@ -18,6 +18,7 @@ import json
 import math
 import re
 import struct
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ _BY_DTYPE: dict[np.dtype, str] = {
 if _bfloat16 is not None:
     _BY_DTYPE[np.dtype(_bfloat16)] = "BF16"
 _BY_NAME: dict[str, np.dtype] = {name: dtype for dtype, name in _BY_DTYPE.items()}
+_LITTLE_ENDIAN = sys.byteorder == "little"
 
 
 class ProtocolError(Exception):
@@ -69,6 +71,9 @@ def datatype_of(dtype: np.dtype | None) -> str:
     """The KServe datatype name of a NumPy dtype (``FP32``, ``INT64``, ``BOOL``, ``BYTES``…)."""
     if dtype is None:
         return "BYTES"  # unknown element type: the protocol has no name for it; BYTES is the catch-all
+    known = _BY_DTYPE.get(dtype)  # a native dtype: every output, on the hot path
+    if known is not None:
+        return known
     dtype = np.dtype(dtype)
     if dtype.kind in "US":
         return "BYTES"
@@ -108,18 +113,77 @@ class InferRequest:
     binary: dict[str, bool] = field(default_factory=dict)  # output name -> send as binary data
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How one binary-request header decodes: everything but the tensor bytes, checked once."""
+
+    id: str | None
+    # name, dtype, shape, elements, bytes, and the wire dtype of fixed-size numbers (else None)
+    inputs: tuple[tuple[str, np.dtype, tuple[int, ...], int, int, np.dtype | None], ...]
+    outputs: tuple[str, ...]
+    binary: tuple[tuple[str, bool], ...]
+    data_bytes: int
+
+    def decode(self, data: bytes) -> InferRequest:
+        inputs: dict[str, np.ndarray] = {}
+        offset = 0
+        for name, dtype, shape, count, size, wire in self.inputs:
+            if wire is not None:  # sizes checked with the plan: read the numbers in place, then copy
+                array = np.frombuffer(data, wire, count, offset).astype(dtype)
+            else:
+                array = decode_binary(name, data[offset:offset + size], dtype, count, "'binary_data_size'")
+            inputs[name] = array.reshape(shape)
+            offset += size
+        return InferRequest(self.id, inputs, list(self.outputs), dict(self.binary))
+
+
+class HeaderPlans:
+    """The plans of the binary-request headers one model version saw last (at most ``capacity``).
+
+    Clients of the binary tensor extension send the same JSON header again and again (same
+    inputs, shapes and outputs; only the tensor bytes change): a header seen before is not
+    parsed, depth-checked and validated again. A plan depends on the header's bytes, the model
+    and the limits alone, so it is kept per served model version; headers carrying JSON data
+    (or longer than ``max_header``) are not kept.
+    """
+
+    def __init__(self, capacity: int = 64, max_header: int = 4096):
+        self.capacity, self.max_header = capacity, max_header
+        self._plans: dict[bytes, _Plan] = {}
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, header: bytes) -> _Plan | None:
+        return self._plans.get(header)
+
+    def keep(self, header: bytes, plan: _Plan) -> None:
+        if len(header) > self.max_header:
+            return
+        if len(self._plans) >= self.capacity:
+            self._plans.pop(next(iter(self._plans)))  # the oldest
+        self._plans[header] = plan
+
+
 def parse_infer_request(body: bytes, header_length: str | None, model: Model,
-                        model_name: str | None = None, limits: Limits = DEFAULT_LIMITS) -> InferRequest:
+                        model_name: str | None = None, limits: Limits = DEFAULT_LIMITS,
+                        plans: HeaderPlans | None = None) -> InferRequest:
     """Decode an inference request body for ``model``; ProtocolError(400) says what is wrong.
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header (None: all JSON). The
     JSON's depth, input names, datatypes, ranks and element counts are checked here (depth, rank
     and elements against ``limits``); shapes against the model's declared (symbolic) signature
     are checked by the engine before it runs. ``model_name`` is the name the model is served
-    under, for messages (default: the model's own name).
+    under, for messages (default: the model's own name). ``plans``: the model's
+    `HeaderPlans`, to reuse the checked plan of a binary header seen before (give it only
+    with the same ``model`` and ``limits`` every time).
     """
     model_name = model_name or model.name
     header, binary = _split_body(body, header_length)
+    if plans is not None and header_length is not None:
+        plan = plans.get(header)
+        if plan is not None and plan.data_bytes == len(binary):  # else: parsed again, for the message
+            return plan.decode(binary)
     request = _load_json(header, limits.max_json_depth)
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
@@ -132,20 +196,28 @@ def parse_infer_request(body: bytes, header_length: str | None, model: Model,
     declared = {info.name: info for info in model.inputs}
     inputs: dict[str, np.ndarray] = {}
     offset = 0
+    sizes: dict[str, int] = {}  # binary bytes of each input (absent: JSON data)
     for index, raw in enumerate(raw_inputs):
         name, array, used = _decode_input(index, raw, declared, model_name, binary, offset, limits)
         if name in inputs:
             raise ProtocolError(400, f"input {name!r} is given twice")
         inputs[name] = array
+        if "data" not in raw:
+            sizes[name] = used
         offset += used
     if offset != len(binary):
         raise ProtocolError(400, f"the body has {len(binary)} bytes of binary tensor data, but the inputs' "
                                  f"'binary_data_size' parameters add up to {offset}")
-    missing = [n for n in declared if n not in inputs]
+    missing = [n for n in declared if n not in inputs and n not in model.input_defaults]  # defaults: optional
     if missing:
         raise ProtocolError(400, f"missing input(s) {missing}; model {model_name!r} takes {list(declared)}")
 
     outputs, binary_out = _requested_outputs(request, parameters, model, model_name)
+    if plans is not None and header_length is not None and len(sizes) == len(inputs):
+        plans.keep(header, _Plan(request_id, tuple((name, a.dtype, a.shape, a.size, sizes[name],
+                                                    a.dtype.newbyteorder("<") if a.dtype.kind in "iuf" else None)
+                                                   for name, a in inputs.items()),
+                                 tuple(outputs), tuple(binary_out.items()), offset))
     return InferRequest(request_id, inputs, outputs, binary_out)
 
 
@@ -367,22 +439,28 @@ def graph_values(model: Model) -> set[str]:
 # -- responses ------------------------------------------------------------------------------------
 def encode_infer_response(model_name: str, version: str, request: InferRequest,
                           outputs: Mapping[str, np.ndarray]) -> tuple[bytes, dict[str, str]]:
-    """The response body and its headers (binary tensor data appended when asked for)."""
+    """The response body and its headers (binary tensor data appended when asked for).
+
+    The JSON is written piece by piece (every request pays for it): the same text as
+    ``json.dumps({"model_name", "model_version", "outputs": [...], "id"}, separators=(",", ":"))``."""
     tensors, chunks = [], []
     for name in request.outputs:
-        array = np.asarray(outputs[name])
-        tensor: dict[str, Any] = {"name": name, "datatype": datatype_of(array.dtype), "shape": list(array.shape)}
+        array = outputs[name]
+        if not isinstance(array, np.ndarray):
+            array = np.asarray(array)
+        head = (f'{{"name":{json.dumps(name)},"datatype":"{datatype_of(array.dtype)}",'
+                f'"shape":[{",".join(map(str, array.shape))}]')
         if request.binary.get(name, False):
             chunk = _to_binary(array)
-            tensor["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
+            tensors.append(f'{head},"parameters":{{"binary_data_size":{len(chunk)}}}}}')
         else:
-            tensor["data"] = _to_json_data(array)
-        tensors.append(tensor)
-    response: dict[str, Any] = {"model_name": model_name, "model_version": version, "outputs": tensors}
+            tensors.append(f'{head},"data":{json.dumps(_to_json_data(array), separators=(",", ":"))}}}')
+    text = (f'{{"model_name":{json.dumps(model_name)},"model_version":{json.dumps(version)},'
+            f'"outputs":[{",".join(tensors)}]')
     if request.id is not None:
-        response["id"] = request.id
-    header = json.dumps(response, separators=(",", ":")).encode()
+        text += f',"id":{json.dumps(request.id)}'
+    header = (text + "}").encode()
     if not chunks:
         return header, {"content-type": "application/json"}
     return header + b"".join(chunks), {"content-type": "application/octet-stream",
@@ -390,6 +468,8 @@ def encode_infer_response(model_name: str, version: str, request: InferRequest,
 
 
 def _to_binary(array: np.ndarray) -> bytes:
+    if array.dtype.isnative and _LITTLE_ENDIAN and array.dtype.kind not in "OUSV":
+        return array.tobytes()  # row-major, little-endian already: no conversion
     if datatype_of(array.dtype) == "BYTES":
         parts = []
         for item in array.flat:

@@ -17,7 +17,8 @@ Layout (Triton's)::
                                        on ``gpu_compute``, KIND_CPU on ``cpu``, KIND_AUTO (or none) on
                                        the server's ``--backend``
 ``parameters {key, value}``            ``backend`` (cpu, gpu_compute, gpu_pixel: wins over ``kind``),
-                                       ``threads`` (CPU thread-pool size)
+                                       ``threads`` (CPU thread-pool size), ``generation`` (``true``: a
+                                       decoder for the generation endpoints; ``false``: not one)
 ``version_policy``                     ``latest {num_versions}`` (default: 1), ``all {}``,
                                        ``specific {versions}``
 ``default_model_filename``             instead of ``model.onnx``
@@ -347,6 +348,9 @@ class _Interpreter:
             elif key == "threads":
                 if not text.isdigit() or int(text) < 1:
                     raise self.error(where, f"parameter 'threads' must be a positive integer, got {text!r}")
+            elif key == "generation":  # read by .generation
+                if text.strip().lower() not in ("true", "false"):
+                    raise self.error(where, f"parameter 'generation' must be true or false, got {text!r}")
             else:
                 logger.info("%s: parameter %r is not used by asyncinfer; ignored", self.where(where), key)
             out[key] = text
@@ -437,7 +441,7 @@ def triton_config(name: str, model: Model, settings: ModelSettings, max_batch_si
         "max_batch_size": max_batch_size,
         "input": [{"name": i.name, "data_type": triton_type(i), "format": "FORMAT_NONE",
                    "dims": config_dims(i, batched), "is_shape_tensor": False, "allow_ragged_batch": False,
-                   "optional": False} for i in model.inputs],
+                   "optional": i.name in model.input_defaults} for i in model.inputs],
         "output": [{"name": o.name, "data_type": triton_type(o), "dims": config_dims(o, batched), "label_filename": "",
                     "is_shape_tensor": False} for o in model.outputs],
         "batch_input": [],

@@ -28,7 +28,7 @@ from ..runtime.profiling import Profile
 from ..runtime.worker import Worker
 from .batching import DynamicBatcher, RunRecord, RunTiming, batch_symbol
 from .metrics import ServerMetrics
-from .protocol import tensor_metadata
+from .protocol import HeaderPlans, tensor_metadata
 from .repository import ModelSettings
 from .statistics import ModelStatistics
 
@@ -71,6 +71,8 @@ class ServedModel:
         self.batcher: DynamicBatcher | None = None
         self.in_flight = 0  # requests holding this version (admitted and not finished)
         self.batch_dim = model is not None and settings.max_batch_size > 0 and batch_symbol(model) is not None
+        self.output_names = frozenset(info.name for info in model.outputs) if model is not None else frozenset()
+        self.header_plans = HeaderPlans()  # binary-request headers seen, decoded once (`.protocol`)
         self._stop: anyio.Event | None = None
         self._stopped: anyio.Event | None = None
         self._idle: anyio.Event | None = None
@@ -106,9 +108,10 @@ class ServedModel:
 
     # -- inference ------------------------------------------------------------------------------
     async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every output of the model on ``inputs`` (through the batcher when batching)."""
+        """Every output of the model on ``inputs`` (through the batcher when batching). The arrays
+        are handed over (a request's own, decoded from its body): the batcher does not copy them."""
         if self.batcher is not None:
-            return await self.batcher.infer(inputs, timing=TIMING.get())
+            return await self.batcher.infer(inputs, timing=TIMING.get(), copy=False)
         return await self.infer_values(inputs, None)
 
     async def infer_values(self, inputs: dict[str, np.ndarray], names: Sequence[str] | None,

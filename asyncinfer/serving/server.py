@@ -28,6 +28,11 @@ Endpoints (each ``/v2/models/{name}/...`` path also in the ``/v2/models/{name}/v
 ``GET  /v2/trace``                          the latest traced requests, one Chrome/Perfetto trace
 ``/v2/systemsharedmemory/...``,             501: shared memory is not supported
 ``/v2/cudasharedmemory/...``
+``POST /v2/models/{name}/generate``         decoders: Triton's generate extension (and
+``POST /v2/models/{name}/generate_stream``  ``.../generate_stream``, server-sent events; `.triton_generate`)
+``POST /v1/completions``,                   decoders: OpenAI's API, streamed or not (`.openai_api`)
+``POST /v1/chat/completions``,
+``GET  /v1/models``
 ==========================================  ====================================================
 
 Every request is untrusted; every error is ``{"error": "..."}`` and the server stays up:
@@ -57,7 +62,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -65,16 +70,18 @@ import anyio
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from ..backends import BackendType
-from ..errors import RequestTooLargeError
 from ..limits import DEFAULT_LIMITS, Limits
+from .http_body import read_body, receive_body
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .openai_api import openai_routes
 from .protocol import InferRequest, ProtocolError, _load_json, encode_infer_response, parse_infer_request
 from .service import EXTENSIONS, SERVER_NAME, Call, InferenceService, ModelSource, ServedModel
+from .triton_generate import generate_routes
 
 __all__ = ["create_app", "read_body", "ServedModel", "InferenceService", "EXTENSIONS", "SERVER_NAME"]
 
@@ -83,6 +90,9 @@ OFFLOAD_BYTES = 1 << 20
 SHARED_MEMORY_UNSUPPORTED = ("shared memory is not supported by this server (asyncinfer): send tensors in the "
                              "request body, as JSON or with the binary tensor data extension")
 logger = logging.getLogger(__name__)
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 def create_app(models: Mapping[str, ModelSource] | None = None, backend: BackendType | str = "cpu",
@@ -130,8 +140,8 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
             yield
 
     routes = [  # inference first: Starlette tries routes in order, and almost every request infers
-        Route("/v2/models/{name}/infer", _infer, methods=["POST"]),
-        Route("/v2/models/{name}/versions/{version}/infer", _infer, methods=["POST"]),
+        Route("/v2/models/{name}/infer", _InferRoute(), methods=["POST"]),
+        Route("/v2/models/{name}/versions/{version}/infer", _InferRoute(), methods=["POST"]),
         Route("/v2/health/live", _live, methods=["GET"]),
         Route("/v2/health/ready", _ready, methods=["GET"]),
         Route("/v2", _server_metadata, methods=["GET"]),
@@ -142,6 +152,8 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/v2/trace/setting", _trace_setting, methods=["GET", "POST"]),
         Route("/v2/trace", _traces, methods=["GET"]),
+        *generate_routes(),  # decoders: Triton's generate extension and OpenAI's completions
+        *openai_routes(),
     ]
     for prefix in ("/v2/models/{name}", "/v2/models/{name}/versions/{version}"):
         routes += [
@@ -153,9 +165,9 @@ def create_app(models: Mapping[str, ModelSource] | None = None, backend: Backend
         ]
     for kind in ("systemsharedmemory", "cudasharedmemory"):
         routes += [Route(f"/v2/{kind}/{{rest:path}}", _shared_memory, methods=["GET", "POST"])]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ProtocolError: _protocol_error, HTTPException: _http_error,
-                                        Exception: _internal_error})
+    app = _App(routes=routes, lifespan=lifespan,
+               exception_handlers={ProtocolError: _protocol_error, HTTPException: _http_error,
+                                   Exception: _internal_error})
     app.state.service = service
     app.state.models = service.models  # {name: latest ServedModel}, read live
     app.state.limits = service.limits
@@ -231,7 +243,7 @@ async def _model_config(request: Request) -> Response:
 
 async def _statistics(request: Request) -> Response:
     name = request.path_params.get("name")
-    return _json(_service(request).statistics(name, request.path_params.get("version")))
+    return _json(await _service(request).gather_statistics(name, request.path_params.get("version")))
 
 
 async def _trace_setting(request: Request) -> Response:
@@ -241,17 +253,17 @@ async def _trace_setting(request: Request) -> Response:
     if name is not None:
         service.model_metadata(name, request.path_params.get("version"))  # 404 for an unknown model
     if request.method == "POST":
-        return _json(service.tracer.update(await _json_body(request), name).to_json())
+        return _json((await service.update_trace(await _json_body(request), name)).to_json())
     return _json(service.tracer.settings(name).to_json())
 
 
 async def _traces(request: Request) -> Response:
     """The latest traced requests as one Chrome/Perfetto trace (see `.tracing`)."""
-    return _json(_service(request).tracer.traces())
+    return _json(await _service(request).gather_traces())
 
 
 async def _metrics(request: Request) -> Response:
-    return Response(_service(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+    return Response(await _service(request).render_metrics(), media_type=METRICS_CONTENT_TYPE)
 
 
 async def _shared_memory(request: Request) -> Response:
@@ -301,61 +313,101 @@ async def _unload(request: Request) -> Response:
     return _json({})
 
 
-async def _infer(request: Request) -> Response:
-    service = _service(request)
-    async with service.request(*_model(request)) as call:  # 404 unknown, 503 full / not ready / shutting down
-        with anyio.move_on_at(call.deadline) as receiving:
-            body = await read_body(request, service.limits)
-        if receiving.cancelled_caught:
-            raise ProtocolError(408, f"the request body did not arrive within the request timeout "
-                                     f"({service.admission.request_timeout} s)")
-        with call.phase("input"):
-            parsed = await _parse(request, body, call, service.limits)
-        outputs = await call.infer(parsed.inputs, parsed.outputs)  # 400 / 500 / 503 / 504
+# -- inference: the hot path, in plain ASGI ----------------------------------------------------------
+class _App(Starlette):
+    """Starlette, except that inference requests are taken before its middleware and router.
+
+    Almost every request infers: it is answered by `_infer` straight from the ASGI scope, with
+    the same errors as every other route, but without building a Request, matching the routes
+    in turn and passing through the middleware stack (the rest goes to Starlette)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            target = _infer_target(scope["path"])
+            if target is not None:
+                await _infer(self.state.service, target[0], target[1], scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+class _InferRoute:
+    """The inference routes for Starlette's router (a request reaching it some other way: `_App`
+    takes them first); they keep wrong methods answered 405 like every route."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        params = scope["path_params"]
+        await _infer(scope["app"].state.service, params["name"], params.get("version"), scope, receive, send)
+
+
+def _infer_target(path: str) -> tuple[str, str | None] | None:
+    """``(name, version)`` of ``/v2/models/{name}/infer`` or ``.../versions/{version}/infer``, else None."""
+    if not path.startswith("/v2/models/") or not path.endswith("/infer"):
+        return None
+    parts = path[len("/v2/models/"):-len("/infer")].split("/")
+    if len(parts) == 1 and parts[0]:
+        return parts[0], None
+    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+        return parts[0], parts[2]
+    return None
+
+
+async def _infer(service: InferenceService, name: str, version: str | None, scope: Scope, receive: Receive,
+                 send: Send) -> None:
+    """Answer one inference request: the outputs, or ``{"error": ...}`` with the status of the
+    `ProtocolError` (500 for anything else, logged)."""
+    try:
+        content, headers = await _infer_answer(service, name, version, scope, receive)
+        status = 200
+    except ProtocolError as exc:
+        status, content = exc.status, _error_body(exc.message)
+        headers = {"content-type": "application/json", **exc.headers}
+    except Exception as exc:  # noqa: BLE001 - a bug: logged, answered without its traceback
+        logger.exception("an inference request to %r raised %s", name, type(exc).__name__)
+        status, content = 500, _error_body(f"internal server error ({type(exc).__name__})")
+        headers = {"content-type": "application/json"}
+    raw = [(key.encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
+    raw.append((b"content-length", str(len(content)).encode("latin-1")))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": content})
+
+
+async def _infer_answer(service: InferenceService, name: str, version: str | None, scope: Scope,
+                        receive: Receive) -> tuple[bytes, dict[str, str]]:
+    declared = header_length = None
+    for key, value in scope["headers"]:
+        if key == b"content-length" and declared is None:
+            declared = value.decode("latin-1")
+        elif key == b"inference-header-content-length" and header_length is None:
+            header_length = value.decode("latin-1")
+    async with service.request(name, version) as call:  # 404 unknown, 503 full / not ready / shutting down
+        call.guarded = True  # one deadline scope for the body and the run, not one each
+        stage = "body"
+        with anyio.move_on_at(call.deadline) as timer:
+            body = await receive_body(receive, declared, service.limits)
+            stage = "run"
+            with call.phase("input"):
+                parsed = await _parse(body, header_length, call, service.limits)
+            outputs = await call.infer(parsed.inputs, parsed.outputs)  # 400 / 500 / 503
+        if timer.cancelled_caught:
+            if stage == "body":
+                raise ProtocolError(408, f"the request body did not arrive within the request timeout "
+                                         f"({service.admission.request_timeout} s)")
+            raise call.timed_out()  # 504
         size = sum(a.nbytes for a in outputs.values())
         with call.phase("output"):
-            content, headers = await _maybe_offload(size, encode_infer_response, call.name, call.version, parsed,
-                                                    outputs)
-    return Response(content, headers=headers)
+            return await _maybe_offload(size, encode_infer_response, call.name, call.version, parsed, outputs)
 
 
-async def read_body(request: Request, limits: Limits) -> bytes:
-    """The request body, refused with 413 beyond ``limits.max_request_bytes``: by ``Content-Length``
-    before a byte is read, and while reading (a body without ``Content-Length``, or longer than it
-    said), so no more than the limit (plus one chunk) is ever held."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            length = int(declared)
-        except ValueError:
-            raise ProtocolError(400, f"Content-Length must be an integer, got {declared[:40]!r}") from None
-        _check_body_size(length, limits)
-    chunks: list[bytes] = []
-    received = 0
-    try:
-        async for chunk in request.stream():
-            received += len(chunk)
-            _check_body_size(received, limits)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ProtocolError(400, "the client disconnected before sending the whole body") from None
-    return b"".join(chunks)
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": message}, separators=(",", ":")).encode()
 
 
-def _check_body_size(size: int, limits: Limits) -> None:
-    try:
-        limits.check_request("max_request_bytes", size, "the request body (bytes)")
-    except RequestTooLargeError as exc:
-        raise ProtocolError(413, str(exc)) from None
-
-
-async def _parse(request: Request, body: bytes, call: Call, limits: Limits) -> InferRequest:
+async def _parse(body: bytes, header_length: str | None, call: Call, limits: Limits) -> InferRequest:
     """Decode the body (on a helper thread when large). Anything but a ProtocolError escaping the
     decoder is a bug in it, yet still the request's fault: 400, and logged."""
-    header_length = request.headers.get("inference-header-content-length")
     try:
         return await _maybe_offload(len(body), parse_infer_request, body, header_length, call.model,
-                                    call.name, limits)
+                                    call.name, limits, call.served.header_plans)
     except ProtocolError:
         raise
     except Exception as exc:  # noqa: BLE001 - answered as a bad request, logged as a bug

@@ -23,6 +23,12 @@ a status code). The service owns:
 - admission (`.admission`): a bound per model, a deadline per request, a drain at shutdown;
 - statistics (`.statistics`) and Prometheus metrics (`.metrics`), with a sampler of
   the event loop's lag running beside the models.
+
+A service may be one of several worker processes serving the same models
+(``asyncinfer serve --workers N``): then `InferenceService.siblings` (`.multiprocess`)
+links it to the others, and the calls that concern the whole server (`gather_statistics`,
+`render_metrics`, `gather_traces`, `load`, `unload`, `update_trace`) answer for, or
+apply to, every process.
 """
 from __future__ import annotations
 
@@ -31,9 +37,9 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import anyio
 import anyio.abc
@@ -46,14 +52,15 @@ from ..errors import AsyncInferError, DisposedError, InputError, ModelLoadError
 from ..limits import DEFAULT_LIMITS, Limits
 from ..loader import load_model
 from ..model.ir import Model
-from .admission import Admission, unavailable
+from .admission import Admission, drained, unavailable
 from .batching import RunTiming
 from .metrics import ServerMetrics
 from .protocol import ProtocolError
 from .repository import ModelSettings, Repository, RepositoryModel, check_config_against_model, triton_config
 from .served import DEFAULT_VERSION, TIMING, ModelState, ServedModel, rows_of
-from .tracing import Tracer
-from .statistics import BACKEND, CANCELED, OTHER, REJECTED, ModelStatistics, RequestTimes, Statistics
+from .tracing import Tracer, TraceSettings
+from .statistics import (BACKEND, CANCELED, OTHER, REJECTED, ModelStatistics, ProcessSnapshot, RequestTimes,
+                         Statistics, summed)
 
 __all__ = ["InferenceService", "Call", "ServedModel", "ModelState", "DEFAULT_VERSION"]
 
@@ -64,6 +71,31 @@ CONTROL_MODES = ("none", "poll", "explicit")
 logger = logging.getLogger(__name__)
 
 
+class Siblings(Protocol):
+    """The other worker processes of a multi-process server, as a service sees them
+    (`.multiprocess.WorkerGroup` implements it)."""
+
+    multiprocess_dir: str  # prometheus-client's multiprocess files
+
+    async def catch_up(self, service: InferenceService) -> None:
+        """Apply the loads, unloads and trace settings made before this process started."""
+
+    async def serve(self, service: InferenceService) -> None:
+        """Answer the siblings' questions until cancelled (after the service's drain)."""
+
+    async def snapshots(self) -> list[ProcessSnapshot]:
+        """Every other process's counters: live ones asked now, exited ones as last written."""
+
+    async def publish(self, action: dict[str, Any]) -> None:
+        """Record a load, unload or trace setting for the processes that start later."""
+
+    async def fan_out(self, action: dict[str, Any]) -> list[tuple[int, str]]:
+        """Apply ``action`` in every other live process; the failures, ``(status, message)``."""
+
+    async def traces(self, own: dict[str, Any]) -> dict[str, Any]:
+        """``own`` traces merged with every other live process's."""
+
+
 class Call:
     """One inference request in flight: ``async with service.request(name) as call: ...``.
 
@@ -71,6 +103,9 @@ class Call:
         model: the loaded model (decode the request against ``model.inputs``).
         name, version: the model version serving this request.
         deadline: absolute ``anyio.current_time()`` deadline (``math.inf``: none).
+        guarded: the caller enforces ``deadline`` with a cancel scope of its own around `infer`
+            (the HTTP handler's one scope for the body and the run), so `infer` adds none and a
+            timeout reaches the caller as a cancellation.
     """
 
     def __init__(self, served: ServedModel, admission: Admission, tracer: Tracer):
@@ -78,9 +113,21 @@ class Call:
         self.model: Model = served.model
         self.name, self.version = served.name, served.version
         self.deadline = math.inf
+        self.guarded = False
         self._served, self._admission, self._tracer = served, admission, tracer
         self._times = RequestTimes(total=0)
         self._rows = 0
+
+    @property
+    def served(self) -> ServedModel:
+        """The model version serving this request (its worker generates: `.generation`)."""
+        return self._served
+
+    def record_run(self, rows: int, infer_ns: int) -> None:
+        """Count work done outside `infer` (a generation stream): ``rows`` inferences that ran
+        ``infer_ns`` nanoseconds."""
+        self._rows += rows
+        self._times.compute_infer += infer_ns
 
     @contextmanager
     def phase(self, which: str) -> Iterator[None]:
@@ -101,28 +148,32 @@ class Call:
     async def infer(self, inputs: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         """Run the model; ``{name: array}`` for ``outputs`` (default: every model output). A name
         that is not a model output asks for that (intermediate) value of the graph: such a run
-        goes to the worker alone, not merged with other requests.
+        goes to the worker alone, not merged with other requests. The arrays of ``inputs`` are
+        handed over (decoded for this request): the caller must not change them afterwards.
 
         Raises:
             ProtocolError: 400 the inputs do not fit the model, or the graph has no value of a
                 name asked for; 500 the model failed on them; 503 the model was unloaded or the
-                server is stopping; 504 the deadline passed (the run is cancelled).
+                server is stopping; 504 the deadline passed (the run is cancelled; unless
+                ``guarded``: then the caller's scope catches the timeout).
         """
-        model_outputs = {info.name for info in self.model.outputs}
-        values = outputs is not None and any(n not in model_outputs for n in outputs)
+        served = self._served
+        values = outputs is not None and not served.output_names.issuperset(outputs)
         timing = RunTiming()
         token = TIMING.set(timing)
         asked = time.perf_counter_ns()
+        # cancelling the run skips its layers not started; no scope when the caller has one, or no deadline
+        deadline = nullcontext() if self.guarded or self.deadline == math.inf else anyio.move_on_at(self.deadline)
         try:
-            with anyio.move_on_at(self.deadline) as running:  # cancelling the run skips its layers not started
+            with deadline as running:
                 profile = self._tracer.sample(self.name)  # Triton's trace settings: this one traced?
                 if values or profile is not None:  # alone on the worker, not merged into a batch
                     names = list(dict.fromkeys(outputs or ())) if values else None
-                    result = await self._served.infer_values(inputs, names, profile=profile)
+                    result = await served.infer_values(inputs, names, profile=profile)
                     if profile is not None:
                         await anyio.to_thread.run_sync(self._tracer.record, self.name, self.version, profile)
                 else:
-                    result = await self._served.infer(inputs)
+                    result = await served.infer(inputs)
         except ProtocolError:
             raise
         except InputError as exc:  # shapes against the declared signature (and Limits), checked by the engine
@@ -136,16 +187,20 @@ class Call:
             raise ProtocolError(500, f"internal server error ({type(exc).__name__})") from None
         finally:
             TIMING.reset(token)
-        if running.cancelled_caught:
-            raise ProtocolError(504, f"model {self.name!r} did not answer within the request timeout "
-                                     f"({self._admission.request_timeout} s); the run was cancelled")
+        if running is not None and running.cancelled_caught:
+            raise self.timed_out()
         if timing.started:
             self._times.queue += max(timing.started - asked, 0)
             self._times.compute_infer += timing.ended - timing.started
-        self._rows += rows_of(inputs) if self._served.batch_dim else 1
+        self._rows += rows_of(inputs) if served.batch_dim else 1
         if outputs is None:
             return result
         return {name: result[name] for name in outputs}
+
+    def timed_out(self) -> ProtocolError:
+        """The 504 of a request whose deadline passed while its model ran."""
+        return ProtocolError(504, f"model {self.name!r} did not answer within the request timeout "
+                                  f"({self._admission.request_timeout} s); the run was cancelled")
 
 
 class _Slot:
@@ -164,6 +219,8 @@ class _Slot:
 
     def latest(self) -> ServedModel | None:
         """The highest ready version, else the highest of any state."""
+        if len(self.versions) == 1:  # the usual case, asked by every request
+            return next(iter(self.versions.values()))
         ready = self.ready_versions()
         if ready:
             return ready[-1]
@@ -244,7 +301,9 @@ class InferenceService:
         self.limits = limits
         self.defaults = ModelSettings(backend=backend, dynamic_batching=batching,
                                       max_batch_size=max_batch_size if batching else 0, max_delay=max_delay,
-                                      threads=threads, instances=2)
+                                      # a second run in flight needs a second thread to run at once; with
+                                      # one (serve --workers 2 on 2 cores), it only splits the batches
+                                      threads=threads, instances=min(2, threads or os.cpu_count() or 1))
         self.admission = Admission((), max_queue=max_queue, request_timeout=request_timeout,
                                    drain_timeout=drain_timeout)
         self.stats_store = Statistics()  # counters of every model version, kept across reloads
@@ -255,6 +314,7 @@ class InferenceService:
         self.load_models = list(load_models)
         self.strict_readiness = strict_readiness
         self.tracer = Tracer(trace_dir)  # Triton's trace settings; traced requests' profiles
+        self.siblings: Siblings | None = None  # the other worker processes, when there are (set before start)
         self._slots: dict[str, _Slot] = {}
         self.models: Mapping[str, ServedModel] = _LiveModels(self._slots)
         for name, source in (models or {}).items():
@@ -299,6 +359,8 @@ class InferenceService:
                         await self._load(name, None)
                     except ProtocolError as exc:  # reported in the index; the server still starts
                         logger.error("%s", exc.message)
+            if self.siblings is not None:  # what the API changed before this process started
+                await self.siblings.catch_up(self)
         except BaseException:
             await self._shutdown()
             raise
@@ -330,6 +392,8 @@ class InferenceService:
         with self._background:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self.metrics.sample_event_loop_lag)
+                if self.siblings is not None:
+                    tg.start_soon(self.siblings.serve, self)
                 if self.model_control_mode == "poll":
                     tg.start_soon(self._poll)
 
@@ -427,14 +491,15 @@ class InferenceService:
             index = [e for e in index if e["state"] == ModelState.READY.value]
         return index
 
-    async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
+    async def load(self, name: str, config: dict[str, Any] | None = None, *, fan_out: bool = True) -> None:
         """Load (or reload) ``name`` from the repository (explicit model control). ``config``, in
-        Triton's JSON form, replaces the model's ``config.pbtxt`` for this load.
+        Triton's JSON form, replaces the model's ``config.pbtxt`` for this load. With
+        `siblings`, every worker process loads it (``fan_out=False``: this one only).
 
         Raises:
             ProtocolError: 400 when the model control mode is not explicit or the model fails to
-                load (the reason is in the message and the index); 404 when the repository has
-                no such model; 503 while the server stops.
+                load (the reason is in the message and the index; with several processes, which
+                ones failed); 404 when the repository has no such model; 503 while the server stops.
         """
         self._check_explicit("load")
         assert self.repository is not None
@@ -442,16 +507,71 @@ class InferenceService:
             raise ProtocolError(404, f"the model repository has no model {name!r}")
         if self._draining or self._tg is None:
             raise unavailable("the server is not running (starting or shutting down)")
-        await self._load(name, config)
+        await self._everywhere(self._load(name, config), {"op": "load", "name": name, "config": config},
+                               f"load model {name!r}", fan_out)
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, *, fan_out: bool = True) -> None:
         """Unload every version of ``name`` (explicit model control): new requests get 503, those
-        in flight finish (up to ``drain_timeout``), then the workers are disposed."""
+        in flight finish (up to ``drain_timeout``), then the workers are disposed. With
+        `siblings`, in every worker process (``fan_out=False``: this one only)."""
         self._check_explicit("unload")
         assert self.repository is not None
         if name not in self._slots and not self.repository.has(name):
             raise ProtocolError(404, f"unknown model {name!r}")
-        await self._unload(name)
+        await self._everywhere(self._unload(name), {"op": "unload", "name": name}, f"unload model {name!r}", fan_out)
+
+    async def update_trace(self, changes: Mapping[str, Any], model: str | None = None, *,
+                           fan_out: bool = True) -> TraceSettings:
+        """Apply posted trace settings (`.tracing`), in every worker process with `siblings`
+        (``fan_out=False``: this one only); the settings now in force here. ProtocolError(400)
+        names a bad setting (then nothing changes anywhere)."""
+        settings = self.tracer.update(changes, model)
+        if fan_out and self.siblings is not None:
+            action = {"op": "trace", "changes": dict(changes), "model": model}
+            await self.siblings.publish(action)
+            failures = await self.siblings.fan_out(action)
+            if failures:
+                raise ProtocolError(failures[0][0], "the trace settings changed in this worker process but not in "
+                                                    "every other: " + "; ".join(m for _, m in failures))
+        return settings
+
+    async def gather_traces(self) -> dict[str, Any]:
+        """The latest traced requests as one Chrome/Perfetto trace (every worker process's)."""
+        own = self.tracer.traces()
+        return own if self.siblings is None else await self.siblings.traces(own)
+
+    async def _everywhere(self, here: Any, action: dict[str, Any], what: str, fan_out: bool) -> None:
+        """Await ``here`` (this process's part of ``action``) and, with `siblings` and
+        ``fan_out``, apply ``action`` in the other processes at the same time; one error
+        naming every process that failed."""
+        if not fan_out or self.siblings is None:
+            await here
+            return
+        await self.siblings.publish(action)  # first: a process starting now catches up with it
+        siblings = self.siblings
+        local: list[ProtocolError] = []
+        failures: list[tuple[int, str]] = []
+
+        async def run_here() -> None:
+            try:
+                await here
+            except ProtocolError as exc:
+                local.append(exc)
+
+        async def run_there() -> None:
+            failures.extend(await siblings.fan_out(action))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_here)
+            tg.start_soon(run_there)
+        if local:
+            if not failures:
+                raise local[0]
+            raise ProtocolError(local[0].status, f"{local[0].message} (and in other worker processes: "
+                                                 + "; ".join(m for _, m in failures) + ")", local[0].headers)
+        if failures:
+            raise ProtocolError(failures[0][0], f"cannot {what} in every worker process: "
+                                                + "; ".join(m for _, m in failures))
 
     def _check_explicit(self, action: str) -> None:
         if self.repository is None:
@@ -578,8 +698,37 @@ class InferenceService:
 
     def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
         """Triton's inference statistics JSON: ``{"model_stats": [...]}`` for every served
-        version (of ``name``, of ``version``); ProtocolError 404 for an unknown model or version."""
+        version (of ``name``, of ``version``) in this process; ProtocolError 404 for an unknown
+        model or version. `gather_statistics` counts every worker process."""
         return {"model_stats": [s.to_json() for s in self.statistics_for(name, version)]}
+
+    async def gather_statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """`statistics` summed over every worker process (those that exited included): what
+        ``GET /v2/models/stats`` and gRPC ``ModelStatistics`` answer."""
+        local = self.statistics_for(name, version)
+        if self.siblings is None:
+            return {"model_stats": [s.to_json() for s in local]}
+        others = await self.siblings.snapshots()
+        totals = summed([local, *(other.statistics for other in others)])
+        return {"model_stats": [totals[(s.name, s.version)].to_json() for s in local]}
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of ``GET /metrics`` (every worker process's, with `siblings`)."""
+        if self.siblings is None:
+            return self.metrics.render()
+        others = await self.siblings.snapshots()
+        totals = summed([self.stats_store.all(), *(other.statistics for other in others)])
+        live = [other for other in others if other.live]
+        pending = dict(self._pending())
+        for other in live:
+            for key, count in other.pending.items():
+                pending[key] = pending.get(key, 0) + count
+        loaded = max([self._models_loaded(), *(other.models_loaded for other in live)])
+        return self.metrics.render_processes(totals.values(), pending, loaded, self.siblings.multiprocess_dir)
+
+    def snapshot(self) -> ProcessSnapshot:
+        """This process's counters and gauges, for the other worker processes."""
+        return ProcessSnapshot(os.getpid(), True, self.stats_store.all(), self._pending(), self._models_loaded())
 
     def _models_loaded(self) -> int:
         return sum(len(slot.ready_versions()) for slot in self._slots.values())
@@ -608,15 +757,24 @@ class InferenceService:
             raise unavailable(f"model {name!r} version {served.version} is not ready "
                               f"({served.state.value}{': ' + served.reason if served.reason else ''})")
         call = Call(served, self.admission, self.tracer)
-        served.hold()
-        admitted = False
+        admission = self.admission
         try:
-            async with self.admission.admit(name):
-                admitted = True
-                call.deadline = self.admission.deadline()
-                yield call
+            scope = admission.enter(name)  # the admission inline: one context manager less per request
+        except ProtocolError:
+            served.stats.record_failure(time.perf_counter_ns() - began, REJECTED)
+            raise
+        served.hold()
+        try:
+            try:
+                with scope:  # cancelled by the drain at shutdown
+                    call.deadline = admission.deadline()
+                    yield call
+            finally:
+                admission.leave(name, scope)
+            if scope.cancelled_caught:
+                raise drained()
         except BaseException as exc:
-            served.stats.record_failure(time.perf_counter_ns() - began, _failure_reason(exc, admitted))
+            served.stats.record_failure(time.perf_counter_ns() - began, _failure_reason(exc, True))
             raise
         else:
             call._times.total = time.perf_counter_ns() - began
@@ -632,7 +790,7 @@ def _failure_reason(exc: BaseException, admitted: bool) -> str:
     if isinstance(exc, ProtocolError):
         if exc.status == 503:  # refused at the door; once admitted, stopped by the drain or an unload
             return CANCELED if admitted else REJECTED
-        if exc.status in (408, 504):
+        if exc.status in (408, 499, 504):  # 499: the client went away (a generation stream)
             return CANCELED
         if exc.status >= 500:
             return BACKEND

@@ -94,6 +94,8 @@ class Tracer:
         self._traces: deque[dict[str, Any]] = deque(maxlen=KEEP_TRACES)
         self._lock = threading.Lock()
         self._ids = 0
+        # A worker process of `serve --workers N` writes its own trace file: "trace.json" -> "trace.w1.json".
+        self.file_tag = ""
 
     # -- settings ------------------------------------------------------------------------------
     def settings(self, model: str | None = None) -> TraceSettings:
@@ -193,7 +195,8 @@ class Tracer:
         with self._lock:
             self._traces.append(entry)
         if settings.file and self.trace_dir is not None:
-            self._write(self.trace_dir / settings.file)
+            name = Path(settings.file)
+            self._write(self.trace_dir / (f"{name.stem}.{self.file_tag}{name.suffix}" if self.file_tag else name.name))
         _export_opentelemetry(model, version, profile)
         return entry
 

@@ -680,3 +680,31 @@ def test_serving_benchmark_smoke():
     for mode in result["modes"].values():
         assert mode["throughput_rps"] > 0 and 0 <= mode["p50_ms"] <= mode["p99_ms"] <= mode["max_ms"]
     assert math.isfinite(result["modes"]["batched"]["requests_per_engine_run"])
+
+
+@pytest.mark.anyio
+async def test_an_overridable_initializer_is_an_optional_input():
+    """IR >= 4: an initializer listed among the graph inputs has a default; a request may leave it
+    out (the default is used) or send it (overriding it), as ONNX Runtime and Triton allow."""
+    k = helper.make_tensor("k", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+    proto = make_model([helper.make_node("Mul", ["x", "k"], ["y"])],
+                       [tensor_info("x", ["N", 3]), tensor_info("k", [3])], [tensor_info("y", ["N", 3])], [k],
+                       extra_domains=())
+    model = ai.load_model(proto)
+    assert "k" in model.input_defaults
+    x = [[1.0, 1.0, 1.0]]
+    async with serving({"scale": model}) as client:
+        response = await client.post("/v2/models/scale/infer", json={
+            "inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x}]})
+        assert response.status_code == 200, response.text
+        np.testing.assert_array_equal(decode_outputs(response)["y"], [[1.0, 2.0, 3.0]])
+        response = await client.post("/v2/models/scale/infer", json={
+            "inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": x},
+                       {"name": "k", "shape": [3], "datatype": "FP32", "data": [5.0, 5.0, 5.0]}]})
+        assert response.status_code == 200, response.text
+        np.testing.assert_array_equal(decode_outputs(response)["y"], [[5.0, 5.0, 5.0]])
+        config = (await client.get("/v2/models/scale/config")).json()
+        assert {i["name"]: i["optional"] for i in config["input"]} == {"x": False, "k": True}
+        response = await client.post("/v2/models/scale/infer", json={
+            "inputs": [{"name": "k", "shape": [3], "datatype": "FP32", "data": [5.0, 5.0, 5.0]}]})
+        assert response.status_code == 400 and "missing input(s) ['x']" in response.text

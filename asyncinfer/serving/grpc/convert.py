@@ -91,7 +91,7 @@ def decode_infer_request(request: pb.ModelInferRequest, model: Model, model_name
         if tensor.name in inputs:
             raise ProtocolError(400, f"input {tensor.name!r} is given twice")
         inputs[tensor.name] = _decode_input(tensor, raw[index] if raw else None, info, model_name, limits)
-    missing = [name for name in declared if name not in inputs]
+    missing = [name for name in declared if name not in inputs and name not in model.input_defaults]
     if missing:
         raise ProtocolError(400, f"missing input(s) {missing}; model {model_name!r} takes {list(declared)}")
     outputs = requested_outputs(request.outputs, model, model_name, extra_outputs)

@@ -95,18 +95,21 @@ def status_code(status: int) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT if 400 <= status < 500 else grpc.StatusCode.INTERNAL
 
 
-async def start_grpc_server(service: InferenceService, host: str, port: int) -> grpc.aio.Server:
+async def start_grpc_server(service: InferenceService, host: str, port: int, *,
+                            reuse_port: bool = False) -> grpc.aio.Server:
     """Serve ``service`` over gRPC on ``host:port`` (port 0: a free port), in the running event loop.
 
     The returned server is started; its bound port is ``server.port``. Stop it with
     ``await server.stop(grace)`` before the service is closed. Raises ``OSError`` when the
-    address cannot be bound (in use, or not an address of this host).
+    address cannot be bound (in use, or not an address of this host). ``reuse_port``: bind
+    with ``SO_REUSEPORT``, so that the worker processes of ``serve --workers N`` listen on one
+    port and the kernel spreads the connections over them (Linux).
     """
     max_message = min(service.limits.max_request_bytes, _GRPC_MAX_MESSAGE)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", -1),  # responses are bounded by the model, not the client
-        ("grpc.so_reuseport", 0),  # a port in use is an error, not a second listener
+        ("grpc.so_reuseport", int(reuse_port)),  # else a port in use is an error, not a second listener
     ])
     servicer = InferenceServicer(service)
     # First: the wire-form inference handlers take these two methods over from the generated ones.
@@ -164,8 +167,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelStatisticsResponse:
-        return await _answer(context, lambda: from_json(
-            self.service.statistics(request.name or None, request.version or None), pb.ModelStatisticsResponse))
+        async def statistics() -> pb.ModelStatisticsResponse:
+            return from_json(await self.service.gather_statistics(request.name or None, request.version or None),
+                             pb.ModelStatisticsResponse)
+        return await _answer_async(context, statistics)
 
     # -- repository ------------------------------------------------------------------------------
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
@@ -284,20 +289,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def TraceSetting(self, request: pb.TraceSettingRequest,
                            context: grpc.aio.ServicerContext) -> pb.TraceSettingResponse:
-        def answer() -> pb.TraceSettingResponse:
-            tracer, name = self.service.tracer, request.model_name or None
+        async def answer() -> pb.TraceSettingResponse:
+            name = request.model_name or None
             if name is not None:
                 self.service.model_metadata(name)  # NOT_FOUND for an unknown model
             if request.settings:  # an empty value clears a model's setting (Triton's null)
-                settings = tracer.update({k: list(v.value) or None for k, v in request.settings.items()}, name)
+                settings = await self.service.update_trace(
+                    {k: list(v.value) or None for k, v in request.settings.items()}, name)
             else:
-                settings = tracer.settings(name)
+                settings = self.service.tracer.settings(name)
             response = pb.TraceSettingResponse()
             for key, value in settings.to_json().items():
                 response.settings[key].value.extend(value if isinstance(value, list) else [value])
             return response
 
-        return await _answer(context, answer)
+        return await _answer_async(context, answer)
 
     async def LogSettings(self, request: pb.LogSettingsRequest, context: grpc.aio.ServicerContext) -> pb.LogSettingsResponse:
         if request.settings:
