@@ -347,12 +347,8 @@ def _mark_dead(pid: int, folder: Path) -> None:
 # -- the command ----------------------------------------------------------------------------------
 def bind_http(host: str, port: int) -> socket.socket:
     """The listening HTTP socket every worker inherits (``OSError`` when it cannot be bound)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+    sock = _bound(host, port, socket.SO_REUSEADDR)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
         sock.listen(2048)
         sock.set_inheritable(True)
     except OSError:
@@ -366,11 +362,16 @@ def hold_grpc_port(host: str, port: int) -> socket.socket:
     join it, a process without that option cannot take it; port 0 picks a free one."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("--grpc-port with --workers needs SO_REUSEPORT, which this system lacks")
+    return _bound(host, port, socket.SO_REUSEPORT)
+
+
+def _bound(host: str, port: int, option: int) -> socket.socket:
+    """A TCP socket with the socket ``option`` set, bound to ``host:port`` (closed on failure)."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                          flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
         sock.bind(address)
     except OSError:
         sock.close()
