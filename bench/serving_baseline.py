@@ -187,29 +187,29 @@ def build_app(sessions: Mapping[str, Any]) -> Any:
     async def health() -> dict[str, bool]:
         return {"live": True, "ready": True}
 
+    def unknown_model(name: str) -> Response:
+        return JSONResponse({"error": f"no model named {name!r}"}, status_code=404)
+
     @app.get("/v2")
     async def server_metadata() -> dict[str, Any]:
         return {"name": "onnxruntime-fastapi-baseline", "version": "1", "extensions": ["binary_tensor_data"]}
 
     @app.get("/v2/models/{name}")
     async def model_metadata(name: str) -> Response:
-        session = sessions.get(name)
-        if session is None:
-            return JSONResponse({"error": f"no model named {name!r}"}, status_code=404)
+        if (session := sessions.get(name)) is None:
+            return unknown_model(name)
         return JSONResponse(metadata(name, session))
 
     @app.get("/v2/models/{name}/config")
     async def model_config(name: str) -> Response:
-        session = sessions.get(name)
-        if session is None:
-            return JSONResponse({"error": f"no model named {name!r}"}, status_code=404)
+        if (session := sessions.get(name)) is None:
+            return unknown_model(name)
         return JSONResponse(config(name, session))
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
-        session = sessions.get(name)
-        if session is None:
-            return JSONResponse({"error": f"no model named {name!r}"}, status_code=404)
+        if (session := sessions.get(name)) is None:
+            return unknown_model(name)
         body = await request.body()
         try:
             header, binary = split_body(body, request.headers.get(HEADER_LENGTH))

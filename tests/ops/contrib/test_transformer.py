@@ -383,6 +383,19 @@ def attention_reference(x, w, bias, n, sizes, masked, attention_bias, past, scal
     return merge(attend(q, k, v, add, scale)), np.stack([k, v]) if k.shape == v.shape else None
 
 
+def _key_padding_mask(form: str, rng, lengths: np.ndarray, b: int, s: int, total: int):
+    """An attention mask in ``form`` ("lengths": one key count per batch entry; "2d": (B, total);
+    "3d": (B, S, total)) and the (B, 1|heads, S, total)-broadcastable boolean of masked keys."""
+    if form == "lengths":
+        keys = np.arange(total)
+        return lengths.astype(np.int32), keys[None, None, None] >= lengths[:, None, None, None]
+    if form == "2d":
+        mask = (rng.random((b, total)) > 0.3).astype(np.int32)
+        return mask, (mask == 0)[:, None, None]
+    mask = (rng.random((b, s, total)) > 0.3).astype(np.int32)
+    return mask, (mask == 0)[:, None]
+
+
 @pytest.mark.parametrize("mask_form", [None, "lengths", "ends_starts", "2d", "3d", "4d"])
 @pytest.mark.parametrize("past_len, unidirectional", [(0, 0), (3, 1), (2, 0)])
 def test_attention_mask_forms_and_past(mask_form, past_len, unidirectional):
@@ -394,18 +407,12 @@ def test_attention_mask_forms_and_past(mask_form, past_len, unidirectional):
     keys = np.arange(total)
     lengths = np.array([total - 1, total - 2])
     starts = np.array([1, 0])
-    if mask_form == "lengths":
-        mask, masked = lengths.astype(np.int32), keys[None, None, None] >= lengths[:, None, None, None]
+    if mask_form in ("lengths", "2d", "3d"):
+        mask, masked = _key_padding_mask(mask_form, rng, lengths, b, s, total)
     elif mask_form == "ends_starts":
         mask = np.concatenate([lengths, starts]).astype(np.int32)
         masked = (keys >= lengths[:, None]) | (keys < starts[:, None])
         masked = masked[:, None, None]
-    elif mask_form == "2d":
-        mask = (rng.random((b, total)) > 0.3).astype(np.int32)
-        masked = (mask == 0)[:, None, None]
-    elif mask_form == "3d":
-        mask = (rng.random((b, s, total)) > 0.3).astype(np.int32)
-        masked = (mask == 0)[:, None]
     elif mask_form == "4d":  # Megatron: (B, 1, max, max), rows past..past+S used
         mask = (rng.random((b, 1, 10, 10)) > 0.3).astype(np.int32)
         masked = (mask[:, :, past_len:past_len + s, :total] == 0)
@@ -495,15 +502,8 @@ def test_multi_head_attention_masks_bias_and_cache(mask_form, past_len, unidirec
     past_v = randn(rng, b, n, past_len, h) if past_len else None
     attention_bias = randn(rng, b, 1, s, total)
     keys = np.arange(total)
-    if mask_form == "lengths":
-        lengths = np.array([total, total - 1])
-        mask, masked = lengths.astype(np.int32), keys[None, None, None] >= lengths[:, None, None, None]
-    elif mask_form == "2d":
-        mask = (rng.random((b, total)) > 0.3).astype(np.int32)
-        masked = (mask == 0)[:, None, None]
-    elif mask_form == "3d":
-        mask = (rng.random((b, s, total)) > 0.3).astype(np.int32)
-        masked = (mask == 0)[:, None]
+    if mask_form is not None:
+        mask, masked = _key_padding_mask(mask_form, rng, np.array([total, total - 1]), b, s, total)
     else:
         mask, masked = None, None
     if unidirectional:
