@@ -48,6 +48,7 @@ MODELS: tuple[str, ...] = tuple(architectures.ARCHITECTURES)
 # The quick profile leaves out the models that take seconds to build, load or run here
 # (MobileNetV3 at batch 32, ConvNeXt-T, the GPT-2 decode step and the Llama layers).
 QUICK_MODELS: tuple[str, ...] = tuple(n for n, a in architectures.ARCHITECTURES.items() if not a.large)
+TOP_LAYERS = int(os.environ.get("BENCH_TOP_LAYERS", "4"))  # heaviest layers printed by --profile
 CONTESTANTS = ("asyncinfer", "ort", "ort_executor")
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -399,7 +400,7 @@ def print_profile(name: str, p: dict[str, Any], top: int = 6) -> None:
                        title=f"{name}: asyncinfer wall {p['asyncinfer_wall_ms']:.2f} ms (kernels "
                              f"{p['asyncinfer_kernel_ms']:.2f}, overhead {p['overhead_ms']:.2f}) vs ORT wall "
                              f"{p['ort_wall_ms']:.2f} ms (kernels {p['ort_kernel_ms']:.2f}); per run")
-    for layer in p["top_layers"]["asyncinfer"][:4]:
+    for layer in p["top_layers"]["asyncinfer"][:TOP_LAYERS]:
         print(f"    {layer['ms']:8.2f} ms  {layer['kind']:24s} {layer['layer']}  {layer['input_shapes']}")
 
 

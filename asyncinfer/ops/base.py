@@ -41,6 +41,9 @@ class Op:
       on a device is passed as it is (its storage knows its shape), never downloaded.
     - ``cancellable``: True for kernels that may run long on one call (control flow): they poll
       ``concurrency.cancellation.cancel_requested()`` between iterations, so a cancel stops them.
+    - ``takes_activations``: True for kernels whose ``run`` takes the layer's fused activations
+      (keyword ``activations``, see ``ops/epilogue.py``) and applies them itself, as it stores its
+      output; the backend applies them after any other kernel.
     """
 
     op_type: ClassVar[str] = ""
@@ -51,6 +54,7 @@ class Op:
     multithreaded: ClassVar[bool] = False
     metadata_inputs: ClassVar[tuple[int, ...]] = ()
     cancellable: ClassVar[bool] = False
+    takes_activations: ClassVar[bool] = False
 
     def __init__(self, layer: "Layer", limits: Limits = DEFAULT_LIMITS):
         self.layer = layer
@@ -98,6 +102,6 @@ class Op:
         nobody else reads). Fused activations use it to skip an allocation and a memory pass."""
         return self(x, *inputs)[0]  # type: ignore[return-value]
 
-    def __call__(self, *inputs: np.ndarray | None) -> tuple[np.ndarray | None, ...]:
-        out = self.run(*inputs)
+    def __call__(self, *inputs: np.ndarray | None, **options: Any) -> tuple[np.ndarray | None, ...]:
+        out = self.run(*inputs, **options)
         return out if isinstance(out, tuple) else (out,)

@@ -93,9 +93,9 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     x = np.ascontiguousarray(x)
     bias = np.zeros(m, x.dtype) if bias is None else np.ascontiguousarray(bias, dtype=x.dtype)
     result = np.empty((n, m, ho, wo), dtype=x.dtype)
-    geometry = (tuple(int(s) for s in strides), tuple(int(d) for d in dilations), tuple(int(p) for p in begin))
+    geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
     threads = threads_for(n * m * ho * wo * kh * kw)
-    if not channels_last_pays(mult, geometry[0][1], wo, kw):
+    if not channels_last_pays(mult, geometry[1], wo, kw):
         taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
         parts = _blocks(m, threads, n)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .base import Op
-from .conv import kernel_taps, pad_spatial, spatial_attrs, tap_slices, window_geometry
+from .windows import kernel_taps, pad_spatial, spatial_attrs, tap_slices, window_geometry
 from .elementwise import compute_dtype
 from .indexing import ScatterElements, normalize_indices
 from .registry import register

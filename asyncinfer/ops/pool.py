@@ -1,18 +1,22 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
-Windowed pools reduce over kernel taps with one whole-array NumPy op per tap on the flat,
-polyphase-split input of `FlatWindows` (long contiguous runs instead
-of many short rows), sharing the window geometry with Conv.
+2-D float max pools run on a compiled row loop (`compiled.pool`). Other windowed pools reduce
+over kernel taps with whole-array NumPy ops: separably (one axis at a time) where the reduction
+allows, else one op per tap on the flat, polyphase-split input of `FlatWindows` (long contiguous
+runs instead of many short rows), sharing the window geometry with Conv.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from .base import Op
-from .conv import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
-                   window_geometry)
+from .compiled.pool import max_pool2d
+from .conv_kernels import run_tasks, threads_for
+from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
+                      window_geometry)
 from .registry import register
 
 
@@ -87,6 +91,8 @@ class MaxPool(_WindowPool):
 
     def run(self, x: np.ndarray) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         want_indices = len(self.layer.outputs) > 1 and bool(self.layer.outputs[1])
+        if not want_indices and x.ndim == 4 and x.dtype in (np.float32, np.float64):
+            return self._compiled_2d(x)
         if not want_indices:
             return self.separable_reduce(x, np.maximum, _lowest(x.dtype))[0]
         win, begin, _, out = self.windows(x)
@@ -106,6 +112,25 @@ class MaxPool(_WindowPool):
             np.copyto(acc, t, where=better)
             best[better] = i
         return win.crop(acc), self._indices(x.shape, win.crop(best), begin, out)
+
+    def _compiled_2d(self, x: np.ndarray) -> np.ndarray:
+        """2-D float max pool on the compiled row loop, planes shared out between threads when large."""
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, pads = spatial_attrs(self, 2, kernel)
+        begin, _, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
+                                        self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
+        n, c, h, w = x.shape
+        y = np.empty((n * c, *out), dtype=x.dtype)
+        if y.size == 0:
+            return y.reshape(n, c, *out)
+        planes = np.ascontiguousarray(x).reshape(n * c, h, w)
+        geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
+                    float(_lowest(x.dtype)))
+        threads = threads_for(y.size * kernel[0] * kernel[1])
+        edges = np.linspace(0, n * c, min(n * c, 2 * threads) + 1).astype(int)
+        run_tasks([functools.partial(max_pool2d, planes, y, int(p0), int(p1), *geometry)
+                   for p0, p1 in zip(edges[:-1], edges[1:])], threads)
+        return y.reshape(n, c, *out)
 
     def _indices(self, shape: tuple[int, ...], best: np.ndarray, begin: list[int], out: list[int]) -> np.ndarray:
         """Flat input index of each chosen tap: row-major, or column-major spatial for storage_order=1."""

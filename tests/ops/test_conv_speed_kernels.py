@@ -123,10 +123,11 @@ def test_depthwise_float16_and_float64(dtype, path, rng, monkeypatch):
     ("3d_batch2", (2, 3, 5, 5, 6), (3, 3, 3), dict(pads=[1] * 6)),
 ])
 def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, monkeypatch):
-    calls = _route(monkeypatch, "channels_last")  # the compiled loops are 2-D only: not these
+    calls = _route(monkeypatch, "channels_last")
     x, w, b = _inputs(rng, shape, 1, kernel)
     _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
-    assert calls == []
+    # 1-D convs run as 2-D ones over a map one row high; the compiled loops are 2-D only
+    assert bool(calls) == name.startswith("1d")
 
 
 @pytest.mark.parametrize("shape, kernel, stride, mult, channels_last", [
@@ -147,8 +148,7 @@ def test_dispatch_rule(shape, kernel, stride, mult, channels_last, rng, monkeypa
     assert set(calls) == {"depthwise_channels_last" if channels_last else "depthwise_rows"}
 
 
-# Ungrouped convs: the bias folded into the GEMM as a row of ones under im2col (flat-window or
-# exact), and the exact im2col now also taken by small strided kernels.
+# Ungrouped convs with and without bias, batches, strides, dilations, 1-D (all on the tiled GEMM).
 DENSE_CASES = {
     "flat_3x3_batch3": ((3, 5, 9, 8), 6, (3, 3), dict(pads=[1, 1, 1, 1])),
     "flat_7x7_stride2_stem": ((2, 3, 19, 17), 8, (7, 7), dict(strides=[2, 2], pads=[3, 3, 3, 3])),
@@ -162,7 +162,7 @@ DENSE_CASES = {
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("name", sorted(DENSE_CASES))
-def test_dense_conv_bias_folding_matches_reference(name, bias, rng):
+def test_dense_conv_matches_reference(name, bias, rng):
     shape, m, kernel, attrs = DENSE_CASES[name]
     x = randn(rng, *shape)
     w = randn(rng, m, shape[1], *kernel)
@@ -194,15 +194,15 @@ def test_depthwise_is_thread_safe(rng):
     ((2, 2, 300), (5, 2, 80), dict(strides=[3], pads=[7, 2])),     # many taps, two channels, pads
     ((1, 1, 20, 20), (3, 1, 9, 9), dict(strides=[2, 2])),          # 81 taps in 2-D
 ])
-def test_many_tap_kernels_take_the_exact_im2col_and_match_the_reference(monkeypatch, x_shape, w_shape, attrs):
+def test_many_tap_kernels_take_the_tiled_gemm_and_match_the_reference(monkeypatch, x_shape, w_shape, attrs):
     rng = np.random.default_rng(11)
     x, w = randn(rng, *x_shape), randn(rng, *w_shape)
     calls = []
-    real = conv_module._exact_columns
-    monkeypatch.setattr(conv_module, "_exact_columns", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = conv_module.conv2d_gemm
+    monkeypatch.setattr(conv_module, "conv2d_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
     (got,) = make_op("Conv", attrs, version=11, n_inputs=2)(x, w)
     (want,) = reference_run("Conv", [x, w], attrs, opset=11)
-    assert calls, "the exact im2col path was not taken"
+    assert calls, "the tiled GEMM (exact im2col per block) was not taken"
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -219,7 +219,7 @@ def test_compiled_im2col_matches_a_direct_loop(shape, kernel, strides, dilations
     c, h, w = shape
     rows = c * kernel[0] * kernel[1]
     cols = np.full((rows + 1, out[0] * out[1]), 7.0, np.float32)  # the extra row must stay untouched
-    im2col2d(x, cols, kernel, out[1], strides, dilations, pads)
+    im2col2d(x, cols, *kernel, out[1], *strides, *dilations, *pads, 0, out[0] * out[1])
     want = np.zeros((rows, out[0], out[1]), np.float32)
     for ci in range(c):
         for i in range(kernel[0]):
@@ -232,3 +232,12 @@ def test_compiled_im2col_matches_a_direct_loop(shape, kernel, strides, dilations
                             want[(ci * kernel[0] + i) * kernel[1] + j, oh, ow] = x[ci, ih, iw]
     np.testing.assert_array_equal(cols[:rows], want.reshape(rows, -1))
     assert (cols[rows] == 7.0).all()
+    # any range of output positions alone, into the first columns of a block
+    total = out[0] * out[1]
+    for p0, p1 in [(0, 1), (1, total), (total // 3, total - total // 3), (total - 1, total)]:
+        if p1 <= p0:
+            continue
+        block = np.full((rows + 1, p1 - p0 + 2), 7.0, np.float32)
+        im2col2d(x, block, *kernel, out[1], *strides, *dilations, *pads, p0, p1)
+        np.testing.assert_array_equal(block[:rows, :p1 - p0], want.reshape(rows, -1)[:, p0:p1])
+        assert (block[:, p1 - p0:] == 7.0).all() and (block[rows] == 7.0).all()

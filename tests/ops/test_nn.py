@@ -86,9 +86,9 @@ def test_conv_matches_onnxruntime(name, bias, rng):
 @pytest.mark.parametrize("name", ["small_map_exact_im2col", "small_map_grouped_strided", "grouped", "3x3_pad",
                                   "7x7_stride2", "same_lower", "fewer_outputs_strided_batch"])
 def test_conv_im2col_paths_agree(name, rng, monkeypatch):
-    """The exact and the flat-window im2col give the same convolution (the bias folded into the
-    GEMM as a row of ones, for ungrouped convs, on both)."""
-    from asyncinfer.ops import conv as conv_module
+    """The exact and the flat-window im2col of the tiled conv give the same convolution (the
+    flat one's padding columns dropped as the epilogue stores each block)."""
+    from asyncinfer.ops import conv_gemm
 
     shape, m, kernel, attrs = CONV_CASES[name]
     x = randn(rng, *shape)
@@ -96,9 +96,10 @@ def test_conv_im2col_paths_agree(name, rng, monkeypatch):
     b = randn(rng, m)
     layer = Layer("c", "Conv", ["x", "w", "b"], ["y"], attrs=dict(attrs, kernel_shape=list(kernel)), version=17)
     results = []
-    for waste, taps in ((0.0, 1 << 30), (float("inf"), 0)):  # always exact, never exact
-        monkeypatch.setattr(conv_module, "EXACT_IM2COL_WASTE", waste)
-        monkeypatch.setattr(conv_module, "EXACT_IM2COL_MAX_STRIDED_TAPS", taps)
+    for waste, taps, min_taps in ((0.0, 1 << 30, 0), (float("inf"), 0, 1 << 30)):  # always exact, never exact
+        monkeypatch.setattr(conv_gemm, "EXACT_IM2COL_WASTE", waste)
+        monkeypatch.setattr(conv_gemm, "EXACT_IM2COL_MAX_STRIDED_TAPS", taps)
+        monkeypatch.setattr(conv_gemm, "EXACT_IM2COL_MIN_TAPS", min_taps)
         results.append(ops.create(layer)(x, w, b)[0])
     np.testing.assert_allclose(results[0], results[1], rtol=1e-5, atol=1e-5)
 

@@ -19,7 +19,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Union
+from typing import Union
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from ...concurrency import parallel
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
+from ...ops.epilogue import apply_activations
 from ..base import Backend, Job, Step, StepDone, ValueTypes, run_kernel
 from . import blas
 from .memory import release_free_memory, tune_allocator
@@ -147,19 +148,11 @@ def _fail(work: Work, error: AsyncInferError) -> None:
 
 
 def _compute(step: Step, args: list) -> list:
-    """One layer's NumPy kernel, then its fused activations. (Pool threads run with NumPy's
-    floating-point warnings off: inf/nan are values in ONNX.)"""
+    """One layer's NumPy kernel, then its fused activations (unless the kernel applies them
+    itself). (Pool threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX.)"""
+    if step.activations and step.kernel.takes_activations:
+        return list(step.kernel(*args, activations=step.activations))
     outputs = list(step.kernel(*args))
     if step.activations:
-        outputs[0] = _apply_activations(step, outputs[0], args)
+        outputs[0] = apply_activations(outputs[0], step.activations, args)
     return outputs
-
-
-def _apply_activations(step: Step, y: Any, args: list) -> Any:
-    """Run the fused activations on ``y``, in place when ``y`` is a buffer the kernel just made."""
-    fresh = (isinstance(y, np.ndarray) and y.flags.writeable and y.dtype.kind == "f"
-             and not any(isinstance(a, np.ndarray) and np.may_share_memory(y, a) for a in args))
-    for act, extra in step.activations:
-        y = act.run_inplace(y, *extra) if fresh else act(y, *extra)[0]
-        fresh = True
-    return y

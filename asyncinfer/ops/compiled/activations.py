@@ -63,22 +63,49 @@ def _exp(x: float) -> float:
     return p * _float_from_bits((a + 127) << 23) * _float_from_bits((k - a + 127) << 23)
 
 
+# Scalar forms, inlined into the array kernels below and into the GEMM epilogue
+# (`compiled.epilogue`), so a fused activation gives the very bits of the standalone one.
+@inline
+def sigmoid1(v: float) -> float:
+    """``1 / (1 + e^-v)`` (NaN stays NaN)."""
+    one = _F(1.0)
+    return one / (one + _exp(-v))
+
+
+@inline
+def swish1(v: float, a: float) -> float:
+    """``v / (1 + e^(-a·v))``."""
+    return v / (_F(1.0) + _exp(-a * v))
+
+
+@inline
+def hard_sigmoid1(v: float, a: float, b: float) -> float:
+    """``clamp(a·v + b, 0, 1)`` (NaN stays NaN)."""
+    g = a * v + b
+    return _F(0.0) if g < 0 else (_F(1.0) if g > 1 else g)
+
+
+@inline
+def hard_swish1(v: float) -> float:
+    """``v · clamp(v/6 + 1/2, 0, 1)`` (NaN stays NaN)."""
+    g = v * _F(1.0 / 6.0) + _F(0.5)
+    # a product even where the gate clamps, as the definition: -inf·0 is NaN, v<-3 gives -0
+    return v * (_F(0.0) if g < 0 else (_F(1.0) if g > 1 else g))
+
+
 @kernel
 def sigmoid(x: np.ndarray) -> None:
     """``x ← 1 / (1 + e^-x)``, ``x`` a flat float32 array (NaN stays NaN)."""
-    one = _F(1.0)
     for i in range(x.size):
-        x[i] = one / (one + _exp(-x[i]))
+        x[i] = sigmoid1(x[i])
 
 
 @kernel
 def swish(x: np.ndarray, alpha: float) -> None:
     """``x ← x / (1 + e^(-alpha·x))``, ``x`` a flat float32 array."""
-    one = _F(1.0)
     a = _F(alpha)
     for i in range(x.size):
-        v = x[i]
-        x[i] = v / (one + _exp(-a * v))
+        x[i] = swish1(x[i], a)
 
 
 @kernel
@@ -86,19 +113,14 @@ def hard_sigmoid(x: np.ndarray, alpha: float, beta: float) -> None:
     """``x ← clamp(alpha·x + beta, 0, 1)``, ``x`` a flat float32 array (NaN stays NaN)."""
     a, b = _F(alpha), _F(beta)
     for i in range(x.size):
-        v = a * x[i] + b
-        x[i] = _F(0.0) if v < 0 else (_F(1.0) if v > 1 else v)
+        x[i] = hard_sigmoid1(x[i], a, b)
 
 
 @kernel
 def hard_swish(x: np.ndarray) -> None:
     """``x ← x · clamp(x/6 + 1/2, 0, 1)``, ``x`` a flat float32 array (NaN stays NaN)."""
-    sixth, half = _F(1.0 / 6.0), _F(0.5)
     for i in range(x.size):
-        v = x[i]
-        g = v * sixth + half
-        # a product even where the gate clamps, as the definition: -inf·0 is NaN, x<-3 gives -0
-        x[i] = v * (_F(0.0) if g < 0 else (_F(1.0) if g > 1 else g))
+        x[i] = hard_swish1(x[i])
 
 
 _ERF_C = _F(_ERF_CLAMP)

@@ -24,18 +24,16 @@ _U = np.uint64
 
 @kernel
 def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
-                   strides: tuple, dilations: tuple, pads: tuple, multiplier: int) -> None:
+                   sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int) -> None:
     """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo).
 
     ``x`` is (N, C, H, W); ``w`` is (M, kh, kw); ``bias`` is (M,); output channel ``m`` reads
-    input channel ``m // multiplier`` (ONNX's group order); ``pads`` are the top and left pads.
+    input channel ``m // multiplier`` (ONNX's group order); strides ``sh, sw``, dilations
+    ``dh, dw``, ``top`` and ``left`` pads (scalars: numba types tuples slowly on every call).
     """
     n_images, _, h, wd = x.shape
     _, _, ho, wo = out.shape
     kh, kw = w.shape[1], w.shape[2]
-    sh, sw = strides
-    dh, dw = dilations
-    top, left = pads
     for n in range(n_images):
         for m in range(m0, m1):
             c = m // multiplier
@@ -65,7 +63,7 @@ def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
 @kernel
 def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray,
                             scratch: np.ndarray, acc: np.ndarray, c0: int, c1: int,
-                            strides: tuple, dilations: tuple, pads: tuple) -> None:
+                            sh: int, sw: int, dh: int, dw: int, top: int, left: int) -> None:
     """Channels ``c0:c1`` of one image (multiplier 1): ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
 
     ``w`` is (kh, kw, C) and ``bias`` (C,); ``scratch`` is at least (H, W, c1 - c0) and ``acc``
@@ -74,9 +72,6 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
     _, h, wd = x.shape
     _, ho, wo = out.shape
     kh, kw = w.shape[0], w.shape[1]
-    sh, sw = strides
-    dh, dw = dilations
-    top, left = pads
     cb = c1 - c0
     for r in range(h):
         for k in range(cb):

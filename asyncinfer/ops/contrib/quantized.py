@@ -37,7 +37,7 @@ import numpy as np
 
 from ...model.ir import Layer
 from ..base import Op
-from ..conv import spatial_attrs
+from ..windows import spatial_attrs
 from ..pool import AveragePool, _window_counts
 from ..quantize import DynamicQuantizeLinear, QLinearConv, _int_matmul, _requantize, to_quantized
 from ..registry import create, register

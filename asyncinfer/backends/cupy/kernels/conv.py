@@ -15,7 +15,7 @@ from typing import Any
 
 from ....model.ir import Layer
 from ....ops.base import Op
-from ....ops.conv import spatial_attrs, window_geometry
+from ....ops.windows import spatial_attrs, window_geometry
 from ...base import ValueTypes
 from .activations import add_and_activate
 from .base import Kernel, KernelContext, channel_shape, register, same_type

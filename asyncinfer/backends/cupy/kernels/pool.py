@@ -13,7 +13,7 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
-from ....ops.conv import spatial_attrs, window_geometry
+from ....ops.windows import spatial_attrs, window_geometry
 from ....ops.pool import _window_counts
 from ...base import ValueTypes
 from .base import Kernel, KernelContext, register

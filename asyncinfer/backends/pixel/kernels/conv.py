@@ -22,7 +22,7 @@ import numpy as np
 
 from ....model.ir import Layer
 from ....ops.base import Op
-from ....ops.conv import spatial_attrs, window_geometry
+from ....ops.windows import spatial_attrs, window_geometry
 from ..layout import Layout, flat_layout
 from .base import PixelKernel, pixel_kernel
 

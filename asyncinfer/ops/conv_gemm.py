@@ -1,0 +1,142 @@
+"""2-D convolution as tiled GEMM: one cache-sized block of output positions at a time.
+
+Lowered whole, a conv writes its im2col matrix (taps times the input) to memory, BLAS reads it
+back, writes the output, and the bias and the fused activation each take one more pass over the
+output: four trips through memory around one GEMM. Here the output positions are cut into blocks
+of ``width`` columns sized so that the block's columns and its GEMM results stay in L2: each block
+is built by the compiled `im2col2d`, multiplied by the weights in BLAS into a scratch block, and
+stored through the `Epilogue` (bias and activation) into the output, so the only trip to memory is
+the final store. BLAS also runs faster on a block whose B operand stays in cache (ResNet-18's
+64->64 3x3 GEMM, one thread: 1.80 ms whole, 1.39 ms in blocks of 512 columns).
+
+Blocks (per image) are the parts shared out between the pool's threads. A small map gives too few
+blocks to share (ResNet's 7x7 stage: one block of 49 columns); its weights' rows are then split
+in bands instead, over one im2col matrix built up front.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..concurrency import parallel
+from .compiled.im2col import im2col2d, im2col_flat
+from .conv_kernels import run_tasks, scratch
+from .epilogue import Epilogue
+from .linalg import SPLIT_MIN_MACS
+from .windows import FlatWindows, flat_windows
+
+# Bytes of one block's im2col columns plus its GEMM results: within the 1-2 MiB L2 of a core.
+BLOCK_BYTES = 1 << 20
+# Narrowest block (BLAS works on panels of 16-64 columns; narrower blocks lose its efficiency).
+MIN_WIDTH = 64
+# Fewest weight rows per band when rows are split instead of positions.
+MIN_BAND_ROWS = 32
+# Which im2col (`exact_im2col_pays`). Flat windows copy one contiguous run per tap and channel,
+# but compute garbage columns (a padded map's extra width: 9/7 of the work at 7x7) and, for strided
+# convs, first split the input into phases: the exact im2col, one short run per output row, wins
+# when the waste passes EXACT_IM2COL_WASTE, for strided kernels of at most
+# EXACT_IM2COL_MAX_STRIDED_TAPS taps (3x3/s2, 2x2 and 4x4 "patchify" convs) and for kernels of
+# more than EXACT_IM2COL_MIN_TAPS taps (1-D STFT-like filters, where the phases would be many).
+EXACT_IM2COL_WASTE = 1.2
+EXACT_IM2COL_MAX_STRIDED_TAPS = 16
+EXACT_IM2COL_MIN_TAPS = 64
+
+
+def exact_im2col_pays(win: FlatWindows, positions: int, strides: Sequence[int]) -> bool:
+    """Exact im2col over the real output positions rather than flat windows (see above)."""
+    return (win.length > EXACT_IM2COL_WASTE * positions or len(win.offsets) > EXACT_IM2COL_MIN_TAPS
+            or (max(strides) > 1 and len(win.offsets) <= EXACT_IM2COL_MAX_STRIDED_TAPS))
+
+
+def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, strides: Sequence[int],
+           dilations: Sequence[int], begin: Sequence[int], end: Sequence[int], out: Sequence[int],
+           epilogue: Epilogue) -> np.ndarray:
+    """``x`` (N, C, H, W) conv ``w`` (M, C/group, kh, kw) → (N, M, Ho, Wo), then ``bias`` and
+    ``epilogue``. ``begin``/``end`` are the pads and ``out`` the output size (from
+    ``windows.window_geometry``). Float32 or float64 operands; ``epilogue`` other than
+    `NO_ACTIVATION` only on float32."""
+    n, c, h, wd = x.shape
+    m, cg, kh, kw = w.shape
+    mg = m // group
+    ho, wo = (int(o) for o in out)
+    positions = ho * wo
+    rows = c * kh * kw  # im2col rows, group after group
+    x = np.ascontiguousarray(x)
+    weights = np.ascontiguousarray(w).reshape(group, mg, cg * kh * kw)
+    bias = np.zeros(m, x.dtype) if bias is None else np.ascontiguousarray(bias, dtype=x.dtype)
+    y = np.empty((n, m, positions), dtype=x.dtype)
+    strides, dilations = tuple(int(s) for s in strides), tuple(int(d) for d in dilations)
+    columns, span, row_width = _im2col(x, (kh, kw), strides, dilations, begin, end, (ho, wo))
+    threads = parallel.parts_available() if n * m * rows // group * positions >= SPLIT_MIN_MACS else 1
+    width = _block_width(span, rows, m, x.itemsize, threads * 2 // max(1, n))
+    blocks = -(-span // width)
+    k = cg * kh * kw
+
+    def block_part(i: int, v0: int, v1: int) -> None:
+        cols = columns(i, v0, v1, scratch((rows, v1 - v0), x.dtype, "cols"))
+        block = scratch((m, v1 - v0), x.dtype, "block")
+        for g in range(group):
+            np.matmul(weights[g], cols[g * k:(g + 1) * k], out=block[g * mg:(g + 1) * mg])
+        epilogue.store(block, bias, y[i], v0, row_width, wo)
+
+    if threads == 1 or n * blocks >= 2 * threads or group > 1 or m < 2 * MIN_BAND_ROWS:
+        run_tasks([functools.partial(block_part, i, v0, min(span, v0 + width))
+                   for i in range(n) for v0 in range(0, span, width)], threads)
+        return y.reshape(n, m, ho, wo)
+    # few positions (small maps): one im2col per image, bands of output channels in parallel
+    edges = np.linspace(0, m, min(2 * threads, m // MIN_BAND_ROWS) + 1).astype(int)
+    for i in range(n):
+        cols = columns(i, 0, span, np.empty((rows, span), x.dtype))
+
+        def band_part(j: int, i: int = i, cols: np.ndarray = cols) -> None:
+            m0, m1 = int(edges[j]), int(edges[j + 1])
+            block = scratch((m1 - m0, span), x.dtype, "block")
+            np.matmul(weights[0, m0:m1], cols, out=block)
+            epilogue.store(block, bias[m0:m1], y[i, m0:m1], 0, row_width, wo)
+
+        run_tasks([functools.partial(band_part, j) for j in range(len(edges) - 1)], threads)
+    return y.reshape(n, m, ho, wo)
+
+
+Columns = Callable[[int, int, int, np.ndarray], np.ndarray]
+
+
+def _im2col(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, ...], dilations: tuple[int, ...],
+            begin: Sequence[int], end: Sequence[int], out: tuple[int, int]) -> tuple[Columns, int, int]:
+    """How to build columns: ``(columns(image, v0, v1, scratch) -> (rows, v1 - v0) array, span,
+    row_width)``. Columns index positions ``v`` of a grid ``row_width`` wide (``span`` of them):
+    the output positions themselves (direct and exact), or flat windows' virtual ones, whose
+    padding columns the epilogue drops."""
+    n, c, h, wd = x.shape
+    ho, wo = out
+    positions = ho * wo
+    if kernel == (1, 1) and strides == (1, 1) and not any(begin) and not any(end) and (ho, wo) == (h, wd):
+        flat = x.reshape(n, c, positions)  # a 1x1 conv multiplies the input itself: no im2col
+        return (lambda i, v0, v1, _: flat[i, :, v0:v1]), positions, wo
+    win = flat_windows((h, wd), kernel, strides, dilations, begin, end, out)
+    if exact_im2col_pays(win, positions, strides):
+        geometry = (*kernel, wo, *strides, *dilations, int(begin[0]), int(begin[1]))
+
+        def exact(i: int, v0: int, v1: int, cols: np.ndarray) -> np.ndarray:
+            im2col2d(x[i], cols, *geometry, v0, v1)
+            return cols
+        return exact, positions, wo
+    buf = win.load(x).reshape(n, c, -1)
+    offsets = np.asarray(win.offsets, dtype=np.int64)
+
+    def flat_columns(i: int, v0: int, v1: int, cols: np.ndarray) -> np.ndarray:
+        im2col_flat(buf[i], offsets, cols, v0, v1)
+        return cols
+    return flat_columns, win.length, win.q[1]
+
+
+def _block_width(span: int, rows: int, m: int, itemsize: int, min_blocks: int) -> int:
+    """Columns per block: as many as fit `BLOCK_BYTES` (columns and results), at least
+    `MIN_WIDTH`, and, when the map is large enough, few enough to make ``min_blocks`` blocks so
+    every thread gets work."""
+    width = max(MIN_WIDTH, BLOCK_BYTES // (itemsize * (rows + m)) // 16 * 16)
+    if min_blocks > 1 and span >= min_blocks * MIN_WIDTH:
+        width = min(width, -(-span // min_blocks))
+    return min(width, span)

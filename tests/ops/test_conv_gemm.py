@@ -1,0 +1,195 @@
+"""The tiled 2-D conv (asyncinfer/ops/conv_gemm.py) and the epilogue that stores its blocks
+(asyncinfer/ops/epilogue.py, compiled/epilogue.py).
+
+Checked against onnx's reference implementation across the ways a conv is cut up (blocks of
+positions, bands of output channels, groups, threads, exact and flat im2col), and fused
+activations against the standalone activation ops bit for bit.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncinfer import ops
+from asyncinfer.concurrency import parallel
+from asyncinfer.model.ir import Layer
+from asyncinfer.ops import conv_gemm
+from asyncinfer.ops.epilogue import Epilogue
+
+from .op_testing import make_op, randn, reference_run
+
+_POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-gemm")
+
+# name: (x shape, output channels, kernel, attrs)
+CASES = {
+    "3x3_pad": ((1, 5, 11, 13), 7, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "3x3_stride2_asym": ((2, 4, 12, 11), 6, (3, 3), dict(strides=[2, 2], pads=[1, 0, 2, 1])),
+    "7x7_stride2_stem": ((1, 3, 23, 21), 8, (7, 7), dict(strides=[2, 2], pads=[3, 3, 3, 3])),
+    "dilated": ((1, 4, 13, 12), 5, (3, 3), dict(dilations=[2, 3], pads=[2, 3, 2, 3])),
+    "1x1_direct": ((2, 6, 9, 10), 70, (1, 1), {}),
+    "1x1_strided": ((1, 6, 9, 10), 8, (1, 1), dict(strides=[2, 3])),
+    "grouped": ((1, 8, 9, 9), 12, (3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    "small_map_many_channels": ((1, 40, 3, 3), 96, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "rect_kernel_no_pads": ((1, 3, 10, 14), 4, (2, 5), {}),
+    "1d": ((2, 5, 40), 6, (5,), dict(strides=[2], pads=[2, 1])),
+}
+
+
+def _run_case(name: str, rng, bias: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    shape, m, kernel, attrs = CASES[name]
+    group = attrs.get("group", 1)
+    x = randn(rng, *shape)
+    w = randn(rng, m, shape[1] // group, *kernel)
+    inputs = [x, w] + ([randn(rng, m)] if bias else [])
+    attrs = dict(attrs, kernel_shape=list(kernel))
+    got = make_op("Conv", attrs, n_inputs=len(inputs))(*inputs)[0]
+    return got, reference_run("Conv", inputs, attrs)[0]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cut", ["whole", "blocks", "threads"])
+def test_matches_reference_however_it_is_cut(name, cut, rng, monkeypatch):
+    """One block; many narrow blocks; and blocks or bands shared out between two threads."""
+    if cut != "whole":
+        monkeypatch.setattr(conv_gemm, "BLOCK_BYTES", 1)  # every block MIN_WIDTH wide
+        monkeypatch.setattr(conv_gemm, "MIN_WIDTH", 16)
+        monkeypatch.setattr(conv_gemm, "MIN_BAND_ROWS", 8)
+    if cut == "threads":
+        monkeypatch.setattr(conv_gemm, "SPLIT_MIN_MACS", 0)
+        with parallel.pool_bound(_POOL.submit, 2):
+            got, want = _run_case(name, rng)
+    else:
+        got, want = _run_case(name, rng)
+    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_small_maps_split_output_channels_into_bands(rng, monkeypatch):
+    """Too few positions to share out (a 3x3 map): bands of output channels run on the threads."""
+    monkeypatch.setattr(conv_gemm, "SPLIT_MIN_MACS", 0)
+    bands = []
+    real = conv_gemm.Epilogue.store
+
+    def spy(self, block, bias, out, v0, row_width, out_width):
+        bands.append(block.shape[0])
+        real(self, block, bias, out, v0, row_width, out_width)
+
+    monkeypatch.setattr(conv_gemm.Epilogue, "store", spy)
+    with parallel.pool_bound(_POOL.submit, 2):
+        got, want = _run_case("small_map_many_channels", rng)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert len(bands) > 1 and sum(bands) == 96
+
+
+ACTIVATIONS = {
+    "Relu": ({}, []),
+    "Clip": ({}, [np.array(-0.5, np.float32), np.array(0.75, np.float32)]),
+    "Clip_low_only": ({}, [np.array(0.0, np.float32), None]),
+    "LeakyRelu": ({"alpha": 0.07}, []),
+    "HardSigmoid": ({"alpha": 0.3, "beta": 0.4}, []),
+    "HardSwish": ({}, []),
+    "Sigmoid": ({}, []),
+}
+
+
+def _activation(name: str) -> tuple:
+    attrs, extras = ACTIVATIONS[name]
+    op_type = name.split("_")[0]
+    layer = Layer("act", op_type, ["y"] + [f"e{i}" if e is not None else "" for i, e in enumerate(extras)], ["z"],
+                  attrs=attrs, version=14 if op_type == "HardSwish" else 13)
+    return ops.create(layer), extras
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("name", ["3x3_pad", "dilated", "3x3_stride2_asym", "1x1_direct"])
+def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng):
+    """Bias and activation applied as the blocks are stored equal the conv followed by the
+    activation op, bit for bit, NaN and infinities included."""
+    shape, m, kernel, attrs = CASES[name]
+    x = randn(rng, *shape) * 3
+    x.flat[::17] = np.nan
+    x.flat[5::29] = np.inf
+    w = randn(rng, m, shape[1], *kernel)
+    b = randn(rng, m)
+    conv = make_op("Conv", dict(attrs, kernel_shape=list(kernel)), n_inputs=3)
+    act, extras = _activation(activation)
+    assert Epilogue.of([(act, extras)], np.dtype(np.float32)) is not None
+    with np.errstate(all="ignore"):  # as on the pool's threads: NaN and inf are values in ONNX
+        fused = conv(x, w, b, activations=[(act, extras)])[0]
+        separate = act(conv(x, w, b)[0], *extras)[0]
+    np.testing.assert_array_equal(fused, separate)
+    assert np.isnan(fused).any()  # the NaN inputs reached the output through the epilogue
+
+
+def test_activations_without_an_epilogue_still_apply(rng):
+    """A chain of two, an activation the epilogue lacks, a float64 conv: applied after the conv."""
+    x, w, b = randn(rng, 1, 3, 8, 8), randn(rng, 4, 3, 3, 3), randn(rng, 4)
+    conv = make_op("Conv", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1]), n_inputs=3)
+    tanh = ops.create(Layer("t", "Tanh", ["y"], ["z"], version=13))
+    relu, _ = _activation("Relu")
+    chain = [(tanh, []), (relu, [])]
+    assert Epilogue.of(chain, np.dtype(np.float32)) is None
+    np.testing.assert_array_equal(conv(x, w, b, activations=chain)[0],
+                                  relu(tanh(conv(x, w, b)[0])[0])[0])
+    x64, w64, b64 = (a.astype(np.float64) for a in (x, w, b))
+    assert Epilogue.of([(relu, [])], np.dtype(np.float64)) is None
+    got = conv(x64, w64, b64, activations=[(relu, [])])[0]
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, np.maximum(conv(x64, w64, b64)[0], 0))
+
+
+def test_float16_conv_with_fused_activation_rounds_once(rng):
+    """Narrow floats: multiplied, biased and activated in float32, rounded once to float16."""
+    x, w, b = (randn(rng, *s).astype(np.float16) for s in ((1, 4, 9, 9), (6, 4, 3, 3), (6,)))
+    conv = make_op("Conv", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1]), n_inputs=3)
+    act, extras = _activation("HardSwish")
+    got = conv(x, w, b, activations=[(act, extras)])[0]
+    assert got.dtype == np.float16
+    y32 = reference_run("Conv", [x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)],
+                        dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1]))[0]
+    want = (y32 * np.clip(y32 / 6 + 0.5, 0, 1)).astype(np.float16)
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+def test_a_worker_hands_the_fused_activation_to_the_conv(rng, monkeypatch):
+    """Through the optimizer (Conv + HardSwish fused) and the CPU backend: the conv's epilogue
+    applies the activation, and the result is the reference's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    import asyncinfer as ai
+    from asyncinfer.ops.compiled import epilogue as compiled
+
+    x, w, b = randn(rng, 1, 3, 10, 10), randn(rng, 8, 3, 3, 3), randn(rng, 8)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("HardSwish", ["c"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 10, 10])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    kinds = []
+    real = compiled.store_rows
+    monkeypatch.setattr(compiled, "store_rows", lambda *a: kinds.append(a[6]) or real(*a))
+    with ai.Worker(ai.load_model(model), "cpu") as worker:
+        got = worker.run_blocking({"x": x})["y"]
+    want = reference_run("Conv", [x, w, b], dict(pads=[1, 1, 1, 1]))[0]
+    np.testing.assert_allclose(got, want * np.clip(want / 6 + 0.5, 0, 1), rtol=1e-5, atol=1e-5)
+    assert kinds and set(kinds) == {compiled.HARD_SWISH}
+
+
+@pytest.mark.parametrize("x_shape, w_shape, b_shape, message", [
+    ((1, 2, 4, 4), (3, 1, 3, 3), (3,), "do not fit"),            # channels: 2 given, weights for 1
+    ((1, 4, 4, 4), (3, 2, 3, 3), None, "do not fit"),            # group 2 needs M a multiple of 2
+    ((1, 2, 4, 4), (3, 2, 3, 3), (4,), "bias of shape"),         # a bias per output channel
+])
+def test_operands_that_do_not_fit_are_a_clear_error(x_shape, w_shape, b_shape, message):
+    from asyncinfer.errors import ExecutionError
+
+    group = 2 if x_shape[1] == 4 else 1
+    op = make_op("Conv", dict(group=group), n_inputs=3)
+    args = [np.ones(x_shape, np.float32), np.ones(w_shape, np.float32)]
+    args.append(None if b_shape is None else np.ones(b_shape, np.float32))
+    with pytest.raises(ExecutionError, match=message):
+        op(*args)

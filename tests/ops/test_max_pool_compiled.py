@@ -1,0 +1,54 @@
+"""2-D float MaxPool on its compiled row loop (asyncinfer/ops/compiled/pool.py) against onnx's
+reference implementation: pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncinfer.concurrency import parallel
+from asyncinfer.ops import conv_kernels, pool
+
+from .op_testing import make_op, randn, reference_run
+
+CASES = {
+    "3x3_s2_pad1_resnet": ((1, 4, 15, 14), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "2x2_s2": ((2, 3, 8, 9), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    "ceil_mode": ((1, 2, 9, 10), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)),
+    "dilated_asym_pads": ((1, 3, 12, 11), dict(kernel_shape=[3, 2], dilations=[2, 3], pads=[2, 1, 0, 2])),
+    "same_upper": ((1, 2, 7, 8), dict(kernel_shape=[4, 3], strides=[2, 1], auto_pad="SAME_UPPER")),
+    "unit_stride_5x5": ((1, 2, 9, 9), dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2])),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference(name, dtype, rng, monkeypatch):
+    shape, attrs = CASES[name]
+    x = randn(rng, *shape, dtype=dtype)
+    calls = []
+    monkeypatch.setattr(pool, "max_pool2d", lambda *a: calls.append(1) or _real(*a))
+    (got,) = make_op("MaxPool", attrs, version=12)(x)
+    (want,) = reference_run("MaxPool", [x], attrs, opset=12)
+    assert calls and got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+_real = pool.max_pool2d
+
+
+def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
+    """A window holding a NaN gives NaN, as np.maximum (and the NumPy path) do. (onnx's reference
+    loop keeps a NaN only where it comes first in the window: the spec leaves NaN open.)"""
+    x = randn(rng, 2, 6, 10, 10)
+    x[0, 1, 3, 3] = np.nan
+    x[1, 5, 0, 0] = np.nan
+    attrs = dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    op = make_op("MaxPool", attrs, version=12)
+    monkeypatch.setattr(conv_kernels, "PARALLEL_MIN_MACS", 0)
+    with ThreadPoolExecutor(2) as helpers, parallel.pool_bound(helpers.submit, 2):
+        (got,) = op(x)
+    numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
+    np.testing.assert_array_equal(got, numpy_path)
+    assert np.isnan(got[0, 1, 1:3, 1:3]).all() and np.isnan(got).sum() == 5
