@@ -53,6 +53,41 @@ def test_independent_layers_run_in_parallel():
     assert not BARRIERS["pair"].broken
 
 
+def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch):
+    """ASYNCINFER_CPU_LANES=1: every layer runs on one lane thread; a large GEMM still uses the
+    other core through a helper thread, and the results are the same."""
+    import asyncinfer.backends.cpu.backend as cpu_backend
+    from asyncinfer.ops import linalg
+
+    monkeypatch.setenv("ASYNCINFER_CPU_LANES", "1")
+    monkeypatch.setattr(linalg, "SPLIT_MIN_MACS", 0)
+    lane_threads, part_threads = set(), set()
+    compute, run_parts = cpu_backend._compute, linalg.parallel.run_parts
+
+    def spy_compute(step, args):
+        lane_threads.add(threading.current_thread().name)
+        return compute(step, args)
+
+    def spy_parts(count, part):
+        return run_parts(count, lambda i: part_threads.add(threading.current_thread().name) or part(i))
+
+    monkeypatch.setattr(cpu_backend, "_compute", spy_compute)
+    monkeypatch.setattr(linalg.parallel, "run_parts", spy_parts)
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="left"),
+             helper.make_node("Relu", ["x"], ["b"], name="right"),
+             helper.make_node("Add", ["a", "b"], ["y"], name="join")]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [64, 64])], [tensor_info("y", [64, 64])],
+                                     [helper.make_tensor("w", TensorProto.FLOAT, [64, 64], w.ravel())]))
+    x = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    with ai.Worker(model, threads=2) as worker:
+        assert worker._backend.lanes == 1
+        for _ in range(5):
+            np.testing.assert_allclose(worker.run_blocking(x)["y"], x @ w + np.maximum(x, 0), rtol=1e-5, atol=1e-5)
+    assert len(lane_threads) == 1 and all(n.startswith("asyncinfer-cpu") for n in lane_threads)
+    assert any(n.startswith("asyncinfer-part") for n in part_threads)
+
+
 @pytest.mark.anyio
 async def test_concurrent_runs_never_mix_tensors(add_chain_model):
     import anyio

@@ -3,7 +3,18 @@
 No thread ever waits for another: a layer is handed to the pool only once its inputs are done.
 When a finishing layer makes others ready, the finishing thread keeps the first of them and
 runs it next (no pool hand-off, so a chain of small layers costs little), and hands the rest
-to the pool, where idle threads pick independent branches up in parallel.
+to the pool.
+
+Layers run on ``lanes`` threads: by default one per core, so independent layers and concurrent
+runs proceed in parallel (DESIGN.md). Large kernels also split into parts that the backend's
+helper threads take (``concurrency/parallel.py``). ``ASYNCINFER_CPU_LANES=1`` runs layers on one
+thread and leaves the cores to those splits: most kernels of a model are small NumPy calls that
+hold the GIL, and run side by side they mostly wait for each other. Measured on 2 cores
+(bench/real_models.py, bench/concurrency.py), one lane was faster for a single stream on every
+model (BERT-tiny 4.25 -> 3.34 ms, the LSTM VAD 1.12 -> 0.92, MobileNetV3 7.15 -> 6.56,
+ResNet-18 33.1 -> 31.8, squeezenet 15.9 -> 12.5) and halved the event loop's p99 lag under 8
+concurrent tasks (2.65 -> 1.1 ms), for 10-15% less throughput of those 8 tasks (squeezenet 92 ->
+83 runs/s).
 
 BLAS runs one thread per call while a CPU backend exists (``blas.py`` says why): GEMM-based
 kernels (``Op.multithreaded``) run side by side on the pool like any other, and split a large
@@ -38,6 +49,12 @@ Work = Union[Task, Job]  # what the pool runs: one step, or a job of consecutive
 
 
 
+def lanes_requested() -> int | None:
+    """The lane count asked for with ASYNCINFER_CPU_LANES (None: one per thread)."""
+    value = os.environ.get("ASYNCINFER_CPU_LANES", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 class CPUBackend(Backend):
     """Thread-pool executor of the NumPy kernels (``threads`` defaults to the core count)."""
 
@@ -46,9 +63,13 @@ class CPUBackend(Backend):
 
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads or os.cpu_count() or 1)
+        self.lanes = min(self.threads, lanes_requested() or self.threads)
         tune_allocator()
         self._blas_single = blas.acquire()
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="asyncinfer-cpu",
+        # the threads that take parts of large kernels: with the lane thread that splits, every core
+        self._helpers = ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="asyncinfer-part",
+                                           initializer=self._start_thread)
+        self._pool = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="asyncinfer-cpu",
                                         initializer=self._start_thread)
         self._local = threading.local()
         self._closed = False
@@ -61,7 +82,7 @@ class CPUBackend(Backend):
         kernels may split large work across this pool when BLAS is single-threaded."""
         np.seterr(all="ignore")
         if self._blas_single and self.threads > 1:
-            parallel.bind_pool(self._pool.submit, self.threads)
+            parallel.bind_pool(self._helpers.submit, self.threads)
 
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Op:
         return op  # the reference op is the CPU kernel (load_model checked every op has one)
@@ -132,6 +153,7 @@ class CPUBackend(Backend):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=False)
+            self._helpers.shutdown(wait=True, cancel_futures=False)
             blas.release()
             release_free_memory()
 
