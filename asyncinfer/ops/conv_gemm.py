@@ -23,8 +23,8 @@ import numpy as np
 from ..concurrency import parallel
 from .compiled.im2col import im2col2d, im2col_flat
 from .conv_kernels import run_tasks, scratch
-from .epilogue import Epilogue
-from .linalg import SPLIT_MIN_MACS
+from .epilogue import NO_ACTIVATION, Epilogue
+from .linalg import SPLIT_MIN_MACS, matmul
 from .windows import FlatWindows, flat_windows
 
 # Bytes of one block's im2col columns plus its GEMM results: within the 1-2 MiB L2 of a core.
@@ -65,8 +65,8 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
     rows = c * kh * kw  # im2col rows, group after group
     x = np.ascontiguousarray(x)
     weights = np.ascontiguousarray(w).reshape(group, mg, cg * kh * kw)
-    bias = np.zeros(m, x.dtype) if bias is None else np.ascontiguousarray(bias, dtype=x.dtype)
-    y = np.empty((n, m, positions), dtype=x.dtype)
+    b = bias
+    bias = np.zeros(m, x.dtype) if b is None else np.ascontiguousarray(b, dtype=x.dtype)
     strides, dilations = tuple(int(s) for s in strides), tuple(int(d) for d in dilations)
     columns, span, row_width = _im2col(x, (kh, kw), strides, dilations, begin, end, (ho, wo))
     threads = parallel.parts_available() if n * m * rows // group * positions >= SPLIT_MIN_MACS else 1
@@ -81,6 +81,16 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
             np.matmul(weights[g], cols[g * k:(g + 1) * k], out=block[g * mg:(g + 1) * mg])
         epilogue.store(block, bias, y[i], v0, row_width, wo)
 
+    if (kh, kw, ho, wo) == (1, 1, h, wd) and strides == (1, 1) and not any(begin) and group == 1:
+        # a 1x1 conv has no im2col to keep in cache: one GEMM (split by linalg.matmul) straight
+        # into the output, then bias and activation in place where there are any
+        planes = x.reshape(n, c, positions)
+        # (a batch of one as a plain 2-D GEMM: NumPy's broadcast matmul is slower than BLAS on it)
+        y = matmul(weights[0], planes[0])[None] if n == 1 else matmul(weights, planes)
+        if b is not None or epilogue != NO_ACTIVATION:
+            epilogue.apply(y.reshape(n * m, positions), np.tile(bias, n))
+        return y.reshape(n, m, ho, wo)
+    y = np.empty((n, m, positions), dtype=x.dtype)
     if threads == 1 or n * blocks >= 2 * threads or group > 1 or m < 2 * MIN_BAND_ROWS:
         run_tasks([functools.partial(block_part, i, v0, min(span, v0 + width))
                    for i in range(n) for v0 in range(0, span, width)], threads)

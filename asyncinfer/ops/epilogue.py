@@ -63,12 +63,15 @@ class Epilogue:
         whose columns past ``out_width`` are dropped (see `compiled.epilogue.store_rows`)."""
         compiled.store_rows(block, bias, out, v0, row_width, out_width, self.kind, self.a, self.b)
 
+    def apply(self, rows: np.ndarray, bias: np.ndarray) -> None:
+        """``rows = act(rows + bias[:, None])`` in place (rows contiguous, one bias per row)."""
+        compiled.apply_rows(rows, bias, self.kind, self.a, self.b)
+
     def apply_inplace(self, y: np.ndarray) -> np.ndarray:
         """The activation alone, over a fresh contiguous ``y`` (any shape), in place."""
         if self.kind != compiled.NONE and y.size:
-            flat = y.reshape(1, -1)
             # adding -0.0 changes no value, not even a -0.0 (+0.0 would make it +0.0)
-            compiled.store_rows(flat, _NEGATIVE_ZERO.astype(y.dtype), flat, 0, 1, 1, self.kind, self.a, self.b)
+            compiled.apply_rows(y.reshape(1, -1), _NEGATIVE_ZERO.astype(y.dtype), self.kind, self.a, self.b)
         return y
 
 

@@ -30,6 +30,7 @@ CASES = {
     "dilated": ((1, 4, 13, 12), 5, (3, 3), dict(dilations=[2, 3], pads=[2, 3, 2, 3])),
     "1x1_direct": ((2, 6, 9, 10), 70, (1, 1), {}),
     "1x1_strided": ((1, 6, 9, 10), 8, (1, 1), dict(strides=[2, 3])),
+    "1x1_one_position": ((2, 3, 5, 6), 4, (1, 1), dict(strides=[5, 6])),  # strides dropped: one output
     "grouped": ((1, 8, 9, 9), 12, (3, 3), dict(group=4, pads=[1, 1, 1, 1])),
     "small_map_many_channels": ((1, 40, 3, 3), 96, (3, 3), dict(pads=[1, 1, 1, 1])),
     "rect_kernel_no_pads": ((1, 3, 10, 14), 4, (2, 5), {}),

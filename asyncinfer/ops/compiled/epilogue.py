@@ -55,6 +55,50 @@ def _store_run(src: np.ndarray, dst: np.ndarray, bi: float, kind: int, av: float
             dst[_U(j)] = swish1(src[_U(j)] + bi, av)
 
 
+@inline
+def _apply_run(row: np.ndarray, bi: float, kind: int, av: float, bv: float) -> None:
+    """``row[j] = act(row[j] + bi)`` in place: one array, so the loop vectorises (a store from a
+    block into itself would make LLVM fall back to scalar code for the overlap)."""
+    zero = np.float32(0.0)
+    if kind == NONE:
+        for j in range(row.size):
+            row[_U(j)] = row[_U(j)] + bi
+    elif kind == RELU:
+        for j in range(row.size):
+            v = row[_U(j)] + bi
+            row[_U(j)] = zero if v < zero else v
+    elif kind == CLIP:
+        for j in range(row.size):
+            v = row[_U(j)] + bi
+            v = av if v < av else v
+            row[_U(j)] = bv if v > bv else v
+    elif kind == LEAKY_RELU:
+        for j in range(row.size):
+            v = row[_U(j)] + bi
+            row[_U(j)] = v if v >= zero else av * v
+    elif kind == HARD_SIGMOID:
+        for j in range(row.size):
+            row[_U(j)] = hard_sigmoid1(row[_U(j)] + bi, av, bv)
+    elif kind == HARD_SWISH:
+        for j in range(row.size):
+            row[_U(j)] = hard_swish1(row[_U(j)] + bi)
+    elif kind == SIGMOID:
+        for j in range(row.size):
+            row[_U(j)] = sigmoid1(row[_U(j)] + bi)
+    else:  # SWISH
+        for j in range(row.size):
+            row[_U(j)] = swish1(row[_U(j)] + bi, av)
+
+
+@kernel
+def apply_rows(y: np.ndarray, bias: np.ndarray, kind: int, a: float, b: float) -> None:
+    """``y[i, j] = act(y[i, j] + bias[i])`` in place, float32 ``y`` (rows, width) with contiguous
+    rows: the epilogue of a result BLAS wrote straight into the output."""
+    av, bv = np.float32(a), np.float32(b)
+    for i in range(y.shape[0]):
+        _apply_run(y[i], bias[i], kind, av, bv)
+
+
 @kernel
 def store_rows(block: np.ndarray, bias: np.ndarray, out: np.ndarray, v0: int, row_width: int, out_width: int,
                kind: int, a: float, b: float) -> None:
@@ -66,7 +110,7 @@ def store_rows(block: np.ndarray, bias: np.ndarray, out: np.ndarray, v0: int, ro
     real and the rest (a flat im2col's padding columns) are dropped. With ``row_width ==
     out_width`` every column is real and the block is one run at ``out[i, v0:]``. Clip's bounds
     are ``a``/``b`` (±inf where absent); LeakyRelu's slope, Swish's alpha and HardSigmoid's
-    alpha/beta are ``a``/``b``. May run in place (``block`` and ``out`` the same array, v0 0)."""
+    alpha/beta are ``a``/``b``. ``block`` and ``out`` must not overlap (in place: `apply_rows`)."""
     rows, width = block.shape
     av, bv = np.float32(a), np.float32(b)
     for i in range(rows):
