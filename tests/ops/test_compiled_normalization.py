@@ -36,3 +36,29 @@ def test_softmax_matches_reference(opset, axis, rng):
         else:
             want = reference_run("Softmax", [x], dict(axis=axis), opset=opset)[0]
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, equal_nan=True)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 33, 200])
+def test_softmax_rows_of_every_width_with_nan_and_inf(width, rng):
+    """The row kernels reduce over 16 partials plus a tail: every split of a row, and the values
+    that reductions treat specially (a NaN makes its row NaN, +inf makes its row NaN, -inf is 0)."""
+    x = randn(rng, 6, width) * 30
+    x[1, width // 2] = np.nan
+    x[2, -1] = np.inf
+    x[3, 0] = -np.inf
+    x[4] = np.nan
+    got = make_op("Softmax", dict(axis=-1), n_inputs=1, version=13)(x)[0]
+    with np.errstate(all="ignore"):
+        want = reference_run("Softmax", [x], dict(axis=-1), opset=13)[0]
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7, equal_nan=True)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 33, 200])
+def test_layer_norm_rows_of_every_width(width, rng):
+    x = randn(rng, 5, width) * 4 + 100  # a large mean: the variance must not cancel away
+    scale, b = randn(rng, width), randn(rng, width)
+    attrs = dict(axis=-1, epsilon=1e-5)
+    got = make_op("LayerNormalization", attrs, version=17, n_inputs=3, n_outputs=3)(x, scale, b)
+    want = reference_run("LayerNormalization", [x, scale, b], attrs, n_outputs=3)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
