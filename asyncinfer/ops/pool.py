@@ -14,6 +14,7 @@ import numpy as np
 
 from .base import Op
 from .compiled.pool import max_pool2d
+from .compiled.rows import row_means
 from .conv_kernels import run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
                       window_geometry)
@@ -230,8 +231,13 @@ class LpPool(_WindowPool):
 @register("GlobalAveragePool", versions=(1, 22))
 class GlobalAveragePool(Op):
     def run(self, x: np.ndarray) -> np.ndarray:
-        axes = tuple(range(2, x.ndim))
-        return x.mean(axis=axes, keepdims=True, dtype=x.dtype)
+        if x.dtype in (np.float32, np.float64) and x.ndim > 2 and x.size:
+            # one vectorised pass per (image, channel) plane (NumPy's multi-axis mean: 2-3x slower)
+            planes = np.ascontiguousarray(x).reshape(x.shape[0] * x.shape[1], -1)
+            out = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), x.dtype)
+            row_means(planes, out.reshape(-1))
+            return out
+        return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=x.dtype)
 
 
 @register("GlobalMaxPool", versions=(1, 22))

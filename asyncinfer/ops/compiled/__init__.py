@@ -35,6 +35,15 @@ def kernel(fn: F | None = None, *, contract: bool = True) -> Any:
     return compile_(fn) if fn is not None else compile_
 
 
+def reduction(fn: F) -> F:
+    """Compile ``fn``, a helper that only reduces (sums, maxima along a row), letting LLVM reorder
+    its additions (``reassoc``) so that the chain of dependent adds becomes SIMD partial sums: 5-10x
+    faster. Results may differ from a sequential sum by rounding alone (NaN and inf propagate as
+    before). Never for code that computes anything else: an ``exp``'s range reduction, reordered,
+    loses its precision."""
+    return numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "reassoc"})(fn)
+
+
 def inline(fn: F) -> F:
     """Compile ``fn``, a scalar helper of kernels, to be inlined into each caller (numba's IR
     inlining: LLVM then vectorises the caller's loop through it instead of calling per element)."""
