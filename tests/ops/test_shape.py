@@ -163,3 +163,24 @@ def test_gathernd_negative_index_and_range_int() -> None:
     assert out.tolist() == [2]
     (out,) = make("Range", 11)(np.array(10, np.int32), np.array(4, np.int32), np.array(-3, np.int32))
     assert out.dtype == np.int32 and out.tolist() == [10, 7]
+
+
+@pytest.mark.parametrize("mode", ["reflect", "edge", "wrap"])
+@pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (1, 1, 3, 3)])
+def test_pad_modes_match_the_definition_on_random_pads(mode, shape):
+    """Pads that fit one reflection or wrap are slice copies (`_pad_by_copies`), wider ones go to
+    numpy.pad: both must give the definition, negative pads cropping first."""
+    rng = np.random.default_rng(len(shape) * 7 + len(mode))
+    op = make("Pad", 19, mode=mode)
+    checked = 0
+    for _ in range(40):
+        pads = rng.integers(-2, 6, size=2 * len(shape))
+        x = rng.standard_normal(shape).astype(np.float32)
+        widths = [(int(pads[i]), int(pads[i + len(shape)])) for i in range(len(shape))]
+        kept = x[tuple(slice(max(-b, 0), n - max(-e, 0)) for n, (b, e) in zip(shape, widths))]
+        if any(n <= 0 for n in kept.shape):
+            continue
+        want = np.pad(kept, [(max(b, 0), max(e, 0)) for b, e in widths], mode=mode)
+        np.testing.assert_array_equal(op(x, pads.astype(np.int64))[0], want)
+        checked += 1
+    assert checked >= 10
