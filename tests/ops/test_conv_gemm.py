@@ -194,3 +194,17 @@ def test_operands_that_do_not_fit_are_a_clear_error(x_shape, w_shape, b_shape, m
     args.append(None if b_shape is None else np.ones(b_shape, np.float32))
     with pytest.raises(ExecutionError, match=message):
         op(*args)
+
+
+def test_one_layer_fed_alternating_shapes_keeps_each_geometry(rng):
+    """A Conv layer remembers the window geometry per operand shape: a layer whose input size
+    changes from run to run (dynamic axes, SAME padding) must use the geometry of each."""
+    attrs = dict(kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_UPPER")
+    op = make_op("Conv", attrs, n_inputs=3)
+    w, b = randn(rng, 8, 3, 3, 3), randn(rng, 8)
+    for size in (9, 16, 9, 7, 16):
+        x = randn(rng, 1, 3, size, size + 1)
+        want = reference_run("Conv", [x, w, b], attrs)[0]
+        got = op(x, w, b)[0]
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
