@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .base import Op
+from .compiled.nms import greedy_walk, suppression_matrix
 from .windows import kernel_taps, pad_spatial, spatial_attrs, tap_slices, window_geometry
 from .elementwise import compute_dtype
 from .indexing import ScatterElements, normalize_indices
@@ -232,69 +233,48 @@ class NonMaxSuppression(Op):
             return np.zeros((0, 3), dtype=np.int64)
         corners = self._corners(boxes)
         area = np.prod(corners[..., 2:] - corners[..., :2], axis=-1)
-        selected = []
+        selected: list[Array] = []
         for b in range(scores.shape[0]):
             # Every class of an image ranks the same boxes: the pairwise overlaps of the boxes
             # any class may pick are computed once per image (when there are few enough of
             # them), then each class only walks that matrix.
             pool = np.arange(boxes.shape[1]) if min_score is None else \
                 np.flatnonzero((scores[b] > min_score).any(axis=0))
-            over = None
             if pool.size <= MATRIX_NMS_MAX_BOXES:
-                over = self._overlaps(corners[b, pool], area[b, pool], iou_max)
-                position = np.empty(boxes.shape[1], dtype=np.intp)
-                position[pool] = np.arange(pool.size)
+                selected.append(self._by_matrix(b, scores[b], corners[b], area[b], pool, iou_max, min_score, limit))
+                continue
+            ranked = np.argsort(-scores[b], axis=1, kind="stable")  # descending, lower index first on ties
             for c in range(scores.shape[1]):
-                s = scores[b, c]
-                candidates = np.argsort(-s, kind="stable")  # descending, lower index first on ties
+                candidates = ranked[c]
                 if min_score is not None:
-                    candidates = candidates[s[candidates] > min_score]
-                if over is not None:
-                    picks = [int(pool[i]) for i in self._walk(over, position[candidates], limit)]
-                else:
-                    picks = self._suppress(corners[b], area[b], candidates, iou_max, limit)
-                selected.extend((b, c, i) for i in picks)
-        return np.array(selected, dtype=np.int64).reshape(-1, 3)
+                    candidates = candidates[scores[b, c, candidates] > min_score]
+                picks = self._suppress(corners[b], area[b], candidates, iou_max, limit)
+                selected.append(np.array([(b, c, i) for i in picks], dtype=np.int64).reshape(-1, 3))
+        return np.concatenate(selected).astype(np.int64, copy=False) if selected else np.zeros((0, 3), np.int64)
+
+    def _by_matrix(self, image: int, scores: Array, corners: Array, area: Array, pool: Array, iou_max: float,
+                   min_score: float | None, limit: int) -> Array:
+        """One image's selections ``(image, class, box)`` through the overlaps of its ``pool`` of
+        boxes: the candidates of every class, ranked by class, then descending score, then lower
+        box first on ties, walked in one compiled call (`compiled.nms.greedy_walk`)."""
+        over = self._overlaps(corners[pool], area[pool], iou_max)
+        position = np.empty(len(area), dtype=np.intp)  # box -> row of ``over``
+        position[pool] = np.arange(pool.size)
+        classes, boxes = np.nonzero(np.ones(scores.shape, bool) if min_score is None else scores > min_score)
+        ranked = np.lexsort((boxes, -scores[classes, boxes], classes))
+        classes, boxes = classes[ranked], boxes[ranked]
+        picked = np.zeros(len(ranked), dtype=bool)
+        greedy_walk(over, classes, position[boxes], limit, picked)
+        return np.stack([np.full(int(picked.sum()), image), classes[picked], boxes[picked]], axis=1)
 
     @staticmethod
     def _overlaps(corners: Array, area: Array, iou_max: float) -> Array:
-        """``over[i, j]``: box i suppresses box j (IoU above the threshold, both with an area);
-        computed in bands of rows so the float temporaries stay small."""
-        n = len(area)
-        over = np.empty((n, n), dtype=bool)
-        has_area = area > 0
-        y0, x0, y1, x1 = (np.ascontiguousarray(corners[:, k]) for k in range(4))
-        for start in range(0, n, 256):
-            rows = slice(start, min(start + 256, n))
-            height = np.minimum(y1[rows, None], y1)
-            height -= np.maximum(y0[rows, None], y0)
-            np.maximum(height, 0, out=height)
-            inter = np.minimum(x1[rows, None], x1)
-            inter -= np.maximum(x0[rows, None], x0)
-            np.maximum(inter, 0, out=inter)
-            inter *= height
-            union = np.add(area[rows, None], area, out=height)
-            union -= inter
-            with np.errstate(all="ignore"):
-                np.divide(inter, union, out=inter)  # the IoU
-            np.greater(inter, iou_max, out=over[rows])
-            over[rows] &= has_area[rows, None]
-            over[rows] &= has_area
+        """``over[i, j]``: box i suppresses box j (IoU above the threshold, both with an area)."""
+        over = np.empty((len(area), len(area)), dtype=bool)
+        y0, x0, y1, x1 = (np.ascontiguousarray(corners[:, k], dtype=np.float32) for k in range(4))
+        # the threshold in float32, as NumPy compares a float32 IoU with a Python float
+        suppression_matrix(y0, x0, y1, x1, np.ascontiguousarray(area, dtype=np.float32), np.float32(iou_max), over)
         return over
-
-    @staticmethod
-    def _walk(over: Array, order: Array, limit: int) -> list[int]:
-        """Greedy selection over the precomputed overlaps, in score order: a candidate is picked
-        unless a pick before it suppressed it; each pick marks the boxes it suppresses."""
-        suppressed = np.zeros(len(over), dtype=bool)
-        picks: list[int] = []
-        for i in order.tolist():
-            if not suppressed[i]:
-                picks.append(i)
-                if len(picks) == limit:
-                    break
-                suppressed |= over[i]
-        return picks
 
     def _corners(self, boxes: Array) -> Array:
         """``(..., 4)`` as (y_min, x_min, y_max, x_max), whatever the input format and corner order."""

@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import asyncinfer as ai
+from asyncinfer.model.ir import Layer
 from asyncinfer.ops import image
 
 
@@ -39,3 +40,23 @@ def test_nms_matches_the_reference_on_random_boxes_with_ties_and_empty_boxes(mat
                      "i": np.array([rng.uniform(0, 0.9)], np.float32), "t": np.array([rng.uniform(0, 0.5)], np.float32)}
             got = worker.run_blocking(feeds)["y"]
             np.testing.assert_array_equal(got, reference.run(None, feeds)[0])
+
+
+def test_nms_paths_agree_with_nan_scores_and_without_a_score_threshold(monkeypatch):
+    """The compiled walk over the overlap matrix and the per-pick path give the same picks when
+    scores hold NaN (never a candidate under a threshold) and when no threshold is given."""
+    rng = np.random.default_rng(11)
+    corner = rng.uniform(0, 50, (1, 80, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(1, 20, (1, 80, 2))], axis=-1).astype(np.float32)
+    scores = np.round(rng.random((1, 6, 80)), 1).astype(np.float32)
+    scores[0, :, ::7] = np.nan
+    iou = np.array([0.4], np.float32)
+    for threshold in (np.array([0.2], np.float32), None):
+        results = []
+        for matrix_limit in (image.MATRIX_NMS_MAX_BOXES, 0):
+            monkeypatch.setattr(image, "MATRIX_NMS_MAX_BOXES", matrix_limit)
+            op = image.NonMaxSuppression(Layer(name="nms", op_type="NonMaxSuppression", inputs=[], attrs={},
+                                               outputs=["y"], version=11))
+            results.append(op(boxes, scores, np.array([10]), iou, threshold)[0])
+        np.testing.assert_array_equal(results[0], results[1])
+        assert len(results[0]) > 0
