@@ -41,14 +41,15 @@ DEPTHWISE_CASES = {
     "batch2_stride1": ((2, 6, 8, 8), 1, (5, 5), dict(pads=[2, 2, 2, 2])),
     "window_past_end": ((1, 4, 8, 8), 1, (3, 3), dict(strides=[3, 3], pads=[1, 1, 0, 0])),
 }
-PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads")
+PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads")
+_LOOPS = ("depthwise_rows", "depthwise_channels_last", "depthwise_rows_stride2")
 _HELPERS = ThreadPoolExecutor(2, thread_name_prefix="test-conv-helpers")
 
 
 def _route(monkeypatch, path: str) -> list:
     """Force ``path`` for every depthwise 2-D conv; return the list of loops the spies saw."""
     calls: list = []
-    for name in ("depthwise_rows", "depthwise_channels_last"):
+    for name in _LOOPS:
         real = getattr(conv_kernels, name)
 
         def spy(*args, _real=real, _name=name):
@@ -58,6 +59,8 @@ def _route(monkeypatch, path: str) -> list:
         monkeypatch.setattr(conv_kernels, name, spy)
     channels_last = path.startswith("channels_last")
     monkeypatch.setattr(conv_kernels, "channels_last_pays", lambda mult, *a: channels_last and mult == 1)
+    stride2 = path.startswith("stride2")  # whatever the width: every stride-2, undilated layer
+    monkeypatch.setattr(conv_kernels, "stride2_rows_pay", lambda sw, dw, *a: stride2 and sw == 2 and dw == 1)
     if path.endswith("threads"):  # three parts on a pool, whatever the size and the machine
         monkeypatch.setattr(conv_kernels, "threads_for", lambda macs: 3)
         monkeypatch.setattr(conv_module, "threads_for", lambda macs: 3)
@@ -67,7 +70,11 @@ def _route(monkeypatch, path: str) -> list:
     return calls
 
 
-def _expected_loop(path: str, mult: int) -> str:
+def _expected_loop(path: str, mult: int, attrs: dict | None = None, kernel=(3, 3)) -> str:
+    attrs = attrs or {}
+    if path.startswith("stride2") and (attrs.get("strides") or [1, 1])[-1] == 2 \
+            and (attrs.get("dilations") or [1, 1])[-1] == 1 and "auto_pad" not in attrs:
+        return "depthwise_rows_stride2"
     return "depthwise_channels_last" if path.startswith("channels_last") and mult == 1 else "depthwise_rows"
 
 
@@ -100,7 +107,10 @@ def test_depthwise_paths_match_reference(name, path, rng, monkeypatch):
     shape, mult, kernel, attrs = DEPTHWISE_CASES[name]
     x, w, b = _inputs(rng, shape, mult, kernel, bias=name != "no_pads")
     _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
-    assert calls and set(calls) == {_expected_loop(path, mult)}
+    if "auto_pad" in attrs:  # SAME pads: the stride depends on the output size; any loop of the path
+        assert calls and set(calls) <= {_expected_loop(path, mult), "depthwise_rows_stride2"}
+    else:
+        assert calls and set(calls) == {_expected_loop(path, mult, attrs)}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -113,7 +123,7 @@ def test_depthwise_float16_and_float64(dtype, path, rng, monkeypatch):
         _check(x, w, b, attrs, rtol=2e-3, atol=2e-3, reference_dtype=np.float32)
     else:
         _check(x, w, b, attrs, rtol=1e-12, atol=1e-12)
-    assert calls and set(calls) == {_expected_loop(path, 1)}
+    assert calls and set(calls) == {_expected_loop(path, 1, attrs)}
 
 
 @pytest.mark.parametrize("name, shape, kernel, attrs", [
@@ -132,7 +142,9 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
 
 @pytest.mark.parametrize("shape, kernel, stride, mult, channels_last", [
     ((1, 32, 56, 56), 3, 1, 1, False),   # wide map, unit stride, small kernel: rows
-    ((1, 32, 56, 56), 3, 2, 1, True),    # strided: channels last
+    ((1, 32, 56, 56), 3, 2, 1, True),    # strided, 28 columns out: channels last
+    ((1, 16, 112, 112), 3, 2, 1, None),  # strided, 56 columns out, 3x3: the stride-2 row loop
+    ((1, 8, 112, 112), 5, 2, 1, True),   # strided 5x5: channels last
     ((1, 64, 14, 14), 5, 1, 1, True),    # narrow map: channels last
     ((1, 16, 56, 56), 7, 1, 1, True),    # large kernel: channels last
     ((1, 8, 56, 56), 3, 2, 2, False),    # channel multiplier: rows
@@ -140,12 +152,14 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
 def test_dispatch_rule(shape, kernel, stride, mult, channels_last, rng, monkeypatch):
     """The default rule (conv_kernels.channels_last_pays) on real-sized layers, checked against the reference."""
     calls: list = []
-    for name in ("depthwise_rows", "depthwise_channels_last"):
+    for name in _LOOPS:
         real = getattr(conv_kernels, name)
         monkeypatch.setattr(conv_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
     _check(x, w, b, dict(strides=[stride, stride], pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
-    assert set(calls) == {"depthwise_channels_last" if channels_last else "depthwise_rows"}
+    want = "depthwise_rows_stride2" if channels_last is None else \
+        "depthwise_channels_last" if channels_last else "depthwise_rows"
+    assert set(calls) == {want}
 
 
 # Ungrouped convs with and without bias, batches, strides, dilations, 1-D (all on the tiled GEMM).

@@ -101,3 +101,48 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
             dst = out[c0 + k, oh]
             for ow in range(wo):
                 dst[_U(ow)] = acc[ow, k]
+
+
+@kernel
+def depthwise_rows_stride2(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
+                           sh: int, dh: int, top: int, left: int, multiplier: int, phases: np.ndarray) -> None:
+    """`depthwise_rows` for a horizontal stride of 2 (dilation 1): each input plane is first split
+    into its even and odd columns (``phases``, at least (2, H, (W + 1) // 2), of ``x``'s dtype),
+    so that every tap reads a contiguous run and the row loop vectorises as at stride 1."""
+    n_images, _, h, wd = x.shape
+    _, _, ho, wo = out.shape
+    kh, kw = w.shape[1], w.shape[2]
+    half = (wd + 1) // 2
+    last = -1
+    for n in range(n_images):
+        for m in range(m0, m1):
+            c = m // multiplier
+            if n * x.shape[1] + c != last:  # a new input plane: split its columns by parity
+                last = n * x.shape[1] + c
+                for ih in range(h):
+                    src = x[n, c, ih]
+                    even, odd = phases[0, ih], phases[1, ih]
+                    for q in range(wd // 2):
+                        even[_U(q)] = src[_U(2 * q)]
+                        odd[_U(q)] = src[_U(2 * q + 1)]
+                    if wd % 2:
+                        even[_U(half - 1)] = src[_U(wd - 1)]
+            b = bias[m]
+            for oh in range(ho):
+                row = out[n, m, oh]
+                for ow in range(wo):
+                    row[_U(ow)] = b
+                for i in range(kh):
+                    ih = oh * sh + i * dh - top
+                    if ih < 0 or ih >= h:
+                        continue
+                    for j in range(kw):
+                        weight = w[m, i, j]
+                        shift = j - left  # input column 2·ow + shift: phase shift % 2, index ow + q
+                        parity = shift % 2
+                        q = (shift - parity) // 2
+                        src = phases[parity, ih]
+                        lo = 0 if shift >= 0 else (1 - shift) // 2
+                        hi = min(wo, (wd - 1 - shift) // 2 + 1)
+                        for ow in range(lo, hi):
+                            row[_U(ow)] += weight * src[_U(ow + q)]
