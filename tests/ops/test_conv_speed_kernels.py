@@ -40,6 +40,9 @@ DEPTHWISE_CASES = {
     "batch3": ((3, 5, 9, 8), 1, (3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
     "batch2_stride1": ((2, 6, 8, 8), 1, (5, 5), dict(pads=[2, 2, 2, 2])),
     "window_past_end": ((1, 4, 8, 8), 1, (3, 3), dict(strides=[3, 3], pads=[1, 1, 0, 0])),
+    "narrow_2_columns": ((1, 3, 5, 2), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "one_column": ((1, 3, 6, 1), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
+    "wide_pads": ((1, 2, 4, 5), 1, (3, 3), dict(pads=[2, 3, 2, 3], dilations=[1, 2])),
 }
 PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads")
 _LOOPS = ("depthwise_rows", "depthwise_channels_last", "depthwise_rows_stride2")

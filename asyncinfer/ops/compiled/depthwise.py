@@ -17,9 +17,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernel
+from . import inline, kernel
 
 _U = np.uint64
+
+
+@inline
+def _tap(row: np.ndarray, src: np.ndarray, weight: float, shift: int, a: int, b: int) -> None:
+    """``row[ow] += weight · src[ow + shift]`` for ``ow`` in ``[a, b)`` where ``src`` has it."""
+    lo = max(a, -shift)
+    hi = min(b, src.shape[0] - shift)
+    for ow in range(lo, hi):
+        row[_U(ow)] += weight * src[_U(ow + shift)]
+
+
+@inline
+def _three_taps(row: np.ndarray, src: np.ndarray, w0: float, w1: float, w2: float, s0: int, s1: int,
+                s2: int) -> None:
+    """One kernel row of three taps at unit stride (input columns ``ow + s0/s1/s2``, s0 < s1 < s2):
+    where all three are inside the image, one pass adds their sum (a third of the passes over the
+    output row); at the borders, each tap alone."""
+    wo = row.shape[0]
+    lo = min(wo, max(0, -s0))
+    hi = max(lo, min(wo, src.shape[0] - s2))
+    for ow in range(lo, hi):
+        row[_U(ow)] += w0 * src[_U(ow + s0)] + w1 * src[_U(ow + s1)] + w2 * src[_U(ow + s2)]
+    for weight, shift in ((w0, s0), (w1, s1), (w2, s2)):
+        _tap(row, src, weight, shift, 0, lo)
+        _tap(row, src, weight, shift, hi, wo)
 
 
 @kernel
@@ -47,6 +72,9 @@ def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
                     if ih < 0 or ih >= h:
                         continue
                     src = x[n, c, ih]
+                    if sw == 1 and kw == 3:
+                        _three_taps(row, src, w[m, i, 0], w[m, i, 1], w[m, i, 2], -left, dw - left, 2 * dw - left)
+                        continue
                     for j in range(kw):
                         weight = w[m, i, j]
                         shift = j * dw - left
