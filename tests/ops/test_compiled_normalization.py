@@ -62,3 +62,15 @@ def test_layer_norm_rows_of_every_width(width, rng):
     want = reference_run("LayerNormalization", [x, scale, b], attrs, n_outputs=3)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape, axis", [((1, 128, 1024), -1), ((2, 3, 17), -1), ((2, 3, 4, 5), 2), ((1, 1, 1), -1)])
+def test_rms_norm_rows_match_reference(shape, axis, rng):
+    pytest.importorskip("onnx.reference.ops.op_rms_normalization", reason="onnx without RMSNormalization (opset 23)")
+    x = randn(rng, *shape) * 3
+    scale = randn(rng, *shape[axis:])
+    attrs = dict(axis=axis, epsilon=1e-5)
+    got = make_op("RMSNormalization", attrs, version=23, n_inputs=2)(x, scale)[0]
+    want = reference_run("RMSNormalization", [x, scale], attrs, opset=23)[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

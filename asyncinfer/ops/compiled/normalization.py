@@ -53,3 +53,16 @@ def softmax_rows(x: np.ndarray, y: np.ndarray) -> None:
         inv = np.float32(1.0 / row_sum(out))
         for i in range(d):
             out[i] = out[i] * inv
+
+
+@kernel
+def rms_norm_rows(x: np.ndarray, scale: np.ndarray, epsilon: float, y: np.ndarray) -> None:
+    """Each row of ``x`` (R, D) → ``y``: ``x / sqrt(mean(x²) + epsilon) · scale`` (``scale`` of D
+    values), the root rounded to float32 and divided by, as the definition writes it."""
+    rows, d = x.shape
+    for r in range(rows):
+        row = x[r]
+        root = np.sqrt(np.float32(row_sum_squares(row, np.float32(0.0)) / d) + np.float32(epsilon))
+        out = y[r]
+        for i in range(d):
+            out[i] = (row[i] / root) * scale[i]
