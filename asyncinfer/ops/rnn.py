@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .base import Op
+from .compiled.recurrent import lstm_cell
 from .registry import register
 
 Activation = Callable[[np.ndarray], np.ndarray]
@@ -187,12 +188,14 @@ class LSTM(_Recurrent):
 
     def run(self, x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=None):
         x, lens, (h0, c0), hidden = self.prepare(x, w[0], sequence_lens, [initial_h, initial_c])
-        acts = self.activations(x.dtype)
         coupled = bool(int(self.attr("input_forget")))
         H = hidden
+        # the default activations, no clip: every step's element-wise work in one compiled loop
+        compiled = (x.dtype == np.float32 and not coupled and self.attr("clip", None) is None
+                    and self.activation_names() == list(self.default_activations) * self.num_directions())
+        acts = self.activations(x.dtype)
 
         def step_fn(d, xs, ragged_lens):
-            f, g, h_act = acts[d]
             wb = rb = None
             if b is not None:
                 wb, rb = b[d, :4 * H], b[d, 4 * H:]
@@ -203,6 +206,14 @@ class LSTM(_Recurrent):
                 pi, po, pf = p[d, :H], p[d, H:2 * H], p[d, 2 * H:]
             h, c = h0[d], c0[d]
             ys = np.zeros((xs.shape[0],) + h.shape, dtype=x.dtype)
+            if compiled and pi is None and ragged_lens is None:
+                c = np.ascontiguousarray(c)
+                for t in range(xs.shape[0]):
+                    h_new, c_new = np.empty_like(c), np.empty_like(c)
+                    lstm_cell(np.ascontiguousarray(proj[t] + h @ rt), c, h_new, c_new)
+                    ys[t], h, c = h_new, h_new, c_new
+                return ys, [h, c]
+            f, g, h_act = acts[d]
             for t in range(xs.shape[0]):
                 gates = proj[t] + h @ rt
                 gi, go, gf, gc = (gates[:, k * H:(k + 1) * H] for k in range(4))

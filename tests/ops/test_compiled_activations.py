@@ -88,3 +88,17 @@ def test_gelu_matches_definition():
     with np.errstate(all="ignore"):
         special = _run(activations.gelu, SPECIAL)
     assert np.isnan(special[0]) and special[1] == np.inf and np.isnan(special[2])  # -inf·0 is NaN
+
+
+def test_tanh_within_7e7_relative_and_exact_at_the_ends():
+    """`tanh1` (the LSTM cell's tanh) on the grid, across its switch from the Taylor series to the
+    exponential form at |v| = 1/8, and on tiny values, where only a series keeps relative accuracy."""
+    x = np.concatenate([GRID[::13], np.float32([0.1249, 0.125, 0.1251, -0.125]),
+                        np.geomspace(1e-30, 1, 20_000, dtype=np.float32)])
+    got = np.array([activations.tanh1(v) for v in x], dtype=np.float32)
+    want = np.tanh(x.astype(np.float64))
+    nonzero = want != 0
+    assert (np.abs(got[nonzero] - want[nonzero]) / np.abs(want[nonzero])).max() <= 7e-7
+    special = np.array([activations.tanh1(v) for v in SPECIAL], dtype=np.float32)
+    np.testing.assert_array_equal(special[:5], np.float32([np.nan, 1.0, -1.0, 0.0, -0.0]))
+    assert np.signbit(special[4])

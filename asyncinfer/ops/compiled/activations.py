@@ -79,6 +79,20 @@ def swish1(v: float, a: float) -> float:
 
 
 @inline
+def tanh1(v: float) -> float:
+    """float32 ``tanh(v)``: ``1 - 2/(e^(2|v|) + 1)`` with v's sign, and for |v| < 1/8, where that
+    form cancels, its odd Taylor series to v⁹ (truncation below 1e-9 relative there); within
+    7e-7 relative of ``np.tanh`` everywhere, ±1 at the ends, NaN for NaN."""
+    a = abs(v)
+    one = _F(1.0)
+    t = one - _F(2.0) / (_exp(_F(2.0) * a) + one)
+    t = -t if v < 0 else t
+    z = v * v
+    s = v * (one + z * (_F(-1.0 / 3.0) + z * (_F(2.0 / 15.0) + z * (_F(-17.0 / 315.0) + z * _F(62.0 / 2835.0)))))
+    return s if a < _F(0.125) else t
+
+
+@inline
 def hard_sigmoid1(v: float, a: float, b: float) -> float:
     """``clamp(a·v + b, 0, 1)`` (NaN stays NaN)."""
     g = a * v + b
