@@ -19,6 +19,9 @@ CASES = {
     "dilated_asym_pads": ((1, 3, 12, 11), dict(kernel_shape=[3, 2], dilations=[2, 3], pads=[2, 1, 0, 2])),
     "same_upper": ((1, 2, 7, 8), dict(kernel_shape=[4, 3], strides=[2, 1], auto_pad="SAME_UPPER")),
     "unit_stride_5x5": ((1, 2, 9, 9), dict(kernel_shape=[5, 5], pads=[2, 2, 2, 2])),
+    # stride 2 across runs on even/odd column phases: odd widths, wide kernels, pads past one phase
+    "3x5_s2_odd_width": ((1, 2, 9, 13), dict(kernel_shape=[3, 5], strides=[1, 2], pads=[1, 3, 1, 2])),
+    "s2_dilated": ((1, 2, 8, 12), dict(kernel_shape=[2, 3], strides=[2, 2], dilations=[1, 2], pads=[0, 1, 1, 1])),
 }
 
 
