@@ -5,8 +5,9 @@ four whole-array maxima: ResNet's first pool (64 channels at 112x112) ran 1.7 ms
 is reduced along its rows into a small scratch (one value per input row and output column), then
 down its columns into the output: kh + kw maxima per output instead of kh·kw, every loop in L1,
 the input read in place (at stride 2 across, each row is first split into its even and odd
-columns, so that every tap reads a contiguous run: 0.92 -> 0.48 ms on that pool). A tap only visits the output columns whose input column lies inside the
-image, and rows outside it are skipped: pads never win a max.
+columns, so that every tap reads a contiguous run: 0.92 -> 0.48 ms on that pool). A tap only
+visits the output columns whose input column lies inside the image, and rows outside it are
+skipped: pads never win a max.
 """
 from __future__ import annotations
 
