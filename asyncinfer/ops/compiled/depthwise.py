@@ -1,10 +1,12 @@
-"""2-D depthwise convolution (one input channel per group) on NCHW tensors, two loop orders.
+"""2-D depthwise convolution (one input channel per group) on NCHW tensors, three loops.
 
-Neither makes a padded copy: a tap only visits the output columns whose input column lies inside
+None makes a padded copy: a tap only visits the output columns whose input column lies inside
 the image (the others would read zero padding), and rows outside the image are skipped.
 
 - `depthwise_rows`: each output row is accumulated tap by tap; the inner loop runs along the row
   (SIMD over output columns). Best on wide maps at unit stride (little loop overhead per row).
+- `depthwise_rows_stride2`: the row loop at stride 2 across, on each input row's even and odd
+  columns (`phases`), so that every tap still reads a contiguous run. Best on wide maps.
 - `depthwise_channels_last`: one image's channel block is first copied to channels-last scratch,
   then each output pixel is accumulated tap by tap with the inner loop over channels (SIMD over
   channels, ONNX Runtime's NCHWc idea); the result is written back to NCHW. Best with strides
@@ -18,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import inline, kernel
+from .phases import phase_tap, split_even_odd
 
 _U = np.uint64
 
@@ -140,7 +143,6 @@ def depthwise_rows_stride2(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: 
     n_images, _, h, wd = x.shape
     _, _, ho, wo = out.shape
     kh, kw = w.shape[1], w.shape[2]
-    half = (wd + 1) // 2
     last = -1
     for n in range(n_images):
         for m in range(m0, m1):
@@ -148,13 +150,7 @@ def depthwise_rows_stride2(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: 
             if n * x.shape[1] + c != last:  # a new input plane: split its columns by parity
                 last = n * x.shape[1] + c
                 for ih in range(h):
-                    src = x[n, c, ih]
-                    even, odd = phases[0, ih], phases[1, ih]
-                    for q in range(wd // 2):
-                        even[_U(q)] = src[_U(2 * q)]
-                        odd[_U(q)] = src[_U(2 * q + 1)]
-                    if wd % 2:
-                        even[_U(half - 1)] = src[_U(wd - 1)]
+                    split_even_odd(x[n, c, ih], phases[0, ih], phases[1, ih])
             b = bias[m]
             for oh in range(ho):
                 row = out[n, m, oh]
@@ -166,11 +162,7 @@ def depthwise_rows_stride2(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: 
                         continue
                     for j in range(kw):
                         weight = w[m, i, j]
-                        shift = j - left  # input column 2·ow + shift: phase shift % 2, index ow + q
-                        parity = shift % 2
-                        q = (shift - parity) // 2
+                        parity, q, lo, hi = phase_tap(j - left, wd, wo)
                         src = phases[parity, ih]
-                        lo = 0 if shift >= 0 else (1 - shift) // 2
-                        hi = min(wo, (wd - 1 - shift) // 2 + 1)
                         for ow in range(lo, hi):
                             row[_U(ow)] += weight * src[_U(ow + q)]

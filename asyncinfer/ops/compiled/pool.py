@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import inline, kernel
+from .phases import phase_tap, split_even_odd
 
 _U = np.uint64
 
@@ -32,8 +33,7 @@ def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
     _, h, wd = x.shape
     _, ho, wo = out.shape
     rows = np.empty((h, wo), x.dtype)  # the row maxima of one plane
-    half = (wd + 1) // 2
-    phases = np.empty((2, half), x.dtype)  # at stride 2 across: a row's even and odd columns
+    phases = np.empty((2, (wd + 1) // 2), x.dtype)  # at stride 2 across: a row's even and odd columns
     for p in range(p0, p1):
         for ih in range(h):
             src = x[p, ih]
@@ -41,19 +41,10 @@ def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
             for ow in range(wo):
                 dst[_U(ow)] = lowest
             if sw == 2 and dw == 1:  # contiguous runs of each phase instead of strided loads
-                even, odd = phases[0], phases[1]
-                for q in range(wd // 2):
-                    even[_U(q)] = src[_U(2 * q)]
-                    odd[_U(q)] = src[_U(2 * q + 1)]
-                if wd % 2:
-                    even[_U(half - 1)] = src[_U(wd - 1)]
+                split_even_odd(src, phases[0], phases[1])
                 for j in range(kw):
-                    shift = j - left  # input column 2·ow + shift: phase shift % 2, index ow + q
-                    parity = shift % 2
-                    q = (shift - parity) // 2
-                    run = phases[parity, :(wd + 1 - parity) // 2]
-                    lo = 0 if shift >= 0 else (1 - shift) // 2
-                    hi = min(wo, (wd - 1 - shift) // 2 + 1)
+                    parity, q, lo, hi = phase_tap(j - left, wd, wo)
+                    run = phases[parity]
                     for ow in range(lo, hi):
                         dst[_U(ow)] = _max(dst[_U(ow)], run[_U(ow + q)])
                 continue
