@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from ..concurrency import parallel
-from .compiled.depthwise import depthwise_channels_last, depthwise_rows
+from .compiled.depthwise import depthwise_channels_last, depthwise_rows, depthwise_rows_stride2
 
 # From this many multiply-adds on (about 1.5 ms on one core), a kernel's images or output rows are
 # shared out between threads (see run_tasks). Below it, waking a helper thread (100-300 µs on the
@@ -70,11 +70,10 @@ def run_tasks(tasks: Sequence[Callable[[], None]], threads: int) -> None:
 
 
 def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, kernel_width: int) -> bool:
-    """Whether `depthwise_rows` on even and odd columns is the loop for a layer: stride 2 across,
-    kernels of at most 3 columns, outputs of 40 columns or more (measured per layer shape, one
-    thread, against the channels-last loop: SSDlite's 64ch@160 3x3/2 1.72 -> 0.80 ms,
-    EfficientNet's 96ch@112 1.10 -> 0.66, MobileNetV3's 16ch@112 0.19 -> 0.12; at 28 columns, or
-    with 5x5 kernels, it loses)."""
+    """Whether `depthwise_rows_stride2` is the loop for a layer: stride 2 across, kernels of at most
+    3 columns, outputs of 40 columns or more (measured per layer shape, one thread, against the
+    channels-last loop: SSDlite's 64ch@160 3x3/2 1.72 -> 0.80 ms, EfficientNet's 96ch@112 1.10 ->
+    0.66, MobileNetV3's 16ch@112 0.19 -> 0.12; at 28 columns, or with 5x5 kernels, it loses)."""
     return width_stride == 2 and width_dilation == 1 and out_width >= 40 and kernel_width <= 3
 
 
@@ -104,14 +103,22 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     result = np.empty((n, m, ho, wo), dtype=x.dtype)
     geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
     threads = threads_for(n * m * ho * wo * kh * kw)
-    by_phase = stride2_rows_pay(geometry[1], geometry[3], wo, kw)
-    if by_phase or not channels_last_pays(mult, geometry[1], wo, kw):
+    if stride2_rows_pay(geometry[1], geometry[3], wo, kw):
+        taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
+        sh, _, dh, _, top, left = geometry
+
+        def rows2(i0: int, i1: int, m0: int, m1: int) -> None:
+            phases = scratch((2, h, (wd + 1) // 2), x.dtype, "phases")
+            depthwise_rows_stride2(x[i0:i1], taps, bias, result[i0:i1], m0, m1, sh, dh, top, left, mult, phases)
+
+        run_tasks([functools.partial(rows2, *part) for part in _blocks(m, threads, n)], threads)
+        return result
+    if not channels_last_pays(mult, geometry[1], wo, kw):
         taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
         parts = _blocks(m, threads, n)
 
         def rows(i0: int, i1: int, m0: int, m1: int) -> None:
-            phases = scratch((2, h, (wd + 1) // 2) if by_phase else (0, 0, 0), x.dtype, "phases")
-            depthwise_rows(x[i0:i1], taps, bias, result[i0:i1], m0, m1, *geometry, mult, phases)
+            depthwise_rows(x[i0:i1], taps, bias, result[i0:i1], m0, m1, *geometry, mult)
 
         run_tasks([functools.partial(rows, i0, i1, m0, m1) for i0, i1, m0, m1 in parts], threads)
         return result

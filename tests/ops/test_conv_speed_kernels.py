@@ -45,12 +45,7 @@ DEPTHWISE_CASES = {
     "wide_pads": ((1, 2, 4, 5), 1, (3, 3), dict(pads=[2, 3, 2, 3], dilations=[1, 2])),
 }
 PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads")
-_LOOPS = ("depthwise_rows", "depthwise_channels_last")
-
-
-def _loop_name(name: str, args: tuple) -> str:
-    """The loop a call ran: the row loop reads even and odd columns when given phases."""
-    return "depthwise_rows_by_phase" if name == "depthwise_rows" and args[-1].size else name
+_LOOPS = ("depthwise_rows", "depthwise_channels_last", "depthwise_rows_stride2")
 _HELPERS = ThreadPoolExecutor(2, thread_name_prefix="test-conv-helpers")
 
 
@@ -61,7 +56,7 @@ def _route(monkeypatch, path: str) -> list:
         real = getattr(conv_kernels, name)
 
         def spy(*args, _real=real, _name=name):
-            calls.append(_loop_name(_name, args))
+            calls.append(_name)
             return _real(*args)
 
         monkeypatch.setattr(conv_kernels, name, spy)
@@ -82,7 +77,7 @@ def _expected_loop(path: str, mult: int, attrs: dict | None = None, kernel=(3, 3
     attrs = attrs or {}
     if path.startswith("stride2") and (attrs.get("strides") or [1, 1])[-1] == 2 \
             and (attrs.get("dilations") or [1, 1])[-1] == 1 and "auto_pad" not in attrs:
-        return "depthwise_rows_by_phase"
+        return "depthwise_rows_stride2"
     return "depthwise_channels_last" if path.startswith("channels_last") and mult == 1 else "depthwise_rows"
 
 
@@ -116,7 +111,7 @@ def test_depthwise_paths_match_reference(name, path, rng, monkeypatch):
     x, w, b = _inputs(rng, shape, mult, kernel, bias=name != "no_pads")
     _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
     if "auto_pad" in attrs:  # SAME pads: the stride depends on the output size; any loop of the path
-        assert calls and set(calls) <= {_expected_loop(path, mult), "depthwise_rows_by_phase"}
+        assert calls and set(calls) <= {_expected_loop(path, mult), "depthwise_rows_stride2"}
     else:
         assert calls and set(calls) == {_expected_loop(path, mult, attrs)}
 
@@ -162,11 +157,10 @@ def test_dispatch_rule(shape, kernel, stride, mult, channels_last, rng, monkeypa
     calls: list = []
     for name in _LOOPS:
         real = getattr(conv_kernels, name)
-        monkeypatch.setattr(conv_kernels, name,
-                            lambda *a, _real=real, _name=name: calls.append(_loop_name(_name, a)) or _real(*a))
+        monkeypatch.setattr(conv_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
     _check(x, w, b, dict(strides=[stride, stride], pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
-    want = "depthwise_rows_by_phase" if channels_last is None else \
+    want = "depthwise_rows_stride2" if channels_last is None else \
         "depthwise_channels_last" if channels_last else "depthwise_rows"
     assert set(calls) == {want}
 

@@ -1,11 +1,12 @@
-"""2-D depthwise convolution (one input channel per group) on NCHW tensors, two loop orders.
+"""2-D depthwise convolution (one input channel per group) on NCHW tensors, three loops.
 
-Neither makes a padded copy: a tap only visits the output columns whose input column lies inside
+None makes a padded copy: a tap only visits the output columns whose input column lies inside
 the image (the others would read zero padding), and rows outside the image are skipped.
 
 - `depthwise_rows`: each output row is accumulated tap by tap; the inner loop runs along the row
-  (SIMD over output columns). Best on wide maps at unit stride (little loop overhead per row),
-  and at stride 2 with 3x3 kernels, where it reads each input row's even and odd columns.
+  (SIMD over output columns). Best on wide maps at unit stride (little loop overhead per row).
+- `depthwise_rows_stride2`: the row loop at stride 2 across, on each input row's even and odd
+  columns (`phases`), so that every tap still reads a contiguous run. Best on wide maps.
 - `depthwise_channels_last`: one image's channel block is first copied to channels-last scratch,
   then each output pixel is accumulated tap by tap with the inner loop over channels (SIMD over
   channels, ONNX Runtime's NCHWc idea); the result is written back to NCHW. Best with strides
@@ -51,27 +52,19 @@ def _three_taps(row: np.ndarray, src: np.ndarray, w0: float, w1: float, w2: floa
 
 @kernel
 def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
-                   sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int,
-                   phases: np.ndarray) -> None:
+                   sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int) -> None:
     """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo).
 
     ``x`` is (N, C, H, W); ``w`` is (M, kh, kw); ``bias`` is (M,); output channel ``m`` reads
     input channel ``m // multiplier`` (ONNX's group order); strides ``sh, sw``, dilations
     ``dh, dw``, ``top`` and ``left`` pads (scalars: numba types tuples slowly on every call).
-    At stride 2 across (dilation 1), a ``phases`` of at least (2, H, (W + 1) // 2) and ``x``'s
-    dtype receives each input plane's even and odd columns (`compiled.phases`), which the taps
-    then read as contiguous runs; any other layer may pass an empty one.
     """
     n_images, _, h, wd = x.shape
     _, _, ho, wo = out.shape
     kh, kw = w.shape[1], w.shape[2]
-    by_phase = sw == 2 and dw == 1 and phases.shape[0] == 2 and phases.shape[1] >= h
     for n in range(n_images):
         for m in range(m0, m1):
             c = m // multiplier
-            if by_phase and (m == m0 or (m - 1) // multiplier != c):  # a new input plane: split it
-                for ih in range(h):
-                    split_even_odd(x[n, c, ih], phases[0, ih], phases[1, ih])
             b = bias[m]
             for oh in range(ho):
                 row = out[n, m, oh]
@@ -80,13 +73,6 @@ def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
                 for i in range(kh):
                     ih = oh * sh + i * dh - top
                     if ih < 0 or ih >= h:
-                        continue
-                    if by_phase:
-                        for j in range(kw):
-                            parity, q, lo, hi = phase_tap(j * dw - left, wd, wo)
-                            weight, src = w[m, i, j], phases[parity, ih]
-                            for ow in range(lo, hi):
-                                row[_U(ow)] += weight * src[_U(ow + q)]
                         continue
                     src = x[n, c, ih]
                     if sw == 1 and kw == 3:
@@ -146,3 +132,37 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
             dst = out[c0 + k, oh]
             for ow in range(wo):
                 dst[_U(ow)] = acc[ow, k]
+
+
+@kernel
+def depthwise_rows_stride2(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
+                           sh: int, dh: int, top: int, left: int, multiplier: int, phases: np.ndarray) -> None:
+    """`depthwise_rows` for a horizontal stride of 2 (dilation 1): each input plane is first split
+    into its even and odd columns (``phases``, at least (2, H, (W + 1) // 2), of ``x``'s dtype),
+    so that every tap reads a contiguous run and the row loop vectorises as at stride 1."""
+    n_images, _, h, wd = x.shape
+    _, _, ho, wo = out.shape
+    kh, kw = w.shape[1], w.shape[2]
+    last = -1
+    for n in range(n_images):
+        for m in range(m0, m1):
+            c = m // multiplier
+            if n * x.shape[1] + c != last:  # a new input plane: split its columns by parity
+                last = n * x.shape[1] + c
+                for ih in range(h):
+                    split_even_odd(x[n, c, ih], phases[0, ih], phases[1, ih])
+            b = bias[m]
+            for oh in range(ho):
+                row = out[n, m, oh]
+                for ow in range(wo):
+                    row[_U(ow)] = b
+                for i in range(kh):
+                    ih = oh * sh + i * dh - top
+                    if ih < 0 or ih >= h:
+                        continue
+                    for j in range(kw):
+                        weight = w[m, i, j]
+                        parity, q, lo, hi = phase_tap(j - left, wd, wo)
+                        src = phases[parity, ih]
+                        for ow in range(lo, hi):
+                            row[_U(ow)] += weight * src[_U(ow + q)]
