@@ -127,6 +127,11 @@ class Backend(ABC):
         """Run ``step`` synchronously on the calling thread, from inside a job this backend runs."""
         raise NotImplementedError(f"the {self.name} backend does not run jobs")
 
+    def job_may_hold(self, kernel: Any) -> bool:
+        """Whether a job (see `runs_jobs`) may run ``kernel`` with `run_now`, or the kernel needs a
+        dispatch of its own. By default only kernels that do not use every core themselves."""
+        return not getattr(kernel, "multithreaded", False)
+
     @abstractmethod
     def close(self) -> None:
         """Release threads and device resources; waits for kernels already running."""

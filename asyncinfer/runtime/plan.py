@@ -253,7 +253,8 @@ class Plan:
         that runs jobs, each reading the one before it and otherwise only values of the path,
         model inputs or constants. A segment runs as one job on one thread (it was a path: no
         parallelism is lost), so its layers cost no dispatch each. Every other step is a segment
-        of its own. GEMM-based kernels stay alone: the CPU backend serialises them in its lane."""
+        of its own, as is a kernel the backend keeps out of jobs (`Backend.job_may_hold`: the CPU
+        backend's GEMM-based kernels while they take turns in its lane)."""
         n_steps = len(self.nodes)
         segments: list[Segment] = []
         members: set[int] = set()
@@ -263,7 +264,7 @@ class Plan:
                 continue
             step = node.step
             light = (node.backend.runs_jobs and step.kind is StepKind.LAYER
-                     and not getattr(step.kernel, "multithreaded", False))
+                     and node.backend.job_may_hold(step.kernel))
             last = segments[-1].nodes[-1] if segments else None
             if (light and last is not None and last.backend is node.backend and segments[-1].light
                     and last.index in node.sources

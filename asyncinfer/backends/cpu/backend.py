@@ -76,6 +76,8 @@ class CPUBackend(Backend):
         self._lane_lock = threading.Lock()
         self._lane_busy = False
         self._lane_queue: deque[Task] = deque()
+        # GEMM-based kernels take turns only when BLAS itself uses several threads (see above)
+        self._uses_lane = self.threads > 1 and not self._blas_single
 
     def _start_thread(self) -> None:
         """(each pool thread, once) ONNX semantics: inf and nan are results, not warnings; and
@@ -98,8 +100,12 @@ class CPUBackend(Backend):
     def submit_job(self, job: Job) -> None:
         self._submit(job)
 
+    def job_may_hold(self, kernel: Op) -> bool:
+        # Every kernel but the GEMM-based ones while they go through the lane (`_uses_lane`).
+        return not (kernel.multithreaded and self._uses_lane)
+
     def run_now(self, step: Step, args: list, done: StepDone) -> None:
-        # Jobs hold no GEMM-based kernels (the runtime keeps those out of them): no lane here.
+        # Jobs hold no kernel that needs the lane (`job_may_hold`).
         run_kernel(step, args, done, _compute)
 
     def _submit(self, work: Work) -> None:
@@ -134,7 +140,7 @@ class CPUBackend(Backend):
             self._local.chain = None
 
     def _execute(self, task: Task) -> None:
-        if not task[0].kernel.multithreaded or self.threads == 1 or self._blas_single:
+        if not (task[0].kernel.multithreaded and self._uses_lane):
             run_kernel(*task, _compute)
             return
         with self._lane_lock:
