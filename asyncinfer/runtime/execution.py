@@ -434,14 +434,22 @@ class Execution:
         """Await every output and its download to the host (never blocks the loop); caller-owned
         NumPy arrays by name. Raises the first failure."""
         tensors = [self._tensor(name, None) for name in self.plan.output_names]
-        for tensor in tensors:
+        for tensor in self.last_first(tensors):
             await wait_done(tensor._readback_future())
         return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
 
     def read_outputs_blocking(self) -> dict[str, np.ndarray]:
         """Blocking twin of [`read_outputs`][asyncinfer.Execution.read_outputs]: the outputs as caller-owned NumPy
         arrays (downloaded from a device if needed). Do not call it on an event loop."""
-        return {name: self._tensor(name, None).download_to_array() for name in self.plan.output_names}
+        tensors = [self._tensor(name, None) for name in self.plan.output_names]
+        arrays = {t.name: t.download_to_array() for t in self.last_first(tensors)}
+        return {t.name: arrays[t.name] for t in tensors}
+
+    def last_first(self, tensors: list[Tensor]) -> list[Tensor]:
+        """``tensors`` (outputs of this run) in the order to wait for them: the one whose layer comes
+        last in the plan first, so the waiting thread usually wakes once, when all are done, and not
+        once per output while the pool still runs (a wake-up takes the GIL from the layers)."""
+        return sorted(tensors, key=lambda t: -self.plan.refs[t.name][0])
 
 
     def output_arrays(self) -> dict[str, np.ndarray]:

@@ -231,7 +231,9 @@ class Worker:
         loop."""
         execution = self._new_execution(inputs, named, outputs, profile)
         execution.submit_all()
-        return {name: execution.take_output(name).download_to_array() for name in execution.plan.output_names}
+        tensors = [execution.take_output(name) for name in execution.plan.output_names]
+        arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}
+        return {t.name: arrays[t.name] for t in tensors}
 
     async def warmup(self, *inputs: Any, **named: Any) -> None:
         """Run the model once and discard the result, so the first real request finds the thread
