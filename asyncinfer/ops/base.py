@@ -2,7 +2,8 @@
 
 An op class is built once per layer, when a worker is created (so attribute problems surface
 before anything runs), and its `Op.run` is then called for every execution, possibly from
-several threads at once: ``run`` must not mutate ``self`` nor its inputs.
+several threads at once: ``run`` must not mutate ``self`` nor its inputs (`Op.per_shape`'s memo
+of derived geometry aside: its entries are computed whole, then stored).
 
 Kernels run with NumPy's floating-point warnings off: ONNX expects inf and NaN silently where IEEE
 arithmetic makes them. The threads that run kernels set this once (the CPU backend's pool, the
@@ -10,8 +11,8 @@ device threads) and so does the optimizer when it folds constants; kernels do no
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from ..model.ir import Layer
 
 _REQUIRED = object()
+T = TypeVar("T")
+# Operand shapes whose derived geometry a layer remembers (`Op.per_shape`); a model fed ever new
+# shapes starts afresh past this many.
+SHAPES_KEPT = 64
 
 
 class Op:
@@ -35,8 +40,9 @@ class Op:
       ``shape`` of Reshape, ``axes`` of reductions…): the optimizer keeps their producers on the CPU.
     - ``deterministic``: False for random ops, which must never be constant-folded.
     - ``elementwise_unary``: True for activations that may be fused into the layer before them.
-    - ``multithreaded``: True for kernels that already use every core inside BLAS (GEMM-based);
-      the CPU backend runs those one at a time instead of oversubscribing the cores.
+    - ``multithreaded``: True for kernels that use every core themselves (GEMM-based, split
+      across the pool); when BLAS is kept multi-threaded the CPU backend runs those one at a time
+      instead of oversubscribing the cores.
     - ``metadata_inputs``: input indices of which only the shape is read (Shape, Size): a value
       on a device is passed as it is (its storage knows its shape), never downloaded.
     - ``cancellable``: True for kernels that may run long on one call (control flow): they poll
@@ -62,6 +68,7 @@ class Op:
         self.version = layer.version
         self.attrs = layer.attrs
         self._defaults = attribute_defaults(self.op_type, self.version, self.domain)
+        self._per_shape: dict[Hashable, Any] = {}
         self.check()
 
     # -- attribute helpers ------------------------------------------------------------------
@@ -76,6 +83,17 @@ class Op:
         if name in self._defaults:
             return self._defaults[name]
         raise UnsupportedOperatorError([f"{self.layer.describe()}: required attribute {name!r} is missing"])
+
+    def per_shape(self, key: Hashable, work_out: Callable[[], T]) -> T:
+        """``work_out()`` (the geometry a kernel derives from its attributes and operand shapes),
+        worked out once per ``key`` (those shapes): a layer sees the same shapes run after run, and
+        this is 5-15 µs of Python a call. ``work_out`` must not return None."""
+        value = self._per_shape.get(key)
+        if value is None:
+            if len(self._per_shape) >= SHAPES_KEPT:
+                self._per_shape.clear()
+            value = self._per_shape[key] = work_out()
+        return value
 
     def check_allocation(self, shape: Sequence[int], what: str = "output") -> None:
         """Refuse to allocate a tensor of ``shape`` sized from run-time data beyond

@@ -30,7 +30,6 @@ from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_tap
                       tap_slices, window_geometry)
 
 # -- Conv ------------------------------------------------------------------------------------------
-_SHAPES_KEPT = 64  # operand shapes whose window geometry a Conv layer remembers
 class _ConvBase(Op):
     """Attribute checks shared by Conv and ConvTranspose."""
 
@@ -41,7 +40,6 @@ class _ConvBase(Op):
         check_spatial_attrs(self)
         if int(self.attr("group")) < 1:
             self.unsupported(f"group={self.attr('group')}")
-        self._shapes_seen: dict[tuple, tuple[list[int], ...]] = {}
 
     def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
             activations: Activations = ()) -> np.ndarray:
@@ -85,19 +83,14 @@ class Conv(_ConvBase):
         return epilogue.apply_inplace(self._convolve_nd(x, w, b, group, kernel, strides, dilations, begin, end, out))
 
     def _windows(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[list[int], ...]:
-        """``kernel, strides, dilations, begin, end, out`` for these operand shapes, worked out once
-        per shape (a layer sees the same shapes run after run; this is 5-10 µs of Python)."""
-        key = (x_shape, w_shape)
-        windows = self._shapes_seen.get(key)
-        if windows is None:
+        """``kernel, strides, dilations, begin, end, out`` for these operand shapes (`per_shape`)."""
+        def work_out() -> tuple[list[int], ...]:
             kernel = list(self.attr("kernel_shape", None) or w_shape[2:])
             strides, dilations, pads = spatial_attrs(self, len(x_shape) - 2, kernel)
             begin, end, out = window_geometry(x_shape[2:], kernel, strides, dilations, pads, self.attr("auto_pad"))
             strides = [1 if o == 1 else s for s, o in zip(strides, out)]  # one position: no step to take
-            if len(self._shapes_seen) >= _SHAPES_KEPT:  # a model fed ever new shapes: start afresh
-                self._shapes_seen.clear()
-            windows = self._shapes_seen[key] = (kernel, strides, dilations, begin, end, out)
-        return windows
+            return kernel, strides, dilations, begin, end, out
+        return self.per_shape((x_shape, w_shape), work_out)
 
     def _convolve_nd(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, kernel: list[int],
                      strides: list[int], dilations: list[int], begin: list[int], end: list[int],

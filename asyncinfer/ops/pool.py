@@ -1,6 +1,7 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
-2-D float max pools run on a compiled row loop (`compiled.pool`). Other windowed pools reduce
+2-D float max pools run on compiled loops (`compiled.pool`): one over the tiles when the windows
+tile the map, else a separable row loop. Other windowed pools reduce
 over kernel taps with whole-array NumPy ops: separably (one axis at a time) where the reduction
 allows, else one op per tap on the flat, polyphase-split input of `FlatWindows` (long contiguous
 runs instead of many short rows), sharing the window geometry with Conv.
@@ -13,7 +14,7 @@ import math
 import numpy as np
 
 from .base import Op
-from .compiled.pool import max_pool2d
+from .compiled.pool import max_pool2d, max_pool_tiles
 from .compiled.rows import row_means
 from .conv_kernels import run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -115,23 +116,34 @@ class MaxPool(_WindowPool):
         return win.crop(acc), self._indices(x.shape, win.crop(best), begin, out)
 
     def _compiled_2d(self, x: np.ndarray) -> np.ndarray:
-        """2-D float max pool on the compiled row loop, planes shared out between threads when large."""
-        kernel = [int(k) for k in self.attr("kernel_shape")]
-        strides, dilations, pads = spatial_attrs(self, 2, kernel)
-        begin, _, out = window_geometry(x.shape[2:], kernel, strides, dilations, pads,
-                                        self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
+        """2-D float max pool on a compiled loop, planes shared out between threads when large."""
         n, c, h, w = x.shape
+        out, threads, calls = self.per_shape(x.shape, lambda: self._plan_2d(x.shape, x.dtype))
         y = np.empty((n * c, *out), dtype=x.dtype)
         if y.size == 0:
             return y.reshape(n, c, *out)
         planes = np.ascontiguousarray(x).reshape(n * c, h, w)
-        geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
-                    float(_lowest(x.dtype)))
-        threads = threads_for(y.size * kernel[0] * kernel[1])
-        edges = np.linspace(0, n * c, min(n * c, 2 * threads) + 1).astype(int)
-        run_tasks([functools.partial(max_pool2d, planes, y, int(p0), int(p1), *geometry)
-                   for p0, p1 in zip(edges[:-1], edges[1:])], threads)
+        run_tasks([functools.partial(kernel, planes, y, *args) for kernel, args in calls], threads)
         return y.reshape(n, c, *out)
+
+    def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[list[int], int, list[tuple]]:
+        """For one input shape: the output size, the threads to use and the kernel calls
+        (kernel, arguments after ``x, y``), one per part of the planes."""
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, pads = spatial_attrs(self, 2, kernel)
+        begin, _, out = window_geometry(shape[2:], kernel, strides, dilations, pads,
+                                        self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
+        planes = shape[0] * shape[1]
+        threads = threads_for(planes * math.prod(out) * kernel[0] * kernel[1])
+        edges = np.linspace(0, planes, min(planes, 2 * threads) + 1).astype(int)
+        tiles = (list(strides) == kernel and not any(begin) and all(int(d) == 1 for d in dilations)
+                 and all(o * k <= size for o, k, size in zip(out, kernel, shape[2:])))
+        parts = [(int(p0), int(p1)) for p0, p1 in zip(edges[:-1], edges[1:])]
+        if tiles:
+            return out, threads, [(max_pool_tiles, (*part, *kernel)) for part in parts]
+        geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
+                    float(_lowest(dtype)))
+        return out, threads, [(max_pool2d, (*part, *geometry)) for part in parts]
 
     def _indices(self, shape: tuple[int, ...], best: np.ndarray, begin: list[int], out: list[int]) -> np.ndarray:
         """Flat input index of each chosen tap: row-major, or column-major spatial for storage_order=1."""

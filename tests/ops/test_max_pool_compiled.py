@@ -1,5 +1,6 @@
-"""2-D float MaxPool on its compiled row loop (asyncinfer/ops/compiled/pool.py) against onnx's
-reference implementation: pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
+"""2-D float MaxPool on its compiled loops (asyncinfer/ops/compiled/pool.py: the separable row
+loop, and the tile loop where the windows tile the map) against onnx's reference implementation:
+pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,6 @@ from .op_testing import make_op, randn, reference_run
 
 CASES = {
     "3x3_s2_pad1_resnet": ((1, 4, 15, 14), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
-    "2x2_s2": ((2, 3, 8, 9), dict(kernel_shape=[2, 2], strides=[2, 2])),
     "ceil_mode": ((1, 2, 9, 10), dict(kernel_shape=[3, 3], strides=[2, 2], ceil_mode=1)),
     "dilated_asym_pads": ((1, 3, 12, 11), dict(kernel_shape=[3, 2], dilations=[2, 3], pads=[2, 1, 0, 2])),
     "same_upper": ((1, 2, 7, 8), dict(kernel_shape=[4, 3], strides=[2, 1], auto_pad="SAME_UPPER")),
@@ -22,23 +22,36 @@ CASES = {
     # stride 2 across runs on even/odd column phases: odd widths, wide kernels, pads past one phase
     "3x5_s2_odd_width": ((1, 2, 9, 13), dict(kernel_shape=[3, 5], strides=[1, 2], pads=[1, 3, 1, 2])),
     "s2_dilated": ((1, 2, 8, 12), dict(kernel_shape=[2, 3], strides=[2, 2], dilations=[1, 2], pads=[0, 1, 1, 1])),
+    # windows that overlap nothing but the map's edge: not tiles
+    "2x2_s2_ceil_mode": ((1, 2, 7, 9), dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    "2x2_s2_padded": ((1, 2, 8, 8), dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1])),
+}
+# windows that tile the map (kernel = stride, no pads): the tile loop; a last row or column
+# shorter than a tile is not read (floor mode)
+TILE_CASES = {
+    "2x2_s2_odd_width": ((2, 3, 8, 9), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    "3x3_s3_remainders": ((1, 2, 11, 10), dict(kernel_shape=[3, 3], strides=[3, 3])),
+    "1x2_s1x2": ((1, 3, 5, 8), dict(kernel_shape=[1, 2], strides=[1, 2])),
+    "4x2_s4x2": ((1, 2, 8, 6), dict(kernel_shape=[4, 2], strides=[4, 2], dilations=[1, 1])),
 }
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TILE_CASES))
 def test_matches_reference(name, dtype, rng, monkeypatch):
-    shape, attrs = CASES[name]
+    shape, attrs = CASES.get(name) or TILE_CASES[name]
     x = randn(rng, *shape, dtype=dtype)
     calls = []
-    monkeypatch.setattr(pool, "max_pool2d", lambda *a: calls.append(1) or _real(*a))
+    monkeypatch.setattr(pool, "max_pool2d", lambda *a: calls.append("rows") or _rows(*a))
+    monkeypatch.setattr(pool, "max_pool_tiles", lambda *a: calls.append("tiles") or _tiles(*a))
     (got,) = make_op("MaxPool", attrs, version=12)(x)
     (want,) = reference_run("MaxPool", [x], attrs, opset=12)
-    assert calls and got.dtype == dtype and got.shape == want.shape
+    assert set(calls) == {"tiles" if name in TILE_CASES else "rows"}
+    assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
 
 
-_real = pool.max_pool2d
+_rows, _tiles = pool.max_pool2d, pool.max_pool_tiles
 
 
 def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
@@ -55,3 +68,15 @@ def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
     numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
     np.testing.assert_array_equal(got, numpy_path)
     assert np.isnan(got[0, 1, 1:3, 1:3]).all() and np.isnan(got).sum() == 5
+
+
+def test_tiles_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
+    x = randn(rng, 2, 6, 8, 8)
+    x[0, 1, 3, 2] = np.nan  # in the tile of output (1, 1), not its first element
+    x[1, 5, 7, 7] = np.nan
+    op = make_op("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2]), version=12)
+    monkeypatch.setattr(conv_kernels, "PARALLEL_MIN_MACS", 0)
+    with ThreadPoolExecutor(2) as helpers, parallel.pool_bound(helpers.submit, 2):
+        (got,) = op(x)
+    np.testing.assert_array_equal(got, op.separable_reduce(x, np.maximum, -np.inf)[0])
+    assert np.isnan(got[0, 1, 1, 1]) and np.isnan(got[1, 5, 3, 3]) and np.isnan(got).sum() == 2

@@ -8,6 +8,11 @@ the input read in place (at stride 2 across, each row is first split into its ev
 columns, so that every tap reads a contiguous run: 0.92 -> 0.48 ms on that pool). A tap only
 visits the output columns whose input column lies inside the image, and rows outside it are
 skipped: pads never win a max.
+
+When the windows tile the map (kernel = stride, no padding, no dilation: the 2x2/2 pool of most
+small CNNs), `max_pool_tiles` takes each window's rows down, then its columns along, with no
+per-row set-up: 3-7x faster than the separable loop from 8x8 to 112x112 maps (128 planes of 8x8:
+37 -> 5.5 µs).
 """
 from __future__ import annotations
 
@@ -69,3 +74,32 @@ def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
                 src = rows[ih]
                 for ow in range(wo):
                     row[_U(ow)] = _max(row[_U(ow)], src[_U(ow)])
+
+
+@kernel
+def max_pool_tiles(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max over each ``kh x kw`` tile of ``x``
+    (P, H, W), tiles laid edge to edge from the top left (rows and columns past the last whole
+    tile are not read)."""
+    _, ho, wo = out.shape
+    w = wo * kw
+    column_maxima = np.empty(w, x.dtype)  # one row of tiles: the max down each column
+    for p in range(p0, p1):
+        for oh in range(ho):
+            top = x[p, oh * kh]
+            for c in range(w):
+                column_maxima[_U(c)] = top[_U(c)]
+            for i in range(1, kh):
+                src = x[p, oh * kh + i]
+                for c in range(w):
+                    column_maxima[_U(c)] = _max(column_maxima[_U(c)], src[_U(c)])
+            dst = out[p, oh]
+            if kw == 2:  # the common 2x2 tile: a loop LLVM vectorises as pairs
+                for o in range(wo):
+                    dst[_U(o)] = _max(column_maxima[_U(2 * o)], column_maxima[_U(2 * o + 1)])
+                continue
+            for o in range(wo):
+                m = column_maxima[_U(o * kw)]
+                for j in range(1, kw):
+                    m = _max(m, column_maxima[_U(o * kw + j)])
+                dst[_U(o)] = m
