@@ -535,3 +535,22 @@ def test_a_branch_leaving_a_segment_runs_while_the_segment_is_still_busy(gate):
         assert not execution.layer_future("neg").done()
         event.set()
         np.testing.assert_array_equal(execution.take_output("y").readback_and_clone().numpy(), [0, -2])
+
+
+def test_gemm_layers_join_segments_unless_they_take_turns_in_the_lane(digits_model, digits_samples, monkeypatch):
+    """BLAS single-threaded (the default): the digits CNN's path, convs and Gemms included, is one
+    job. With BLAS kept multi-threaded the GEMM-based layers take turns in the backend's lane, so
+    each stays a dispatch of its own; both plans compute the same."""
+    x = digits_samples[0][:4]
+    with ai.Worker(digits_model, threads=2) as worker:
+        assert [len(s.nodes) for s in worker._plan.segments] == [len(worker._plan.nodes)]
+        want = worker.run_blocking(x)
+    monkeypatch.setenv("ASYNCINFER_BLAS_THREADS", "2")
+    with ai.Worker(digits_model, threads=2) as worker:
+        alone = [s.nodes[0].layer.op_type for s in worker._plan.segments if len(s.nodes) == 1]
+        assert {"Conv", "Gemm"} <= set(alone)
+        assert all(n.layer.op_type not in ("Conv", "Gemm") for s in worker._plan.segments if len(s.nodes) > 1
+                   for n in s.nodes)
+        got = worker.run_blocking(x)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
