@@ -11,7 +11,7 @@ device threads) and so does the optimizer when it folds constants; kernels do no
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
@@ -69,6 +69,8 @@ class Op:
         self.attrs = layer.attrs
         self._defaults = attribute_defaults(self.op_type, self.version, self.domain)
         self._per_shape: dict[Hashable, Any] = {}
+        self._constants: dict[int, np.ndarray] = {}
+        self._derived: dict[str, Any] = {}
         self.check()
 
     # -- attribute helpers ------------------------------------------------------------------
@@ -93,6 +95,25 @@ class Op:
             if len(self._per_shape) >= SHAPES_KEPT:
                 self._per_shape.clear()
             value = self._per_shape[key] = work_out()
+        return value
+
+    def bind_constants(self, constants: Mapping[int, np.ndarray]) -> None:
+        """Tell the op which of its inputs are the model's constants (input index → the value every
+        run will pass), so that `derived` may keep what it works out from them. The plan calls it
+        when it builds the layer's step."""
+        self._constants = dict(constants)
+
+    def derived(self, name: str, inputs: Mapping[int, np.ndarray | None], work_out: Callable[[], T]) -> T:
+        """``work_out()``, a form of some inputs (``inputs``: index → the value this run passed)
+        that a kernel would otherwise rebuild every run (int8 weights shifted by their zero point
+        and converted for BLAS): kept under ``name`` after the first call when every one of those
+        inputs is the model's constant bound to its index (`bind_constants`), else worked out for
+        this run alone."""
+        if any(self._constants.get(i) is not value for i, value in inputs.items()):
+            return work_out()
+        value = self._derived.get(name)
+        if value is None:
+            value = self._derived[name] = work_out()
         return value
 
     def check_allocation(self, shape: Sequence[int], what: str = "output") -> None:

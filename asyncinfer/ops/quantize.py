@@ -1,16 +1,22 @@
 """Quantization kernels: QuantizeLinear, DequantizeLinear, DynamicQuantizeLinear, the integer and
 QLinear matmuls and convs, and BitCast.
 
-Integer products are computed in floating point so that BLAS does the work: every product of two
-(zero-point shifted) 8-bit values is below 2**16, so a dot product of K of them is an exact float32
-integer while K <= 256 and an exact float64 integer far beyond any real K, whatever the order BLAS
-sums in. The exact sums are then wrapped to int32, as ONNX lets accumulators overflow only there.
+Integer products are computed in floating point so that BLAS does the work: a dot product of K
+(zero-point shifted) 8-bit values is an exact float32 integer while K times the largest product
+stays below 2**24, whatever the order BLAS sums in. Matmuls cut K into chunks that short (at least
+258 terms; 1028 for the 7-bit weights of ``reduce_range``), multiply each in float32 and add the
+exact chunk sums in int64; convs multiply in float32 where that bound holds for the whole window
+and in float64 otherwise, exact far beyond any real K. The
+exact sums are then wrapped to int32, as ONNX lets accumulators overflow only there. Weights that
+are model constants are shifted and converted once, when first used, and kept (`Op.derived`):
+float32 copies of int8 weights, four times their bytes, rather than a conversion every run.
 Requantization follows ONNX Runtime: ``round_half_even(acc * (a_scale * b_scale / y_scale)) + zp``
 in float32, then saturation to the output type.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -20,6 +26,7 @@ from ..errors import ModelLoadError
 from .base import Op
 from .conv import Conv
 from .elementwise import cast_array
+from .linalg import matmul
 from .registry import register
 from .shape import normalize_axis, op_error
 
@@ -30,7 +37,7 @@ _FLOAT8 = frozenset(np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.flo
                                           ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz))
 _ALWAYS_SATURATED = frozenset(np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn,
                                                     ml_dtypes.float6_e3m2fn))
-_EXACT_FLOAT32_TERMS = 256  # 256 * 255 * 255 < 2**24: longer 8-bit dot products need float64
+_FLOAT32_EXACT_INTEGERS = 2 ** 24  # every integer up to this is a float32
 
 
 # -- shared helpers ----------------------------------------------------------------------------------
@@ -175,15 +182,6 @@ class DynamicQuantizeLinear(Op):
 
 
 # -- integer matmul / conv ---------------------------------------------------------------------------
-def _shifted(x: np.ndarray, zero_point: np.ndarray | None, terms: int) -> np.ndarray:
-    """``x - zero_point`` as a float type in which a ``terms``-long dot product of such values is exact."""
-    dtype = np.float32 if terms <= _EXACT_FLOAT32_TERMS else np.float64
-    shifted = x.astype(dtype)
-    if zero_point is not None:
-        shifted -= zero_point.astype(dtype)
-    return shifted
-
-
 def _wrap_int32(acc: np.ndarray) -> np.ndarray:
     """Exact integer-valued float sums → int32, wrapping around as a 32-bit accumulator would."""
     return acc.astype(np.int64).astype(np.int32)
@@ -194,10 +192,38 @@ def _row_param(p: np.ndarray | None) -> np.ndarray | None:
     return p.reshape(-1, 1) if p is not None and p.ndim == 1 and p.size > 1 else p
 
 
-def _int_matmul(a: np.ndarray, a_zp: np.ndarray | None, b: np.ndarray, b_zp: np.ndarray | None) -> np.ndarray:
-    """``(a - a_zp) @ (b - b_zp)`` accumulated exactly, wrapped to int32 (a_zp per row, b_zp per column)."""
+@dataclass(frozen=True)
+class IntegerOperand:
+    """An 8-bit matmul operand minus its zero point, as float32 for BLAS, and its largest magnitude."""
+
+    values: np.ndarray
+    bound: float
+
+
+def integer_operand(x: np.ndarray, zero_point: np.ndarray | None) -> IntegerOperand:
+    values = x.astype(np.float32)
+    if zero_point is not None:
+        values -= zero_point.astype(np.float32)
+    return IntegerOperand(values, float(np.abs(values).max(initial=0.0)))
+
+
+def _int_matmul(a: np.ndarray, a_zp: np.ndarray | None, b: np.ndarray, b_zp: np.ndarray | None,
+                shifted_b: IntegerOperand | None = None) -> np.ndarray:
+    """``(a - a_zp) @ (b - b_zp)`` accumulated exactly, wrapped to int32 (a_zp per row, b_zp per
+    column); ``shifted_b``: ``integer_operand(b, b_zp)`` when the caller keeps it."""
+    left = integer_operand(a, _row_param(a_zp))
+    right = shifted_b if shifted_b is not None else integer_operand(b, b_zp)
     k = a.shape[-1]
-    return _wrap_int32(np.matmul(_shifted(a, _row_param(a_zp), k), _shifted(b, b_zp, k)))
+    largest = left.bound * right.bound
+    chunk = k if largest == 0 else int(_FLOAT32_EXACT_INTEGERS // largest)
+    if chunk >= k:
+        return _wrap_int32(matmul(left.values, right.values))
+    acc: np.ndarray | None = None  # the exact sum of the chunks' exact sums
+    for k0 in range(0, k, chunk):
+        rows = slice(k0, k0 + chunk)
+        part = matmul(left.values[..., rows], right.values[rows] if b.ndim == 1 else right.values[..., rows, :])
+        acc = part.astype(np.int64) if acc is None else acc + part.astype(np.int64)
+    return _wrap_int32(acc)
 
 
 def _requantize(acc: np.ndarray, multiplier: np.ndarray, y_zp: np.ndarray) -> np.ndarray:
@@ -212,7 +238,8 @@ class MatMulInteger(Op):
 
     def run(self, a: np.ndarray, b: np.ndarray, a_zero_point: np.ndarray | None = None,
             b_zero_point: np.ndarray | None = None) -> np.ndarray:
-        return _int_matmul(a, a_zero_point, b, b_zero_point)
+        shifted_b = self.derived("b", {1: b, 3: b_zero_point}, lambda: integer_operand(b, b_zero_point))
+        return _int_matmul(a, a_zero_point, b, b_zero_point, shifted_b)
 
 
 @register("QLinearMatMul", versions=(10, 21))
@@ -228,7 +255,8 @@ class QLinearMatMul(Op):
         a_scale = _row_param(a_scale).astype(f32)
         b_scale = b_scale.astype(f32)
         if _int_range(a.dtype) is not None and _int_range(b.dtype) is not None:
-            acc = _int_matmul(a, a_zero_point, b, b_zero_point)
+            shifted_b = self.derived("b", {3: b, 5: b_zero_point}, lambda: integer_operand(b, b_zero_point))
+            acc = _int_matmul(a, a_zero_point, b, b_zero_point, shifted_b)
             return _requantize(acc, a_scale * b_scale / y_scale.astype(f32), y_zero_point)
         real_a = (_wide(a) - _wide(_row_param(a_zero_point))).astype(f32) * a_scale
         real_b = (_wide(b) - _wide(b_zero_point)).astype(f32) * b_scale
@@ -239,21 +267,30 @@ class QLinearMatMul(Op):
 class _IntegerConv(Conv):
     """The float Conv kernel on zero-point shifted operands, accumulated exactly into int32."""
 
-    def accumulate(self, x: np.ndarray, x_zp: np.ndarray | None, w: np.ndarray, w_zp: np.ndarray | None) -> np.ndarray:
+    def accumulate(self, x: np.ndarray, x_zp: np.ndarray | None, w: np.ndarray, w_zp: np.ndarray | None,
+                   w_inputs: tuple[int, int]) -> np.ndarray:
+        """The int32 accumulators; ``w_inputs``: the input indices of ``w`` and its zero point."""
         if x_zp is not None and x_zp.size != 1:
             raise op_error(self, f"x zero point must be a scalar, got shape {x_zp.shape}")
-        per_channel = (w.shape[0],) + (1,) * (w.ndim - 1)  # a 1-D w parameter is per output channel
-        if w_zp is not None:
-            w_zp = w_zp.reshape(per_channel if w_zp.size > 1 else ())
         terms = math.prod(w.shape[1:])
-        return _wrap_int32(super().run(_shifted(x, x_zp, terms), _shifted(w, w_zp, terms)))
+        given_w = dict(zip(w_inputs, (w, w_zp)))
+
+        def shifted_w() -> IntegerOperand:
+            per_channel = (w.shape[0],) + (1,) * (w.ndim - 1)  # a 1-D w parameter is per output channel
+            return integer_operand(w, None if w_zp is None else w_zp.reshape(per_channel if w_zp.size > 1 else ()))
+        weights = self.derived("w", given_w, shifted_w)
+        data = integer_operand(x, x_zp)
+        if terms * data.bound * weights.bound < _FLOAT32_EXACT_INTEGERS:  # every sum an exact float32
+            return _wrap_int32(super().run(data.values, weights.values))
+        wide = self.derived("w64", given_w, lambda: weights.values.astype(np.float64))
+        return _wrap_int32(super().run(data.values.astype(np.float64), wide))
 
 
 @register("ConvInteger", versions=(10,))
 class ConvInteger(_IntegerConv):
     def run(self, x: np.ndarray, w: np.ndarray, x_zero_point: np.ndarray | None = None,
             w_zero_point: np.ndarray | None = None) -> np.ndarray:
-        return self.accumulate(x, x_zero_point, w, w_zero_point)
+        return self.accumulate(x, x_zero_point, w, w_zero_point, (1, 3))
 
 
 @register("QLinearConv", versions=(10,))
@@ -261,7 +298,7 @@ class QLinearConv(_IntegerConv):
     def run(self, x: np.ndarray, x_scale: np.ndarray, x_zero_point: np.ndarray, w: np.ndarray,
             w_scale: np.ndarray, w_zero_point: np.ndarray, y_scale: np.ndarray, y_zero_point: np.ndarray,
             b: np.ndarray | None = None) -> np.ndarray:
-        acc = self.accumulate(x, x_zero_point, w, w_zero_point)
+        acc = self.accumulate(x, x_zero_point, w, w_zero_point, (3, 5))
         if b is not None:
             acc += b.reshape((-1,) + (1,) * (acc.ndim - 2)).astype(np.int32)  # wraps like the accumulator
         channel = (1, -1) + (1,) * (acc.ndim - 2)

@@ -119,6 +119,8 @@ class Plan:
 
         for layer in model.layers:
             op = ops.create(layer, model.limits)
+            op.bind_constants({i: model.constants[name] for i, name in enumerate(layer.inputs)
+                               if name in model.constants})
             on_device = backend.device != HOST
             keep_on_host = on_device and layer.cpu_bound and fallback is not None
             target, kernel = backend, None if keep_on_host else backend.prepare(layer, op, types)

@@ -196,6 +196,47 @@ def test_matmulinteger_wraps_in_int32():
     assert got[0, 0] == np.int64(255 * 255 * k).astype(np.int32)
 
 
+@pytest.mark.parametrize("a_shape,b_shape", [((3, 1100), (1100, 5)), ((2, 3, 700), (700, 4)), ((700,), (700,)),
+                                             ((2, 600), (3, 600, 2))])
+def test_matmulinteger_is_exact_when_k_is_cut_into_float32_chunks(a_shape, b_shape, rng):
+    """Full-range operands allow 258 terms per exact float32 chunk: these K take 2 to 5 chunks,
+    whose sums must add up to the exact integer result."""
+    a, b = rng.integers(0, 256, a_shape).astype(np.uint8), rng.integers(-128, 128, b_shape).astype(np.int8)
+    a_zp, b_zp = np.array(255, np.uint8), np.array(-128, np.int8)  # |a - a_zp| and |b - b_zp| up to 255
+    got = run_checked("MatMulInteger", [a, b, a_zp, b_zp], opset=10)[0]
+    expected = np.matmul(a.astype(np.int64) - 255, b.astype(np.int64) + 128)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_constant_weights_are_shifted_once_and_fed_weights_every_run(rng):
+    """A constant B is converted on the first run and kept (Op.derived); a B fed as an input is not
+    kept: each run multiplies the B it was given."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import asyncinfer as ai
+
+    w = rng.integers(-128, 128, (300, 6)).astype(np.int8)
+    nodes = [helper.make_node("MatMulInteger", ["a", "w"], ["y_const"], name="with_constant"),
+             helper.make_node("MatMulInteger", ["a", "b"], ["y_fed"], name="with_input")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", onnx.TensorProto.UINT8, [2, 300]),
+                     helper.make_tensor_value_info("b", onnx.TensorProto.INT8, [300, 6])],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.INT32, [2, 6]) for n in ("y_const", "y_fed")],
+        [numpy_helper.from_array(w, "w")])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    with ai.Worker(model) as worker:
+        for _ in range(2):
+            a = rng.integers(0, 256, (2, 300)).astype(np.uint8)
+            b = rng.integers(-128, 128, (300, 6)).astype(np.int8)
+            out = worker.run_blocking({"a": a, "b": b})
+            np.testing.assert_array_equal(out["y_const"], a.astype(np.int64) @ w.astype(np.int64))
+            np.testing.assert_array_equal(out["y_fed"], a.astype(np.int64) @ b.astype(np.int64))
+        ops = {n.layer.name: n.step.op for n in worker._plan.nodes}
+        assert "b" in ops["with_constant"]._derived and not ops["with_input"]._derived
+
+
 # -- QuantizeLinear / DequantizeLinear -----------------------------------------------------------------
 def test_quantize_rounds_half_to_even_before_the_zero_point():
     x = np.arange(-6, 6, dtype=np.float32) + 0.5

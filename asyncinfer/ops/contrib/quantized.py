@@ -29,6 +29,8 @@ up); it always dequantizes the weights and multiplies in float32.
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +41,7 @@ from ...model.ir import Layer
 from ..base import Op
 from ..windows import spatial_attrs
 from ..pool import AveragePool, _window_counts
-from ..quantize import DynamicQuantizeLinear, QLinearConv, _int_matmul, _requantize, to_quantized
+from ..quantize import DynamicQuantizeLinear, QLinearConv, _int_matmul, _requantize, integer_operand, to_quantized
 from ..registry import create, register
 from ..schema import declare_defaults
 from ..shape import normalize_axis, op_error
@@ -367,6 +369,7 @@ class QGemm(Op):
             y_zp: np.ndarray | None = None) -> np.ndarray:
         if a.ndim != 2 or b.ndim != 2:
             raise op_error(self, f"A and B must be 2-D, got {a.shape} and {b.shape}")
+        given_b = {3: b, 5: b_zp}
         a = a.T if self.attr("transA") else a
         b = b.T if self.attr("transB") else b
         _matmul_operands(self, a, b)
@@ -375,7 +378,7 @@ class QGemm(Op):
         a_zp = _zero_point(self, a_zp, a.dtype, "a_zero_point")
         b_scale = _per_column(self, b_scale, n, "b_scale").astype(np.float32)
         b_zp = _per_column(self, b_zp, n, "b_zero_point")
-        acc = _int_matmul(a, a_zp, b, b_zp)
+        acc = _int_matmul(a, a_zp, b, b_zp, self.derived("b", given_b, lambda: integer_operand(b, b_zp)))
         if c is not None:
             if c.dtype != np.int32:
                 raise op_error(self, f"C must be int32, got {c.dtype}")
@@ -407,12 +410,13 @@ class MatMulIntegerToFloat(Op):
             a_zp: np.ndarray | None = None, b_zp: np.ndarray | None = None,
             bias: np.ndarray | None = None) -> np.ndarray:
         _matmul_operands(self, a, b)
+        given_b = {1: b, 5: b_zp}
         n = b.shape[-1]
         a_scale = _scalar(self, a_scale, "a_scale")
         a_zp = _zero_point(self, a_zp, a.dtype, "a_zero_point")
         b_scale = _per_column(self, b_scale, n, "b_scale")
         b_zp = _per_column(self, b_zp, n, "b_zero_point")
-        acc = _int_matmul(a, a_zp, b, b_zp)
+        acc = _int_matmul(a, a_zp, b, b_zp, self.derived("b", given_b, lambda: integer_operand(b, b_zp)))
         return _scaled_output(acc, a_scale.astype(np.float32) * b_scale.astype(np.float32), bias, n, self,
                               a_scale.dtype)
 
@@ -436,11 +440,12 @@ class DynamicQuantizeMatMul(Op):
         _eight_bit(self, b, "B")
         if a.ndim < 1 or b.ndim < 1 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise op_error(self, f"A {a.shape} and B {b.shape} cannot be multiplied")
+        given_b = {1: b, 3: b_zp}
         n = b.shape[-1]
         b_scale = _per_column(self, b_scale, n, "b_scale")
         b_zp = _per_column(self, b_zp, n, "b_zero_point")
         a_q, a_scale, a_zp = self.quantize_a(a)
-        acc = _int_matmul(a_q, a_zp, b, b_zp)
+        acc = _int_matmul(a_q, a_zp, b, b_zp, self.derived("b", given_b, lambda: integer_operand(b, b_zp)))
         return _scaled_output(acc, a_scale.astype(np.float32) * b_scale.astype(np.float32), bias, n, self)
 
 
@@ -470,9 +475,12 @@ class QAttention(Op):
                        _zero_point(self, input_zp, x.dtype, "input_zero_point")).astype(dtype)
         w_scale = _per_column(self, weight_scale, n, "weight_scale").astype(np.float64)
         w_zp = _per_column(self, weight_zp, n, "weight_zero_point")
-        shifted = weight.astype(np.int64) - (0 if w_zp is None else w_zp.astype(np.int64))
-        real_w = (shifted * w_scale).astype(dtype)
-        return self.attention(real_x, real_w, bias, mask_index, past)
+
+        def real_w() -> np.ndarray:
+            shifted = weight.astype(np.int64) - (0 if w_zp is None else w_zp.astype(np.int64))
+            return (shifted * w_scale).astype(dtype)
+        weights = self.derived(f"weight {dtype}", {1: weight, 4: weight_scale, 7: weight_zp}, real_w)
+        return self.attention(real_x, weights, bias, mask_index, past)
 
 
 @register("QEmbedLayerNormalization", versions=(1,), domain=MS_DOMAIN)
@@ -498,7 +506,7 @@ class QEmbedLayerNormalization(Op):
             raise op_error(self, "segment_ids, segment_embedding and its scale and zero point must all be given "
                                  "or all be omitted")
         tables: list[np.ndarray | None] = []
-        for name, q, scale, zp in zip(self._TABLES, quantized, scales, zero_points):
+        for i, (name, q, scale, zp) in enumerate(zip(self._TABLES, quantized, scales, zero_points)):
             if q is None:
                 if name != "segment_embedding":
                     raise op_error(self, f"{name} is missing")
@@ -507,10 +515,16 @@ class QEmbedLayerNormalization(Op):
             _eight_bit(self, q, name)
             if scale is None or zp is None:
                 raise op_error(self, f"{name} needs a scale and a zero point")
-            tables.append(_real(q, _scalar(self, scale, f"{name} scale"),
-                                _zero_point(self, zp, q.dtype, f"{name} zero point")).astype(np.float32))
+            real = functools.partial(self._table, name, q, scale, zp)
+            # inputs 2-6 are the tables, 8-12 their scales, 13-17 their zero points
+            tables.append(self.derived(name, {2 + i: q, 8 + i: scale, 13 + i: zp}, real))
         outputs = self.embed(input_ids, segment_ids, *tables, mask)
         return outputs[0], outputs[1]
+
+    def _table(self, name: str, q: np.ndarray, scale: np.ndarray, zp: np.ndarray) -> np.ndarray:
+        """A dequantized float32 table."""
+        return _real(q, _scalar(self, scale, f"{name} scale"),
+                     _zero_point(self, zp, q.dtype, f"{name} zero point")).astype(np.float32)
 
 
 # -- weight-only quantization -------------------------------------------------------------------------
@@ -589,7 +603,8 @@ class MatMulNBits(Op):
             raise op_error(self, f"A must be a float tensor, got {a.dtype}")
         if a.ndim < 1 or a.shape[-1] != self.k:
             raise op_error(self, f"A must have K={self.k} as its last dimension, got shape {a.shape}")
-        w = self.weight(b, scales, zero_points, g_idx)
+        w = self.derived("weight", {1: b, 2: scales, 3: zero_points, 4: g_idx},
+                         lambda: self.weight(b, scales, zero_points, g_idx))
         y = np.matmul(a.astype(np.float32, copy=False), w.T)
         if bias is not None:
             if bias.size != self.n:
