@@ -79,13 +79,14 @@ def _last_axis(op: Op, x: np.ndarray, vector: np.ndarray | None, what: str) -> N
 # --------------------------------------------------------------------------------------------------
 # GELU family and activations
 # --------------------------------------------------------------------------------------------------
-_GELU = UNARY_OPS["Gelu"].fn     # fn(xp, x, approximate)
+_GELU_INPLACE = UNARY_OPS["Gelu"].inplace  # fn(xp, x, approximate): one compiled pass on float32
 _SWISH = UNARY_OPS["Swish"].fn   # fn(xp, x, alpha): x * sigmoid(alpha * x)
 
 
 @float_kernel
-def _gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
-    return _GELU(np, x, approximate)
+def _gelu(x: np.ndarray, approximate: str = "none", fresh: bool = False) -> np.ndarray:
+    """GELU of ``x``, computed in place when ``x`` is ``fresh`` (a buffer nobody else reads)."""
+    return _GELU_INPLACE(np, x if fresh else x.copy(), approximate)
 
 
 def _biased(op: Op, x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -109,7 +110,7 @@ class BiasGelu(Op):
     """``Gelu(A + B)`` (erf form), B a bias over the last axis."""
 
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return _gelu(_biased(self, a, b))
+        return _gelu(_biased(self, a, b), fresh=True)
 
 
 @register("FastGelu", versions=(1,), domain=MS_DOMAIN)
@@ -118,7 +119,7 @@ class FastGelu(Op):
     ``X + bias`` (bias optional): ONNX ``Gelu`` with ``approximate="tanh"``."""
 
     def run(self, x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        return _gelu(_biased(self, x, bias), "tanh")
+        return _gelu(_biased(self, x, bias), "tanh", fresh=bias is not None)
 
 
 @register("QuickGelu", versions=(1,), domain=MS_DOMAIN)
@@ -152,7 +153,7 @@ class BiasSplitGelu(Op):
             raise op_error(self, f"the last dimension {x.shape[-1]} of X is not even")
         h = _biased(self, x, bias)
         half = h.shape[-1] // 2
-        return (h[..., :half] * _gelu(np.ascontiguousarray(h[..., half:]))).astype(x.dtype, copy=False)
+        return (h[..., :half] * _gelu(np.array(h[..., half:]), fresh=True)).astype(x.dtype, copy=False)
 
 
 def _activation(op: Op, name: str, values: Sequence[float] | dict[str, float]) -> Callable[[np.ndarray], np.ndarray]:
