@@ -368,11 +368,13 @@ def _merge_heads(g: GraphBuilder, x: str, hidden: int) -> str:
 
 
 def bert_tiny(layers: int = 2, hidden: int = 128, heads: int = 2, ffn: int = 512, vocab: int = 30522,
-              max_positions: int = 512) -> onnx.ModelProto:
+              max_positions: int = 512, hf_mask: bool = False) -> onnx.ModelProto:
     """google/bert_uncased_L-2_H-128_A-2 as an older HF export: dynamic batch and sequence axes,
     embeddings by Gather, LayerNorm expanded (ReduceMean/Sub/Pow/Sqrt/Div), attention as
     MatMul+Add projections, Reshape/Transpose heads, QKᵀ MatMul, Div by √d, Add of the extended
-    mask, Softmax, MatMul V; GELU by Erf; pooler Gather + Gemm + Tanh."""
+    mask, Softmax, MatMul V; GELU by Erf; pooler Gather + Gemm + Tanh. ``hf_mask`` builds the
+    extended mask with two Unsqueeze nodes, as HF exports it: ORT's transformer optimizer fuses
+    attention only on that form."""
     g = GraphBuilder("bert_tiny", seed=128)
     d = hidden // heads
     ids = g.input("input_ids", INT64, ["batch", "sequence"])
@@ -387,7 +389,9 @@ def bert_tiny(layers: int = 2, hidden: int = 128, heads: int = 2, ffn: int = 512
         tok = g.op("Gather", g.weight([2, hidden], 1, gain=0.5), types, axis=0)
         h = g.layernorm_expanded(g.op("Add", g.op("Add", words, tok), pos), hidden)
     with g.scope("extended_mask"):  # (1 - mask[:, None, None, :]) * -10000
-        m = g.op("Cast", g.op("Unsqueeze", mask, g.ints([1, 2])), to=FLOAT)
+        wide = (g.op("Unsqueeze", g.op("Unsqueeze", mask, g.ints([1])), g.ints([2])) if hf_mask
+                else g.op("Unsqueeze", mask, g.ints([1, 2])))
+        m = g.op("Cast", wide, to=FLOAT)
         ext = g.op("Mul", g.op("Sub", g.scalar(1.0), m), g.scalar(-10000.0))
     for i in range(layers):
         with g.scope(f"layer.{i}.attention"):
@@ -672,12 +676,12 @@ def to_float16(proto: onnx.ModelProto, name: str) -> onnx.ModelProto:
 
 
 # -- inputs -----------------------------------------------------------------------------------------
-def _image(batch: int, size: int = 224, seed: int = 0) -> np.ndarray:
+def image(batch: int, size: int = 224, seed: int = 0) -> np.ndarray:
     """A normalised image-like input: N(0, 1) noise (what mean/std normalisation produces)."""
     return np.random.default_rng(seed).standard_normal((batch, 3, size, size), dtype=np.float32)
 
 
-def _bert_inputs(seq: int = 128) -> dict[str, np.ndarray]:
+def bert_inputs(seq: int = 128) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1)
     mask = np.ones((1, seq), np.int64)
     mask[:, seq - 16:] = 0  # a padded tail
@@ -687,7 +691,7 @@ def _bert_inputs(seq: int = 128) -> dict[str, np.ndarray]:
             "token_type_ids": types}
 
 
-def _gpt2_inputs(layers: int = 4, past: int = 127, heads: int = 12, d: int = 64) -> dict[str, np.ndarray]:
+def gpt2_inputs(layers: int = 4, past: int = 127, heads: int = 12, d: int = 64) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(2)
     inputs = {"input_ids": np.array([[464]], np.int64), "position_ids": np.array([[past]], np.int64)}
     for i in range(layers):
@@ -731,23 +735,23 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
-    Architecture("resnet18", resnet18, lambda: {"input": _image(1)}, "ResNet-18, 224², batch 1"),
-    Architecture("mobilenet_v3_small", mobilenet_v3_small, lambda: {"input": _image(1)},
+    Architecture("resnet18", resnet18, lambda: {"input": image(1)}, "ResNet-18, 224², batch 1"),
+    Architecture("mobilenet_v3_small", mobilenet_v3_small, lambda: {"input": image(1)},
                  "MobileNetV3-small, 224², batch 1"),
-    Architecture("mobilenet_v3_small_b32", lambda: mobilenet_v3_small(32), lambda: {"input": _image(32)},
+    Architecture("mobilenet_v3_small_b32", lambda: mobilenet_v3_small(32), lambda: {"input": image(32)},
                  "MobileNetV3-small, 224², batch 32", large=True),
     Architecture("mobilenet_v3_small_fp16", lambda: to_float16(mobilenet_v3_small(1), "mobilenet_v3_small_fp16"),
-                 lambda: {"input": _image(1)}, "MobileNetV3-small in float16 (input Cast), batch 1", rtol=1e-2),
-    Architecture("efficientnet_b0", efficientnet_b0, lambda: {"input": _image(1)}, "EfficientNet-B0, 224², batch 1"),
-    Architecture("convnext_tiny", convnext_tiny, lambda: {"input": _image(1)},
+                 lambda: {"input": image(1)}, "MobileNetV3-small in float16 (input Cast), batch 1", rtol=1e-2),
+    Architecture("efficientnet_b0", efficientnet_b0, lambda: {"input": image(1)}, "EfficientNet-B0, 224², batch 1"),
+    Architecture("convnext_tiny", convnext_tiny, lambda: {"input": image(1)},
                  "ConvNeXt-T (all 4 stages, 3-3-9-3 blocks), 224², batch 1", large=True),
-    Architecture("bert_tiny", bert_tiny, _bert_inputs, "BERT-tiny encoder: 2 layers, hidden 128, 2 heads, seq 128"),
-    Architecture("gpt2_decode", gpt2_decode, _gpt2_inputs,
+    Architecture("bert_tiny", bert_tiny, bert_inputs, "BERT-tiny encoder: 2 layers, hidden 128, 2 heads, seq 128"),
+    Architecture("gpt2_decode", gpt2_decode, gpt2_inputs,
                  "GPT-2-small-style decode step: 4 layers of 768, 12 heads, past 127, 1 new token, 50257 logits",
                  large=True),
     Architecture("llama_block", llama_block, _llama_inputs,
                  "Llama-style decoder: 2 layers of 1024, 16 heads, MLP 2816, prefill seq 128", large=True),
-    Architecture("ssdlite_nms", ssdlite_nms, lambda: {"images": _image(1, 320)},
+    Architecture("ssdlite_nms", ssdlite_nms, lambda: {"images": image(1, 320)},
                  "SSDLite-style detector 320², 3234 anchors, TopK 300 + NonMaxSuppression",
                  index_outputs=("selected_indices",)),
     Architecture("lstm_vad", lstm_vad, _vad_inputs,

@@ -31,8 +31,8 @@ from typing import Any
 from bench import common
 
 # Every benchmark, in the order a full run takes them (the CPU ones first: they gate the floors).
-BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "load_time", "generate", "pixel",
-                               "serving", "serving_load", "gpu_compute")
+BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "ort_tools", "load_time", "generate",
+                               "pixel", "serving", "serving_load", "gpu_compute")
 
 # Our own packages: failing to import one of them is a bug to report, not a missing dependency.
 OWN_PACKAGES = ("asyncinfer", "bench")
@@ -138,7 +138,7 @@ class Floor:
 
 def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
     """The targets measurable from ``results`` (benchmark name -> result): latency's, overhead's,
-    concurrency's, load_time's, generate's and serving_load's."""
+    concurrency's, ort_tools', load_time's, generate's and serving_load's."""
     checks = []
     if (lat := results.get("latency")) is not None:
         checks.append(Floor("geomean latency ratio asyncinfer(await)/ORT", common.dig(lat, "geomean_ratio_await"),
@@ -162,6 +162,13 @@ def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
                 Floor(f"loop lag p99 while {tasks} tasks run, {model}", common.dig(r, *lag, "p99_ms"), 2.0, "ms"),
                 Floor(f"loop lag max while {tasks} tasks run, {model}", common.dig(r, *lag, "max_ms"), 10.0, "ms"),
             ]
+    if (tools := results.get("ort_tools")) is not None:
+        checks.append(Floor("models made by ORT's tools that fail to load, run or agree with ORT",
+                            float(len(tools["failed"])) if tools["measured"] else None, 0.0))
+        if "resnet18" in tools["networks"]:
+            checks.append(Floor("float16 ResNet-18, x its float32 time (asyncinfer)",
+                                common.dig(tools, "networks", "resnet18", "variants", "float16", "float16_over_fp32"),
+                                1.3, "x"))
     if (lt := results.get("load_time")) is not None:
         for model, r in lt["models"].items():
             if "error" in r:

@@ -149,6 +149,15 @@ def test_floors_report_every_target_of_the_benchmarks_that_ran():
     assert runner.floors({"pixel": {}}) == []
 
 
+def test_ort_tools_floors():
+    ok = {"networks": {"resnet18": {"variants": {"float16": {"float16_over_fp32": 0.9}}}}, "failed": [], "measured": 3}
+    assert [(f.value, f.verdict) for f in runner.floors({"ort_tools": ok})] == [(0.0, "PASS"), (0.9, "PASS")]
+    bad = {"networks": {"bert_base": {"variants": {}}}, "failed": ["bert_base/dynamic"], "measured": 2}
+    assert [(f.value, f.verdict) for f in runner.floors({"ort_tools": bad})] == [(1.0, "MISS")]
+    nothing = {"networks": {}, "failed": [], "measured": 0}
+    assert [f.verdict for f in runner.floors({"ort_tools": nothing})] == ["N/A"]
+
+
 def test_load_time_floors_and_external_copy(monkeypatch, tmp_path):
     import asyncinfer as ai
     from bench import architectures, load_time
@@ -252,6 +261,82 @@ def test_real_models_agreement_reports_disagreement():
     fp16 = real_models.agreement(arch, {"boxes": ref["boxes"].astype(np.float16),
                                         "selected_indices": ref["selected_indices"]}, ref)
     assert not fp16["ok"] and "dtype float16" in fp16["detail"]
+
+
+def _tiny_networks():
+    """A small residual CNN and a one-layer HF-style BERT, for the ort_tools benchmark."""
+    from bench import architectures, ort_tools
+    from bench.architectures import FLOAT, GraphBuilder
+
+    def cnn():
+        g = GraphBuilder("tiny_cnn", seed=9)
+        x = g.input("input", FLOAT, [1, 3, 16, 16])
+        y = g.op("Relu", g.conv(x, 3, 8, 3, 2))
+        y = g.op("Add", y, g.op("Relu", g.conv(y, 8, 8, 3)))
+        g.output(g.gemm(g.op("Flatten", g.op("GlobalAveragePool", y), axis=1), 8, 5), "logits", FLOAT, [1, 5])
+        return g.model()
+
+    def bert_feeds():
+        rng = np.random.default_rng(1)
+        mask = np.ones((1, 7), np.int64)
+        mask[:, 5:] = 0
+        return {"input_ids": rng.integers(0, 50, (1, 7)), "attention_mask": mask,
+                "token_type_ids": np.zeros((1, 7), np.int64)}
+
+    image = np.random.default_rng(2).standard_normal((1, 3, 16, 16), dtype=np.float32)
+    return {"tiny_cnn": ort_tools.Network("tiny_cnn", cnn, lambda: {"input": image}, "cnn", "tiny CNN"),
+            "tiny_bert": ort_tools.Network(
+                "tiny_bert", lambda: architectures.bert_tiny(layers=1, hidden=32, heads=2, ffn=64, vocab=50,
+                                                             max_positions=16, hf_mask=True),
+                bert_feeds, "bert", "tiny BERT", heads=2, hidden=32)}
+
+
+def test_ort_tools_on_tiny_networks(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the ort_tools benchmark compares against onnxruntime")
+    pytest.importorskip("sympy", reason="ORT's transformer optimizer needs sympy")
+    from bench import ort_tools
+
+    monkeypatch.setenv("ASYNCINFER_BENCH_CACHE", str(tmp_path))  # build into a fresh cache
+    monkeypatch.setattr(ort_tools, "NETWORKS", _tiny_networks())
+    variants = ["dynamic", "static_qop_channel", "static_qdq_tensor", "float16", "optimizer", "optimizer_dynamic",
+                "ort_extended_dynamic"]
+    result = ort_tools.run(["tiny_cnn", "tiny_bert"], variants, repeats=2, verbose=False)
+    cnn, bert = (result["networks"][n]["variants"] for n in ("tiny_cnn", "tiny_bert"))
+    # each network gets fp32 (the yardstick) and only the tools that apply to it
+    assert set(cnn) == {"fp32", "dynamic", "static_qop_channel", "static_qdq_tensor", "float16",
+                        "ort_extended_dynamic"}
+    assert set(bert) == {"fp32", "dynamic", "float16", "optimizer", "optimizer_dynamic", "ort_extended_dynamic"}
+    for network in (cnn, bert):
+        for variant, r in network.items():
+            assert "error" not in r, (variant, r.get("error"))
+            assert r["agreement"]["ok"], (variant, r["agreement"]["detail"])
+            assert_timing(r["timings"]["asyncinfer"], 2)
+            assert_positive(r["ratio"])
+    assert {"QGemm", "QLinearAdd"} <= set(cnn["static_qop_channel"]["com_microsoft_ops"])
+    assert {"Attention", "SkipLayerNormalization"} <= set(bert["optimizer"]["com_microsoft_ops"])
+    assert "QAttention" in bert["optimizer_dynamic"]["com_microsoft_ops"]
+    assert_positive(cnn["float16"]["float16_over_fp32"])
+    assert result["failed"] == [] and result["measured"] == len(cnn) + len(bert)
+    cached = {p.name.split("-")[0] for p in (tmp_path / "ort_tools").iterdir()}
+    assert cached == {"tiny_cnn", "tiny_bert"}
+
+
+def test_ort_tools_reports_a_variant_that_fails(monkeypatch, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the ort_tools benchmark compares against onnxruntime")
+    from bench import ort_tools
+
+    monkeypatch.setenv("ASYNCINFER_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(ort_tools, "NETWORKS", _tiny_networks())
+
+    def broken(src, dst):
+        raise RuntimeError("the tool crashed")
+
+    monkeypatch.setattr(ort_tools, "_float16", broken)
+    result = ort_tools.run(["tiny_cnn"], ["float16"], repeats=2, verbose=False)
+    variants = result["networks"]["tiny_cnn"]["variants"]
+    assert "the tool crashed" in variants["float16"]["error"] and variants["fp32"]["agreement"]["ok"]
+    assert result["failed"] == ["tiny_cnn/float16"]
+    assert not list((tmp_path / "ort_tools").glob("*partial*"))  # nothing half-written is left to be found
 
 
 def test_architecture_cache_rebuilds_when_the_builders_change(monkeypatch, tmp_path):

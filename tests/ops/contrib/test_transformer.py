@@ -741,19 +741,9 @@ def _hf_bert(layers=2, hidden=64, heads=4):
     """bench's bert_tiny, small, with its extended mask built by two Unsqueeze nodes as HF exports it:
     ORT's Attention fusion matches only that (one Unsqueeze with axes [1, 2] is left unfused)."""
     from bench.architectures import bert_tiny
-    from onnx import numpy_helper
 
-    model = bert_tiny(layers=layers, hidden=hidden, heads=heads, ffn=2 * hidden, vocab=100, max_positions=32)
-    graph = model.graph
-    for i, node in enumerate(graph.node):
-        if node.op_type == "Unsqueeze" and node.input[0] == "attention_mask":
-            graph.initializer.extend([numpy_helper.from_array(np.array([a], np.int64), f"mask_axis_{a}") for a in (1, 2)])
-            first = helper.make_node("Unsqueeze", ["attention_mask", "mask_axis_1"], ["mask_u1"], name="mask_u1")
-            second = helper.make_node("Unsqueeze", ["mask_u1", "mask_axis_2"], list(node.output), name="mask_u2")
-            graph.node.remove(node)
-            graph.node.insert(i, second)
-            graph.node.insert(i, first)
-            break
+    model = bert_tiny(layers=layers, hidden=hidden, heads=heads, ffn=2 * hidden, vocab=100, max_positions=32,
+                      hf_mask=True)
     onnx.checker.check_model(model)
     return model
 
