@@ -145,12 +145,14 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
 
 @pytest.mark.parametrize("shape, kernel, stride, mult, channels_last", [
     ((1, 32, 56, 56), 3, 1, 1, False),   # wide map, unit stride, small kernel: rows
-    ((1, 32, 56, 56), 3, 2, 1, True),    # strided, 28 columns out: channels last
+    ((1, 32, 40, 40), 3, 2, 1, True),    # strided, 20 columns out: channels last
+    ((1, 32, 56, 56), 3, 2, 1, None),    # strided, 28 columns out, 3x3: the stride-2 row loop
     ((1, 16, 112, 112), 3, 2, 1, None),  # strided, 56 columns out, 3x3: the stride-2 row loop
     ((1, 8, 112, 112), 5, 2, 1, True),   # strided 5x5: channels last
     ((1, 64, 14, 14), 5, 1, 1, True),    # narrow map: channels last
     ((1, 16, 56, 56), 7, 1, 1, True),    # large kernel: channels last
-    ((1, 8, 56, 56), 3, 2, 2, False),    # channel multiplier: rows
+    ((1, 8, 40, 40), 3, 2, 2, False),    # channel multiplier, 20 columns out: rows
+    ((1, 8, 56, 56), 3, 2, 2, None),     # channel multiplier, 28 columns out: the stride-2 row loop
 ])
 def test_dispatch_rule(shape, kernel, stride, mult, channels_last, rng, monkeypatch):
     """The default rule (conv_kernels.channels_last_pays) on real-sized layers, checked against the reference."""
