@@ -75,21 +75,22 @@ class Conv(_ConvBase):
         if math.prod(out) == 0 or n == 0:
             return epilogue.apply_inplace(np.zeros((n, m, *out), dtype=np.result_type(x.dtype, w.dtype)))
         if nsp == 1:  # 1-D: a 2-D conv over a map one row high
-            y = _conv2d(x[:, :, None], w[:, :, None], b, group, [1] + strides, [1] + dilations, [0] + begin,
-                        [0] + end, [1] + out, epilogue)
+            y = _conv2d(x[:, :, None], w[:, :, None], b, group, (1,) + strides, (1,) + dilations, (0,) + begin,
+                        (0,) + end, (1,) + out, epilogue)
             return y.reshape(n, m, *out)
         if nsp == 2:
             return _conv2d(x, w, b, group, strides, dilations, begin, end, out, epilogue)
         return epilogue.apply_inplace(self._convolve_nd(x, w, b, group, kernel, strides, dilations, begin, end, out))
 
-    def _windows(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[list[int], ...]:
-        """``kernel, strides, dilations, begin, end, out`` for these operand shapes (`per_shape`)."""
-        def work_out() -> tuple[list[int], ...]:
+    def _windows(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """``kernel, strides, dilations, begin, end, out`` for these operand shapes (`per_shape`),
+        as tuples of ints (hashable: `conv_gemm` keys its layouts on them)."""
+        def work_out() -> tuple[tuple[int, ...], ...]:
             kernel = list(self.attr("kernel_shape", None) or w_shape[2:])
             strides, dilations, pads = spatial_attrs(self, len(x_shape) - 2, kernel)
             begin, end, out = window_geometry(x_shape[2:], kernel, strides, dilations, pads, self.attr("auto_pad"))
             strides = [1 if o == 1 else s for s, o in zip(strides, out)]  # one position: no step to take
-            return kernel, strides, dilations, begin, end, out
+            return tuple(tuple(int(v) for v in a) for a in (kernel, strides, dilations, begin, end, out))
         return self.per_shape((x_shape, w_shape), work_out)
 
     def _convolve_nd(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, kernel: list[int],

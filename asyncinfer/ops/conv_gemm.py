@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,6 +51,56 @@ def exact_im2col_pays(win: FlatWindows, positions: int, strides: Sequence[int]) 
             or (max(strides) > 1 and len(win.offsets) <= EXACT_IM2COL_MAX_STRIDED_TAPS))
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What `conv2d` derives from the shapes and the window geometry alone, worked out once per
+    geometry (`_layout`): 5-10 µs of Python a call, as much as a small conv's arithmetic."""
+
+    pointwise: bool                  # a 1x1 conv at unit stride without pads: one GEMM, no im2col
+    exact: tuple[int, ...] | None    # im2col2d's geometry, when the exact im2col pays
+    windows: FlatWindows | None      # else the flat windows (and their tap offsets)
+    offsets: np.ndarray | None
+    span: int                        # columns (virtual positions) per image
+    row_width: int                   # columns per output row in that grid
+    parallel: bool                   # large enough to split across the pool
+    single_blocks: tuple[tuple[int, int, int], ...]  # (image, v0, v1) blocks on one thread
+
+
+@functools.lru_cache(maxsize=512)
+def _layout(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
+            dilations: tuple[int, ...], begin: tuple[int, ...], end: tuple[int, ...], out: tuple[int, ...],
+            itemsize: int, tuning: tuple) -> _Layout:
+    """The layout of one geometry. ``tuning`` (`_tuning`) is part of the key so that a change to
+    this module's thresholds (tests, experiments) takes effect at once."""
+    n, c, h, wd = x_shape
+    m, _, kh, kw = w_shape
+    ho, wo = out
+    positions = ho * wo
+    rows = c * kh * kw
+    pointwise = (kh, kw, ho, wo) == (1, 1, h, wd) and strides == (1, 1) and not any(begin) and group == 1
+    exact, windows, offsets = None, None, None
+    if (kh, kw) == (1, 1) and strides == (1, 1) and not any(begin) and not any(end) and (ho, wo) == (h, wd):
+        span, row_width = positions, wo  # a 1x1 conv multiplies the input itself: no im2col
+    else:
+        win = flat_windows((h, wd), (kh, kw), strides, dilations, begin, end, out)
+        if exact_im2col_pays(win, positions, strides):
+            exact = (kh, kw, wo, *strides, *dilations, int(begin[0]), int(begin[1]))
+            span, row_width = positions, wo
+        else:
+            windows, offsets = win, np.asarray(win.offsets, dtype=np.int64)
+            span, row_width = win.length, win.q[1]
+    parallel = n * m * rows // group * positions >= SPLIT_MIN_MACS
+    width = _block_width(span, rows, m, itemsize, 2 // max(1, n))
+    blocks = tuple((i, v0, min(span, v0 + width)) for i in range(n) for v0 in range(0, span, width))
+    return _Layout(pointwise, exact, windows, offsets, span, row_width, parallel, blocks)
+
+
+def _tuning() -> tuple:
+    """The module's thresholds that `_layout` reads."""
+    return (EXACT_IM2COL_WASTE, EXACT_IM2COL_MAX_STRIDED_TAPS, EXACT_IM2COL_MIN_TAPS, BLOCK_BYTES, MIN_WIDTH,
+            SPLIT_MIN_MACS)
+
+
 def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, strides: Sequence[int],
            dilations: Sequence[int], begin: Sequence[int], end: Sequence[int], out: Sequence[int],
            epilogue: Epilogue) -> np.ndarray:
@@ -57,22 +108,29 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
     ``epilogue``. ``begin``/``end`` are the pads and ``out`` the output size (from
     ``windows.window_geometry``). Float32 or float64 operands; ``epilogue`` other than
     `NO_ACTIVATION` only on float32."""
-    n, c, h, wd = x.shape
+    n = x.shape[0]
     m, cg, kh, kw = w.shape
     mg = m // group
     ho, wo = (int(o) for o in out)
-    positions = ho * wo
-    rows = c * kh * kw  # im2col rows, group after group
+    layout = _layout(x.shape, w.shape, group, tuple(strides), tuple(dilations), tuple(begin), tuple(end), (ho, wo),
+                     x.itemsize, _tuning())
     x = np.ascontiguousarray(x)
     weights = np.ascontiguousarray(w).reshape(group, mg, cg * kh * kw)
     b = bias
     bias = np.zeros(m, x.dtype) if b is None else np.ascontiguousarray(b, dtype=x.dtype)
-    strides, dilations = tuple(int(s) for s in strides), tuple(int(d) for d in dilations)
-    columns, span, row_width = _im2col(x, (kh, kw), strides, dilations, begin, end, (ho, wo))
-    threads = parallel.parts_available() if n * m * rows // group * positions >= SPLIT_MIN_MACS else 1
-    width = _block_width(span, rows, m, x.itemsize, threads * 2 // max(1, n))
-    blocks = -(-span // width)
+    if layout.pointwise:
+        # a 1x1 conv has no im2col to keep in cache: one GEMM (split by linalg.matmul) straight
+        # into the output, then bias and activation in place where there are any
+        planes = x.reshape(n, x.shape[1], ho * wo)
+        # (a batch of one as a plain 2-D GEMM: NumPy's broadcast matmul is slower than BLAS on it)
+        y = matmul(weights[0], planes[0])[None] if n == 1 else matmul(weights, planes)
+        if b is not None or epilogue != NO_ACTIVATION:
+            epilogue.apply(y.reshape(n * m, ho * wo), bias if n == 1 else np.tile(bias, n))
+        return y.reshape(n, m, ho, wo)
+    columns = _columns(x, layout)
+    rows = x.shape[1] * kh * kw  # im2col rows, group after group
     k = cg * kh * kw
+    span, row_width = layout.span, layout.row_width
 
     def block_part(i: int, v0: int, v1: int) -> None:
         cols = columns(i, v0, v1, scratch((rows, v1 - v0), x.dtype, "cols"))
@@ -81,17 +139,15 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
             np.matmul(weights[g], cols[g * k:(g + 1) * k], out=block[g * mg:(g + 1) * mg])
         epilogue.store(block, bias, y[i], v0, row_width, wo)
 
-    if (kh, kw, ho, wo) == (1, 1, h, wd) and strides == (1, 1) and not any(begin) and group == 1:
-        # a 1x1 conv has no im2col to keep in cache: one GEMM (split by linalg.matmul) straight
-        # into the output, then bias and activation in place where there are any
-        planes = x.reshape(n, c, positions)
-        # (a batch of one as a plain 2-D GEMM: NumPy's broadcast matmul is slower than BLAS on it)
-        y = matmul(weights[0], planes[0])[None] if n == 1 else matmul(weights, planes)
-        if b is not None or epilogue != NO_ACTIVATION:
-            epilogue.apply(y.reshape(n * m, positions), np.tile(bias, n))
+    y = np.empty((n, m, ho * wo), dtype=x.dtype)
+    threads = parallel.parts_available() if layout.parallel else 1
+    if threads == 1:
+        for i, v0, v1 in layout.single_blocks:
+            block_part(i, v0, v1)
         return y.reshape(n, m, ho, wo)
-    y = np.empty((n, m, positions), dtype=x.dtype)
-    if threads == 1 or n * blocks >= 2 * threads or group > 1 or m < 2 * MIN_BAND_ROWS:
+    width = _block_width(span, rows, m, x.itemsize, threads * 2 // max(1, n))
+    blocks = -(-span // width)
+    if n * blocks >= 2 * threads or group > 1 or m < 2 * MIN_BAND_ROWS:
         run_tasks([functools.partial(block_part, i, v0, min(span, v0 + width))
                    for i in range(n) for v0 in range(0, span, width)], threads)
         return y.reshape(n, m, ho, wo)
@@ -113,33 +169,27 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
 Columns = Callable[[int, int, int, np.ndarray], np.ndarray]
 
 
-def _im2col(x: np.ndarray, kernel: tuple[int, int], strides: tuple[int, ...], dilations: tuple[int, ...],
-            begin: Sequence[int], end: Sequence[int], out: tuple[int, int]) -> tuple[Columns, int, int]:
-    """How to build columns: ``(columns(image, v0, v1, scratch) -> (rows, v1 - v0) array, span,
-    row_width)``. Columns index positions ``v`` of a grid ``row_width`` wide (``span`` of them):
-    the output positions themselves (direct and exact), or flat windows' virtual ones, whose
-    padding columns the epilogue drops."""
-    n, c, h, wd = x.shape
-    ho, wo = out
-    positions = ho * wo
-    if kernel == (1, 1) and strides == (1, 1) and not any(begin) and not any(end) and (ho, wo) == (h, wd):
-        flat = x.reshape(n, c, positions)  # a 1x1 conv multiplies the input itself: no im2col
-        return (lambda i, v0, v1, _: flat[i, :, v0:v1]), positions, wo
-    win = flat_windows((h, wd), kernel, strides, dilations, begin, end, out)
-    if exact_im2col_pays(win, positions, strides):
-        geometry = (*kernel, wo, *strides, *dilations, int(begin[0]), int(begin[1]))
+def _columns(x: np.ndarray, layout: _Layout) -> Columns:
+    """How to build columns: ``columns(image, v0, v1, scratch) -> (rows, v1 - v0) array`` over
+    positions ``v`` of the layout's grid: the output positions themselves (direct and exact), or
+    flat windows' virtual ones, whose padding columns the epilogue drops."""
+    if layout.exact is not None:
+        geometry = layout.exact
 
         def exact(i: int, v0: int, v1: int, cols: np.ndarray) -> np.ndarray:
             im2col2d(x[i], cols, *geometry, v0, v1)
             return cols
-        return exact, positions, wo
-    buf = win.load(x).reshape(n, c, -1)
-    offsets = np.asarray(win.offsets, dtype=np.int64)
+        return exact
+    if layout.windows is None:
+        flat = x.reshape(x.shape[0], x.shape[1], -1)  # a 1x1 conv multiplies the input itself
+        return lambda i, v0, v1, _: flat[i, :, v0:v1]
+    buf = layout.windows.load(x).reshape(x.shape[0], x.shape[1], -1)
+    offsets = layout.offsets
 
     def flat_columns(i: int, v0: int, v1: int, cols: np.ndarray) -> np.ndarray:
         im2col_flat(buf[i], offsets, cols, v0, v1)
         return cols
-    return flat_columns, win.length, win.q[1]
+    return flat_columns
 
 
 def _block_width(span: int, rows: int, m: int, itemsize: int, min_blocks: int) -> int:
