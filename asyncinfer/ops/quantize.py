@@ -6,10 +6,10 @@ Integer products are computed in floating point so that BLAS does the work: a do
 stays below 2**24, whatever the order BLAS sums in. Matmuls cut K into chunks that short (at least
 258 terms; 1028 for the 7-bit weights of ``reduce_range``), multiply each in float32 and add the
 exact chunk sums in int64; convs multiply in float32 where that bound holds for the whole window
-and in float64 otherwise, exact far beyond any real K. The
-exact sums are then wrapped to int32, as ONNX lets accumulators overflow only there. Weights that
-are model constants are shifted and converted once, when first used, and kept (`Op.derived`):
-float32 copies of int8 weights, four times their bytes, rather than a conversion every run.
+and in float64 otherwise, exact far beyond any real K. The exact sums are then wrapped to int32,
+as ONNX lets accumulators overflow only there. Weights that are model constants are shifted and
+converted once, when first used, and kept (`Op.derived`): float32 copies of int8 weights, four
+times their bytes, rather than a conversion every run.
 Requantization follows ONNX Runtime: ``round_half_even(acc * (a_scale * b_scale / y_scale)) + zp``
 in float32, then saturation to the output type.
 """
