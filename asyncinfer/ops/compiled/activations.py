@@ -27,6 +27,7 @@ _LN2_HI = _F(0.693145751953125)      # ln 2 to 16 bits: n·_LN2_HI is exact for 
 _LN2_LO = _F(1.4286068203094173e-06)  # ln 2 - _LN2_HI
 _EXP_MAX = _F(88.72283)               # e^x overflows float32 above this
 _EXP_MIN = _F(-87.33654)              # and is subnormal (flushed to 0 here) below this
+_INF = _F(np.inf)
 
 
 @intrinsic
@@ -37,6 +38,18 @@ def _float_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def _fma(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """float32 ``a·b + c`` rounded once (LLVM's fma: vectorises). Kernels here are compiled
+    without implicit contraction and fuse exactly where this is written, so every kernel that
+    inlines a helper computes the same bits (a fused epilogue equals the standalone op)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, args)
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
 @inline
 def _exp(x: float) -> float:
     """float32 ``e^x`` (module docstring); ``inf`` above the float32 range, 0 where the result
@@ -44,18 +57,18 @@ def _exp(x: float) -> float:
     if x != x:
         return x
     if x > _EXP_MAX:
-        return np.inf
+        return _INF  # a float32: a float64 constant here would make every caller compute in float64
     if x < _EXP_MIN:
         return _F(0.0)
-    n = np.floor(x * _LOG2E + _F(0.5))
-    r = (x - n * _LN2_HI) - n * _LN2_LO
+    n = np.floor(_fma(x, _LOG2E, _F(0.5)))
+    r = _fma(-n, _LN2_LO, _fma(-n, _LN2_HI, x))
     p = _F(1.0 / 720.0)
-    p = p * r + _F(1.0 / 120.0)
-    p = p * r + _F(1.0 / 24.0)
-    p = p * r + _F(1.0 / 6.0)
-    p = p * r + _F(0.5)
-    p = p * r + _F(1.0)
-    p = p * r + _F(1.0)
+    p = _fma(p, r, _F(1.0 / 120.0))
+    p = _fma(p, r, _F(1.0 / 24.0))
+    p = _fma(p, r, _F(1.0 / 6.0))
+    p = _fma(p, r, _F(0.5))
+    p = _fma(p, r, _F(1.0))
+    p = _fma(p, r, _F(1.0))
     # 2^n as 2^a·2^b with a = n//2: n spans [-126, 128] and 128 is past the largest float32
     # exponent (127), -126 the smallest normal one
     k = np.int32(n)
@@ -85,7 +98,9 @@ def tanh1(v: float) -> float:
     7e-7 relative of ``np.tanh`` everywhere, ±1 at the ends, NaN for NaN."""
     a = abs(v)
     one = _F(1.0)
-    t = one - _F(2.0) / (_exp(_F(2.0) * a) + one)
+    # 1 - 2/(e + 1) in float64, rounded once: in float32 the subtraction's cancellation near
+    # |v| = 1/8 passes 7e-7 relative
+    t = _F(1.0 - 2.0 / (np.float64(_exp(_F(2.0) * a)) + 1.0))
     t = -t if v < 0 else t
     z = v * v
     s = v * (one + z * (_F(-1.0 / 3.0) + z * (_F(2.0 / 15.0) + z * (_F(-17.0 / 315.0) + z * _F(62.0 / 2835.0)))))
@@ -95,26 +110,26 @@ def tanh1(v: float) -> float:
 @inline
 def hard_sigmoid1(v: float, a: float, b: float) -> float:
     """``clamp(a·v + b, 0, 1)`` (NaN stays NaN)."""
-    g = a * v + b
+    g = _fma(a, v, b)
     return _F(0.0) if g < 0 else (_F(1.0) if g > 1 else g)
 
 
 @inline
 def hard_swish1(v: float) -> float:
     """``v · clamp(v/6 + 1/2, 0, 1)`` (NaN stays NaN)."""
-    g = v * _F(1.0 / 6.0) + _F(0.5)
+    g = _fma(v, _F(1.0 / 6.0), _F(0.5))
     # a product even where the gate clamps, as the definition: -inf·0 is NaN, v<-3 gives -0
     return v * (_F(0.0) if g < 0 else (_F(1.0) if g > 1 else g))
 
 
-@kernel
+@kernel(contract=False)
 def sigmoid(x: np.ndarray) -> None:
     """``x ← 1 / (1 + e^-x)``, ``x`` a flat float32 array (NaN stays NaN)."""
     for i in range(x.size):
         x[i] = sigmoid1(x[i])
 
 
-@kernel
+@kernel(contract=False)
 def swish(x: np.ndarray, alpha: float) -> None:
     """``x ← x / (1 + e^(-alpha·x))``, ``x`` a flat float32 array."""
     a = _F(alpha)
@@ -122,7 +137,7 @@ def swish(x: np.ndarray, alpha: float) -> None:
         x[i] = swish1(x[i], a)
 
 
-@kernel
+@kernel(contract=False)
 def hard_sigmoid(x: np.ndarray, alpha: float, beta: float) -> None:
     """``x ← clamp(alpha·x + beta, 0, 1)``, ``x`` a flat float32 array (NaN stays NaN)."""
     a, b = _F(alpha), _F(beta)
@@ -130,7 +145,7 @@ def hard_sigmoid(x: np.ndarray, alpha: float, beta: float) -> None:
         x[i] = hard_sigmoid1(x[i], a, b)
 
 
-@kernel
+@kernel(contract=False)
 def hard_swish(x: np.ndarray) -> None:
     """``x ← x · clamp(x/6 + 1/2, 0, 1)``, ``x`` a flat float32 array (NaN stays NaN)."""
     for i in range(x.size):
@@ -162,7 +177,7 @@ def gelu(x: np.ndarray) -> None:
         x[i] = v * ((one + e) * half)
 
 
-@kernel
+@kernel(contract=False)
 def gelu_tanh(x: np.ndarray) -> None:
     """``x ← x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))``, ``x`` a flat float32 array, as
     ``x · sigmoid(2y)`` (the same function: 1 + tanh(y) = 2·sigmoid(2y)), which needs no tanh and

@@ -90,7 +90,7 @@ def _apply_run(row: np.ndarray, bi: float, kind: int, av: float, bv: float) -> N
             row[_U(j)] = swish1(row[_U(j)] + bi, av)
 
 
-@kernel
+@kernel(contract=False)
 def apply_rows(y: np.ndarray, bias: np.ndarray, kind: int, a: float, b: float) -> None:
     """``y[i, j] = act(y[i, j] + bias[i])`` in place, float32 ``y`` (rows, width) with contiguous
     rows: the epilogue of a result BLAS wrote straight into the output."""
@@ -99,7 +99,7 @@ def apply_rows(y: np.ndarray, bias: np.ndarray, kind: int, a: float, b: float) -
         _apply_run(y[i], bias[i], kind, av, bv)
 
 
-@kernel
+@kernel(contract=False)
 def store_rows(block: np.ndarray, bias: np.ndarray, out: np.ndarray, v0: int, row_width: int, out_width: int,
                kind: int, a: float, b: float) -> None:
     """Store ``act(block[i, j] + bias[i])`` for every row ``i`` of ``block`` (rows, width) into
