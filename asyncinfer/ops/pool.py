@@ -1,7 +1,7 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
 2-D float max pools run on compiled loops (`compiled.pool`): one over the tiles when the windows
-tile the map, else a separable row loop. Other windowed pools reduce
+tile the map, else a separable loop (down the columns first at vertical strides above one). Other windowed pools reduce
 over kernel taps with whole-array NumPy ops: separably (one axis at a time) where the reduction
 allows, else one op per tap on the flat, polyphase-split input of `FlatWindows` (long contiguous
 runs instead of many short rows), sharing the window geometry with Conv.
@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from .base import Op
-from .compiled.pool import max_pool2d, max_pool_tiles
+from .compiled.pool import max_pool2d, max_pool2d_columns_first, max_pool_tiles
 from .compiled.rows import row_means
 from .conv_kernels import run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -143,7 +143,8 @@ class MaxPool(_WindowPool):
             return out, threads, [(max_pool_tiles, (*part, *kernel)) for part in parts]
         geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
                     float(_lowest(dtype)))
-        return out, threads, [(max_pool2d, (*part, *geometry)) for part in parts]
+        loop = max_pool2d_columns_first if int(strides[0]) > 1 else max_pool2d
+        return out, threads, [(loop, (*part, *geometry)) for part in parts]
 
     def _indices(self, shape: tuple[int, ...], best: np.ndarray, begin: list[int], out: list[int]) -> np.ndarray:
         """Flat input index of each chosen tap: row-major, or column-major spatial for storage_order=1."""

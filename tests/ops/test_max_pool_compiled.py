@@ -1,5 +1,6 @@
-"""2-D float MaxPool on its compiled loops (asyncinfer/ops/compiled/pool.py: the separable row
-loop, and the tile loop where the windows tile the map) against onnx's reference implementation:
+"""2-D float MaxPool on its compiled loops (asyncinfer/ops/compiled/pool.py: the separable loops,
+rows first or columns first, and the tile loop where the windows tile the map) against onnx's
+reference implementation:
 pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ CASES = {
     # windows that overlap nothing but the map's edge: not tiles
     "2x2_s2_ceil_mode": ((1, 2, 7, 9), dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
     "2x2_s2_padded": ((1, 2, 8, 8), dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "3x3_s3x1_dilated_rows": ((1, 2, 14, 9), dict(kernel_shape=[3, 3], strides=[3, 1], dilations=[2, 1],
+                                                  pads=[2, 1, 2, 1])),
+    "s2x3_ceil": ((1, 3, 10, 13), dict(kernel_shape=[3, 2], strides=[2, 3], ceil_mode=1)),
 }
 # windows that tile the map (kernel = stride, no pads): the tile loop; a last row or column
 # shorter than a tile is not read (floor mode)
@@ -43,15 +47,17 @@ def test_matches_reference(name, dtype, rng, monkeypatch):
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     monkeypatch.setattr(pool, "max_pool2d", lambda *a: calls.append("rows") or _rows(*a))
+    monkeypatch.setattr(pool, "max_pool2d_columns_first", lambda *a: calls.append("columns") or _columns(*a))
     monkeypatch.setattr(pool, "max_pool_tiles", lambda *a: calls.append("tiles") or _tiles(*a))
     (got,) = make_op("MaxPool", attrs, version=12)(x)
     (want,) = reference_run("MaxPool", [x], attrs, opset=12)
-    assert set(calls) == {"tiles" if name in TILE_CASES else "rows"}
+    vertical_stride = attrs.get("strides", [1])[0]
+    assert set(calls) == {"tiles" if name in TILE_CASES else "columns" if vertical_stride > 1 else "rows"}
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
 
 
-_rows, _tiles = pool.max_pool2d, pool.max_pool_tiles
+_rows, _columns, _tiles = pool.max_pool2d, pool.max_pool2d_columns_first, pool.max_pool_tiles
 
 
 def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
