@@ -93,17 +93,24 @@ def cases_made_of(op_types: set[str]) -> dict[str, Any]:
 class ExpectedFailure:
     raises: type[BaseException]  # what the check raises: UnsupportedOperatorError at load, …
     reason: str
+    always: bool = True  # False: the case may pass by chance (a fresh random draw), so a pass is no error
 
 
 _RANDOM_DRAW = ExpectedFailure(AssertionError, "Bernoulli draws at random: its outputs cannot equal the ones NumPy "
                                                "drew when onnx made the case (tests/ops/test_random.py checks "
                                                "that it follows the probabilities)")
+# Unseeded, each run draws afresh and matches the case's 10 draws by chance (for the case's
+# probabilities, about once in a few dozen to a few hundred runs): a strict xfail would fail CI
+# at random.
+_FRESH_RANDOM_DRAW = ExpectedFailure(AssertionError, _RANDOM_DRAW.reason + "; unseeded, it may match by chance",
+                                     always=False)
 
 # Cases that fail on every backend (the CPU runs them where a device has no kernel), and why.
 EXPECTED_FAILURES: dict[str, ExpectedFailure] = {
     # ops/random.py
-    **{f"test_bernoulli{variant}": _RANDOM_DRAW
-       for variant in ("", "_double", "_double_expanded", "_expanded", "_seed", "_seed_expanded")},
+    **{f"test_bernoulli{variant}": _FRESH_RANDOM_DRAW
+       for variant in ("", "_double", "_double_expanded", "_expanded")},
+    **{f"test_bernoulli{variant}": _RANDOM_DRAW for variant in ("_seed", "_seed_expanded")},
 }
 
 
@@ -194,7 +201,8 @@ def check_node_case(name: str, backend: str) -> None:
 
 def node_case_params(backends: tuple[str, ...] | None = None, names: list[str] | None = None) -> list:
     """``pytest.param(backend, name)`` for every backend (default: all of BACKENDS) and case (default:
-    every shipped case), ids ``backend-name``; expected failures are strict xfails with their reason,
+    every shipped case), ids ``backend-name``; expected failures are strict xfails with their reason
+    (not strict for a random draw that may match by chance),
     a backend that cannot run here is skipped with its reason."""
     params = []
     for backend in backends or tuple(BACKENDS):
@@ -204,6 +212,6 @@ def node_case_params(backends: tuple[str, ...] | None = None, names: list[str] |
             if unavailable is not None:
                 marks.append(pytest.mark.skip(reason=unavailable))
             elif (failure := expected_failure(name, backend)) is not None:
-                marks.append(pytest.mark.xfail(raises=failure.raises, strict=True, reason=failure.reason))
+                marks.append(pytest.mark.xfail(raises=failure.raises, strict=failure.always, reason=failure.reason))
             params.append(pytest.param(backend, name, marks=marks, id=f"{backend}-{name}"))
     return params
