@@ -111,7 +111,8 @@ def max_pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, k
     """`max_pool2d` the other way round, for vertical strides above one: per output row, the max
     down the window's input rows first (long contiguous runs), then along that one row. At a
     vertical stride of 2 the row-first loop reduces every input row along, twice the rows this
-    one does: 1.6-1.9x faster on SqueezeNet's and ResNet's 3x3/2 pools."""
+    one does: 1.6-1.9x faster on SqueezeNet's and ResNet's 3x3/2 pools. (Its pass along the row
+    repeats `max_pool2d`'s on purpose: the two as one inlined helper measured 12-15% slower.)"""
     _, h, wd = x.shape
     _, ho, wo = out.shape
     column_maxima = np.empty(wd, x.dtype)
