@@ -7,6 +7,7 @@ import numpy as np
 
 from ..concurrency import parallel
 from .base import Op
+from .compiled.few_rows import K_UNROLL, few_rows_matmul
 from .elementwise import compute_dtype
 from .registry import register
 
@@ -16,16 +17,21 @@ from .registry import register
 # (bench/latency.py), splitting from 4M MACs made squeezenet 15.5 ms and inception_v2 49 ms,
 # from 30M 13.4 and 43.7 ms (resnet50 72 ms either way; 83 ms with no splitting at all).
 SPLIT_MIN_MACS = 30_000_000
-# A GEMM of a few rows (a decode step's 1 × 768 @ 768 × 2304) is bound by reading B, not by its
-# multiply-adds: it is split, along K, once B holds this many bytes. Each part reads its own
-# contiguous block of B's rows (bands of B's columns would make each part stride over all of B:
-# measured slower than not splitting), and the few-row partial results are summed. From two rows
-# on, OpenBLAS packs B before multiplying (one row is a GEMV): measured 3x the time of one row
-# for 2 to 24 rows, so those are split from a quarter of the size.
-SPLIT_MIN_B_BYTES = 4 << 20
+# A GEMM of a few rows (a decode step's 8 × 768 @ 768 × 2304) is bound by reading B, not by its
+# multiply-adds. From this size of B on it runs in `compiled.few_rows` (B read once, where BLAS
+# packs it first from two rows on: 3x the time of one row), and from SPLIT_MIN_B_BYTES on it is
+# split along K across the pool. Neither choice depends on the number of rows, so a stream's
+# results do not depend on who shares its decode step.
 FEW_ROWS = 16
+FEW_ROWS_MIN_B_BYTES = 256 << 10
+SPLIT_MIN_B_BYTES = 2 << 20
+# Values of y (rows x columns) a few-row GEMM adds into per pass over B: measured best at
+# 8192 for 1 row (768 x 50257 logits) and 1024 columns of 8 rows.
+FEW_ROWS_TILE = 8192
 # Narrowest column band worth a part of its own (BLAS kernels work on column panels this wide).
 COLUMN_BAND_MIN = 64
+# Tiles of a few-row GEMM's columns are multiples of this (16 float32: one cache line).
+BAND_ALIGN = 16
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -35,6 +41,9 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.ndim > 2 and b.ndim == 2 and a.dtype == b.dtype and a.shape[-1] == b.shape[0]:
         # (..., M, K) @ (K, N) is one (…·M, K) @ (K, N) GEMM; NumPy would loop over small ones
         return matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+    if (a.ndim == 2 and b.ndim == 2 and a.shape[0] <= FEW_ROWS and a.dtype == b.dtype and a.dtype.kind == "f"
+            and a.shape[1] == b.shape[0] and b.nbytes >= FEW_ROWS_MIN_B_BYTES and b.flags.c_contiguous):
+        return _few_rows(a, b)
     parts = parallel.parts_available()
     if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
         return np.matmul(a, b)
@@ -42,10 +51,6 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     count = math.prod(batch)
     if b.shape[-2] != k:
-        return np.matmul(a, b)
-    if m <= FEW_ROWS and b.ndim == 2 and k >= 2 * parts and b.strides[-1] == b.itemsize:
-        if b.nbytes >= (SPLIT_MIN_B_BYTES if m == 1 else SPLIT_MIN_B_BYTES // 4) or m * k * n >= SPLIT_MIN_MACS:
-            return _split_k(a, b, parts)
         return np.matmul(a, b)
     if count * m * k * n < SPLIT_MIN_MACS:
         return np.matmul(a, b)
@@ -80,22 +85,27 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return y
 
 
-def _split_k(a: np.ndarray, b: np.ndarray, parts: int) -> np.ndarray:
-    """``a @ b`` for a few-row ``a`` and a C-ordered 2-D ``b``: each part multiplies a band of
-    a's columns by the matching block of b's rows (contiguous), then the partial results add up."""
-    k = b.shape[0]
-    bounds = np.linspace(0, k, parts + 1).astype(int)
-    partial: list[np.ndarray | None] = [None] * parts
-
-    def block(i: int) -> None:
-        lo, hi = bounds[i], bounds[i + 1]
-        partial[i] = np.matmul(a[..., lo:hi], b[lo:hi])
-
-    parallel.run_parts(parts, block)
-    y = partial[0]
+def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` for a few-row ``a`` and a large C-ordered ``b`` (`compiled.few_rows`); split along
+    K across the pool's idle threads when ``b`` is large enough to pay for waking them (measured
+    faster than bands of columns: a part's rows of b are one contiguous block)."""
+    m, k = a.shape
+    n = b.shape[1]
+    a = np.ascontiguousarray(a)
+    y = np.empty((m, n), dtype=a.dtype)
+    tile = max(BAND_ALIGN, FEW_ROWS_TILE // max(m, 1) // BAND_ALIGN * BAND_ALIGN)
+    parts = parallel.parts_available()
+    if parts < 2 or b.nbytes < SPLIT_MIN_B_BYTES or k < parts * K_UNROLL:
+        few_rows_matmul(a, b, y, 0, k, tile)
+        return y
+    # blocks of K_UNROLL rows; the parts' sums are added in order, so the result does not depend
+    # on which thread ran which part (nor, for a row, on the other rows)
+    bounds = [round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k]
+    partial = [y] + [np.empty_like(y) for _ in range(parts - 1)]
+    parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile))
     for other in partial[1:]:
-        np.add(y, other, out=y)  # type: ignore[arg-type]
-    return y  # type: ignore[return-value]
+        np.add(y, other, out=y)
+    return y
 
 
 @register("MatMul", versions=(1, 9, 13))

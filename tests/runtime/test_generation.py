@@ -645,13 +645,14 @@ def test_sampling_draws_from_the_defined_distribution(temperature, top_k, top_p,
 
 @pytest.mark.parametrize("m, transposed", [(1, False), (8, False), (3, True), (16, False)])
 def test_few_row_gemms_of_decode_steps_split_across_the_pool_equal_numpy(m, transposed, monkeypatch):
-    """A decode step's GEMMs have a row per stream: split along K (C-ordered weights) or into
-    column bands (transposed ones, which are contiguous that way), they equal one matmul."""
+    """A decode step's GEMMs have a row per stream: split into column bands across the pool (the
+    few-row kernel for C-ordered weights, BLAS for transposed ones), they equal one matmul."""
     from concurrent.futures import ThreadPoolExecutor
 
     from asyncinfer.concurrency import parallel
     from asyncinfer.ops import linalg
 
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "SPLIT_MIN_MACS", 0)  # the transposed weight's column bands too
     calls = []

@@ -1,0 +1,73 @@
+"""A GEMM of a few rows by a large C-ordered matrix, reading the matrix once: ``y = a @ b``.
+
+A decode step multiplies one row per stream (1 to 16) by every weight matrix of the model, so it
+is bound by reading the weights, not by its multiply-adds. BLAS reads them once for one row (a
+GEMV), but from two rows on it packs ``b`` into its own layout first: a copy of every weight per
+step, measured 1.8 ms for 8 × 768 @ 768 × 3072 against 0.55 ms here (and 0.33 ms for one row).
+
+The loop walks ``b`` row by row, four rows at a time, adding each into a tile of ``y``'s columns
+that stays in L1/L2; rows of ``a`` are taken four at a time, so each value of ``b`` loaded feeds
+four rows. **Each row of y is summed in the same order whatever the number of rows** (and the
+tiles never split a sum), so a stream's logits are the very bits of its solo run in any batch.
+A caller splits the work along K (`linalg` does, across the pool): each part sums a block of
+b's rows, and the parts' results are added in a fixed order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernel
+
+_U = np.uint64
+#: Rows of b added per pass over a band of y (each pass loads the band once).
+K_UNROLL = 4
+
+
+@kernel
+def few_rows_matmul(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int) -> None:
+    """``y = a[:, k0:k1] @ b[k0:k1]``: ``a`` (m, k), ``b`` (k, n) and ``y`` (m, n) C-contiguous, one
+    float dtype; ``tile`` columns of y at a time (``m * tile`` values should stay in L1/L2)."""
+    n = b.shape[1]
+    for n0 in range(0, n, tile):
+        _tile(a, b, y, k0, k1, n0, min(n0 + tile, n))
+
+
+@kernel
+def _tile(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, n0: int, n1: int) -> None:
+    """``y[:, n0:n1] = a[:, k0:k1] @ b[k0:k1, n0:n1]``."""
+    m = a.shape[0]
+    w = n1 - n0
+    for r in range(m):
+        y[r, n0:n1] = 0
+    kk = k0
+    while kk + K_UNROLL <= k1:
+        b0, b1, b2, b3 = b[kk, n0:n1], b[kk + 1, n0:n1], b[kk + 2, n0:n1], b[kk + 3, n0:n1]
+        r = 0
+        while r + 4 <= m:  # four rows of a share each load of b
+            p0, p1, p2, p3 = a[r, kk], a[r, kk + 1], a[r, kk + 2], a[r, kk + 3]
+            q0, q1, q2, q3 = a[r + 1, kk], a[r + 1, kk + 1], a[r + 1, kk + 2], a[r + 1, kk + 3]
+            s0, s1, s2, s3 = a[r + 2, kk], a[r + 2, kk + 1], a[r + 2, kk + 2], a[r + 2, kk + 3]
+            t0, t1, t2, t3 = a[r + 3, kk], a[r + 3, kk + 1], a[r + 3, kk + 2], a[r + 3, kk + 3]
+            y0, y1, y2, y3 = y[r, n0:n1], y[r + 1, n0:n1], y[r + 2, n0:n1], y[r + 3, n0:n1]
+            for j in range(w):
+                c0, c1, c2, c3 = b0[_U(j)], b1[_U(j)], b2[_U(j)], b3[_U(j)]
+                y0[_U(j)] = y0[_U(j)] + p0 * c0 + p1 * c1 + p2 * c2 + p3 * c3
+                y1[_U(j)] = y1[_U(j)] + q0 * c0 + q1 * c1 + q2 * c2 + q3 * c3
+                y2[_U(j)] = y2[_U(j)] + s0 * c0 + s1 * c1 + s2 * c2 + s3 * c3
+                y3[_U(j)] = y3[_U(j)] + t0 * c0 + t1 * c1 + t2 * c2 + t3 * c3
+            r += 4
+        while r < m:  # the same sum, one row at a time
+            p0, p1, p2, p3 = a[r, kk], a[r, kk + 1], a[r, kk + 2], a[r, kk + 3]
+            y0 = y[r, n0:n1]
+            for j in range(w):
+                y0[_U(j)] = y0[_U(j)] + p0 * b0[_U(j)] + p1 * b1[_U(j)] + p2 * b2[_U(j)] + p3 * b3[_U(j)]
+            r += 1
+        kk += K_UNROLL
+    while kk < k1:
+        b0 = b[kk, n0:n1]
+        for r in range(m):
+            p0 = a[r, kk]
+            y0 = y[r, n0:n1]
+            for j in range(w):
+                y0[_U(j)] = y0[_U(j)] + p0 * b0[_U(j)]
+        kk += 1

@@ -1,0 +1,104 @@
+"""The few-row GEMM kernel of decode steps (`ops.compiled.few_rows`): the definition's values,
+and each row's bits independent of the other rows and of how the columns are split."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncinfer.concurrency import parallel
+from asyncinfer.ops import linalg
+from asyncinfer.ops.compiled.few_rows import few_rows_matmul
+
+
+def _operands(m: int, k: int, n: int, dtype: type, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("m, k, n", [(1, 768, 100), (3, 5, 33), (4, 8, 16), (7, 131, 257), (8, 64, 1000),
+                                     (16, 3, 17), (5, 1, 9), (2, 0, 4)])
+@pytest.mark.parametrize("tile", [16, 48, 4096])
+def test_equals_the_float64_product(m, k, n, dtype, tile):
+    a, b = _operands(m, k, n, dtype, seed=m * 1000 + k)
+    y = np.full((m, n), np.nan, dtype=dtype)
+    few_rows_matmul(a, b, y, 0, k, tile)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(y, expected, rtol=tol, atol=tol * max(1, k) ** 0.5)
+
+
+@pytest.mark.parametrize("k0, k1", [(0, 13), (13, 40), (4, 8), (40, 40)])
+def test_sums_only_its_block_of_k(k0, k1):
+    a, b = _operands(6, 40, 50, np.float32)
+    y = np.full((6, 50), -7.0, dtype=np.float32)
+    few_rows_matmul(a, b, y, k0, k1, 32)
+    np.testing.assert_allclose(y, a[:, k0:k1].astype(np.float64) @ b[k0:k1], rtol=1e-5, atol=1e-5)
+
+
+def test_inf_and_nan_propagate_as_in_the_definition():
+    a, b = _operands(5, 12, 20, np.float32)
+    a[1, 3], a[2, 4], b[7, 5] = np.inf, np.nan, -np.inf
+    b[3, 2] = 0.0  # inf * 0 is NaN
+    y = np.empty((5, 20), dtype=np.float32)
+    few_rows_matmul(a, b, y, 0, 12, 16)
+    with np.errstate(invalid="ignore"):
+        expected = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(expected))
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isinf(y), np.isinf(expected))
+    np.testing.assert_allclose(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [768, 771])
+def test_a_row_has_the_same_bits_alone_in_any_batch(k):
+    """A stream's logits must not depend on who shares its decode step: each row of a batch of
+    1..16 equals the row computed alone, bit for bit (the 4-row block and the 1-row remainder
+    sum in one order)."""
+    a, b = _operands(16, k, 300, np.float32, seed=k)
+    alone = np.empty((16, 300), dtype=np.float32)
+    for r in range(16):
+        few_rows_matmul(a[r:r + 1].copy(), b, alone[r:r + 1], 0, k, 128)
+    for m in range(1, 17):
+        for first in sorted({0, 16 - m, (16 - m) // 2}):
+            y = np.empty((m, 300), dtype=np.float32)
+            few_rows_matmul(a[first:first + m].copy(), b, y, 0, k, 128)
+            np.testing.assert_array_equal(y, alone[first:first + m])
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_split_along_k_across_the_pool(width, monkeypatch):
+    """linalg.matmul routes few-row GEMMs here and splits K across the pool: the definition's
+    values, the pool used, and each row's bits the same in any batch of the same worker."""
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
+    a, b = _operands(16, 98, 1000, np.float32, seed=width)
+    calls = []
+    real = parallel.run_parts
+    monkeypatch.setattr(parallel, "run_parts", lambda count, part: (calls.append(count), real(count, part)))
+    with ThreadPoolExecutor(width) as pool, parallel.pool_bound(pool.submit, width):
+        batched = linalg.matmul(a, b)
+        assert calls == [width]
+        for r in (0, 5, 15):
+            np.testing.assert_array_equal(linalg.matmul(a[r:r + 1], b)[0], batched[r])
+        np.testing.assert_array_equal(linalg.matmul(a[3:11], b), batched[3:11])
+    np.testing.assert_allclose(batched, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_matmul_takes_the_kernel_only_where_it_applies(monkeypatch):
+    """Transposed weights, integer operands, mixed dtypes and many rows keep their other paths
+    (and the definition's values)."""
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    used = []
+    real = linalg.few_rows_matmul
+    monkeypatch.setattr(linalg, "few_rows_matmul", lambda *args: (used.append(1), real(*args)))
+    a, b = _operands(4, 30, 40, np.float32)
+    cases = [(a, b, True), (a, np.asfortranarray(b), False), (a.astype(np.int64), b.astype(np.int64), False),
+             (np.ones((17, 30), np.float32), b, False), (a.astype(np.float64), b, False)]
+    for x, w, expected_use in cases:
+        used.clear()
+        np.testing.assert_allclose(linalg.matmul(x, w), np.matmul(x, w), rtol=1e-5, atol=1e-4)
+        assert bool(used) == expected_use
+    assert linalg.matmul(np.ones((0, 30), np.float32), b).shape == (0, 40)
