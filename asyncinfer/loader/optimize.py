@@ -626,6 +626,21 @@ def mark_cpu_bound(model: Model) -> int:
     return len(marked)
 
 
+def mark_cache_appends(model: Model) -> int:
+    """Mark each Concat that extends a graph input into a graph output, the KV cache of a decoder
+    with past (``present.N = Concat(past_key_values.N, new)``): its CPU kernel may then append
+    in place when fed its own last output (``ops/cache_append.py``)."""
+    inputs = {i.name for i in model.inputs}
+    outputs = _graph_outputs(model)
+    marked = 0
+    for layer in model.layers:
+        if (layer.op_type == "Concat" and layer.domain in ("", "ai.onnx") and len(layer.inputs) > 1
+                and layer.inputs[0] in inputs and layer.outputs and layer.outputs[0] in outputs):
+            layer.appends_cache = True
+            marked += 1
+    return marked
+
+
 PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("eliminate_identities", eliminate_identities),
     ("fold_constants", fold_constants),
@@ -635,6 +650,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fold_affine", fold_affine),
     ("fuse_activations", fuse_activations),
     ("widen_narrow_weights", widen_narrow_weights),
+    ("mark_cache_appends", mark_cache_appends),
 ]
 
 

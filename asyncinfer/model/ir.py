@@ -49,6 +49,9 @@ class Layer:
     version: int = 0
     fused: list["Layer"] = field(default_factory=list)
     cpu_bound: bool = False
+    # A Concat that extends a graph input into a graph output (a KV cache): its CPU kernel may
+    # append in place after the input (ops/cache_append.py). Set by the optimizer.
+    appends_cache: bool = False
     # Values from enclosing scopes that this layer's subgraphs read (If/Loop/Scan bodies); they are
     # also the last entries of ``inputs``, so scheduling waits for them like for any input.
     outer_inputs: list[str] = field(default_factory=list)

@@ -15,6 +15,7 @@ import numpy as np
 from ..dtypes import onnx_to_numpy
 from ..errors import ExecutionError
 from .base import Op
+from .cache_append import concat_growing
 from .registry import register
 
 Array = np.ndarray
@@ -179,6 +180,8 @@ class Concat(Op):
     def run(self, *inputs: MaybeArray) -> Array:
         arrays = [np.asarray(x) for x in inputs if x is not None]
         axis = normalize_axis(self, self.attr("axis", 1), arrays[0].ndim)
+        if self.layer.appends_cache and len(arrays) > 1:  # a KV cache: see ops/cache_append.py
+            return concat_growing(arrays, axis)
         return np.concatenate(arrays, axis=axis)
 
 

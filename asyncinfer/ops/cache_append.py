@@ -1,0 +1,124 @@
+"""Concat that grows a KV cache in place: ``present = Concat(past, new)`` without copying ``past``.
+
+A decoder exported with past key/values concatenates each layer's cache with the step's new
+keys and values, and returns the result as ``present``, which the caller feeds back as the next
+step's ``past``. As a plain Concat that copies the whole cache every step: for GPT-2 with 8
+streams, 24 caches of megabytes each, most of a step's non-GEMM time.
+
+The optimizer marks such layers (`Layer.appends_cache`: a Concat whose first input is a graph
+input and whose output a graph output, `loader.optimize.mark_cache_appends`). Their CPU kernel
+writes its result into a buffer with room for `SPARE` more entries along the axis and returns a
+view of it. When the next step's ``past`` is that view (or a view of it that ends where it
+ends), the new entries are written into the room after it and the view is widened: nothing
+else is copied. Anything else (a copy, a view that does not end at the buffer's high-water mark,
+no room left, other shapes) is concatenated as usual, into a new buffer with room.
+
+**Safe by construction:** entries are only ever written past the high-water mark of a buffer,
+which no view handed out covers, and claiming the room is atomic; so every view keeps its
+values, two runs fed the same ``past`` get correct results (the second copies), and a caller
+that never feeds ``present`` back only pays for the unused room.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Room left after the entries of a grown buffer (one decode step adds one entry per step).
+SPARE = 32
+
+_lock = threading.Lock()
+
+
+class _Arena:
+    """A buffer this module allocated and how far along the axis it is filled."""
+
+    __slots__ = ("buffer", "axis", "end")
+
+    def __init__(self, buffer: np.ndarray, axis: int, end: int):
+        self.buffer = weakref.ref(buffer)
+        self.axis = axis
+        self.end = end
+
+
+# Buffers by data address (an ndarray is not hashable); each entry goes with its buffer.
+_arenas: dict[int, _Arena] = {}
+
+
+def concat_growing(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray:
+    """``np.concatenate(arrays, axis)``, appended in place after ``arrays[0]`` when it can be."""
+    grown = _append_in_place(arrays, axis)
+    return grown if grown is not None else _into_new_buffer(arrays, axis)
+
+
+def _append_in_place(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray | None:
+    past = arrays[0]
+    root = past.base
+    if not isinstance(root, np.ndarray):
+        return None
+    arena = _arenas.get(root.__array_interface__["data"][0])
+    if arena is None or arena.buffer() is not root or arena.axis != axis:
+        return None
+    window = _window(past, root, axis)
+    if window is None:
+        return None
+    start, end = window
+    rest = arrays[1:]
+    expected = past.shape[:axis] + past.shape[axis + 1:]
+    if any(a.dtype != past.dtype or a.shape[:axis] + a.shape[axis + 1:] != expected for a in rest):
+        return None  # np.concatenate says what is wrong (or promotes), not a silent broadcast here
+    added = sum(a.shape[axis] for a in rest)
+    with _lock:  # claim the room: a second run fed the same past finds the mark moved and copies
+        if arena.end != end or end + added > root.shape[axis]:
+            return None
+        arena.end = end + added
+    index: list[slice] = [slice(None)] * root.ndim
+    for a in rest:
+        index[axis] = slice(end, end + a.shape[axis])
+        root[tuple(index)] = a
+        end += a.shape[axis]
+    index[axis] = slice(start, end)
+    return root[tuple(index)]
+
+
+def _window(view: np.ndarray, root: np.ndarray, axis: int) -> tuple[int, int] | None:
+    """``(start, end)`` when ``view`` is ``root`` sliced along ``axis`` only, else None."""
+    if view.dtype != root.dtype or view.strides != root.strides or view.ndim != root.ndim:
+        return None
+    if view.shape[:axis] != root.shape[:axis] or view.shape[axis + 1:] != root.shape[axis + 1:]:
+        return None
+    offset = view.__array_interface__["data"][0] - root.__array_interface__["data"][0]
+    step = root.strides[axis]
+    if step <= 0 or offset % step:
+        return None
+    start = offset // step
+    return start, start + view.shape[axis]
+
+
+def _into_new_buffer(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray:
+    first = arrays[0]
+    expected = first.shape[:axis] + first.shape[axis + 1:]
+    if any(a.ndim != first.ndim or a.shape[:axis] + a.shape[axis + 1:] != expected for a in arrays):
+        return np.concatenate(arrays, axis=axis)  # raises, with NumPy's account of the mismatch
+    shape = list(first.shape)
+    filled = sum(a.shape[axis] for a in arrays)
+    shape[axis] = filled + SPARE
+    root = np.empty(shape, dtype=np.result_type(*arrays))
+    index: list[slice] = [slice(None)] * root.ndim
+    index[axis] = slice(0, filled)
+    view = root[tuple(index)]
+    np.concatenate(arrays, axis=axis, out=view)
+    address = root.__array_interface__["data"][0]
+    arena = _Arena(root, axis, filled)
+    with _lock:
+        _arenas[address] = arena
+    weakref.finalize(root, _forget, address, arena)
+    return view
+
+
+def _forget(address: int, arena: _Arena) -> None:
+    with _lock:
+        if _arenas.get(address) is arena:
+            del _arenas[address]

@@ -1,0 +1,141 @@
+"""Concat that grows a KV cache in place (`ops.cache_append`): the definition's values always,
+no copy of the past when a step's present is fed back, and no view ever changed afterwards."""
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import asyncinfer as ai
+from asyncinfer.ops import cache_append
+from asyncinfer.ops.cache_append import SPARE, concat_growing
+
+
+def _cache(length: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 3, length, 4)).astype(np.float32)
+
+
+def test_equals_concatenate_and_leaves_room():
+    past, new = _cache(5), _cache(1, seed=1)
+    present = concat_growing([past, new], 2)
+    np.testing.assert_array_equal(present, np.concatenate([past, new], 2))
+    assert present.base is not None and present.base.shape[2] == 6 + SPARE
+
+
+def test_a_fed_back_present_is_appended_in_place_and_earlier_views_keep_their_values():
+    present = concat_growing([_cache(5), _cache(1, seed=1)], 2)
+    root = present.base
+    expected = present.copy()
+    history = [present]
+    for step in range(2, 10):
+        new = _cache(1, seed=step)
+        past = history[-1][:, :, 1:] if step % 2 else history[-1]  # the engine drops leading padding
+        grown = concat_growing([past, new], 2)
+        assert grown.base is root  # no new buffer: the past was not copied
+        expected = np.concatenate([expected[:, :, 1:] if step % 2 else expected, new], 2)
+        np.testing.assert_array_equal(grown, expected)
+        history.append(grown)
+    np.testing.assert_array_equal(history[0], concat_growing([_cache(5), _cache(1, seed=1)], 2))
+
+
+def test_a_stale_view_is_copied_never_written_over():
+    first = concat_growing([_cache(5), _cache(1, seed=1)], 2)
+    second = concat_growing([first, _cache(1, seed=2)], 2)
+    kept = second.copy()
+    again = concat_growing([first, _cache(1, seed=3)], 2)  # first no longer ends at the mark
+    assert again.base is not first.base
+    np.testing.assert_array_equal(second, kept)
+    np.testing.assert_array_equal(again, np.concatenate([first, _cache(1, seed=3)], 2))
+
+
+def test_when_the_room_is_used_up_a_new_buffer_takes_over():
+    present = concat_growing([_cache(3), _cache(1, seed=1)], 2)
+    expected = present.copy()
+    buffers = {id(present.base)}
+    for step in range(SPARE + 3):
+        new = _cache(1, seed=step + 2)
+        present = concat_growing([present, new], 2)
+        expected = np.concatenate([expected, new], 2)
+        buffers.add(id(present.base))
+    np.testing.assert_array_equal(present, expected)
+    assert len(buffers) == 2
+
+
+def test_several_inputs_other_axes_and_promotion_follow_concatenate():
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    grown = concat_growing([a, a[:, :1] * 2, a[:, :2] * 3], 1)
+    np.testing.assert_array_equal(grown, np.concatenate([a, a[:, :1] * 2, a[:, :2] * 3], 1))
+    more = concat_growing([grown, np.ones((2, 1, 4), np.float64)], 1)  # promotes, as concatenate does
+    assert more.dtype == np.float64 and more.base is not grown.base
+    np.testing.assert_array_equal(more, np.concatenate([grown, np.ones((2, 1, 4))], 1))
+
+
+def test_mismatched_shapes_raise_as_concatenate_does_never_broadcast():
+    present = concat_growing([_cache(4), _cache(1, seed=1)], 2)
+    with pytest.raises(ValueError):
+        concat_growing([present, np.zeros((2, 3, 1, 1), np.float32)], 2)
+    with pytest.raises(ValueError):
+        concat_growing([present, np.zeros((2, 3, 1), np.float32)], 2)
+
+
+def test_two_threads_fed_the_same_past_both_get_the_definition():
+    past = concat_growing([_cache(8), _cache(1, seed=1)], 2)
+    results: dict[int, np.ndarray] = {}
+    news = {i: _cache(1, seed=10 + i) for i in range(8)}
+    barrier = threading.Barrier(8)
+
+    def append(i: int) -> None:
+        barrier.wait()
+        results[i] = concat_growing([past, news[i]], 2)
+
+    threads = [threading.Thread(target=append, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, grown in results.items():
+        np.testing.assert_array_equal(grown, np.concatenate([past, news[i]], 2))
+    assert sum(r.base is past.base for r in results.values()) == 1  # exactly one appended in place
+
+
+def test_a_freed_buffer_leaves_the_registry():
+    before = len(cache_append._arenas)
+    present = concat_growing([_cache(4), _cache(1, seed=1)], 2)
+    assert len(cache_append._arenas) == before + 1
+    del present
+    gc.collect()
+    assert len(cache_append._arenas) == before
+
+
+def _decoder_step_model() -> onnx.ModelProto:
+    """present = Concat(past, x * 2) (marked); other = Concat(x * 2, past) (not: its first input
+    is no graph input)."""
+    past = helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, 2, "t", 3])
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 1, 3])
+    nodes = [helper.make_node("Add", ["x", "x"], ["x2"]),
+             helper.make_node("Concat", ["past", "x2"], ["present"], axis=2),
+             helper.make_node("Concat", ["x2", "past"], ["other"], axis=2)]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 2, "u", 3]) for n in ("present", "other")]
+    graph = helper.make_graph(nodes, "step", [past, x], outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_optimizer_marks_the_cache_concat_and_runs_stay_exact():
+    model = ai.load_model(_decoder_step_model().SerializeToString())
+    marked = {layer.outputs[0]: layer.appends_cache for layer in model.layers if layer.op_type == "Concat"}
+    assert marked == {"present": True, "other": False}
+    assert model.optimizations["mark_cache_appends"] == 1
+    rng = np.random.default_rng(0)
+    past = np.zeros((1, 2, 0, 3), np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        for _ in range(5):
+            x = rng.standard_normal((1, 2, 1, 3)).astype(np.float32)
+            out = worker.run_blocking({"past": past, "x": x})
+            present, other = np.asarray(out["present"]), np.asarray(out["other"])
+            np.testing.assert_array_equal(present, np.concatenate([past, 2 * x], 2))
+            np.testing.assert_array_equal(other, np.concatenate([2 * x, past], 2))
+            past = present
