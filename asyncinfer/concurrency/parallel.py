@@ -16,25 +16,35 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from .spin_team import SpinTeam
+
 _local = threading.local()
 
 
-def bind_pool(submit: Callable[[Callable[[], None]], object] | None, width: int) -> None:
+def bind_pool(submit: Callable[[Callable[[], None]], object] | None, width: int,
+              team: SpinTeam | None = None) -> None:
     """Let kernels on the calling thread split work into ``width`` parts, handing helpers to
-    ``submit`` (the pool's submit). Called once per pool thread, when it starts."""
-    _local.submit, _local.width = submit, width
+    ``submit`` (the pool's submit), and compiled parts to ``team`` when it is free (see
+    `spin_team`). Called once per pool thread, when it starts."""
+    _local.submit, _local.width, _local.team = submit, width, team
 
 
 @contextmanager
-def pool_bound(submit: Callable[[Callable[[], None]], object] | None, width: int) -> Iterator[None]:
+def pool_bound(submit: Callable[[Callable[[], None]], object] | None, width: int,
+               team: SpinTeam | None = None) -> Iterator[None]:
     """Within the block, kernels on this thread may split into ``width`` parts handed to
-    ``submit`` (for code that runs kernels outside a CPU backend's pool, and for tests)."""
-    outer = getattr(_local, "submit", None), getattr(_local, "width", 1)
-    bind_pool(submit, width)
+    ``submit`` or ``team`` (for code that runs kernels outside a CPU backend's pool, and for tests)."""
+    outer = getattr(_local, "submit", None), getattr(_local, "width", 1), getattr(_local, "team", None)
+    bind_pool(submit, width, team)
     try:
         yield
     finally:
         bind_pool(*outer)
+
+
+def team() -> SpinTeam | None:
+    """The spinning helpers this thread may hand compiled parts to (None: use `run_parts`)."""
+    return getattr(_local, "team", None)
 
 
 def parts_available() -> int:

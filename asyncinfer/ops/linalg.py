@@ -7,7 +7,7 @@ import numpy as np
 
 from ..concurrency import parallel
 from .base import Op
-from .compiled.few_rows import K_UNROLL, few_rows_matmul
+from .compiled.few_rows import K_UNROLL, few_rows_matmul, post_arguments
 from .elementwise import compute_dtype
 from .registry import register
 
@@ -102,7 +102,10 @@ def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     # on which thread ran which part (nor, for a row, on the other rows)
     bounds = [round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k]
     partial = [y] + [np.empty_like(y) for _ in range(parts - 1)]
-    parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile))
+    team = parallel.team()
+    helped = [post_arguments(a, b, partial[i], bounds[i], bounds[i + 1], tile) for i in range(1, parts)]
+    if team is None or not team.try_run(helped, lambda: few_rows_matmul(a, b, y, bounds[0], bounds[1], tile)):
+        parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile))
     for other in partial[1:]:
         np.add(y, other, out=y)
     return y

@@ -35,9 +35,11 @@ from typing import Union
 import numpy as np
 
 from ...concurrency import parallel
+from ...concurrency.spin_team import SpinTeam
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
+from ...ops.compiled.few_rows import few_rows_serve
 from ...ops.epilogue import apply_activations
 from ..base import Backend, Job, Step, StepDone, ValueTypes, run_kernel
 from . import blas
@@ -69,6 +71,8 @@ class CPUBackend(Backend):
         # the threads that take parts of large kernels: with the lane thread that splits, every core
         self._helpers = ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="asyncinfer-part",
                                            initializer=self._start_thread)
+        # compiled parts (a decode step's GEMVs) go to spinning helpers that start them in microseconds
+        self._team = SpinTeam(self.threads - 1, few_rows_serve) if self._blas_single and self.threads > 1 else None
         self._pool = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="asyncinfer-cpu",
                                         initializer=self._start_thread)
         self._local = threading.local()
@@ -84,7 +88,7 @@ class CPUBackend(Backend):
         kernels may split large work across this pool when BLAS is single-threaded."""
         np.seterr(all="ignore")
         if self._blas_single and self.threads > 1:
-            parallel.bind_pool(self._helpers.submit, self.threads)
+            parallel.bind_pool(self._helpers.submit, self.threads, self._team)
 
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Op:
         return op  # the reference op is the CPU kernel (load_model checked every op has one)
@@ -160,6 +164,8 @@ class CPUBackend(Backend):
             self._closed = True
             self._pool.shutdown(wait=True, cancel_futures=False)
             self._helpers.shutdown(wait=True, cancel_futures=False)
+            if self._team is not None:
+                self._team.close()
             blas.release()
             release_free_memory()
 

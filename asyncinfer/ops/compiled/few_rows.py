@@ -14,8 +14,10 @@ b's rows, and the parts' results are added in a fixed order.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
+from ...concurrency.spin_team import ARGS, address_as_pointer, mark_done, next_post
 from . import kernel
 
 _U = np.uint64
@@ -71,3 +73,34 @@ def _tile(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, n0: int
             for j in range(w):
                 y0[_U(j)] = y0[_U(j)] + p0 * b0[_U(j)]
         kk += 1
+
+
+@kernel
+def few_rows_serve(control: np.ndarray, seen: int, rounds: int) -> int:
+    """The serve loop of a `concurrency.spin_team.SpinTeam` helper: runs `few_rows_matmul` parts
+    posted by `post_arguments` until none came for ``rounds`` rounds (returns the last sequence
+    number) or the team stops (returns -1)."""
+    while True:
+        seq = next_post(control, seen, rounds)
+        if seq == seen or seq < 0:
+            return seq
+        seen = seq
+        m, k, n, k0, k1, tile, wide = control[ARGS:ARGS + 7]
+        a_at, b_at, y_at = control[ARGS + 7], control[ARGS + 8], control[ARGS + 9]
+        if wide:
+            few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float64), (m, k)),
+                            numba.carray(address_as_pointer(b_at, np.float64), (k, n)),
+                            numba.carray(address_as_pointer(y_at, np.float64), (m, n)), k0, k1, tile)
+        else:
+            few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float32), (m, k)),
+                            numba.carray(address_as_pointer(b_at, np.float32), (k, n)),
+                            numba.carray(address_as_pointer(y_at, np.float32), (m, n)), k0, k1, tile)
+        mark_done(control, seq)
+
+
+def post_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int) -> list[int]:
+    """The integers `few_rows_serve` reads for ``few_rows_matmul(a, b, y, k0, k1, tile)`` (C-contiguous
+    float32 or float64 arrays, which the caller keeps alive until the part is done)."""
+    m, k = a.shape
+    return [m, k, b.shape[1], k0, k1, tile, int(a.dtype == np.float64),
+            a.ctypes.data, b.ctypes.data, y.ctypes.data]

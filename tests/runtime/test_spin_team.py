@@ -1,0 +1,118 @@
+"""The spinning helpers of compiled parts (`concurrency.spin_team`), as the few-row GEMM uses them:
+parts run and are waited for, a busy or closed team declines, idle helpers sleep and wake."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from asyncinfer.concurrency import parallel, spin_team
+from asyncinfer.concurrency.spin_team import SpinTeam
+from asyncinfer.ops import linalg
+from asyncinfer.ops.compiled.few_rows import few_rows_matmul, few_rows_serve, post_arguments
+
+
+def _operands(m: int, k: int, n: int, dtype=np.float32, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype)
+
+
+@pytest.fixture
+def team():
+    team = SpinTeam(2, few_rows_serve, name="test-team")
+    yield team
+    team.close()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_parts_posted_to_helpers_equal_the_kernel(team, dtype):
+    a, b = _operands(5, 90, 70, dtype)
+    bounds = [0, 28, 60, 90]
+    parts = [np.empty((5, 70), dtype) for _ in range(3)]
+    ran_own = team.try_run([post_arguments(a, b, parts[i], bounds[i], bounds[i + 1], 32) for i in (1, 2)],
+                           lambda: few_rows_matmul(a, b, parts[0], bounds[0], bounds[1], 32))
+    assert ran_own
+    for i in range(3):
+        expected = np.empty((5, 70), dtype)
+        few_rows_matmul(a, b, expected, bounds[i], bounds[i + 1], 32)
+        np.testing.assert_array_equal(parts[i], expected)
+
+
+def test_a_busy_team_declines_and_runs_nothing(team):
+    a, b = _operands(2, 16, 16)
+    y = np.zeros((2, 16), np.float32)
+    declined = []
+
+    def own():  # while this caller holds the team, another one is turned away
+        other = threading.Thread(target=lambda: declined.append(
+            team.try_run([post_arguments(a, b, y, 0, 16, 16)], lambda: None)))
+        other.start()
+        other.join()
+
+    assert team.try_run([], own)
+    assert declined == [False] and not y.any()
+    assert not team.try_run([[0] * 10] * 3, lambda: None)  # more parts than helpers
+
+
+def test_idle_helpers_sleep_and_a_post_wakes_them(team, monkeypatch):
+    monkeypatch.setattr(spin_team, "SPIN_ROUNDS", 50)
+    a, b = _operands(3, 40, 48)
+    for round_ in range(3):
+        y = np.empty((3, 48), np.float32)
+        assert team.try_run([post_arguments(a, b, y, 0, 40, 16)], lambda: None)
+        expected = np.empty((3, 48), np.float32)
+        few_rows_matmul(a, b, expected, 0, 40, 16)
+        np.testing.assert_array_equal(y, expected)
+        deadline = time.monotonic() + 5
+        while not team._sleeping[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert team._sleeping[0], "an idle helper should have gone to sleep"
+
+
+def test_an_error_in_the_callers_part_still_waits_for_the_helpers(team):
+    a, b = _operands(2, 64, 64)
+    y = np.empty((2, 64), np.float32)
+
+    def own():
+        raise ValueError("own part failed")
+
+    with pytest.raises(ValueError, match="own part failed"):
+        team.try_run([post_arguments(a, b, y, 0, 64, 64)], own)
+    expected = np.empty((2, 64), np.float32)
+    few_rows_matmul(a, b, expected, 0, 64, 64)
+    np.testing.assert_array_equal(y, expected)  # the helper's part had ended before the error left
+    assert team.try_run([], lambda: None)  # and the team is free again
+
+
+def test_a_closed_team_declines_and_its_threads_end():
+    team = SpinTeam(1, few_rows_serve, name="test-team")
+    assert team.try_run([[1, 0, 0, 0, 0, 16, 0, 0, 0, 0]], lambda: None)  # an empty part: k0 = k1 = 0
+    threads = list(team._threads)
+    team.close()
+    assert all(not t.is_alive() for t in threads)
+    assert not team.try_run([], lambda: None)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monkeypatch):
+    monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    a, b = _operands(m, 200, 300, seed=m)
+    team = SpinTeam(1, few_rows_serve, name="test-team")
+    posted = []
+    real = team.try_run
+    monkeypatch.setattr(team, "try_run", lambda parts, own: (posted.append(len(parts)), real(parts, own))[1])
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            with parallel.pool_bound(pool.submit, 2, team):
+                by_team = linalg.matmul(a, b)
+            with parallel.pool_bound(pool.submit, 2):
+                by_pool = linalg.matmul(a, b)
+    finally:
+        team.close()
+    assert posted == [1]
+    np.testing.assert_array_equal(by_team, by_pool)
+    np.testing.assert_allclose(by_team, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
