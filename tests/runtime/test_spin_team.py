@@ -116,3 +116,27 @@ def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monk
     assert posted == [1]
     np.testing.assert_array_equal(by_team, by_pool)
     np.testing.assert_allclose(by_team, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_with_the_team_busy_the_same_parts_run_in_turn_with_the_same_bits(monkeypatch):
+    """Another lane holding the team means every core is busy: the GEMM runs its parts on this
+    thread, one after another, and its result has the bits of the split one."""
+    monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    a, b = _operands(3, 200, 300, seed=5)
+    team = SpinTeam(1, few_rows_serve, name="test-team")
+    holding, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=lambda: team.try_run([], lambda: (holding.set(), release.wait(10))))
+    holder.start()
+    try:
+        assert holding.wait(10)
+        with ThreadPoolExecutor(1) as pool:
+            with parallel.pool_bound(pool.submit, 2, team):
+                while_busy = linalg.matmul(a, b)
+            with parallel.pool_bound(pool.submit, 2):
+                by_pool = linalg.matmul(a, b)
+    finally:
+        release.set()
+        holder.join()
+        team.close()
+    np.testing.assert_array_equal(while_busy, by_pool)
