@@ -9,7 +9,9 @@ and concurrent requests run on the pool's threads, and large GEMMs are split acr
 threads (``concurrency/parallel.py``). The price, on an idle machine: OpenBLAS's spinning
 threads start a GEMM part faster than a pool thread wakes, so a lone request ran 15-40% slower
 (resnet50 63 -> 72 ms, squeezenet 10 -> 13 ms on 2 cores); under any load, or with concurrent
-requests, the rule wins by far. The setting is process-wide (BLAS has no per-thread
+requests, the rule wins by far. For the GEMMs where that start-up matters most, a decode step's
+few-row products, the backend keeps spinning helpers of its own (``concurrency/spin_team.py``),
+which start a part as fast as OpenBLAS's threads do. The setting is process-wide (BLAS has no per-thread
 one): it is made when the first CPU backend starts and undone when the last one closes.
 ``ASYNCINFER_BLAS_THREADS=n`` keeps BLAS at ``n`` threads instead (the backend then runs one
 GEMM kernel at a time, as BLAS already uses the cores).

@@ -25,7 +25,8 @@ per round: fair, but without the batching gain.
 Between steps the cache is brought to the smallest multiple of `CACHE_BLOCK` columns holding its
 longest row (capped by the model's context): a step's one new column is absorbed by dropping a
 leading all-padding column (a view, no copy), and once per block the cache is padded by a block
-(one copy). So consecutive decode steps feed the same input shapes, and **shape specialisation**
+(one copy). The model's own ``Concat`` of past and new appends in place after such a view
+(``ops/cache_append.py``), so a step copies only its new column. So consecutive decode steps feed the same input shapes, and **shape specialisation**
 applies: the engine keeps its own `ShapePlans` (prompts and decode steps by input signature), so
 the shape arithmetic of an exported decoder (about 700 of GPT-2's 970 layers) is computed once per
 block instead of every step. Masked columns weigh exactly zero in attention, so a stream's tokens
