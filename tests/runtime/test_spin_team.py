@@ -96,6 +96,16 @@ def test_a_closed_team_declines_and_its_threads_end():
     assert not team.try_run([], lambda: None)
 
 
+def _matmul_with_and_without(team: SpinTeam, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``linalg.matmul(a, b)`` on a thread bound to a 2-wide pool with ``team``, then without it."""
+    with ThreadPoolExecutor(1) as pool:
+        with parallel.pool_bound(pool.submit, 2, team):
+            with_team = linalg.matmul(a, b)
+        with parallel.pool_bound(pool.submit, 2):
+            without = linalg.matmul(a, b)
+    return with_team, without
+
+
 @pytest.mark.parametrize("m", [1, 8])
 def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monkeypatch):
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
@@ -106,11 +116,7 @@ def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monk
     real = team.try_run
     monkeypatch.setattr(team, "try_run", lambda parts, own: (posted.append(len(parts)), real(parts, own))[1])
     try:
-        with ThreadPoolExecutor(1) as pool:
-            with parallel.pool_bound(pool.submit, 2, team):
-                by_team = linalg.matmul(a, b)
-            with parallel.pool_bound(pool.submit, 2):
-                by_pool = linalg.matmul(a, b)
+        by_team, by_pool = _matmul_with_and_without(team, a, b)
     finally:
         team.close()
     assert posted == [1]
@@ -130,11 +136,7 @@ def test_with_the_team_busy_the_same_parts_run_in_turn_with_the_same_bits(monkey
     holder.start()
     try:
         assert holding.wait(10)
-        with ThreadPoolExecutor(1) as pool:
-            with parallel.pool_bound(pool.submit, 2, team):
-                while_busy = linalg.matmul(a, b)
-            with parallel.pool_bound(pool.submit, 2):
-                by_pool = linalg.matmul(a, b)
+        while_busy, by_pool = _matmul_with_and_without(team, a, b)
     finally:
         release.set()
         holder.join()
