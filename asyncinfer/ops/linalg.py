@@ -24,6 +24,10 @@ SPLIT_MIN_MACS = 30_000_000
 # results do not depend on who shares its decode step.
 FEW_ROWS = 16
 FEW_ROWS_MIN_B_BYTES = 256 << 10
+# ... and only when K is at least this many times the rows: B then outweighs the result. A
+# convolution's few output channels by a shallow im2col matrix (16 x 27 @ 27 x 50176) keep BLAS,
+# which ran it 3.5x faster. A decoder's K (its hidden size, 256 and more) passes for 16 rows.
+FEW_ROWS_MIN_DEPTH = 16
 SPLIT_MIN_B_BYTES = 2 << 20
 # Columns of y a few-row GEMM adds into per pass over B: 8192 for one row (768 x 50257 logits),
 # 4096 from two rows on (measured 5-15% faster than 1024 for 8 and 16 rows: each row of B is
@@ -40,8 +44,10 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     if a.ndim > 2 and b.ndim == 2 and a.dtype == b.dtype and a.shape[-1] == b.shape[0]:
         # (..., M, K) @ (K, N) is one (…·M, K) @ (K, N) GEMM; NumPy would loop over small ones
         return matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
-    if (a.ndim == 2 and b.ndim == 2 and a.shape[0] <= FEW_ROWS and a.dtype == b.dtype and a.dtype.kind == "f"
-            and a.shape[1] == b.shape[0] and b.nbytes >= FEW_ROWS_MIN_B_BYTES and b.flags.c_contiguous):
+    if (a.ndim == 2 and b.ndim == 2 and a.shape[0] <= FEW_ROWS and a.dtype == b.dtype
+            and a.dtype in (np.float32, np.float64) and a.shape[1] == b.shape[0]
+            and b.nbytes >= FEW_ROWS_MIN_B_BYTES and a.shape[1] >= FEW_ROWS_MIN_DEPTH * a.shape[0]
+            and b.flags.c_contiguous):
         return _few_rows(a, b)
     parts = parallel.parts_available()
     if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
