@@ -157,13 +157,15 @@ class SpinTeam:
     def _start_threads(self) -> None:
         while len(self._threads) < self.helpers:
             index = len(self._threads)
-            thread = threading.Thread(target=self._loop, args=(index,), name=f"{self._name}_{index}", daemon=True)
+            # the helper starts from the sequence number as it is now, before any post it must see
+            seen = int(self._control[index, _POSTED])
+            thread = threading.Thread(target=self._loop, args=(index, seen), name=f"{self._name}_{index}",
+                                      daemon=True)
             self._threads.append(thread)
             thread.start()
 
-    def _loop(self, index: int) -> None:
+    def _loop(self, index: int, seen: int) -> None:
         control = self._control[index]
-        seen = int(control[_POSTED])
         while True:
             last = self._serve(control, seen, SPIN_ROUNDS)
             if last < 0 or self._stopped:

@@ -142,3 +142,26 @@ def test_with_the_team_busy_the_same_parts_run_in_turn_with_the_same_bits(monkey
         holder.join()
         team.close()
     np.testing.assert_array_equal(while_busy, by_pool)
+
+
+def test_a_part_posted_before_a_new_helper_first_looks_is_still_run(monkeypatch):
+    """The first post races the helper thread's start: the helper must count from the sequence
+    number before the post, never from one it reads after it (that would strand the caller)."""
+    started = threading.Event()
+    real_loop = SpinTeam._loop
+
+    def slow_start(self, index, seen):  # the helper reaches its loop only after the post
+        started.wait(5)
+        return real_loop(self, index, seen)
+
+    monkeypatch.setattr(SpinTeam, "_loop", slow_start)
+    team = SpinTeam(1, few_rows_serve, name="test-team")
+    a, b = _operands(2, 32, 32)
+    y = np.empty((2, 32), np.float32)
+    try:
+        assert team.try_run([post_arguments(a, b, y, 0, 32, 32)], started.set)
+    finally:
+        team.close()
+    expected = np.empty((2, 32), np.float32)
+    few_rows_matmul(a, b, expected, 0, 32, 32)
+    np.testing.assert_array_equal(y, expected)
