@@ -72,6 +72,10 @@ class Step:
 class StepDone(Protocol):
     """How a backend reports a dispatched step back to the runtime (callable from any thread)."""
 
+    #: True when the step's run asked for its steps one after another on one thread at a time
+    #: (see `Job.serial`).
+    serial: bool
+
     def begin(self) -> bool:
         """Call right before the step's work starts: False if its run was cancelled meanwhile (the
         step has then been failed, and the work must be skipped)."""
@@ -89,6 +93,11 @@ class StepDone(Protocol):
 class Job(Protocol):
     """Work the runtime hands a backend as one unit: a *segment* of consecutive steps, each run
     with `Backend.run_now` on the thread that runs the job."""
+
+    #: True when the job's run asked for its steps one after another, each on the thread that
+    #: made it ready where it can (a decode step: its branches are too small to gain from a
+    #: second thread, and two threads running small kernels only contend for the GIL).
+    serial: bool
 
     def run(self) -> None:
         """Run the job (on one of the backend's threads). Never raises."""

@@ -71,6 +71,10 @@ class _StepDone:
     def cancelled(self) -> bool:
         return self._execution._cancelled
 
+    @property
+    def serial(self) -> bool:
+        return self._execution.serial
+
 
 class _ProfiledStepDone(_StepDone):
     """A step completion that also records the step (queued, start, end, thread) for a profile.
@@ -146,6 +150,10 @@ class _SegmentJob:
             else:
                 node.backend.run_now(node.step, args, done)  # run_kernel: skipped if cancelled
 
+    @property
+    def serial(self) -> bool:
+        return self._execution.serial
+
     def submit(self) -> None:
         """Hand the job to its backend (its sources are done)."""
         self.segment.nodes[0].backend.submit_job(self)
@@ -183,9 +191,12 @@ class Execution:
     _recorder: RunRecorder | None = None
 
     def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: Owner | None = None,
-                 recorder: RunRecorder | None = None):
+                 recorder: RunRecorder | None = None, serial: bool = False):
         self.plan = plan
         self.worker = worker
+        #: Steps one after another, on the thread that made each ready where the backend can
+        #: (`backends.base.Job.serial`): for runs whose parallel branches are too small to pay.
+        self.serial = serial
         n_steps = len(plan.nodes)
         self.futures: list[TaskFuture | None] = [None] * plan.n_sources
         for name, source in plan.input_sources.items():

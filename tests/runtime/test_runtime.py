@@ -88,6 +88,54 @@ def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch
     assert any(n.startswith("asyncinfer-part") for n in part_threads)
 
 
+def test_a_serial_run_keeps_the_branches_a_layer_makes_ready_on_its_thread(monkeypatch):
+    """Execution(serial=True) (the generation engine's decode steps): the branches that one layer
+    makes ready run after it on its thread, each path as one job, not handed to the other lane.
+    (The root waits until the whole run is scheduled: a job found ready while the scheduling
+    thread still walks the plan goes to the pool from there.)"""
+    import asyncinfer.backends.cpu.backend as cpu_backend
+    from asyncinfer.runtime.execution import Execution
+
+    threads: dict[str, set[str]] = {}
+    compute = cpu_backend._compute
+
+    def spy_compute(step, args):
+        threads.setdefault(step.layer.name, set()).add(threading.current_thread().name)
+        return compute(step, args)
+
+    monkeypatch.setattr(cpu_backend, "_compute", spy_compute)
+    nodes = [helper.make_node("Rendezvous", ["x"], ["g"], domain=TEST_DOMAIN, barrier="scheduled", name="gate"),
+             helper.make_node("Relu", ["g"], ["r"], name="root")]
+    branches = []
+    for b in range(3):  # three paths of three layers each, all fed by the root
+        last = "r"
+        for i in range(3):
+            out = f"b{b}_{i}"
+            nodes.append(helper.make_node("Neg" if i % 2 else "Abs", [last], [out], name=out))
+            last = out
+        branches.append(last)
+    nodes += [helper.make_node("Sum", branches, ["y"], name="join")]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [8])], [tensor_info("y", [8])]))
+    x = np.linspace(-2, 2, 8).astype(np.float32)
+    expected = np.abs(np.maximum(x, 0)) * 3  # Abs(Neg(Abs(relu))) on each branch
+    with ai.Worker(model, threads=2) as worker:
+        for _ in range(20):
+            threads.clear()
+            BARRIERS["scheduled"] = threading.Barrier(2)
+            execution = Execution(worker._plan, _completed_inputs(x), worker=worker, serial=True)
+            execution.submit_all()
+            BARRIERS["scheduled"].wait(30)
+            np.testing.assert_array_equal(execution.read_outputs_blocking()["y"], expected)
+            used = set().union(*threads.values())
+            assert len(used) == 1, f"a serial run used {sorted(used)}: {threads}"
+
+
+def _completed_inputs(x: np.ndarray) -> dict:
+    from asyncinfer.concurrency.future import TaskFuture
+
+    return {"x": TaskFuture.completed([x], label="x")}
+
+
 @pytest.mark.anyio
 async def test_concurrent_runs_never_mix_tensors(add_chain_model):
     import anyio

@@ -102,6 +102,10 @@ class CPUBackend(Backend):
         self._submit(task)
 
     def submit_job(self, job: Job) -> None:
+        chain = getattr(self._local, "chain", None)
+        if chain is not None and _serial(job):  # a serial run's next job: after this one, here
+            chain.append(job)
+            return
         self._submit(job)
 
     def job_may_hold(self, kernel: Op) -> bool:
@@ -125,23 +129,34 @@ class CPUBackend(Backend):
             # else: the pool's running threads pick the queued work up
 
     def _run_chain(self, work: Work) -> None:
-        if not isinstance(work, tuple):
+        if not isinstance(work, tuple) and not _serial(work):
             # A job: layers it makes ready go to the pool at once, where idle threads take them,
             # rather than waiting for the whole job to end.
             work.run()
             return
-        chain: list[Task] = []
+        # Layers (and a serial run's jobs) made ready here queue on this thread: the first runs
+        # next, without a hand-off; the others go to the pool, unless their run is serial.
+        chain: list[Work] = []
         self._local.chain = chain
         try:
-            self._execute(work)
+            self._run_one(work)
             while chain:
-                task, rest = chain[0], chain[1:]
+                item, rest = chain[0], chain[1:]
                 chain.clear()
                 for other in rest:
-                    self._submit(other)
-                self._execute(task)
+                    if _serial(other):
+                        chain.append(other)
+                    else:
+                        self._submit(other)
+                self._run_one(item)
         finally:
             self._local.chain = None
+
+    def _run_one(self, work: Work) -> None:
+        if isinstance(work, tuple):
+            self._execute(work)
+        else:
+            work.run()
 
     def _execute(self, task: Task) -> None:
         if not (task[0].kernel.multithreaded and self._uses_lane):
@@ -168,6 +183,10 @@ class CPUBackend(Backend):
                 self._team.close()
             blas.release()
             release_free_memory()
+
+
+def _serial(work: Work) -> bool:
+    return bool(getattr(work[2] if isinstance(work, tuple) else work, "serial", False))
 
 
 def _fail(work: Work, error: AsyncInferError) -> None:
