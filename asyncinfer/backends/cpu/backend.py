@@ -3,7 +3,7 @@
 No thread ever waits for another: a layer is handed to the pool only once its inputs are done.
 When a finishing layer makes others ready, the finishing thread keeps the first of them and
 runs it next (no pool hand-off, so a chain of small layers costs little), and hands the rest
-to the pool.
+to the pool; a *serial* run's (``Job.serial``) it keeps too, to run in turn.
 
 Layers run on ``lanes`` threads: by default one per core, so independent layers and concurrent
 runs proceed in parallel (DESIGN.md). Large kernels also split into parts that the backend's
