@@ -108,10 +108,10 @@ def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     bounds = [round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k]
     partial = [y] + [np.empty_like(y) for _ in range(parts - 1)]
     team = parallel.team()
-    helped = [post_arguments(a, b, partial[i], bounds[i], bounds[i + 1], tile) for i in range(1, parts)]
     if team is None:
         parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile))
-    elif not team.try_run(helped, lambda: few_rows_matmul(a, b, y, bounds[0], bounds[1], tile)):
+    elif not team.try_run([post_arguments(a, b, partial[i], bounds[i], bounds[i + 1], tile) for i in range(1, parts)],
+                          lambda: few_rows_matmul(a, b, y, bounds[0], bounds[1], tile)):
         # another lane has the team, so every core is busy already: the same parts, in turn here
         for i in range(parts):
             few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile)
