@@ -16,6 +16,12 @@ A serve loop is written with the kernel it serves (``ops/compiled/few_rows.py``)
 `next_post`, reads its arguments from ``control[ARGS:]``, runs, and calls `mark_done`. A caller
 keeps every buffer whose address it posts alive until `SpinTeam.try_run` returns.
 
+A caller may also post and wait in compiled code, where a decode step's ~70 GEMMs each save tens
+of microseconds of Python (which, after a GEMM has streamed megabytes through the caches, runs
+cold): it `claim`s the team's control rows, calls a kernel that writes each helper's arguments,
+`post`s them and counts the helpers that were `asleep`, `wake`s them if any were, calls a kernel
+that runs its own part and `wait_done`s, and `release`s the team.
+
 Memory order: sequence numbers are written and read with a full fence on either side
 (`_fence`), so the arguments stored before a post are seen by the helper and the results
 written by a part are seen by the caller, on x86 and ARM alike.
@@ -35,9 +41,9 @@ from numba.extending import intrinsic
 SPIN_ROUNDS = 4000
 #: Rounds a caller spins waiting for its helpers before it looks whether they still live.
 WAIT_ROUNDS = 1 << 16
-# A control row per helper: the posted sequence number, the done one and the stop flag on cache
-# lines of their own, then the part's arguments.
-_POSTED, _DONE, _STOP, ARGS, _ROW = 0, 8, 16, 24, 40
+# A control row per helper: the posted sequence number, the done one, the stop flag and the
+# asleep flag on cache lines of their own, then the part's arguments.
+_POSTED, _DONE, _STOP, _ASLEEP, ARGS, _ROW = 0, 8, 16, 24, 32, 48
 
 _sched_yield = types.ExternalFunction("sched_yield", types.int32())
 
@@ -83,12 +89,42 @@ def mark_done(control: np.ndarray, seq: int) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
-def _post(control: np.ndarray) -> int:
+def post(control: np.ndarray) -> int:
+    """(callers) Post the arguments written in ``control[ARGS:]`` to its helper; the part's
+    sequence number."""
     _fence()
     seq = control[_POSTED] + 1
     control[_POSTED] = seq
     _fence()
     return seq
+
+
+@numba.njit(cache=True, nogil=True)
+def asleep(control: np.ndarray) -> bool:
+    """(callers, after `post`) Whether the helper went to sleep and must be woken (`SpinTeam.wake`):
+    it raises the flag, then looks for a post; a caller posts, then looks at the flag, so one of
+    them sees the other."""
+    _fence()
+    return control[_ASLEEP] != 0
+
+
+@numba.njit(inline="always")
+def last_post(control: np.ndarray) -> int:
+    """(callers holding a claim, the only ones posting) The sequence number of their last `post`."""
+    return control[_POSTED]
+
+
+@numba.njit(cache=True, nogil=True)
+def wait_done(control: np.ndarray, seq: int, rounds: int) -> bool:
+    """(callers) Spin until part ``seq`` of ``control``'s helper is done; False after ``rounds``
+    rounds without (then `SpinTeam.wait`, which wakes and checks the helper)."""
+    for i in range(rounds):
+        _fence()
+        if control[_DONE] >= seq:
+            return True
+        if i >= 32:
+            _sched_yield()
+    return False
 
 
 @numba.njit(cache=True)
@@ -98,15 +134,11 @@ def _load(control: np.ndarray, index: int) -> int:
     return control[index]
 
 
-@numba.njit(cache=True, nogil=True)
-def _wait_done(control: np.ndarray, seq: int, rounds: int) -> bool:
-    for i in range(rounds):
-        _fence()
-        if control[_DONE] >= seq:
-            return True
-        if i >= 32:
-            _sched_yield()
-    return False
+@numba.njit(cache=True)
+def _store(control: np.ndarray, index: int, value: int) -> None:
+    """``control[index] = value``, visible before anything this thread reads next."""
+    control[index] = value
+    _fence()
 
 
 class SpinTeam:
@@ -122,37 +154,85 @@ class SpinTeam:
         self._stopped = False
         self._name = name
         self._threads: list[threading.Thread] = []
+        self._scratch = np.empty(0, np.uint8)
+        self._scratch_views: dict[tuple, np.ndarray] = {}  # by (shape, dtype), of _scratch
 
     def try_run(self, parts: list[Sequence[int]], own: Callable[[], None]) -> bool:
         """Post each of ``parts`` (the integer arguments of one part) to a helper, run ``own()``
         on this thread meanwhile, and return once every part is done; False, having run nothing,
         when another caller has the team or there are more parts than helpers."""
-        if len(parts) > self.helpers or self._stopped or not self._busy.acquire(blocking=False):
+        if len(parts) > self.helpers:
+            return False
+        control = self.claim()
+        if control is None:
             return False
         try:
-            self._start_threads()
             seqs = []
+            sleeping = False
             for i, arguments in enumerate(parts):
-                self._control[i, ARGS:ARGS + len(arguments)] = arguments
-                seqs.append(_post(self._control[i]))
-            if any(self._sleeping[: len(parts)]):
-                with self._cond:
-                    self._cond.notify_all()
+                control[i, ARGS:ARGS + len(arguments)] = arguments
+                seqs.append(post(control[i]))
+                sleeping = sleeping or asleep(control[i])
+            if sleeping:
+                self.wake()
             try:
                 own()
             finally:
                 for i, seq in enumerate(seqs):
-                    self._wait(i, seq)
+                    self.wait(i, seq)
             return True
         finally:
-            self._busy.release()
+            self.release()
 
-    def _wait(self, helper: int, seq: int) -> None:
-        while not _wait_done(self._control[helper], seq, WAIT_ROUNDS):
+    def claim(self) -> np.ndarray | None:
+        """The control rows (one per helper) for this caller alone until `release`; None when
+        another caller holds the team or it is closed (the caller runs its parts itself)."""
+        if self._stopped or not self._busy.acquire(blocking=False):
+            return None
+        try:
+            self._start_threads()
+        except BaseException:
+            self._busy.release()
+            raise
+        return self._control
+
+    def release(self) -> None:
+        """End a `claim` (every part posted since is done)."""
+        self._busy.release()
+
+    def wake(self) -> None:
+        """Wake the helpers that went to sleep (a caller saw `asleep` after its post)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, helper: int, seq: int | None = None) -> None:
+        """Wait until part ``seq`` of ``helper`` (default: the last posted) is done, waking it if a
+        wake-up was lost."""
+        if seq is None:
+            seq = int(self._control[helper, _POSTED])
+        while not wait_done(self._control[helper], seq, WAIT_ROUNDS):
             with self._cond:  # (a wake-up lost to a race would cost this much, never a hang)
                 self._cond.notify_all()
             if not self._threads[helper].is_alive():  # (interpreter shutdown): never wait forever
                 raise RuntimeError(f"{self._threads[helper].name} stopped before its part ran")
+
+    def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A buffer for the helpers' partial results, reused by every claim (call it while
+        holding one): grown as needed, never shrunk."""
+        key = (shape, dtype)
+        view = self._scratch_views.get(key)
+        if view is None:
+            count = 1
+            for size in shape:
+                count *= size
+            nbytes = count * np.dtype(dtype).itemsize
+            if self._scratch.nbytes < nbytes:
+                self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
+                self._scratch_views.clear()  # views of the old buffer
+            if len(self._scratch_views) >= 64:
+                self._scratch_views.clear()
+            view = self._scratch_views[key] = self._scratch[:nbytes].view(dtype).reshape(shape)
+        return view
 
     def _start_threads(self) -> None:
         while len(self._threads) < self.helpers:
@@ -173,10 +253,10 @@ class SpinTeam:
             seen = last
             with self._cond:  # idle for a while: sleep until a caller posts
                 self._sleeping[index] = True
-                # the fence in _load orders our store to _sleeping before this read; a caller
-                # stores its post before reading _sleeping: one of us sees the other
+                _store(control, _ASLEEP, 1)  # then look for a post: see `asleep`
                 while _load(control, _POSTED) == seen and not self._stopped:
                     self._cond.wait()
+                _store(control, _ASLEEP, 0)
                 self._sleeping[index] = False
 
     def close(self) -> None:
@@ -185,7 +265,7 @@ class SpinTeam:
             self._stopped = True
             for row in self._control:
                 row[_STOP] = 1
-                _post(row)
+                post(row)
             with self._cond:
                 self._cond.notify_all()
         for thread in self._threads:

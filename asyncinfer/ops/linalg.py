@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from .base import Op
-from .compiled.few_rows import K_UNROLL, few_rows_matmul, post_arguments
+from .compiled.few_rows import K_UNROLL, add_parts, few_rows_matmul, finish_parts, post_parts
 from .elementwise import compute_dtype
 from .registry import register
 
@@ -37,18 +37,23 @@ FEW_ROWS_TILE_ONE, FEW_ROWS_TILE_MANY = 8192, 4096
 COLUMN_BAND_MIN = 64
 
 
-def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b)``, split across the pool's idle threads when it is large (BLAS runs one
     thread per call inside asyncinfer: see ``concurrency/parallel.py``). Each part writes a
-    contiguous block of the result (a batch entry, or a band of rows), so BLAS runs on every part."""
+    contiguous block of the result (a batch entry, or a band of rows), so BLAS runs on every part.
+    ``bias``: a row of the result's width and dtype, added to the product (``y += bias``)."""
     if a.ndim > 2 and b.ndim == 2 and a.dtype == b.dtype and a.shape[-1] == b.shape[0]:
         # (..., M, K) @ (K, N) is one (…·M, K) @ (K, N) GEMM; NumPy would loop over small ones
-        return matmul(a.reshape(-1, a.shape[-1]), b).reshape(*a.shape[:-1], b.shape[-1])
+        return matmul(a.reshape(-1, a.shape[-1]), b, bias).reshape(*a.shape[:-1], b.shape[-1])
     if (a.ndim == 2 and b.ndim == 2 and a.shape[0] <= FEW_ROWS and a.dtype == b.dtype
             and a.dtype in (np.float32, np.float64) and a.shape[1] == b.shape[0]
             and b.nbytes >= FEW_ROWS_MIN_B_BYTES and a.shape[1] >= FEW_ROWS_MIN_DEPTH * a.shape[0]
             and b.flags.c_contiguous):
-        return _few_rows(a, b)
+        return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype))
+    if bias is not None:
+        y = matmul(a, b)
+        y += bias
+        return y
     parts = parallel.parts_available()
     if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
         return np.matmul(a, b)
@@ -90,10 +95,11 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return y
 
 
-def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a @ b`` for a few-row ``a`` and a large C-ordered ``b`` (`compiled.few_rows`); split along
-    K across the pool's idle threads when ``b`` is large enough to pay for waking them (measured
-    faster than bands of columns: a part's rows of b are one contiguous block)."""
+def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``a @ b (+ bias)`` for a few-row ``a`` and a large C-ordered ``b`` (`compiled.few_rows`);
+    split along K across the pool's idle threads when ``b`` is large enough to pay for waking
+    them (measured faster than bands of columns: a part's rows of b are one contiguous block).
+    ``bias``: a row of the result's width, of its dtype, added last."""
     m, k = a.shape
     n = b.shape[1]
     a = np.ascontiguousarray(a)
@@ -102,22 +108,50 @@ def _few_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     parts = parallel.parts_available()
     if parts < 2 or b.nbytes < SPLIT_MIN_B_BYTES or k < parts * K_UNROLL:
         few_rows_matmul(a, b, y, 0, k, tile)
+        if bias is not None:
+            y += bias
         return y
     # blocks of K_UNROLL rows; the parts' sums are added in order, so the result does not depend
     # on which thread ran which part (nor, for a row, on the other rows)
-    bounds = [round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k]
-    partial = [y] + [np.empty_like(y) for _ in range(parts - 1)]
+    bounds = _k_bounds(k, parts)
     team = parallel.team()
+    control = None if team is None else team.claim()
+    if control is not None:  # the helpers spin: post, run part 0 and wait in compiled code
+        try:
+            scratch = team.scratch((parts - 1, m, n), a.dtype)  # type: ignore[union-attr]
+            if post_parts(control, a, b, scratch, bounds, tile):
+                team.wake()  # type: ignore[union-attr]
+            if not finish_parts(control, a, b, y, scratch, _NO_BIAS if bias is None else bias, bounds, tile,
+                                spin_team.WAIT_ROUNDS):
+                for i in range(parts - 1):
+                    team.wait(i)  # type: ignore[union-attr]
+                add_parts(y, scratch, parts - 1, _NO_BIAS if bias is None else bias)
+        finally:
+            team.release()  # type: ignore[union-attr]
+        return y
+    partial = np.empty((parts - 1, m, n), a.dtype)
     if team is None:
-        parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile))
-    elif not team.try_run([post_arguments(a, b, partial[i], bounds[i], bounds[i + 1], tile) for i in range(1, parts)],
-                          lambda: few_rows_matmul(a, b, y, bounds[0], bounds[1], tile)):
-        # another lane has the team, so every core is busy already: the same parts, in turn here
+        parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i - 1] if i else y, bounds[i],
+                                                            bounds[i + 1], tile))
+    else:  # another lane has the team, so every core is busy already: the same parts, in turn here
         for i in range(parts):
-            few_rows_matmul(a, b, partial[i], bounds[i], bounds[i + 1], tile)
-    for other in partial[1:]:
-        np.add(y, other, out=y)
+            few_rows_matmul(a, b, partial[i - 1] if i else y, bounds[i], bounds[i + 1], tile)
+    add_parts(y, partial, parts - 1, _NO_BIAS if bias is None else bias)
     return y
+
+
+_NO_BIAS = np.empty(0, np.float32)
+_bounds_kept: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _k_bounds(k: int, parts: int) -> np.ndarray:
+    """Where a K of ``k`` rows splits into ``parts`` blocks of whole K_UNROLL rows."""
+    bounds = _bounds_kept.get((k, parts))
+    if bounds is None:
+        bounds = np.array([round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k], np.int64)
+        if len(_bounds_kept) < 256:
+            _bounds_kept[(k, parts)] = bounds
+    return bounds
 
 
 @register("MatMul", versions=(1, 9, 13))
@@ -149,14 +183,23 @@ class Gemm(Op):
     """``alpha * A' @ B' + beta * C`` with optional transposes and a broadcast (optional) C."""
     multithreaded = True  # a GEMM: split across the pool when large
 
+    def check(self) -> None:
+        self.trans_a, self.trans_b = bool(int(self.attr("transA"))), bool(int(self.attr("transB")))
+        self.alpha, self.beta = float(self.attr("alpha")), float(self.attr("beta"))
+
     def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
-        if int(self.attr("transA")):
+        if self.trans_a:
             a = a.T
-        if int(self.attr("transB")):
+        if self.trans_b:
             b = b.T
-        alpha, beta = float(self.attr("alpha")), float(self.attr("beta"))
+        alpha, beta = self.alpha, self.beta
         work, out_dtype = gemm_dtypes(a, b, c)
-        y = matmul(a.astype(work, copy=False), b.astype(work, copy=False))
+        a, b = a.astype(work, copy=False), b.astype(work, copy=False)
+        if (alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
+                and c.shape[-1:] == b.shape[-1:] and c.size == b.shape[-1]):
+            # the usual bias row: added by the GEMM kernel as it ends (the few-row one, in its pass)
+            return matmul(a, b, bias=c.reshape(-1)).astype(out_dtype, copy=False)
+        y = matmul(a, b)
         dt = y.dtype.type
         if alpha != 1.0:
             y *= dt(alpha)

@@ -220,9 +220,9 @@ class Execution:
     def submit_all(self) -> "Execution":
         """Submit every step: a segment of light layers (see ``Plan.segments``) as one job."""
         try:
-            for index, values in self.plan.precomputed.items():  # fresh lists: a release must not touch the plan's
-                self.futures[index] = TaskFuture.completed(list(values), label=self.plan.nodes[index].layer.name)
-                self._submitted += 1
+            for index, future in self.plan.precomputed_futures:  # shared: never released
+                self.futures[index] = future
+            self._submitted += len(self.plan.precomputed_futures)
             for segment in self.plan.segments:
                 if len(segment.nodes) == 1:
                     self._submit(segment.nodes[0])

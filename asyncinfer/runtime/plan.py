@@ -175,6 +175,9 @@ class Plan:
         self.output_refs = [self.refs[name] for name in self.output_names]
         self.kept_refs: frozenset[Ref] = frozenset()  # other values never released (``keeping``)
         self.precomputed: dict[int, list[Any]] = {}    # steps not run (``with_precomputed``)
+        # ... and their futures, born complete and shared by every run of this plan: their values
+        # are never released (like constants), so no run writes into them.
+        self.precomputed_futures: list[tuple[int, TaskFuture]] = []
         self._plan_releases()
         self.segments = self._plan_segments()
         self.placement = Placement(placement, len(transfer_names), fallback_layers, transfer_names,
@@ -195,7 +198,10 @@ class Plan:
     def with_precomputed(self, values: dict[int, list[Any]]) -> "Plan":
         """This plan, with the steps in ``values`` (step index → its outputs) not run: a run's
         futures for them are born complete with those values (see ``specialise.py``)."""
-        return self._variant(precomputed={**self.precomputed, **values})
+        precomputed = {**self.precomputed, **values}
+        return self._variant(precomputed=precomputed, precomputed_futures=[
+            (index, TaskFuture.completed(outputs, label=self.nodes[index].layer.name))
+            for index, outputs in precomputed.items()])
 
     def _variant(self, **changes: Any) -> "Plan":
         """A copy with ``changes`` to which values are kept or known, its releases and segments
@@ -291,6 +297,7 @@ class Plan:
         for node in self.nodes:
             if node.index in self.precomputed:  # born complete: reads nothing
                 continue
-            for ref in set(r for r in node.inputs if r is not None and r[0] < n_steps and r not in keep):
+            for ref in set(r for r in node.inputs if r is not None and r[0] < n_steps and r not in keep
+                           and r[0] not in self.precomputed):
                 self.reader_counts[ref] = self.reader_counts.get(ref, 0) + 1
                 node.release.append(ref)

@@ -95,7 +95,7 @@ def signature(futures: Mapping[str, TaskFuture]) -> tuple | None:
         shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
         if shape is None or dtype is None:
             return None
-        key.append((name, tuple(shape), str(dtype)))
+        key.append((name, shape if type(shape) is tuple else tuple(shape), dtype))
     return tuple(key)
 
 

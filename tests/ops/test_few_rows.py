@@ -55,8 +55,8 @@ def test_inf_and_nan_propagate_as_in_the_definition():
 @pytest.mark.parametrize("k", [768, 771])
 def test_a_row_has_the_same_bits_alone_in_any_batch(k):
     """A stream's logits must not depend on who shares its decode step: each row of a batch of
-    1..16 equals the row computed alone, bit for bit (the 4-row block and the 1-row remainder
-    sum in one order)."""
+    1..16 equals the row computed alone, bit for bit (the 4-row block, the 1-row remainder and
+    the one-row kernel sum in one order)."""
     a, b = _operands(16, k, 300, np.float32, seed=k)
     alone = np.empty((16, 300), dtype=np.float32)
     for r in range(16):

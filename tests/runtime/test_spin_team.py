@@ -112,14 +112,14 @@ def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monk
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(m, 200, 300, seed=m)
     team = SpinTeam(1, few_rows_serve, name="test-team")
-    posted = []
-    real = team.try_run
-    monkeypatch.setattr(team, "try_run", lambda parts, own: (posted.append(len(parts)), real(parts, own))[1])
+    claims = []
+    real = team.claim
+    monkeypatch.setattr(team, "claim", lambda: (claims.append(1), real())[1])
     try:
         by_team, by_pool = _matmul_with_and_without(team, a, b)
     finally:
         team.close()
-    assert posted == [1]
+    assert claims == [1]
     np.testing.assert_array_equal(by_team, by_pool)
     np.testing.assert_allclose(by_team, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
 
@@ -165,3 +165,28 @@ def test_a_part_posted_before_a_new_helper_first_looks_is_still_run(monkeypatch)
     expected = np.empty((2, 32), np.float32)
     few_rows_matmul(a, b, expected, 0, 32, 32)
     np.testing.assert_array_equal(y, expected)
+
+
+def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatch):
+    """The compiled caller sees a sleeping helper after its post and wakes it; the bias is added
+    after the parts, as ``y += bias`` after the product would."""
+    monkeypatch.setattr(spin_team, "SPIN_ROUNDS", 50)
+    monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    a, b = _operands(2, 200, 300, seed=9)
+    bias = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    team = SpinTeam(1, few_rows_serve, name="test-team")
+    try:
+        with ThreadPoolExecutor(1) as pool, parallel.pool_bound(pool.submit, 2, team):
+            first = linalg._few_rows(a, b)
+            deadline = time.monotonic() + 5
+            while not team._sleeping[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert team._sleeping[0], "an idle helper should have gone to sleep"
+            woken = linalg._few_rows(a, b, bias)
+    finally:
+        team.close()
+    expected = first.copy()
+    expected += bias
+    np.testing.assert_array_equal(woken, expected)
+    np.testing.assert_allclose(first, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)

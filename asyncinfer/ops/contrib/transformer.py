@@ -228,6 +228,7 @@ class FusedGemm(Gemm):
     from ``activation_alpha``/``activation_beta``/``activation_gamma`` (else the ONNX defaults)."""
 
     def check(self) -> None:
+        super().check()
         name = self.attr("activation", None)
         params = {key: float(self.attrs[f"activation_{key}"]) for key in ("alpha", "beta", "gamma")
                   if f"activation_{key}" in self.attrs}
