@@ -7,6 +7,9 @@ and replaces it by the ONNX op that defines the same function (``Gelu`` 20, ``La
 17, ``RMSNormalization`` 23, ``Swish`` 24), whatever the model's opset: one layer instead of
 five to nine, one task, fewer passes over memory, and an activation that ``fuse_activations``
 can then run in place inside the MatMul or Conv before it. Every backend implements the fused ops.
+The attention of exported decoders (scores, scale, masks, softmax, values: seven layers) becomes
+``MaskedAttention`` of asyncinfer's own domain (``ops/fused.py``); a backend without its kernel
+runs the seven layers it keeps (``Layer.expansion``).
 
 A pattern is fused only when it is exactly the function: the constants are checked (√2, 1, ½,
 ε…), every intermediate value has no consumer outside the pattern and is no graph output, and
@@ -17,17 +20,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 import numpy as np
 
 from .. import ops
 from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
+from ..ops.fused import FUSED_DOMAIN
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
 CONSTANT_RTOL = 1e-5
 #: The op each fusion produces: (op_type, schema version).
 GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("RMSNormalization", 23), ("Swish", 24)
+MASKED_ATTENTION = ("MaskedAttention", 1)  # in FUSED_DOMAIN
 
 
 class _Graph:
@@ -390,10 +396,87 @@ def fuse_silu(model: Model) -> int:
     return count
 
 
+def fuse_attention(model: Model) -> int:
+    """``Softmax(Add(Where(keep, Div(MatMul(Q, Transpose(K)), scale), fill), bias)) @ V``, each of
+    the Div (or Mul), Where and Add optional, → ``MaskedAttention`` (``ops/fused.py``): the
+    attention of exported decoders, seven layers a block that a decode step ran one by one. The
+    fused layer keeps them as its expansion, for backends without the fused kernel."""
+    g, count = _Graph(model), 0
+    for softmax in g.candidates("Softmax"):
+        match = _attention(g, softmax)
+        if match is None:
+            continue
+        pattern, inputs, divides = match
+        last = pattern[-1]
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``last``
+        fused = Layer(name=last.name, op_type=MASKED_ATTENTION[0], inputs=inputs, outputs=[last.outputs[0]],
+                      attrs={"scale_divides": int(divides)}, domain=FUSED_DOMAIN, version=MASKED_ATTENTION[1],
+                      expansion=expansion)
+        g.replace(pattern, last, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], bool] | None:
+    """The layers of an attention ending in ``softmax``'s MatMul (in graph order), the fused
+    layer's inputs and whether the scale divides; None when it is not exactly that pattern."""
+    axis = softmax.attrs.get("axis", -1 if softmax.version >= 13 else 1)
+    rank = g.rank(softmax.inputs[0])
+    if axis != -1 and (rank is None or axis != rank - 1):
+        return None
+    out = g.only_consumer(softmax.outputs[0], "MatMul")
+    if out is None or out.inputs[0] != softmax.outputs[0] or out.inputs[1] == softmax.outputs[0]:
+        return None
+    chain = [out, softmax]
+    x = softmax.inputs[0]
+    bias = keep = fill = scale = ""
+    divides = True
+    add = g.op(x, "Add") if g.private(x) else None
+    if add is not None:
+        inner = next((n for n in add.inputs if g.private(n) and g.op(n, "Where", "Div", "Mul", "MatMul")), None)
+        if inner is None or len(add.inputs) != 2:
+            return None
+        bias, x = g.other(add, inner) or "", inner
+        if not bias:
+            return None
+        chain.append(add)
+    where = g.op(x, "Where") if g.private(x) else None
+    if where is not None:
+        if where.inputs[1] == where.inputs[0] or not g.private(where.inputs[1]) or g.scalar(where.inputs[2]) is None:
+            return None
+        keep, x, fill = where.inputs
+        chain.append(where)
+    times = g.op(x, "Div", "Mul") if g.private(x) else None
+    if times is not None:
+        constant = times.inputs[1] if times.op_type == "Div" else next(
+            (n for n in times.inputs if g.scalar(n) is not None), "")
+        inner = g.other(times, constant) if constant else None
+        if g.scalar(constant) is None or inner is None or not g.private(inner):
+            return None
+        scale, x, divides = constant, inner, times.op_type == "Div"
+        chain.append(times)
+    product = g.op(x, "MatMul") if g.private(x) else None
+    if product is None:
+        return None
+    transpose = g.op(product.inputs[1], "Transpose") if g.private(product.inputs[1]) else None
+    if transpose is None or product.inputs[0] == product.inputs[1]:
+        return None
+    perm = [int(p) for p in transpose.attrs.get("perm", [])]
+    if len(perm) < 2 or perm != list(range(len(perm) - 2)) + [len(perm) - 1, len(perm) - 2]:
+        return None
+    for constant in (scale, fill):  # scalars that do not raise the scores' rank
+        if constant and np.ndim(g.model.constants[constant]) > len(perm):
+            return None
+    chain += [product, transpose]
+    return chain[::-1], [product.inputs[0], transpose.inputs[0], out.inputs[1], scale, keep, fill, bias], divides
+
+
 #: The fusions, in the order ``optimize`` runs them (before ``fuse_activations``).
 PATTERN_PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_gelu", fuse_gelu),
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_rms_norm", fuse_rms_norm),
     ("fuse_silu", fuse_silu),
+    ("fuse_attention", fuse_attention),
 ]

@@ -55,6 +55,9 @@ class Layer:
     # Values from enclosing scopes that this layer's subgraphs read (If/Loop/Scan bodies); they are
     # also the last entries of ``inputs``, so scheduling waits for them like for any input.
     outer_inputs: list[str] = field(default_factory=list)
+    # A fused layer's pattern, the layers it replaced in order: a backend without a kernel for the
+    # fused op runs them instead (see runtime/plan.py). Their outside inputs are this layer's.
+    expansion: list["Layer"] = field(default_factory=list)
 
     @property
     def kind(self) -> str:

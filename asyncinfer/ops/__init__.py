@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     controlflow,
     conv,
     elementwise,
+    fused,
     gradient,
     image,
     image_decoder,

@@ -117,13 +117,18 @@ class Plan:
             transfer_names.append(layer.name)
             return (node.index, 0)
 
-        for layer in model.layers:
+        pending = model.layers[::-1]  # popped from the end: in order, a fused layer's expansion in its place
+        while pending:
+            layer = pending.pop()
             op = ops.create(layer, model.limits)
             op.bind_constants({i: model.constants[name] for i, name in enumerate(layer.inputs)
                                if name in model.constants})
             on_device = backend.device != HOST
             keep_on_host = on_device and layer.cpu_bound and fallback is not None
             target, kernel = backend, None if keep_on_host else backend.prepare(layer, op, types)
+            if kernel is None and on_device and layer.expansion and not keep_on_host:
+                pending += layer.expansion[::-1]  # the layers the fusion replaced may all run here
+                continue
             if kernel is None:  # no kernel here (or a value the scheduler needs): the CPU runs it
                 target = fallback or backend
                 kernel = target.prepare(layer, op, types)

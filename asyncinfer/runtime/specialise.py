@@ -32,6 +32,7 @@ from .. import ops
 from ..backends.base import HOST, StepKind
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError
+from ..ops.fused import FUSED_DOMAIN
 from .plan import Plan
 
 #: Signatures whose precomputed values a worker keeps (least recently used ones are dropped).
@@ -57,7 +58,8 @@ def shape_determined_nodes(plan: Plan) -> tuple[int, ...]:
     """The indices of the plan's host layers whose values depend only on the input shapes and
     types, or ``()`` when the model does not allow specialisation (see the module docstring)."""
     model = plan.model
-    if any(layer.domain or layer.op_type in DATA_DEPENDENT_SHAPES for layer in model.layers):
+    if any((layer.domain and layer.domain != FUSED_DOMAIN) or layer.op_type in DATA_DEPENDENT_SHAPES
+           for layer in model.layers):
         return ()
     derived: set[str] = set()
     chosen: list[int] = []

@@ -13,6 +13,7 @@ from onnx.reference import ReferenceEvaluator
 
 import asyncinfer as ai
 from conftest import make_model, tensor_info
+from pixel_testing import require_pixel
 
 RNG = np.random.default_rng(7)
 C = 16
@@ -186,3 +187,96 @@ def test_silu_whose_sigmoid_is_shared_is_left_alone():
              helper.make_node("Add", ["m", "s"], ["y"])]
     proto = make_model(nodes, [tensor_info("x", [2, 5, C])], [tensor_info("y", [2, 5, C])], extra_domains=())
     _check(proto, None)
+
+
+# -- attention ---------------------------------------------------------------------------------
+B, H, S, T, D = 2, 4, 3, 7, 8
+
+
+def _attention_model(scale: str | None = "Div", where: bool = True, bias: bool = True,
+                     extra_outputs: tuple[str, ...] = (), dtype=onnx.TensorProto.FLOAT) -> onnx.ModelProto:
+    """An exported decoder's attention: ``Softmax(Add(Where(keep, Div(q @ kᵀ, √D), fill), bias)) @ v``."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s0"])]
+    x = "s0"
+    if scale == "Div":
+        nodes.append(helper.make_node("Div", [x, "root"], ["s1"]))
+        x = "s1"
+    elif scale == "Mul":
+        nodes.append(helper.make_node("Mul", ["inv_root", x], ["s1"]))
+        x = "s1"
+    if where:
+        nodes.append(helper.make_node("Where", ["keep", x, "fill"], ["s2"]))
+        x = "s2"
+    if bias:
+        nodes.append(helper.make_node("Add", [x, "bias"], ["s3"]))
+        x = "s3"
+    nodes += [helper.make_node("Softmax", [x], ["p"], axis=-1), helper.make_node("MatMul", ["p", "v"], ["y"])]
+    inputs = [tensor_info("q", [B, H, S, D], dtype), tensor_info("k", [B, H, T, D], dtype),
+              tensor_info("v", [B, H, T, D], dtype), tensor_info("keep", [1, 1, S, T], onnx.TensorProto.BOOL),
+              tensor_info("bias", [B, 1, 1, T], dtype)]
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    consts = [numpy_helper.from_array(np.asarray(v, np_type), n) for n, v in
+              (("root", math.sqrt(D)), ("inv_root", 1 / math.sqrt(D)), ("fill", np.finfo(np_type).min))]
+    outputs = [tensor_info("y", [B, H, S, D], dtype)] + [tensor_info(n, None, dtype) for n in extra_outputs]
+    used = {n for node in nodes for n in node.input}
+    return make_model(nodes, [i for i in inputs if i.name in used], outputs,
+                      [c for c in consts if c.name in used], extra_domains=())
+
+
+def _attention_feeds(dtype=np.float32) -> dict[str, np.ndarray]:
+    keep = np.tril(np.ones((S, T), bool), k=T - S)[None, None]  # a causal mask after T - S cached keys
+    bias = np.where(RNG.random((B, 1, 1, T)) < 0.3, np.finfo(dtype).min, 0)
+    bias[..., -1] = 0  # every query keeps its own key
+    return {"q": RNG.standard_normal((B, H, S, D)).astype(dtype), "k": RNG.standard_normal((B, H, T, D)).astype(dtype),
+            "v": RNG.standard_normal((B, H, T, D)).astype(dtype), "keep": keep, "bias": bias.astype(dtype)}
+
+
+@pytest.mark.parametrize("scale,where,bias", [("Div", True, True), ("Mul", False, True), (None, True, False),
+                                              (None, False, False)])
+def test_decoder_attention_fuses_and_matches_the_definition(scale, where, bias):
+    proto = _attention_model(scale, where, bias)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_attention"] == 1
+    assert [l.op_type for l in model.layers] == ["MaskedAttention"]
+    assert [l.op_type for l in model.layers[0].expansion][-2:] == ["Softmax", "MatMul"]
+    feeds = {n: v for n, v in _attention_feeds().items() if n in {i.name for i in proto.graph.input}}
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_attention_in_float16_computes_in_float32_and_rounds_once():
+    proto = _attention_model(dtype=onnx.TensorProto.FLOAT16)
+    model = ai.load_model(proto)
+    assert "MaskedAttention" in [l.op_type for l in model.layers]
+    feeds = _attention_feeds(np.float16)
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_attention_whose_scores_are_also_an_output_is_left_alone():
+    model = ai.load_model(_attention_model(extra_outputs=("s1",)))
+    assert model.optimizations["fuse_attention"] == 0
+    assert "Softmax" in [l.op_type for l in model.layers]
+
+
+def test_attention_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """gpu_pixel has no MaskedAttention kernel: its plan takes the fused layer's expansion (the
+    seven original layers) instead of handing attention to the CPU."""
+    require_pixel()
+    proto = _attention_model()
+    model = ai.load_model(proto)
+    feeds = _attention_feeds()
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(feeds)["y"]
+    assert "MaskedAttention" not in " ".join(placement.layers)  # its name is the last MatMul's
+    assert not any(name in placement.fallback for name in ("y", model.layers[0].name)), placement.fallback
+    assert placement.layers[model.layers[0].name] == "gpu_pixel"
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)

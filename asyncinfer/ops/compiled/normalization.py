@@ -41,18 +41,22 @@ def layer_norm_rows(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, has_bias
 def softmax_rows(x: np.ndarray, y: np.ndarray) -> None:
     """Each row of ``x`` (R, D) → ``y``: ``e^(x - max) / Σ e^(x - max)`` (a NaN anywhere in a row
     makes the whole row NaN through the sum; a row of -inf gives NaN, as the definition's 0/0)."""
-    rows, d = x.shape
-    for r in range(rows):
-        row = x[r]
-        out = y[r]
-        top = row_max(row)
-        if top == -np.inf:  # every value -inf or NaN: NaN, as e^(x - max) gives
-            top = row[0]
-        for i in range(d):
-            out[i] = _exp(row[i] - top)
-        inv = np.float32(1.0 / row_sum(out))
-        for i in range(d):
-            out[i] = out[i] * inv
+    for r in range(x.shape[0]):
+        softmax_row(x[r], y[r])
+
+
+@kernel
+def softmax_row(row: np.ndarray, out: np.ndarray) -> None:
+    """One row of `softmax_rows` (``out`` may be ``row``)."""
+    top = row_max(row)
+    if top == -np.inf:  # every value -inf or NaN: NaN, as e^(x - max) gives
+        top = row[0]
+    d = row.shape[0]
+    for i in range(d):
+        out[i] = _exp(row[i] - top)
+    inv = np.float32(1.0 / row_sum(out))
+    for i in range(d):
+        out[i] = out[i] * inv
 
 
 @kernel

@@ -1,0 +1,125 @@
+"""Ops that only the loader's fusions create, in asyncinfer's own domain (`FUSED_DOMAIN`).
+
+Each is an exact composition of standard ONNX ops that no single ONNX op expresses (ONNX's
+``Attention`` takes one mask; an exported GPT-2 applies a causal ``Where`` *and* an additive
+padding mask). The layer that replaces the pattern keeps the pattern's layers
+(``Layer.expansion``): a backend without a kernel for the fused op runs those instead, so a GPU
+never hands the pattern to the CPU because of a fusion.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Op
+from .compiled.attention import masked_attention
+from .compiled.normalization import softmax_rows
+from .linalg import matmul
+from .registry import register
+from .shape import op_error
+
+#: The domain of the fused ops.
+FUSED_DOMAIN = "ai.asyncinfer"
+
+
+@register("MaskedAttention", versions=(1,), domain=FUSED_DOMAIN)
+class MaskedAttention(Op):
+    """``Softmax(Add(Where(keep, Div(MatMul(Q, Transpose(K)), scale), fill), bias)) @ V``, the
+    attention of exported decoders, each of ``scale``, ``keep``/``fill`` and ``bias`` optional.
+
+    Inputs: ``Q (…, S, D)``, ``K (…, T, D)`` (not transposed), ``V (…, T, Dv)``, ``scale`` (a
+    scalar; attribute ``scale_divides``: 1 divides by it, 0 multiplies), ``keep`` (bool) and
+    ``fill`` (a scalar) for the ``Where``, ``bias`` added after it; the masks broadcast against the
+    scores ``(…, S, T)`` as the ops they replace did. The softmax is over the last axis.
+
+    Float32 Q, K and V of shape ``(B, H, S, D)`` (a decode step's) run in one compiled pass per
+    query row (``compiled/attention.py``); its dot products are SIMD partial sums, so it differs
+    from the unfused layers by rounding alone. Other shapes take the unfused layers' arithmetic
+    step by step; narrower floats are computed in float32 and rounded once, at the output.
+    """
+
+    multithreaded = True  # two batched GEMMs, as the MatMuls it replaces
+
+    def check(self) -> None:
+        names = list(self.layer.inputs) + [""] * 7
+        if not (names[0] and names[1] and names[2]):
+            self.unsupported("Q, K and V are required")
+        if bool(names[4]) != bool(names[5]):
+            self.unsupported("keep without fill (or the reverse)")
+        self.divides = bool(int(self.attr("scale_divides", 1)))
+
+    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None = None,
+            keep: np.ndarray | None = None, fill: np.ndarray | None = None,
+            bias: np.ndarray | None = None) -> np.ndarray:
+        out_dtype = q.dtype
+        if q.dtype.kind != "f" or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise op_error(self, f"Q, K and V must be of one float type, got {q.dtype}, {k.dtype}, {v.dtype}")
+        work = np.float64 if q.dtype == np.float64 else np.float32
+        q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
+        if q.ndim < 2 or k.ndim < 2 or v.ndim < 2 or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+            raise op_error(self, f"shapes Q {q.shape}, K {k.shape}, V {v.shape} do not make an attention")
+        if work == np.float32 and out_dtype == np.float32:
+            y = self._compiled(q, k, v, scale, keep, fill, bias)
+            if y is not None:
+                return y
+        with np.errstate(all="ignore"):
+            scores = matmul(q, np.swapaxes(k, -1, -2))
+            if scale is not None:
+                s = np.asarray(scale).astype(work)
+                scores = np.divide(scores, s, out=scores) if self.divides else np.multiply(scores, s, out=scores)
+            if keep is not None:
+                scores = np.where(keep, scores, np.asarray(fill).astype(work))
+            if bias is not None:
+                bias = bias.astype(work, copy=False)
+                if np.broadcast_shapes(scores.shape, bias.shape) == scores.shape:
+                    np.add(scores, bias, out=scores)  # scores is this run's own array
+                else:
+                    scores = scores + bias
+            probs = _softmax_last(scores)
+            y = matmul(probs, v)
+        return y.astype(out_dtype, copy=False)
+
+
+    def _compiled(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None,
+                  keep: np.ndarray | None, fill: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray | None:
+        """The float32 4-D case in one compiled pass per query row (`compiled.attention`); None
+        where that kernel does not apply (broadcast batches, other ranks, a mask widening the scores)."""
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not q.size or not k.shape[2]:
+            return None
+        batch, heads, queries, _ = q.shape
+        kv_heads, keys = k.shape[1], k.shape[2]
+        if (k.shape[0] != batch or v.shape[0] != batch or v.shape[1] != kv_heads or kv_heads not in (1, heads)
+                or any(x.strides[3] != 4 and x.shape[3] > 1 for x in (q, k, v))):
+            return None
+        full = (batch, heads, queries, keys)
+        try:
+            keep_b = _NO_KEEP if keep is None else np.broadcast_to(keep.astype(bool, copy=False), full)
+            bias_b = _NO_BIAS if bias is None else np.broadcast_to(bias.astype(np.float32, copy=False), full)
+        except ValueError:  # a mask that widens the scores: the general path
+            return None
+        if (keep is not None and np.ndim(keep) > 4) or (bias is not None and np.ndim(bias) > 4):
+            return None
+        y = np.empty((batch, heads, queries, v.shape[3]), np.float32)
+        masked_attention(q, k, v, 1.0 if scale is None else float(np.asarray(scale).reshape(-1)[0]), self.divides,
+                         scale is not None, keep_b, 0.0 if fill is None else float(np.asarray(fill).reshape(-1)[0]),
+                         keep is not None, bias_b, bias is not None, y)
+        return y
+
+
+_NO_KEEP = np.broadcast_to(np.ones((1, 1, 1, 1), bool), (1, 1, 1, 1))
+_NO_BIAS = np.broadcast_to(np.zeros((1, 1, 1, 1), np.float32), (1, 1, 1, 1))
+
+
+def _softmax_last(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, as the ``Softmax`` op computes it (one compiled pass per row
+    for float32), in place when ``scores`` is a contiguous float32 array."""
+    if scores.size == 0:
+        return scores
+    if scores.dtype == np.float32:
+        if not scores.flags.c_contiguous:
+            scores = np.ascontiguousarray(scores)
+        rows = scores.reshape(-1, scores.shape[-1])
+        softmax_rows(rows, rows)
+        return scores
+    e = np.exp(scores - np.max(scores, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+

@@ -1,0 +1,96 @@
+"""The ops the loader's fusions create (asyncinfer/ops/fused.py): MaskedAttention against the
+composition of the ONNX ops it replaces, on its compiled path (float32, 4-D: a decode step's
+shapes, with the KV cache a view of its arena) and on its general one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import asyncinfer.ops as ops
+from asyncinfer.model.ir import Layer
+from asyncinfer.ops.fused import FUSED_DOMAIN
+
+RNG = np.random.default_rng(11)
+FILL = np.float32(np.finfo(np.float32).min)
+
+
+def _op(divides: bool = True):
+    layer = Layer(name="attention", op_type="MaskedAttention", domain=FUSED_DOMAIN, version=1,
+                  inputs=["q", "k", "v", "scale", "keep", "fill", "bias"], outputs=["y"],
+                  attrs={"scale_divides": int(divides)})
+    return ops.create(layer)
+
+
+def _definition(q, k, v, scale, divides, keep, bias):
+    """The unfused layers in float64: MatMul, Div (or Mul), Where, Add, Softmax, MatMul."""
+    s = np.matmul(q.astype(np.float64), np.swapaxes(k, -1, -2).astype(np.float64))
+    s = s / scale if divides else s * scale
+    if keep is not None:
+        s = np.where(keep, s, np.float64(FILL))
+    if bias is not None:
+        s = s + bias
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)) @ v.astype(np.float64)
+
+
+def _masks(batch, queries, keys):
+    keep = np.tril(np.ones((queries, keys), bool), k=keys - queries)[None, None]
+    bias = np.where(RNG.random((batch, 1, 1, keys)) < 0.3, FILL, 0).astype(np.float32)
+    bias[..., -1] = 0
+    return keep, bias
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,queries,keys", [(1, 12, 12, 1, 40), (3, 4, 4, 5, 9), (2, 6, 1, 2, 17)])
+@pytest.mark.parametrize("divides", [True, False])
+def test_compiled_path_matches_the_definition_on_a_cache_view(batch, heads, kv_heads, queries, keys, divides):
+    depth = 16
+    arena = RNG.standard_normal((batch, kv_heads, keys + 32, depth)).astype(np.float32)
+    k = arena[:, :, :keys]  # as the cache arrives: a view of the arena it grows in
+    v = RNG.standard_normal((batch, kv_heads, keys, depth)).astype(np.float32)
+    q = RNG.standard_normal((batch, heads, queries, depth)).astype(np.float32)
+    keep, bias = _masks(batch, queries, keys)
+    scale = np.float32(4.0 if divides else 0.25)
+    op = _op(divides)
+    assert op._compiled(q, k, v, scale, keep, FILL, bias) is not None  # the path under test
+    got = op.run(q, k, v, scale, keep, FILL, bias)
+    np.testing.assert_allclose(got, _definition(q, k, v, scale, divides, keep, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_has_the_same_result_alone_as_in_a_batch():
+    """A stream's attention must not depend on who shares its decode step."""
+    q = RNG.standard_normal((4, 3, 1, 8)).astype(np.float32)
+    k = RNG.standard_normal((4, 3, 10, 8)).astype(np.float32)
+    v = RNG.standard_normal((4, 3, 10, 8)).astype(np.float32)
+    _, bias = _masks(4, 1, 10)
+    op = _op()
+    together = op.run(q, k, v, np.float32(2.0), None, None, bias)
+    for r in range(4):
+        alone = op.run(q[r:r + 1], k[r:r + 1], v[r:r + 1], np.float32(2.0), None, None, bias[r:r + 1])
+        np.testing.assert_array_equal(alone, together[r:r + 1])
+
+
+@pytest.mark.parametrize("case", ["three_d", "float64", "mask_widens_scores"])
+def test_general_path_matches_the_definition(case):
+    q = RNG.standard_normal((2, 3, 4)).astype(np.float32)
+    k = RNG.standard_normal((2, 5, 4)).astype(np.float32)
+    v = RNG.standard_normal((2, 5, 6)).astype(np.float32)
+    keep = np.tril(np.ones((3, 5), bool), k=2)[None]
+    bias = np.zeros((1, 3, 5), np.float32)
+    if case == "float64":
+        q, k, v, bias = (x.astype(np.float64) for x in (q, k, v, bias))
+        q, k, v, keep, bias = q[None], k[None], v[None], keep[None], bias[None]
+    elif case == "mask_widens_scores":  # a bias with a leading axis of 2 broadcasts the scores up
+        q, k, v, keep, bias = q[:1, None], k[:1, None], v[:1, None], keep[None], np.zeros((2, 1, 3, 5), np.float32)
+    op = _op()
+    if q.ndim == 4 and q.dtype == np.float32:
+        assert op._compiled(q, k, v, np.float32(2.0), keep, FILL, bias) is None
+    got = op.run(q, k, v, np.asarray(2.0, q.dtype), keep, np.asarray(FILL, q.dtype), bias)
+    np.testing.assert_allclose(got, _definition(q, k, v, 2.0, True, keep, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_mismatched_shapes_are_a_clear_error():
+    from asyncinfer.errors import AsyncInferError
+
+    q = np.zeros((1, 2, 1, 4), np.float32)
+    with pytest.raises(AsyncInferError, match="do not make an attention"):
+        _op().run(q, np.zeros((1, 2, 5, 3), np.float32), np.zeros((1, 2, 5, 4), np.float32))
