@@ -47,7 +47,10 @@ def normalize_axes(op: Op, axes: Sequence[int], rank: int) -> list[int]:
 
 def int_list(value: Any) -> list[int]:
     """A 1-D (or scalar) integer tensor or a list as a list of Python ints."""
-    return [int(v) for v in np.asarray(value).reshape(-1)]
+    array = np.asarray(value).reshape(-1)
+    if array.dtype.kind in "iu":  # (a reshape target, split sizes: every shape op, every run)
+        return array.tolist()
+    return [int(v) for v in array]
 
 
 def scalar_input(value: MaybeArray, default: Any = None, kind: type = int) -> Any:
@@ -208,7 +211,17 @@ class Split(Op):
             sizes = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
         if len(sizes) != n or sum(sizes) != dim or min(sizes) < 0:
             raise op_error(self, f"cannot split dimension {dim} into {n} parts of sizes {sizes}")
-        return tuple(np.split(data, np.cumsum(sizes)[:-1], axis=axis))
+        return tuple(data[index] for index in self.per_shape((data.shape, axis, *sizes),
+                                                             lambda: _split_indices(data.ndim, axis, sizes)))
+
+
+def _split_indices(rank: int, axis: int, sizes: list[int]) -> list[tuple[slice, ...]]:
+    """The index of each part of a Split (views, as ``np.split`` gives, without its overhead)."""
+    indices, start = [], 0
+    for size in sizes:
+        indices.append((slice(None),) * axis + (slice(start, start + size),) + (slice(None),) * (rank - axis - 1))
+        start += size
+    return indices
 
 
 @register("Slice", versions=(1, 10, 11, 13))
