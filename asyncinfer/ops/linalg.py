@@ -165,6 +165,15 @@ class MatMul(Op):
         return matmul(a.astype(work, copy=False), b.astype(work, copy=False)).astype(out, copy=False)
 
 
+class LastRowMatMul(MatMul):
+    """``MatMul(A, B)`` of A's last row along its second-to-last axis only (``A[..., -1:, :] @ B``),
+    for a caller that reads nothing else: the generation engine's logits (a prompt of 16 tokens
+    would otherwise multiply all 16 rows by the whole vocabulary). Never made by a model file."""
+
+    def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return super().run(a[..., -1:, :] if a.ndim >= 2 else a, b)
+
+
 def gemm_dtypes(*operands: np.ndarray | None) -> tuple[np.dtype, np.dtype]:
     """``(dtype to multiply in, dtype of the result)`` of a GEMM-like op (MatMul, Gemm, Conv…).
 

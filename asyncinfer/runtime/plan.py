@@ -208,6 +208,16 @@ class Plan:
             (index, TaskFuture.completed(outputs, label=self.nodes[index].layer.name))
             for index, outputs in precomputed.items()])
 
+    def with_op(self, index: int, op: ops.Op) -> "Plan":
+        """This plan with host step ``index`` running ``op`` instead of its layer's own (same
+        inputs, same outputs): how the generation engine computes only the logits it reads."""
+        node = self.nodes[index]
+        kernel = node.backend.prepare(node.layer, op, value_types(self.model))
+        plan = self._variant()
+        plan.nodes[index] = replace(plan.nodes[index], step=replace(node.step, op=op, kernel=kernel))
+        plan.segments = plan._plan_segments()  # they hold the nodes themselves
+        return plan
+
     def _variant(self, **changes: Any) -> "Plan":
         """A copy with ``changes`` to which values are kept or known, its releases and segments
         planned again; layers, kernels and device constants are shared."""

@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import asyncinfer as ai
+from asyncinfer.ops.linalg import LastRowMatMul
 from asyncinfer.runtime.execution import Execution
 from asyncinfer.runtime.generation.sampling import StopMatcher
 from conftest import TEST_DOMAIN
@@ -248,6 +249,19 @@ def test_llama_style_greedy_equals_onnxruntime_loop(llama):
     with ai.Worker(model, "cpu") as worker:
         for prompt in PROMPTS[:3]:
             assert worker.generate_blocking(prompt, max_new_tokens=10) == reference_greedy(proto, prompt, 10)
+
+
+def test_prompts_multiply_only_their_last_row_by_the_vocabulary(gpt2):
+    """The engine reads one row of logits per stream: its plan's logits layer (a host MatMul of
+    a constant matrix that no layer reads) multiplies only the last position, and a prompt's
+    first token is still the reference's."""
+    proto, model = gpt2
+    with ai.Worker(model, "cpu") as worker:
+        assert worker.generate_blocking(PROMPTS[0], max_new_tokens=3) == reference_greedy(proto, PROMPTS[0], 3)
+        plan = worker._generation._plan
+    logits = plan.nodes[plan.refs["logits"][0]]
+    assert isinstance(logits.step.kernel, LastRowMatMul)
+    assert not isinstance(worker._plan.nodes[logits.index].step.kernel, LastRowMatMul)  # runs are unchanged
 
 
 def test_model_without_past_recomputes_the_prefix():

@@ -42,10 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from ...backends.base import HOST
+from ...backends.base import HOST, StepKind
 from ...concurrency.future import TaskFuture
 from ...errors import DisposedError, ExecutionError, InputError
 from ...model.ir import Model
+from ...ops.linalg import LastRowMatMul
 from ...tensor import reraise
 from ..execution import Execution
 from ..plan import Plan
@@ -113,9 +114,9 @@ class GenerationEngine:
         self.model = model
         self.io: DecoderIO = detect(model)
         self.batching = self.io.batchable and self.io.has_past
-        self._plan = plan
+        self._plan = last_row_logits(plan, self.io)
         # Only a batching model's runs repeat their input shapes (its cache kept to blocks).
-        self._shapes = ShapePlans(plan) if self.batching else None
+        self._shapes = ShapePlans(self._plan) if self.batching else None
         self._schedule = schedule
         self._cond = threading.Condition()
         self._joining: list[Sequence] = []
@@ -298,7 +299,7 @@ class GenerationEngine:
         try:
             self._fit_cache(batch)
             futures = self._inputs(batch)
-            plan, observe = None, None
+            plan, observe = self._plan, None
             if self._shapes is not None and self._shapes.enabled and batch.past_device is None:
                 plan, observe = self._shapes.plan_for(futures)
             execution = self._schedule(futures, plan)
@@ -425,6 +426,23 @@ class GenerationEngine:
                     self._batches.remove(batch)
                 continue
             _keep_rows(batch, keep, self._host_past(batch) if batch.past is not None else None)
+
+
+def last_row_logits(plan: Plan, io: DecoderIO) -> Plan:
+    """``plan`` with its logits layer multiplying only the last position's row (`LastRowMatMul`):
+    the engine reads nothing else, and a prompt's logits are its largest product (a 16-token
+    GPT-2 prompt: 16 rows by 768 x 50257). Only where that is the same computation: a host MatMul
+    of a constant matrix whose output no layer reads. Else ``plan`` itself."""
+    ref = plan.refs.get(io.logits)
+    if ref is None or ref[0] >= len(plan.nodes):
+        return plan
+    node = plan.nodes[ref[0]]
+    layer = node.layer
+    weight = plan.model.constants.get(layer.inputs[1]) if len(layer.inputs) == 2 else None
+    if (node.step.kind is not StepKind.LAYER or node.backend.device != HOST or layer.op_type != "MatMul"
+            or layer.domain or np.ndim(weight) != 2 or any(ref in n.inputs for n in plan.nodes)):
+        return plan
+    return plan.with_op(ref[0], LastRowMatMul(layer, plan.model.limits))
 
 
 def _keep_rows(batch: _Batch, keep: list[int], past: list[np.ndarray] | None) -> None:
