@@ -116,6 +116,10 @@ class Backend(ABC):
     #: (`submit_job` and `run_now`); the runtime then schedules paths of light layers
     #: as one job, instead of one dispatch per layer.
     runs_jobs: bool = False
+    #: A backend that runs jobs may name the function computing a step's outputs on the job's
+    #: thread (``compute(step, args) -> outputs``, raising on failure): the runtime then runs a
+    #: job's plain steps through it directly, without the `StepDone` calls of `run_now`.
+    inline_compute: Callable[[Step, list], list] | None = None
 
     @abstractmethod
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Any:

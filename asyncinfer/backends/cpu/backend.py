@@ -65,6 +65,7 @@ class CPUBackend(Backend):
 
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads or os.cpu_count() or 1)
+        self.inline_compute = _compute  # a job's layers: `run_now` without its StepDone calls
         self.lanes = min(self.threads, lanes_requested() or self.threads)
         tune_allocator()
         self._blas_single = blas.acquire()
@@ -205,7 +206,8 @@ def _compute(step: Step, args: list) -> list:
     itself). (Pool threads run with NumPy's floating-point warnings off: inf/nan are values in ONNX.)"""
     if step.activations and step.kernel.takes_activations:
         return list(step.kernel(*args, activations=step.activations))
-    outputs = list(step.kernel(*args))
+    out = step.kernel.run(*args)  # (Op.__call__, one call less: this runs for every layer)
+    outputs = list(out) if isinstance(out, tuple) else [out]
     if step.activations:
         outputs[0] = apply_activations(outputs[0], step.activations, args)
     return outputs
