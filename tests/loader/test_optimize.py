@@ -222,3 +222,44 @@ def test_narrow_weights_are_widened_where_the_model_is_not_promoted(rng):
     want = (((x.astype(np.float32) @ model.constants["w"]).astype(np.float16) + model.constants["v"]).astype(np.float32)
             @ model.constants["v"].astype(np.float32)).astype(np.float16)
     np.testing.assert_array_equal(got, want)
+
+
+def _run_both(proto, x):
+    """Outputs of ``proto`` with and without the optimizer."""
+    results = []
+    for optimize in (True, False):
+        with ai.Worker(ai.load_model(proto, optimize=optimize), "cpu") as worker:
+            results.append(worker.run_blocking(x)["y"])
+    return results
+
+
+def test_activation_read_through_a_reshape_moves_before_it_and_fuses_into_the_gemm(rng):
+    """GPT-2's MLP: ``Gemm → Reshape (3-D) → Gelu → Reshape (2-D) → Gemm``: the Gelu moves before
+    the first Reshape and runs inside the Gemm; the result is unchanged."""
+    w1, w2 = (numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) / 4, n)
+              for n, s in (("w1", (8, 16)), ("w2", (16, 8))))
+    shapes = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s3", [2, 3, 16]), ("s2", [-1, 16]))]
+    nodes = [helper.make_node("Gemm", ["x", "w1"], ["g"]), helper.make_node("Reshape", ["g", "s3"], ["r"]),
+             helper.make_node("Gelu", ["r"], ["a"]), helper.make_node("Reshape", ["a", "s2"], ["r2"]),
+             helper.make_node("Gemm", ["r2", "w2"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [6, 8])], [tensor_info("y", [6, 8])], [w1, w2, *shapes],
+                       opset=20, extra_domains=())
+    model = ai.load_model(proto)
+    assert model.optimizations["simplify_reshapes"] == 2  # the Gelu moved, then the two Reshapes merged
+    assert [l.kind for l in model.layers] == ["Gemm+Gelu", "Reshape", "Gemm"]
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    optimized, plain = _run_both(proto, x)
+    np.testing.assert_array_equal(optimized, plain)
+
+
+@pytest.mark.parametrize("target,merged", [([4, 6], True), ([0, 3, 4], False)])
+def test_reshape_of_a_reshape_merges_unless_the_target_copies_a_dimension(rng, target, merged):
+    shapes = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s1", [2, 12]), ("s2", target))]
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["r"]), helper.make_node("Reshape", ["r", "s2"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [3, 8])], [tensor_info("y", None)], shapes, extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["Reshape"] * (1 if merged else 2)
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    optimized, plain = _run_both(proto, x)
+    assert optimized.shape == plain.shape
+    np.testing.assert_array_equal(optimized, plain)
