@@ -33,7 +33,7 @@ from ..ops.fused import FUSED_DOMAIN
 CONSTANT_RTOL = 1e-5
 #: The op each fusion produces: (op_type, schema version).
 GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("RMSNormalization", 23), ("Swish", 24)
-MASKED_ATTENTION = ("MaskedAttention", 1)  # in FUSED_DOMAIN
+MASKED_ATTENTION, ROTARY_HALF = ("MaskedAttention", 1), ("RotaryHalfEmbedding", 1)  # in FUSED_DOMAIN
 
 
 class _Graph:
@@ -472,6 +472,78 @@ def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], bool]
     return chain[::-1], [product.inputs[0], transpose.inputs[0], out.inputs[1], scale, keep, fill, bias], divides
 
 
+def fuse_rotary(model: Model) -> int:
+    """``X·cos + Concat(-X[..., h:e], X[..., :h])·sin`` (rotate-half rotary embedding, Slices
+    along the last axis with constant bounds) → ``RotaryHalfEmbedding`` (``ops/fused.py``),
+    keeping the seven layers as its expansion for backends without the fused kernel."""
+    g, count = _Graph(model), 0
+    for add in g.candidates("Add"):
+        match = _rotary(g, add)
+        if match is None:
+            continue
+        pattern, inputs, split, end = match
+        fused = Layer(name=add.name, op_type=ROTARY_HALF[0], inputs=inputs, outputs=[add.outputs[0]],
+                      attrs={"split": split, "end": end}, domain=FUSED_DOMAIN, version=ROTARY_HALF[1],
+                      expansion=[replace(layer) for layer in pattern])
+        g.replace(pattern, add, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _rotary(g: _Graph, add: Layer) -> tuple[list[Layer], list[str], int, int] | None:
+    """The layers of a rotate-half embedding ending in ``add`` (graph order), the fused layer's
+    inputs and the split and end bounds; None when it is not exactly that pattern."""
+    if len(add.inputs) != 2:
+        return None
+    products = [g.op(n, "Mul") if g.private(n) else None for n in add.inputs]
+    if None in products or products[0] is products[1]:
+        return None
+    for direct, turned in (products, products[::-1]):
+        concat = next((g.op(n, "Concat") for n in turned.inputs if g.private(n) and g.op(n, "Concat")), None)
+        if concat is None or len(concat.inputs) != 2 or not _last_axis(g, concat.attrs.get("axis"), concat.inputs[1]):
+            continue
+        sin = g.other(turned, concat.outputs[0])
+        neg = g.op(concat.inputs[0], "Neg") if g.private(concat.inputs[0]) else None
+        upper = g.op(neg.inputs[0], "Slice") if neg is not None and g.private(neg.inputs[0]) else None
+        lower = g.op(concat.inputs[1], "Slice") if g.private(concat.inputs[1]) else None
+        if sin is None or upper is None or lower is None or upper.inputs[0] != lower.inputs[0]:
+            continue
+        x = lower.inputs[0]
+        cos = g.other(direct, x)
+        high, low = _slice_bounds(g, upper), _slice_bounds(g, lower)
+        if cos is None or high is None or low is None or low[0] != 0 or low[1] != high[0]:
+            continue
+        return [lower, upper, neg, concat, turned, direct, add], [x, cos, sin], high[0], high[1]
+    return None
+
+
+def _slice_bounds(g: _Graph, layer: Layer) -> tuple[int, int] | None:
+    """``(start, end)`` of a Slice along the last axis only, step 1, non-negative constant bounds."""
+    if layer.version < 10 or not 3 <= len(layer.inputs) <= 5:
+        return None
+    values = []
+    for name in layer.inputs[1:]:
+        value = g.model.constants.get(name) if name else None
+        if name and (value is None or np.size(value) != 1):
+            return None
+        values.append(None if value is None else int(np.asarray(value).reshape(-1)[0]))
+    start, end = values[0], values[1]
+    axis = values[2] if len(values) > 2 else None
+    step = values[3] if len(values) > 3 else 1
+    if axis is None or not _last_axis(g, axis, layer.inputs[0]) or step not in (None, 1) or start < 0 or end < 0:
+        return None
+    return start, end
+
+
+def _last_axis(g: _Graph, axis: object, name: str) -> bool:
+    """``axis`` is the last axis of value ``name`` (-1, or rank - 1 when the rank is known)."""
+    if axis is None:
+        return False
+    rank = g.rank(name)
+    return int(axis) == -1 or (rank is not None and int(axis) == rank - 1)
+
+
 #: The fusions, in the order ``optimize`` runs them (before ``fuse_activations``).
 PATTERN_PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_gelu", fuse_gelu),
@@ -479,4 +551,5 @@ PATTERN_PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_rms_norm", fuse_rms_norm),
     ("fuse_silu", fuse_silu),
     ("fuse_attention", fuse_attention),
+    ("fuse_rotary", fuse_rotary),
 ]

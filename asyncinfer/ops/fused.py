@@ -123,3 +123,30 @@ def _softmax_last(scores: np.ndarray) -> np.ndarray:
     e = np.exp(scores - np.max(scores, axis=-1, keepdims=True))
     return e / np.sum(e, axis=-1, keepdims=True)
 
+
+
+@register("RotaryHalfEmbedding", versions=(1,), domain=FUSED_DOMAIN)
+class RotaryHalfEmbedding(Op):
+    """``Add(Mul(X, cos), Mul(Concat(Neg(Slice(X, split:end)), Slice(X, 0:split)), sin))`` along
+    the last axis: the rotary position embedding of Llama-style exports ("rotate half"), seven
+    layers per Q and per K of every block.
+
+    Attributes ``split`` and ``end`` are the Slices' bounds (``X[..., split:end]`` and
+    ``X[..., :split]``, clamped as Slice clamps them); ``cos`` and ``sin`` broadcast as the Muls
+    did. The arithmetic is the layers' own (two products, then their sum), so the result has
+    their bits; narrower floats are computed as the layers compute them.
+    """
+
+    def check(self) -> None:
+        if len(self.layer.inputs) != 3 or not all(self.layer.inputs):
+            self.unsupported("X, cos and sin are required")
+        self.split, self.end = int(self.attr("split")), int(self.attr("end"))
+        if self.split < 0 or self.end < 0:
+            self.unsupported(f"negative bounds {self.split}:{self.end}")
+
+    def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        if x.ndim < 1:
+            raise op_error(self, "X must have at least one axis")
+        rotated = np.concatenate([np.negative(x[..., self.split:self.end]), x[..., :self.split]], axis=-1)
+        with np.errstate(all="ignore"):
+            return np.add(np.multiply(x, cos), np.multiply(rotated, sin))

@@ -280,3 +280,55 @@ def test_attention_on_gpu_pixel_runs_the_layers_it_replaced_there():
     assert not any(name in placement.fallback for name in ("y", model.layers[0].name)), placement.fallback
     assert placement.layers[model.layers[0].name] == "gpu_pixel"
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)
+
+
+# -- rotary embedding (rotate half) ------------------------------------------------------------
+def _rotary_model(lower_end: int = D // 2, upper: tuple[int, int] = (D // 2, D)) -> onnx.ModelProto:
+    """Llama's ``x·cos + rotate_half(x)·sin``, the halves taken by Slices of the last axis."""
+    ints = lambda name, v: numpy_helper.from_array(np.array([v], np.int64), name)  # noqa: E731
+    consts = [ints("zero", 0), ints("half", lower_end), ints("up0", upper[0]), ints("up1", upper[1]), ints("last", -1)]
+    nodes = [helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1"]),
+             helper.make_node("Slice", ["x", "up0", "up1", "last"], ["x2"]),
+             helper.make_node("Mul", ["x", "cos"], ["a"]), helper.make_node("Neg", ["x2"], ["n"]),
+             helper.make_node("Concat", ["n", "x1"], ["r"], axis=-1), helper.make_node("Mul", ["r", "sin"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    inputs = [tensor_info("x", [B, H, S, D]), tensor_info("cos", [B, 1, S, D]), tensor_info("sin", [B, 1, S, D])]
+    return make_model(nodes, inputs, [tensor_info("y", [B, H, S, D])], consts, extra_domains=())
+
+
+def _rotary_feeds() -> dict[str, np.ndarray]:
+    angles = RNG.standard_normal((B, 1, S, D // 2)).astype(np.float32)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return {"x": RNG.standard_normal((B, H, S, D)).astype(np.float32), "cos": np.cos(angles), "sin": np.sin(angles)}
+
+
+def test_rotate_half_embedding_fuses_with_the_bits_of_its_layers():
+    proto = _rotary_model()
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_rotary"] == 1
+    assert [l.op_type for l in model.layers] == ["RotaryHalfEmbedding"]
+    feeds = _rotary_feeds()
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    with ai.Worker(ai.load_model(proto, optimize=False), "cpu") as worker:
+        unfused = worker.run_blocking(feeds)["y"]
+    np.testing.assert_array_equal(got, unfused)
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_halves_that_do_not_meet_are_left_alone():
+    model = ai.load_model(_rotary_model(lower_end=D // 2 - 1))
+    assert model.optimizations["fuse_rotary"] == 0
+
+
+def test_rotary_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    require_pixel()
+    proto = _rotary_model()
+    model = ai.load_model(proto)
+    feeds = _rotary_feeds()
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(feeds)["y"]
+    assert placement.layers[model.layers[0].name] == "gpu_pixel" and not placement.fallback
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)

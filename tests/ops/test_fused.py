@@ -94,3 +94,14 @@ def test_mismatched_shapes_are_a_clear_error():
     q = np.zeros((1, 2, 1, 4), np.float32)
     with pytest.raises(AsyncInferError, match="do not make an attention"):
         _op().run(q, np.zeros((1, 2, 5, 3), np.float32), np.zeros((1, 2, 5, 4), np.float32))
+
+
+@pytest.mark.parametrize("split,end,width", [(4, 8, 8), (4, 1 << 62, 8), (3, 8, 6)])
+def test_rotary_half_embedding_is_its_layers(split, end, width):
+    """``x·cos + Concat(-x[..., split:end], x[..., :split])·sin``, bounds clamped as Slice clamps them."""
+    layer = Layer(name="rope", op_type="RotaryHalfEmbedding", domain=FUSED_DOMAIN, version=1,
+                  inputs=["x", "cos", "sin"], outputs=["y"], attrs={"split": split, "end": end})
+    x = RNG.standard_normal((2, 3, 5, width)).astype(np.float32)
+    cos, sin = (RNG.standard_normal((2, 1, 5, width)).astype(np.float32) for _ in range(2))
+    rotated = np.concatenate([-x[..., split:min(end, width)], x[..., :split]], axis=-1)
+    np.testing.assert_array_equal(ops.create(layer).run(x, cos, sin), x * cos + rotated * sin)
