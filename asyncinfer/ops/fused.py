@@ -91,22 +91,23 @@ class MaskedAttention(Op):
                 or any(x.strides[3] != 4 and x.shape[3] > 1 for x in (q, k, v))):
             return None
         full = (batch, heads, queries, keys)
-        try:
-            keep_b = _NO_KEEP if keep is None else np.broadcast_to(keep.astype(bool, copy=False), full)
-            bias_b = _NO_BIAS if bias is None else np.broadcast_to(bias.astype(np.float32, copy=False), full)
-        except ValueError:  # a mask that widens the scores: the general path
-            return None
-        if (keep is not None and np.ndim(keep) > 4) or (bias is not None and np.ndim(bias) > 4):
-            return None
+        masks = []
+        for mask, dtype, none in ((keep, np.bool_, _NO_KEEP), (bias, np.float32, _NO_BIAS)):
+            if mask is None:
+                masks.append(none)
+                continue
+            if mask.ndim > 4 or any(d not in (1, f) for d, f in zip(mask.shape[::-1], full[::-1])):
+                return None  # a mask that widens the scores (or does not fit): the general path
+            masks.append(mask.astype(dtype, copy=False).reshape((1,) * (4 - mask.ndim) + mask.shape))
         y = np.empty((batch, heads, queries, v.shape[3]), np.float32)
-        masked_attention(q, k, v, 1.0 if scale is None else float(np.asarray(scale).reshape(-1)[0]), self.divides,
-                         scale is not None, keep_b, 0.0 if fill is None else float(np.asarray(fill).reshape(-1)[0]),
-                         keep is not None, bias_b, bias is not None, y)
+        masked_attention(q, k, v, 1.0 if scale is None else float(np.asarray(scale).item()), self.divides,
+                         scale is not None, masks[0], 0.0 if fill is None else float(np.asarray(fill).item()),
+                         keep is not None, masks[1], bias is not None, y)
         return y
 
 
-_NO_KEEP = np.broadcast_to(np.ones((1, 1, 1, 1), bool), (1, 1, 1, 1))
-_NO_BIAS = np.broadcast_to(np.zeros((1, 1, 1, 1), np.float32), (1, 1, 1, 1))
+_NO_KEEP = np.ones((1, 1, 1, 1), bool)
+_NO_BIAS = np.zeros((1, 1, 1, 1), np.float32)
 
 
 def _softmax_last(scores: np.ndarray) -> np.ndarray:

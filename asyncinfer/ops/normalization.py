@@ -121,12 +121,12 @@ class LayerNormalization(Op):
 
     def check(self) -> None:
         _check_stash(self)
+        # parsed once: a transformer runs this op twice a block, every step
+        self.axis, self.eps, self.stash = int(self.attr("axis")), float(self.attr("epsilon")), _stash_dtype(self)
 
     def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray | None = None):
-        axis = int(self.attr("axis"))
-        axis = axis + x.ndim if axis < 0 else axis
-        eps = float(self.attr("epsilon"))
-        stash = _stash_dtype(self)
+        axis = self.axis + x.ndim if self.axis < 0 else self.axis
+        eps, stash = self.eps, self.stash
         d = math.prod(x.shape[axis:])
         if (x.dtype == stash == np.float32 and x.size and scale.dtype == np.float32 and scale.size == d
                 and (bias is None or (bias.dtype == np.float32 and bias.size == d))):
@@ -254,12 +254,11 @@ class RMSNormalization(Op):
 
     def check(self) -> None:
         _check_stash(self)
+        self.axis, self.eps, self.stash = int(self.attr("axis")), float(self.attr("epsilon")), _stash_dtype(self)
 
     def run(self, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
-        axis = int(self.attr("axis"))
-        axis = axis + x.ndim if axis < 0 else axis
-        eps = float(self.attr("epsilon"))
-        stash = _stash_dtype(self)
+        axis = self.axis + x.ndim if self.axis < 0 else self.axis
+        eps, stash = self.eps, self.stash
         d = math.prod(x.shape[axis:])
         if x.dtype == stash == scale.dtype == np.float32 and x.size and scale.size == d:
             # one compiled pass per row (`compiled.normalization`): 10-20x the NumPy form's speed

@@ -43,9 +43,9 @@ def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
                      y: np.ndarray) -> None:
     """``y[b, h, s] = softmax(mask(scale(q[b, h, s] · k[b, h', t] for each t))) @ v[b, h']`` with
     ``h' = h // (heads / kv_heads)``: float32 Q ``(B, H, S, D)``, K ``(B, Hkv, T, D)``, V
-    ``(B, Hkv, T, Dv)``, each with a unit last stride; ``keep`` (bool) and ``bias`` broadcast to
-    ``(B, H, S, T)``. Masked scores are ``fill`` (``Where(keep, scores, fill)``), then ``bias``
-    is added."""
+    ``(B, Hkv, T, Dv)``, each with a unit last stride; ``keep`` (bool) and ``bias`` 4-D, each
+    dimension that of ``(B, H, S, T)`` or 1 (broadcast). Masked scores are ``fill``
+    (``Where(keep, scores, fill)``), then ``bias`` is added."""
     batch, heads, queries, _ = q.shape
     kv_heads, keys, width = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
@@ -56,14 +56,17 @@ def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
             kh = h // group
             for s in range(queries):
                 row = _row(q, b, h, s)
+                keep_row = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(s, keep.shape[2] - 1)]
+                bias_row = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(s, bias.shape[2] - 1)]
+                keep_last, bias_last = keep_row.shape[0] - 1, bias_row.shape[0] - 1
                 for t in range(keys):
                     x = _dot(row, _row(k, b, kh, t))
                     if use_scale:
                         x = x / s32 if divides else x * s32
-                    if use_keep and not keep[b, h, s, t]:
+                    if use_keep and not keep_row[min(t, keep_last)]:
                         x = f32
                     if use_bias:
-                        x = x + bias[b, h, s, t]
+                        x = x + bias_row[min(t, bias_last)]
                     scores[t] = x
                 softmax_row(scores, scores)
                 out = y[b, h, s]
