@@ -472,8 +472,9 @@ def simplify_reshapes(model: Model) -> int:
       becomes ``Gelu(x) → Reshape``): an element-wise op does not care about shapes, and
       ``fuse_activations`` then runs it inside the GEMM that made ``x``;
     - ``Reshape(Reshape(x, s1), s2)`` becomes ``Reshape(x, s2)`` when ``s2`` is a constant without
-      zeros (a zero would copy a dimension of the inner result), and the inner result has no other
-      reader: the elements, in order, are the same.
+      zeros (a zero would copy a dimension of the inner result): the elements, in order, are the
+      same. The inner Reshape goes, or stays for ``Shape`` layers that read it (exporters compute
+      later targets so), which runs of known input shapes do not run (``Plan.with_precomputed``).
     """
     count = 0
     consumers, producers, outputs = model.consumers(), model.producers(), _graph_outputs(model)
@@ -498,8 +499,8 @@ def simplify_reshapes(model: Model) -> int:
         # swap in place (the order stays topological): the activation reads x, the Reshape its result
         act.inputs, reshape.inputs = [source], [moved] + reshape.inputs[1:]
         act.outputs, reshape.outputs = [moved], [act.outputs[0]]
-        position = model.layers.index(reshape)
-        model.layers[position], model.layers[model.layers.index(act)] = act, reshape
+        first, second = model.layers.index(reshape), model.layers.index(act)
+        model.layers[first], model.layers[second] = act, reshape
         producers[moved], producers[reshape.outputs[0]] = act, reshape
         consumers[moved], consumers[source] = [reshape], [act if c is reshape else c for c in consumers[source]]
         count += 1
@@ -511,12 +512,19 @@ def simplify_reshapes(model: Model) -> int:
         inner = producers.get(outer.inputs[0])
         target = model.constants.get(outer.inputs[1])
         if (inner is None or inner.op_type != "Reshape" or inner.domain or inner.fused or id(inner) in removed
-                or not private(inner.outputs[0]) or target is None or not isinstance(target, np.ndarray)
+                or target is None or not isinstance(target, np.ndarray)
                 or (not outer.attrs.get("allowzero", 0) and bool(np.any(np.asarray(target) == 0)))):
+            continue
+        others = [c for c in consumers.get(inner.outputs[0], []) if c is not outer]
+        if inner.outputs[0] in outputs or any(c.op_type not in SHAPE_ONLY_OPS for c in others):
             continue
         outer.inputs = [inner.inputs[0]] + outer.inputs[1:]
         consumers.setdefault(inner.inputs[0], []).append(outer)
-        removed.add(id(inner))
+        consumers[inner.outputs[0]] = others
+        if not others:
+            removed.add(id(inner))
+        # (else the inner Reshape stays for the Shape reading it, which runs of known input
+        # shapes take as a constant: they skip the Reshape too, see Plan.with_precomputed)
         count += 1
     model.layers = [l for l in model.layers if id(l) not in removed]
     return count

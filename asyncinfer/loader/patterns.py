@@ -406,21 +406,20 @@ def fuse_attention(model: Model) -> int:
         match = _attention(g, softmax)
         if match is None:
             continue
-        pattern, inputs, divides = match
+        pattern, inputs, attrs = match
         last = pattern[-1]
         expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``last``
         fused = Layer(name=last.name, op_type=MASKED_ATTENTION[0], inputs=inputs, outputs=[last.outputs[0]],
-                      attrs={"scale_divides": int(divides)}, domain=FUSED_DOMAIN, version=MASKED_ATTENTION[1],
-                      expansion=expansion)
+                      attrs=attrs, domain=FUSED_DOMAIN, version=MASKED_ATTENTION[1], expansion=expansion)
         g.replace(pattern, last, fused)
         count += 1
     g.commit()
     return count
 
 
-def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], bool] | None:
+def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], dict[str, int]] | None:
     """The layers of an attention ending in ``softmax``'s MatMul (in graph order), the fused
-    layer's inputs and whether the scale divides; None when it is not exactly that pattern."""
+    layer's inputs and attributes; None when it is not exactly that pattern."""
     axis = softmax.attrs.get("axis", -1 if softmax.version >= 13 else 1)
     rank = g.rank(softmax.inputs[0])
     if axis != -1 and (rank is None or axis != rank - 1):
@@ -469,7 +468,35 @@ def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], bool]
         if constant and np.ndim(g.model.constants[constant]) > len(perm):
             return None
     chain += [product, transpose]
-    return chain[::-1], [product.inputs[0], transpose.inputs[0], out.inputs[1], scale, keep, fill, bias], divides
+    inputs = [product.inputs[0], transpose.inputs[0], out.inputs[1], scale, keep, fill, bias]
+    attrs = {"scale_divides": int(divides)}
+    repeats = [_head_repeat(g, name) for name in (transpose.inputs[0], out.inputs[1])]
+    if all(repeats):  # grouped-query attention: take K and V before their heads are repeated
+        for (source, expand, shape, allowzero, layers), slot, key in zip(repeats, (1, 2), ("k", "v")):  # type: ignore[misc]
+            inputs[slot] = source
+            inputs += [expand, shape]
+            attrs[f"{key}_allowzero"] = allowzero
+            chain += layers  # (only when nothing else reads the repeated heads: else they stay)
+    return sorted(chain, key=g.model.layers.index), inputs, attrs
+
+
+def _head_repeat(g: _Graph, name: str) -> tuple[str, str, str, int, list[Layer]] | None:
+    """``name = Reshape(Expand(Unsqueeze(x, [2]), e), s)`` (how exporters repeat K/V heads for
+    grouped-query attention): ``(x, e, s, the Reshape's allowzero, the three layers if nothing
+    else reads their results, else none)``; None when ``name`` is not made so."""
+    reshape = g.producers.get(name)
+    if (reshape is None or id(reshape) in g.removed or reshape.op_type != "Reshape" or reshape.domain
+            or reshape.fused or reshape.version < 5 or len(reshape.inputs) != 2):
+        return None
+    expand = g.op(reshape.inputs[0], "Expand") if g.private(reshape.inputs[0]) else None
+    unsqueeze = g.op(expand.inputs[0], "Unsqueeze") if expand is not None and g.private(expand.inputs[0]) else None
+    if unsqueeze is None:
+        return None
+    axes = g.model.constants.get(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else unsqueeze.attrs.get("axes")
+    if axes is None or [int(a) for a in np.asarray(axes).reshape(-1)] != [2]:
+        return None
+    owned = [unsqueeze, expand, reshape] if g.private(name) else []
+    return unsqueeze.inputs[0], expand.inputs[1], reshape.inputs[1], int(reshape.attrs.get("allowzero", 0)), owned
 
 
 def fuse_rotary(model: Model) -> int:

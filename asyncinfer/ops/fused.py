@@ -31,6 +31,12 @@ class MaskedAttention(Op):
     ``fill`` (a scalar) for the ``Where``, ``bias`` added after it; the masks broadcast against the
     scores ``(…, S, T)`` as the ops they replace did. The softmax is over the last axis.
 
+    Grouped-query attention: K and V may come as the inputs of the ``Unsqueeze(axis 2) → Expand
+    → Reshape`` that repeats each K/V head for its query heads (inputs 7-10: the Expand's shape and
+    the Reshape's, for K then V; attributes ``k_allowzero``/``v_allowzero``, the Reshapes'). When
+    those shapes repeat heads (``(B, Hkv, T, D)`` → ``(B, Hkv·g, T, D)``) the heads are shared,
+    never copied; any other shapes are applied as the three ops would.
+
     Float32 Q, K and V of shape ``(B, H, S, D)`` (a decode step's) run in one compiled pass per
     query row (``compiled/attention.py``); its dot products are SIMD partial sums, so it differs
     from the unfused layers by rounding alone. Other shapes take the unfused layers' arithmetic
@@ -38,29 +44,39 @@ class MaskedAttention(Op):
     """
 
     multithreaded = True  # two batched GEMMs, as the MatMuls it replaces
+    value_inputs = (7, 8, 9, 10)  # the head repeats' shapes
 
     def check(self) -> None:
-        names = list(self.layer.inputs) + [""] * 7
+        names = list(self.layer.inputs) + [""] * 11
         if not (names[0] and names[1] and names[2]):
             self.unsupported("Q, K and V are required")
-        if bool(names[4]) != bool(names[5]):
-            self.unsupported("keep without fill (or the reverse)")
+        if bool(names[4]) != bool(names[5]) or bool(names[7]) != bool(names[8]) or bool(names[9]) != bool(names[10]):
+            self.unsupported("keep without fill, or a head repeat's Expand shape without its Reshape's")
         self.divides = bool(int(self.attr("scale_divides", 1)))
+        self.allowzero = (bool(int(self.attr("k_allowzero", 0))), bool(int(self.attr("v_allowzero", 0))))
 
     def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None = None,
-            keep: np.ndarray | None = None, fill: np.ndarray | None = None,
-            bias: np.ndarray | None = None) -> np.ndarray:
+            keep: np.ndarray | None = None, fill: np.ndarray | None = None, bias: np.ndarray | None = None,
+            k_expand: np.ndarray | None = None, k_shape: np.ndarray | None = None,
+            v_expand: np.ndarray | None = None, v_shape: np.ndarray | None = None) -> np.ndarray:
         out_dtype = q.dtype
         if q.dtype.kind != "f" or k.dtype != q.dtype or v.dtype != q.dtype:
             raise op_error(self, f"Q, K and V must be of one float type, got {q.dtype}, {k.dtype}, {v.dtype}")
         work = np.float64 if q.dtype == np.float64 else np.float32
         q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
+        k, k_group = self._repeat(k, k_expand, k_shape, self.allowzero[0], "K")
+        v, v_group = self._repeat(v, v_expand, v_shape, self.allowzero[1], "V")
+        if k_group != v_group or (k_group > 1 and q.shape[-3] != k.shape[-3] * k_group):
+            k, v = self._repeat(k, None, None, False, "K", k_group)[0], self._repeat(v, None, None, False, "V", v_group)[0]
+            k_group = v_group = 1
         if q.ndim < 2 or k.ndim < 2 or v.ndim < 2 or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
             raise op_error(self, f"shapes Q {q.shape}, K {k.shape}, V {v.shape} do not make an attention")
         if work == np.float32 and out_dtype == np.float32:
-            y = self._compiled(q, k, v, scale, keep, fill, bias)
+            y = self._compiled(q, k, v, scale, keep, fill, bias, k_group)
             if y is not None:
                 return y
+        if k_group > 1:  # the general path takes the heads as the Expand and Reshape made them
+            k, v = self._repeat(k, None, None, False, "K", k_group)[0], self._repeat(v, None, None, False, "V", v_group)[0]
         with np.errstate(all="ignore"):
             scores = matmul(q, np.swapaxes(k, -1, -2))
             if scale is not None:
@@ -79,15 +95,48 @@ class MaskedAttention(Op):
         return y.astype(out_dtype, copy=False)
 
 
+    def _repeat(self, x: np.ndarray, expand: np.ndarray | None, shape: np.ndarray | None, allowzero: bool,
+                what: str, group: int = 1) -> tuple[np.ndarray, int]:
+        """``x`` as ``Reshape(Expand(Unsqueeze(x, 2), expand), shape)`` leaves it: ``(x, g)`` when
+        that repeats each of x's heads ``g`` times in a row (the kernel then shares them), else the
+        tensor the three ops make and 1. With ``expand`` None: ``x``'s heads repeated ``group``
+        times (a copy), or ``x`` itself for a group of 1."""
+        if expand is None:
+            if group == 1:
+                return x, 1
+            return np.repeat(x, group, axis=1), 1
+        if x.ndim < 2:
+            raise op_error(self, f"{what} of shape {x.shape} has no axis 2 to repeat heads along")
+        unsqueezed = x.shape[:2] + (1,) + x.shape[2:]
+        try:
+            expanded = np.broadcast_shapes(unsqueezed, tuple(int(d) for d in np.asarray(expand).reshape(-1)))
+        except ValueError as exc:
+            raise op_error(self, f"cannot expand {what} {unsqueezed} to {np.asarray(expand).tolist()}") from exc
+        dims = [int(d) for d in np.asarray(shape).reshape(-1)]
+        if not allowzero:
+            dims = [expanded[i] if d == 0 and i < len(expanded) else d for i, d in enumerate(dims)]
+        g = expanded[2] if len(expanded) == 5 else 0
+        if (x.ndim == 4 and g >= 1 and expanded == x.shape[:2] + (g,) + x.shape[2:]
+                and dims in ([x.shape[0], x.shape[1] * g, x.shape[2], x.shape[3]],
+                             [x.shape[0], -1, x.shape[2], x.shape[3]])):
+            return x, g
+        try:
+            return np.broadcast_to(x.reshape(unsqueezed), expanded).reshape(dims), 1
+        except ValueError as exc:
+            raise op_error(self, f"cannot reshape {what} {expanded} into {dims}") from exc
+
     def _compiled(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None,
-                  keep: np.ndarray | None, fill: np.ndarray | None, bias: np.ndarray | None) -> np.ndarray | None:
+                  keep: np.ndarray | None, fill: np.ndarray | None, bias: np.ndarray | None,
+                  group: int = 1) -> np.ndarray | None:
         """The float32 4-D case in one compiled pass per query row (`compiled.attention`); None
-        where that kernel does not apply (broadcast batches, other ranks, a mask widening the scores)."""
+        where that kernel does not apply (broadcast batches, other ranks, a mask widening the
+        scores). ``group``: query heads per K/V head (a repeat the kernel does by indexing)."""
         if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or not q.size or not k.shape[2]:
             return None
         batch, heads, queries, _ = q.shape
         kv_heads, keys = k.shape[1], k.shape[2]
-        if (k.shape[0] != batch or v.shape[0] != batch or v.shape[1] != kv_heads or kv_heads not in (1, heads)
+        if (k.shape[0] != batch or v.shape[0] != batch or v.shape[1] != kv_heads
+                or not (kv_heads * group == heads or (group == 1 and kv_heads == 1))
                 or any(x.strides[3] != 4 and x.shape[3] > 1 for x in (q, k, v))):
             return None
         full = (batch, heads, queries, keys)

@@ -24,6 +24,7 @@ from .. import ops
 from ..backends.base import HOST, Backend, Step, StepKind
 from ..backends.device import DeviceBackend
 from ..concurrency.future import TaskFuture
+from ..errors import ExecutionError
 from ..model.ir import Layer, Model, TensorInfo
 
 Ref = tuple[int, int]
@@ -202,11 +203,38 @@ class Plan:
 
     def with_precomputed(self, values: dict[int, list[Any]]) -> "Plan":
         """This plan, with the steps in ``values`` (step index → its outputs) not run: a run's
-        futures for them are born complete with those values (see ``specialise.py``)."""
+        futures for them are born complete with those values (see ``specialise.py``).
+
+        Steps whose values only precomputed steps read (a tensor made only for ``Shape`` to
+        read, such as the repeated K heads of a fused grouped-query attention) are not run
+        either: their futures are born failed, saying so, for anyone who asks for them."""
         precomputed = {**self.precomputed, **values}
-        return self._variant(precomputed=precomputed, precomputed_futures=[
-            (index, TaskFuture.completed(outputs, label=self.nodes[index].layer.name))
-            for index, outputs in precomputed.items()])
+        futures = [(index, TaskFuture.completed(outputs, label=self.nodes[index].layer.name))
+                   for index, outputs in precomputed.items()]
+        for index in self._unread(precomputed):
+            layer = self.nodes[index].layer
+            future = TaskFuture(label=layer.name)
+            future.set_exception(ExecutionError(
+                f"{layer.describe()} did not run: runs of these input shapes need only its shape, "
+                "known from an earlier run", layer=layer.name, op_type=layer.op_type))
+            futures.append((index, future))
+            precomputed[index] = []
+        return self._variant(precomputed=precomputed, precomputed_futures=futures)
+
+    def _unread(self, precomputed: dict[int, list[Any]]) -> list[int]:
+        """The steps no output, kept value or running step needs once ``precomputed`` are known."""
+        n_steps = len(self.nodes)
+        needed = {ref[0] for ref in (*self.output_refs, *self.kept_refs)}
+        needed |= {self.refs[o.name][0] for o in self.model.outputs}
+        unread = []
+        for node in reversed(self.nodes):
+            if node.index in precomputed:
+                continue
+            if node.index not in needed:
+                unread.append(node.index)
+                continue
+            needed.update(ref[0] for ref in node.inputs if ref is not None and ref[0] < n_steps)
+        return unread[::-1]
 
     def with_op(self, index: int, op: ops.Op) -> "Plan":
         """This plan with host step ``index`` running ``op`` instead of its layer's own (same

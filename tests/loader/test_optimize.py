@@ -252,6 +252,19 @@ def test_activation_read_through_a_reshape_moves_before_it_and_fuses_into_the_ge
     np.testing.assert_array_equal(optimized, plain)
 
 
+def test_activation_moved_before_a_reshape_keeps_the_graph_in_order(rng):
+    """``Reshape → Relu`` where the Relu's result is a graph output (nothing to fuse into): the
+    Relu runs first, then the Reshape, and the output is unchanged."""
+    target = numpy_helper.from_array(np.array([4, 6], np.int64), "s")
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["r"]), helper.make_node("Relu", ["r"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [3, 8])], [tensor_info("y", [4, 6])], [target], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["Relu", "Reshape"]
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    optimized, plain = _run_both(proto, x)
+    np.testing.assert_array_equal(optimized, plain)
+
+
 @pytest.mark.parametrize("target,merged", [([4, 6], True), ([0, 3, 4], False)])
 def test_reshape_of_a_reshape_merges_unless_the_target_copies_a_dimension(rng, target, merged):
     shapes = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s1", [2, 12]), ("s2", target))]
@@ -263,3 +276,21 @@ def test_reshape_of_a_reshape_merges_unless_the_target_copies_a_dimension(rng, t
     optimized, plain = _run_both(proto, x)
     assert optimized.shape == plain.shape
     np.testing.assert_array_equal(optimized, plain)
+
+
+def test_a_reshape_whose_result_a_shape_also_reads_stays_for_it(rng):
+    """The outer Reshape reads x directly; the inner one stays only for the Shape."""
+    shapes = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("s1", [-1, 12]), ("s2", [4, 6]))]
+    nodes = [helper.make_node("Reshape", ["x", "s1"], ["r"], name="inner"),
+             helper.make_node("Reshape", ["r", "s2"], ["y"], name="outer"),
+             helper.make_node("Shape", ["r"], ["shape"], name="shape")]
+    proto = make_model(nodes, [tensor_info("x", ["n", 8])], [tensor_info("y", None), tensor_info("shape", None, TensorProto.INT64)],
+                       shapes, extra_domains=())
+    model = ai.load_model(proto)
+    outer = next(l for l in model.layers if l.name == "outer")
+    assert outer.inputs[0] == "x" and "inner" in [l.name for l in model.layers]
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        out = worker.run_blocking(x)
+    np.testing.assert_array_equal(out["y"], x.reshape(4, 6))
+    np.testing.assert_array_equal(out["shape"], [2, 12])

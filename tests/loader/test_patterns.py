@@ -332,3 +332,46 @@ def test_rotary_on_gpu_pixel_runs_the_layers_it_replaced_there():
         got = worker.run_blocking(feeds)["y"]
     assert placement.layers[model.layers[0].name] == "gpu_pixel" and not placement.fallback
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
+
+
+def _grouped_attention_model(kv_heads: int = 2, read_k_shape: bool = True) -> onnx.ModelProto:
+    """Llama's grouped-query attention: K and V heads repeated by Unsqueeze → Expand → Reshape
+    (the repeated K also read by a Shape, as exporters do for the causal mask's bounds)."""
+    g = H // kv_heads
+    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    consts = [ints("axis2", [2]), ints("expand", [B, kv_heads, g, T, D]), ints("heads", [B, H, T, D]),
+              numpy_helper.from_array(np.asarray(math.sqrt(D), np.float32), "root")]
+    nodes = []
+    for x in ("k", "v"):
+        nodes += [helper.make_node("Unsqueeze", [x, "axis2"], [f"{x}u"]),
+                  helper.make_node("Expand", [f"{x}u", "expand"], [f"{x}e"]),
+                  helper.make_node("Reshape", [f"{x}e", "heads"], [f"{x}r"])]
+    nodes += [helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["s0"]), helper.make_node("Div", ["s0", "root"], ["s1"]),
+              helper.make_node("Softmax", ["s1"], ["p"], axis=-1), helper.make_node("MatMul", ["p", "vr"], ["y"])]
+    outputs = [tensor_info("y", [B, H, S, D])]
+    if read_k_shape:
+        nodes.append(helper.make_node("Shape", ["kr"], ["k_shape"]))
+        outputs.append(tensor_info("k_shape", [4], onnx.TensorProto.INT64))
+    inputs = [tensor_info("q", [B, H, S, D]), tensor_info("k", [B, kv_heads, T, D]), tensor_info("v", [B, kv_heads, T, D])]
+    return make_model(nodes, inputs, outputs, consts, extra_domains=())
+
+
+@pytest.mark.parametrize("read_k_shape", [True, False])
+def test_grouped_query_attention_shares_kv_heads_instead_of_repeating_them(read_k_shape):
+    proto = _grouped_attention_model(read_k_shape=read_k_shape)
+    model = ai.load_model(proto)
+    fused = next(l for l in model.layers if l.op_type == "MaskedAttention")
+    assert fused.inputs[1:3] == ["k", "v"]  # before the repeats
+    feeds = {"q": RNG.standard_normal((B, H, S, D)).astype(np.float32),
+             "k": RNG.standard_normal((B, 2, T, D)).astype(np.float32),
+             "v": RNG.standard_normal((B, 2, T, D)).astype(np.float32)}
+    expected = ReferenceEvaluator(proto).run(None, feeds)
+    for backend in ("cpu", "gpu_pixel"):
+        if backend == "gpu_pixel":
+            require_pixel()
+        with ai.Worker(model, backend) as worker:
+            for _ in range(2):  # the second run of the signature is the specialised one
+                got = worker.run_blocking(feeds)
+            assert not worker.placement.fallback or backend == "cpu"
+        np.testing.assert_allclose(got["y"], expected[0], rtol=2e-4, atol=2e-4)

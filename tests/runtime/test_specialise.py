@@ -105,3 +105,23 @@ def test_large_shape_determined_values_are_computed_every_run(monkeypatch):
         np.testing.assert_array_equal(worker.run_blocking(x)["y"], 2 * x)
         plan = worker.schedule(x).plan
         assert [worker._plan.nodes[i].layer.name for i in plan.precomputed] == ["shape"]
+
+
+def test_a_value_only_its_shape_is_read_from_is_not_computed_in_a_specialised_run():
+    """``t = Tanh(x)`` is read only by ``Shape``: once a run recorded the shape, later runs of the
+    signature skip Tanh too, and its layer future says why instead of holding a value."""
+    nodes = [helper.make_node("Tanh", ["x"], ["t"], name="tanh"), helper.make_node("Shape", ["t"], ["s"], name="shape"),
+             helper.make_node("Reshape", ["x", "s"], ["r"], name="reshape"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    proto = make_model(nodes, [tensor_info("x", ["n", 3])], [tensor_info("y", ["n", 3])], extra_domains=())
+    with ai.Worker(ai.load_model(proto)) as worker:
+        x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+        worker.run_blocking(x)  # records the shape
+        profile = ai.Profile()
+        with worker.profile(profile):
+            execution = worker.schedule(x)
+            y = execution.take_output("y").readback_and_clone().numpy()
+        np.testing.assert_array_equal(y, np.maximum(x, 0))
+        assert sorted(r.layer for r in profile.records) == ["relu", "reshape"]
+        tanh = execution.layer_future("tanh")
+        assert tanh.failed() and "did not run" in str(tanh.exception())
