@@ -304,11 +304,12 @@ class Execution:
             dep.add_done_callback(lambda _f, node=node: self._input_done(node))  # type: ignore[union-attr]
 
     def _submit_segment(self, segment: Segment) -> None:
-        for node in segment.nodes:
-            self.futures[node.index] = TaskFuture(label=node.layer.name)
+        futures = self.futures
+        for index, label in segment.labels:
+            futures[index] = TaskFuture(label)
         self._submitted += len(segment.nodes)
         job = self._job_type(self, segment)
-        pending = [d for d in (self.futures[s] for s in segment.sources) if not d.done()]  # type: ignore[union-attr]
+        pending = [d for d in [futures[s] for s in segment.sources] if not d.done()]  # type: ignore[union-attr]
         if not pending:
             job.submit()
             return

@@ -53,6 +53,7 @@ class Segment:
     nodes: list[Node]
     light: bool                    # its steps may run inside a job
     sources: tuple[int, ...] = ()  # sources outside the segment that its steps wait for
+    labels: tuple[tuple[int, str], ...] = ()  # (step index, layer name) of each step: its future's
 
 
 @dataclass
@@ -326,6 +327,7 @@ class Plan:
             segments.append(Segment([node], light))
             members = {node.index}
         for segment in segments:
+            segment.labels = tuple((n.index, n.layer.name) for n in segment.nodes)
             inside = {n.index for n in segment.nodes}
             segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources
                                             if s not in inside and s not in ready}))
