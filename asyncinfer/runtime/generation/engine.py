@@ -28,7 +28,7 @@ leading all-padding column (a view, no copy), and once per block the cache is pa
 (one copy). The model's own ``Concat`` of past and new appends in place after such a view
 (``ops/cache_append.py``), so a step copies only its new column. So consecutive decode steps feed the same input shapes, and **shape specialisation**
 applies: the engine keeps its own `ShapePlans` (prompts and decode steps by input signature), so
-the shape arithmetic of an exported decoder (about 700 of GPT-2's 970 layers) is computed once per
+the shape arithmetic of an exported decoder (about 560 of GPT-2's 885 layers) is computed once per
 block instead of every step. Masked columns weigh exactly zero in attention, so a stream's tokens
 are those of the unpadded run up to float rounding, as with batching. A cache held on a device is
 fed back as it is (no padding, no specialisation): it never leaves the device.
