@@ -13,6 +13,8 @@ node-case harness, every backend), ``pixel_testing``, ``model_zoo``; and tests/o
 """
 from __future__ import annotations
 
+import random
+import socket
 import sys
 import threading
 
@@ -55,6 +57,21 @@ class Fail(Op):
 
     def run(self, x):
         raise ValueError("deliberate failure for the test")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, outside the OS's ephemeral range (so a process started
+    meanwhile, a Ray worker say, cannot be handed it by ``bind(0)`` before the server binds it)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(15000, 32000)  # below Linux's 32768-60999 and macOS's 49152-65535
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port found between 15000 and 32000")
 
 
 def make_model(nodes, inputs, outputs, initializers=(), opset=17, extra_domains=(TEST_DOMAIN,)) -> onnx.ModelProto:

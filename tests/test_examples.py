@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 
 import asyncinfer as ai
+from conftest import free_port
 from asyncinfer import assets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,17 +125,12 @@ async def test_web_app_rejects_bad_requests(web_app):
         assert (await client.get("/healthz")).json()["status"] == "ok"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_web_app_script_serves_with_uvicorn(samples, expected_digits):
     """`python examples/web_app.py` starts a real uvicorn server on 127.0.0.1."""
     pytest.importorskip("uvicorn", reason="uvicorn is in the 'serve' extra")
     images, _ = samples
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, str(EXAMPLES / "web_app.py"), "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -7,7 +7,6 @@ The SDK pulls in kubernetes, pandas and more, so it is not a dev dependency: ins
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -16,22 +15,18 @@ import numpy as np
 import pytest
 
 import asyncinfer as ai
+from conftest import free_port
 from asyncinfer import assets
 
 kserve = pytest.importorskip("kserve", reason="the KServe SDK (pip install kserve) is not a dev dependency: heavy")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server():
     import httpx
 
-    http, grpc = _free_port(), _free_port()
+    http, grpc = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "asyncinfer", "serve", "--port", str(http), "--grpc-port", str(grpc)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

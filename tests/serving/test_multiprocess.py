@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from asyncinfer import assets
+from conftest import free_port
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="--workers is POSIX only")
 pytest.importorskip("uvicorn")
@@ -122,11 +123,6 @@ class Group:
                 self.proc.wait()
         return self.proc.returncode
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def digits_request(rows: int = 1) -> dict:

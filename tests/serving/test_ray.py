@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -29,7 +28,7 @@ from onnx.reference import ReferenceEvaluator
 
 import asyncinfer as ai
 from asyncinfer import assets
-from conftest import make_model, tensor_info
+from conftest import free_port, make_model, tensor_info
 
 ray = pytest.importorskip("ray", reason="Ray Serve comes with the 'ray' extra: pip install 'asyncinfer[ray]'")
 serve = pytest.importorskip("ray.serve", reason="Ray Serve comes with the 'ray' extra: pip install 'asyncinfer[ray]'")
@@ -65,11 +64,6 @@ def slow_model(seed: int = 0) -> onnx.ModelProto:
                       extra_domains=())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory) -> Path:
@@ -85,7 +79,7 @@ def app(repository: Path) -> Iterator[dict]:
     """The application, running: ``{"port": proxy port, "handle": handle to the replicas}``."""
     saved = os.environ.get(proxy.ENV_VAR)
     os.environ[proxy.ENV_VAR] = proxy.IMPORT_PATH  # the local cluster's proxy inherits it
-    port = _free_port()
+    port = free_port()
     try:
         ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
                  _system_config={"metrics_report_interval_ms": 1000})
