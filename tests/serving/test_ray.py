@@ -79,15 +79,22 @@ def app(repository: Path) -> Iterator[dict]:
     """The application, running: ``{"port": proxy port, "handle": handle to the replicas}``."""
     saved = os.environ.get(proxy.ENV_VAR)
     os.environ[proxy.ENV_VAR] = proxy.IMPORT_PATH  # the local cluster's proxy inherits it
-    port = free_port()
     try:
-        ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
-                 _system_config={"metrics_report_interval_ms": 1000})
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        handle = serve.run(deployment(repository=repository, model_control_mode="explicit",
-                                      load_models=["digits", "slow"], replicas=REPLICAS, threads=1,
-                                      cpus_per_replica=0.5, metrics_interval=0.5),
-                           name=APP, route_prefix="/")
+        for attempt in range(3):  # a local cluster's start can lose a port race to another process
+            port = free_port()
+            try:
+                ray.init(num_cpus=2, object_store_memory=80 << 20, include_dashboard=False, log_to_driver=False,
+                         _system_config={"metrics_report_interval_ms": 1000})
+                serve.start(http_options={"host": "127.0.0.1", "port": port})
+                handle = serve.run(deployment(repository=repository, model_control_mode="explicit",
+                                              load_models=["digits", "slow"], replicas=REPLICAS, threads=1,
+                                              cpus_per_replica=0.5, metrics_interval=0.5),
+                                   name=APP, route_prefix="/")
+                break
+            except Exception:  # noqa: BLE001 - the last attempt's error is the test's
+                ray.shutdown()
+                if attempt == 2:
+                    raise
         yield {"port": port, "handle": handle}
     finally:
         ray.shutdown()  # the local cluster goes with it (its Serve apps too): faster than serve.shutdown()
