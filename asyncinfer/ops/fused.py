@@ -66,17 +66,16 @@ class MaskedAttention(Op):
         q, k, v = (x.astype(work, copy=False) for x in (q, k, v))
         k, k_group = self._repeat(k, k_expand, k_shape, self.allowzero[0], "K")
         v, v_group = self._repeat(v, v_expand, v_shape, self.allowzero[1], "V")
-        if k_group != v_group or (k_group > 1 and q.shape[-3] != k.shape[-3] * k_group):
-            k, v = self._repeat(k, None, None, False, "K", k_group)[0], self._repeat(v, None, None, False, "V", v_group)[0]
-            k_group = v_group = 1
+        group = k_group if k_group == v_group and q.ndim == 4 and q.shape[1] == k.shape[1] * k_group else 1
+        if group == 1:  # heads not shared alike: as the Expand and Reshape made them
+            k, v = _repeat_heads(k, k_group), _repeat_heads(v, v_group)
         if q.ndim < 2 or k.ndim < 2 or v.ndim < 2 or q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
             raise op_error(self, f"shapes Q {q.shape}, K {k.shape}, V {v.shape} do not make an attention")
         if work == np.float32 and out_dtype == np.float32:
-            y = self._compiled(q, k, v, scale, keep, fill, bias, k_group)
+            y = self._compiled(q, k, v, scale, keep, fill, bias, group)
             if y is not None:
                 return y
-        if k_group > 1:  # the general path takes the heads as the Expand and Reshape made them
-            k, v = self._repeat(k, None, None, False, "K", k_group)[0], self._repeat(v, None, None, False, "V", v_group)[0]
+        k, v = _repeat_heads(k, group), _repeat_heads(v, group)  # the general path's MatMuls need them
         with np.errstate(all="ignore"):
             scores = matmul(q, np.swapaxes(k, -1, -2))
             if scale is not None:
@@ -96,15 +95,12 @@ class MaskedAttention(Op):
 
 
     def _repeat(self, x: np.ndarray, expand: np.ndarray | None, shape: np.ndarray | None, allowzero: bool,
-                what: str, group: int = 1) -> tuple[np.ndarray, int]:
+                what: str) -> tuple[np.ndarray, int]:
         """``x`` as ``Reshape(Expand(Unsqueeze(x, 2), expand), shape)`` leaves it: ``(x, g)`` when
-        that repeats each of x's heads ``g`` times in a row (the kernel then shares them), else the
-        tensor the three ops make and 1. With ``expand`` None: ``x``'s heads repeated ``group``
-        times (a copy), or ``x`` itself for a group of 1."""
+        that repeats each of x's heads ``g`` times in a row (the kernel then shares them, see
+        `_repeat_heads`), else the tensor the three ops make and 1; ``(x, 1)`` without ``expand``."""
         if expand is None:
-            if group == 1:
-                return x, 1
-            return np.repeat(x, group, axis=1), 1
+            return x, 1
         if x.ndim < 2:
             raise op_error(self, f"{what} of shape {x.shape} has no axis 2 to repeat heads along")
         unsqueezed = x.shape[:2] + (1,) + x.shape[2:]
@@ -153,6 +149,12 @@ class MaskedAttention(Op):
                          scale is not None, masks[0], 0.0 if fill is None else float(np.asarray(fill).item()),
                          keep is not None, masks[1], bias is not None, y)
         return y
+
+
+def _repeat_heads(x: np.ndarray, group: int) -> np.ndarray:
+    """``x (B, Hkv, T, D)`` with each head repeated ``group`` times in a row (a copy), as an
+    ``Unsqueeze(2) → Expand → Reshape`` head repeat makes it."""
+    return x if group == 1 else np.repeat(x, group, axis=1)
 
 
 _NO_KEEP = np.ones((1, 1, 1, 1), bool)

@@ -114,6 +114,7 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> n
     # blocks of K_UNROLL rows; the parts' sums are added in order, so the result does not depend
     # on which thread ran which part (nor, for a row, on the other rows)
     bounds = _k_bounds(k, parts)
+    bias = _NO_BIAS if bias is None else bias  # (the compiled kernels take an empty row for none)
     team = parallel.team()
     control = None if team is None else team.claim()
     if control is not None:  # the helpers spin: post, run part 0 and wait in compiled code
@@ -121,11 +122,10 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> n
             scratch = team.scratch((parts - 1, m, n), a.dtype)  # type: ignore[union-attr]
             if post_parts(control, a, b, scratch, bounds, tile):
                 team.wake()  # type: ignore[union-attr]
-            if not finish_parts(control, a, b, y, scratch, _NO_BIAS if bias is None else bias, bounds, tile,
-                                spin_team.WAIT_ROUNDS):
+            if not finish_parts(control, a, b, y, scratch, bias, bounds, tile, spin_team.WAIT_ROUNDS):
                 for i in range(parts - 1):
                     team.wait(i)  # type: ignore[union-attr]
-                add_parts(y, scratch, parts - 1, _NO_BIAS if bias is None else bias)
+                add_parts(y, scratch, parts - 1, bias)
         finally:
             team.release()  # type: ignore[union-attr]
         return y
@@ -136,7 +136,7 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> n
     else:  # another lane has the team, so every core is busy already: the same parts, in turn here
         for i in range(parts):
             few_rows_matmul(a, b, partial[i - 1] if i else y, bounds[i], bounds[i + 1], tile)
-    add_parts(y, partial, parts - 1, _NO_BIAS if bias is None else bias)
+    add_parts(y, partial, parts - 1, bias)
     return y
 
 
