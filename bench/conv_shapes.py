@@ -110,6 +110,8 @@ RESNET18 = [
     Shape("resnet18", 64, 64, 56, 3, 1, act="Relu"),
     Shape("resnet18", 64, 128, 56, 3, 2, act="Relu"),
     Shape("resnet18", 128, 128, 28, 3, 1, act="Relu"),
+    Shape("resnet18", 256, 256, 14, 3, 1, act="Relu"),
+    Shape("resnet18", 512, 512, 7, 3, 1, act="Relu"),
     Shape("resnet18", 64, 128, 56, 1, 2),                               # downsample shortcut
 ]
 

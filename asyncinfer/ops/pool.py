@@ -1,6 +1,6 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
-2-D float max pools run on compiled loops (`compiled.pool`): one over the tiles when the windows
+2-D float max and average pools run on compiled loops (`compiled.pool`): one over the tiles when the windows
 tile the map, else a separable loop (down the columns first at vertical strides above one). Other windowed pools reduce
 over kernel taps with whole-array NumPy ops: separably (one axis at a time) where the reduction
 allows, else one op per tap on the flat, polyphase-split input of `FlatWindows` (long contiguous
@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from .base import Op
-from .compiled.pool import max_pool2d, max_pool2d_columns_first, max_pool_tiles
+from .compiled.pool import pool2d, pool2d_columns_first, pool_tiles
 from .compiled.rows import row_means
 from .conv_kernels import run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -23,7 +23,10 @@ from .registry import register
 
 
 class _WindowPool(Op):
-    """Shared attribute handling and geometry of the windowed pools."""
+    """Shared attribute handling and geometry of the windowed pools, and the compiled 2-D loops
+    of the max and average pools (``summing``: the loops add instead of taking the max)."""
+
+    summing = False
 
     def check(self) -> None:
         check_spatial_attrs(self)
@@ -67,6 +70,37 @@ class _WindowPool(Op):
                 ufunc(acc, y[window(tap)], out=acc)
             y = acc
         return np.ascontiguousarray(y), begin, end, out
+
+    def _compiled_2d(self, x: np.ndarray) -> np.ndarray:
+        """2-D float max (sum) pool on a compiled loop, planes shared out between threads when large."""
+        n, c, h, w = x.shape
+        out, threads, calls = self.per_shape(x.shape, lambda: self._plan_2d(x.shape, x.dtype))
+        y = np.empty((n * c, *out), dtype=x.dtype)
+        if y.size == 0:
+            return y.reshape(n, c, *out)
+        planes = np.ascontiguousarray(x).reshape(n * c, h, w)
+        run_tasks([functools.partial(kernel, planes, y, *args) for kernel, args in calls], threads)
+        return y.reshape(n, c, *out)
+
+    def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[list[int], int, list[tuple]]:
+        """For one input shape: the output size, the threads to use and the kernel calls
+        (kernel, arguments after ``x, y``), one per part of the planes."""
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, pads = spatial_attrs(self, 2, kernel)
+        begin, _, out = window_geometry(shape[2:], kernel, strides, dilations, pads,
+                                        self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
+        planes = shape[0] * shape[1]
+        threads = threads_for(planes * math.prod(out) * kernel[0] * kernel[1])
+        edges = np.linspace(0, planes, min(planes, 2 * threads) + 1).astype(int)
+        tiles = (list(strides) == kernel and not any(begin) and all(int(d) == 1 for d in dilations)
+                 and all(o * k <= size for o, k, size in zip(out, kernel, shape[2:])))
+        parts = [(int(p0), int(p1)) for p0, p1 in zip(edges[:-1], edges[1:])]
+        if tiles:
+            return out, threads, [(pool_tiles, (*part, *kernel, self.summing)) for part in parts]
+        geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
+                    0.0 if self.summing else float(_lowest(dtype)), self.summing)
+        loop = pool2d_columns_first if int(strides[0]) > 1 else pool2d
+        return out, threads, [(loop, (*part, *geometry)) for part in parts]
 
     def tap_sum(self, x: np.ndarray, win: FlatWindows, fn=None) -> np.ndarray:
         """Sum over each window of ``fn(x)`` (zero padding), still on the virtual output grid."""
@@ -115,37 +149,6 @@ class MaxPool(_WindowPool):
             best[better] = i
         return win.crop(acc), self._indices(x.shape, win.crop(best), begin, out)
 
-    def _compiled_2d(self, x: np.ndarray) -> np.ndarray:
-        """2-D float max pool on a compiled loop, planes shared out between threads when large."""
-        n, c, h, w = x.shape
-        out, threads, calls = self.per_shape(x.shape, lambda: self._plan_2d(x.shape, x.dtype))
-        y = np.empty((n * c, *out), dtype=x.dtype)
-        if y.size == 0:
-            return y.reshape(n, c, *out)
-        planes = np.ascontiguousarray(x).reshape(n * c, h, w)
-        run_tasks([functools.partial(kernel, planes, y, *args) for kernel, args in calls], threads)
-        return y.reshape(n, c, *out)
-
-    def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[list[int], int, list[tuple]]:
-        """For one input shape: the output size, the threads to use and the kernel calls
-        (kernel, arguments after ``x, y``), one per part of the planes."""
-        kernel = [int(k) for k in self.attr("kernel_shape")]
-        strides, dilations, pads = spatial_attrs(self, 2, kernel)
-        begin, _, out = window_geometry(shape[2:], kernel, strides, dilations, pads,
-                                        self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
-        planes = shape[0] * shape[1]
-        threads = threads_for(planes * math.prod(out) * kernel[0] * kernel[1])
-        edges = np.linspace(0, planes, min(planes, 2 * threads) + 1).astype(int)
-        tiles = (list(strides) == kernel and not any(begin) and all(int(d) == 1 for d in dilations)
-                 and all(o * k <= size for o, k, size in zip(out, kernel, shape[2:])))
-        parts = [(int(p0), int(p1)) for p0, p1 in zip(edges[:-1], edges[1:])]
-        if tiles:
-            return out, threads, [(max_pool_tiles, (*part, *kernel)) for part in parts]
-        geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
-                    float(_lowest(dtype)))
-        loop = max_pool2d_columns_first if int(strides[0]) > 1 else max_pool2d
-        return out, threads, [(loop, (*part, *geometry)) for part in parts]
-
     def _indices(self, shape: tuple[int, ...], best: np.ndarray, begin: list[int], out: list[int]) -> np.ndarray:
         """Flat input index of each chosen tap: row-major, or column-major spatial for storage_order=1."""
         nsp = len(out)
@@ -168,21 +171,42 @@ class MaxPool(_WindowPool):
 
 @register("AveragePool", versions=(1, 7, 10, 11, 19, 22))
 class AveragePool(_WindowPool):
-    """Mean over each window; count_include_pad decides whether explicit pads count as elements."""
+    """Mean over each window; count_include_pad decides whether explicit pads count as elements.
+    2-D float ones sum on the compiled loops of MaxPool (GoogLeNet's and ShuffleNet's 3x3 pools:
+    one pass instead of a padded copy and four whole-array ones), then divide."""
+
+    summing = True
 
     def run(self, x: np.ndarray) -> np.ndarray:
-        total, begin, end, out = self.separable_reduce(x, np.add, 0)
+        if x.ndim == 4 and x.dtype in (np.float32, np.float64):
+            total = self._compiled_2d(x)
+            begin, end, out = self.per_shape(("geometry", x.shape), lambda: self._geometry(x.shape))
+        else:
+            total, begin, end, out = self.separable_reduce(x, np.add, 0)
         if total.size == 0:
             return total
         kernel = [int(k) for k in self.attr("kernel_shape")]
         strides, dilations, _ = spatial_attrs(self, x.ndim - 2, kernel)
         include_pad = bool(self.attr("count_include_pad", 0))
-        counts = _window_counts(x.shape[2:], kernel, strides, dilations, begin, end, out, include_pad)
-        if counts is None:  # every window is full: a scalar divide
+        def divisors() -> np.ndarray:
+            counts = _window_counts(x.shape[2:], kernel, strides, dilations, begin, end, out, include_pad)
+            return _FULL if counts is None else counts.astype(x.dtype)
+        counts = self.per_shape(("counts", x.shape, x.dtype), divisors)
+        if counts is _FULL:  # every window is full: a scalar divide
             total *= x.dtype.type(1.0 / math.prod(kernel))
             return total
-        total /= counts.astype(x.dtype)
+        total /= counts
         return total
+
+    def _geometry(self, shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
+        """``begin, end, out`` of the windows over an input of ``shape``."""
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        strides, dilations, pads = spatial_attrs(self, len(shape) - 2, kernel)
+        return window_geometry(shape[2:], kernel, strides, dilations, pads, self.attr("auto_pad"),
+                               bool(self.attr("ceil_mode", 0)))
+
+
+_FULL = np.empty(0)  # AveragePool's divisors when every window is full (`_window_counts` gives None)
 
 
 def _window_counts(in_shape, kernel, strides, dilations, begin, end, out, include_pad: bool) -> np.ndarray | None:

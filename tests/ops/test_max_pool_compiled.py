@@ -1,4 +1,4 @@
-"""2-D float MaxPool on its compiled loops (asyncinfer/ops/compiled/pool.py: the separable loops,
+"""2-D float MaxPool and AveragePool on their compiled loops (asyncinfer/ops/compiled/pool.py: the separable loops,
 rows first or columns first, and the tile loop where the windows tile the map) against onnx's
 reference implementation:
 pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
@@ -46,9 +46,7 @@ def test_matches_reference(name, dtype, rng, monkeypatch):
     shape, attrs = CASES.get(name) or TILE_CASES[name]
     x = randn(rng, *shape, dtype=dtype)
     calls = []
-    monkeypatch.setattr(pool, "max_pool2d", lambda *a: calls.append("rows") or _rows(*a))
-    monkeypatch.setattr(pool, "max_pool2d_columns_first", lambda *a: calls.append("columns") or _columns(*a))
-    monkeypatch.setattr(pool, "max_pool_tiles", lambda *a: calls.append("tiles") or _tiles(*a))
+    _spy_on_loops(monkeypatch, calls)
     (got,) = make_op("MaxPool", attrs, version=12)(x)
     (want,) = reference_run("MaxPool", [x], attrs, opset=12)
     vertical_stride = attrs.get("strides", [1])[0]
@@ -57,7 +55,30 @@ def test_matches_reference(name, dtype, rng, monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
-_rows, _columns, _tiles = pool.max_pool2d, pool.max_pool2d_columns_first, pool.max_pool_tiles
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(CASES) + sorted(TILE_CASES))
+def test_average_pool_matches_reference(name, dtype, include_pad, rng, monkeypatch):
+    """The same loops summing (then divided by each window's count, pads counted or not)."""
+    shape, attrs = CASES.get(name) or TILE_CASES[name]
+    attrs = dict(attrs, count_include_pad=include_pad)
+    x = randn(rng, *shape, dtype=dtype)
+    calls = []
+    _spy_on_loops(monkeypatch, calls)
+    (got,) = make_op("AveragePool", attrs, version=19)(x)
+    (want,) = reference_run("AveragePool", [x], attrs, opset=19)
+    assert calls
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
+
+
+def _spy_on_loops(monkeypatch, calls: list) -> None:
+    monkeypatch.setattr(pool, "pool2d", lambda *a: calls.append("rows") or _rows(*a))
+    monkeypatch.setattr(pool, "pool2d_columns_first", lambda *a: calls.append("columns") or _columns(*a))
+    monkeypatch.setattr(pool, "pool_tiles", lambda *a: calls.append("tiles") or _tiles(*a))
+
+
+_rows, _columns, _tiles = pool.pool2d, pool.pool2d_columns_first, pool.pool_tiles
 
 
 def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):

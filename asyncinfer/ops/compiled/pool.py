@@ -1,4 +1,5 @@
-"""2-D max pooling on NCHW planes, separably: along rows, then down columns.
+"""2-D max and sum pooling on NCHW planes, separably: along rows, then down columns (a sum pool is
+AveragePool before its division, `pool.AveragePool`).
 
 As NumPy passes (`pool.MaxPool`'s separable reduction) a 3x3/2 max pool pads the map, then takes
 four whole-array maxima: ResNet's first pool (64 channels at 112x112) ran 1.7 ms. Here each plane
@@ -30,11 +31,18 @@ def _max(r: float, v: float) -> float:
     return v if (v > r) | (v != v) else r
 
 
+@inline
+def _combine(r: float, v: float, summing: bool) -> float:
+    """``r + v`` for a sum pool, else `_max` (``summing`` is the same all through a call: LLVM
+    takes the branch out of the loops)."""
+    return r + v if summing else _max(r, v)
+
+
 @kernel
-def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
-               dh: int, dw: int, top: int, left: int, lowest: float) -> None:
-    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max over each window of ``x`` (P, H, W); a
-    window wholly in the padding gives ``lowest``."""
+def pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+           dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max (or with ``summing`` the sum) over each
+    window of ``x`` (P, H, W); a window wholly in the padding gives ``lowest`` (0 for sums)."""
     _, h, wd = x.shape
     _, ho, wo = out.shape
     rows = np.empty((h, wo), x.dtype)  # the row maxima of one plane
@@ -51,7 +59,7 @@ def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
                     parity, q, lo, hi = phase_tap(j - left, wd, wo)
                     run = phases[parity]
                     for ow in range(lo, hi):
-                        dst[_U(ow)] = _max(dst[_U(ow)], run[_U(ow + q)])
+                        dst[_U(ow)] = _combine(dst[_U(ow)], run[_U(ow + q)], summing)
                 continue
             for j in range(kw):
                 shift = j * dw - left
@@ -59,10 +67,10 @@ def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
                 hi = min(wo, (wd - 1 - shift) // sw + 1)
                 if sw == 1:
                     for ow in range(lo, hi):
-                        dst[_U(ow)] = _max(dst[_U(ow)], src[_U(ow + shift)])
+                        dst[_U(ow)] = _combine(dst[_U(ow)], src[_U(ow + shift)], summing)
                 else:
                     for ow in range(lo, hi):
-                        dst[_U(ow)] = _max(dst[_U(ow)], src[_U(ow * sw + shift)])
+                        dst[_U(ow)] = _combine(dst[_U(ow)], src[_U(ow * sw + shift)], summing)
         for oh in range(ho):
             row = out[p, oh]
             for ow in range(wo):
@@ -73,49 +81,49 @@ def max_pool2d(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
                     continue
                 src = rows[ih]
                 for ow in range(wo):
-                    row[_U(ow)] = _max(row[_U(ow)], src[_U(ow)])
+                    row[_U(ow)] = _combine(row[_U(ow)], src[_U(ow)], summing)
 
 
 @kernel
-def max_pool_tiles(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int) -> None:
-    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max over each ``kh x kw`` tile of ``x``
+def pool_tiles(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, summing: bool) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max (or sum) over each ``kh x kw`` tile of ``x``
     (P, H, W), tiles laid edge to edge from the top left (rows and columns past the last whole
     tile are not read)."""
     _, ho, wo = out.shape
     w = wo * kw
-    column_maxima = np.empty(w, x.dtype)  # one row of tiles: the max down each column
+    down_columns = np.empty(w, x.dtype)  # one row of tiles: the max (or sum) down each column
     for p in range(p0, p1):
         for oh in range(ho):
             top = x[p, oh * kh]
             for c in range(w):
-                column_maxima[_U(c)] = top[_U(c)]
+                down_columns[_U(c)] = top[_U(c)]
             for i in range(1, kh):
                 src = x[p, oh * kh + i]
                 for c in range(w):
-                    column_maxima[_U(c)] = _max(column_maxima[_U(c)], src[_U(c)])
+                    down_columns[_U(c)] = _combine(down_columns[_U(c)], src[_U(c)], summing)
             dst = out[p, oh]
             if kw == 2:  # the common 2x2 tile: a loop LLVM vectorises as pairs
                 for o in range(wo):
-                    dst[_U(o)] = _max(column_maxima[_U(2 * o)], column_maxima[_U(2 * o + 1)])
+                    dst[_U(o)] = _combine(down_columns[_U(2 * o)], down_columns[_U(2 * o + 1)], summing)
                 continue
             for o in range(wo):
-                m = column_maxima[_U(o * kw)]
+                m = down_columns[_U(o * kw)]
                 for j in range(1, kw):
-                    m = _max(m, column_maxima[_U(o * kw + j)])
+                    m = _combine(m, down_columns[_U(o * kw + j)], summing)
                 dst[_U(o)] = m
 
 
 @kernel
-def max_pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
-                             dh: int, dw: int, top: int, left: int, lowest: float) -> None:
-    """`max_pool2d` the other way round, for vertical strides above one: per output row, the max
+def pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                         dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """`pool2d` the other way round, for vertical strides above one: per output row, the max
     down the window's input rows first (long contiguous runs), then along that one row. At a
     vertical stride of 2 the row-first loop reduces every input row along, twice the rows this
     one does: 1.6-1.9x faster on SqueezeNet's and ResNet's 3x3/2 pools. (Its pass along the row
-    repeats `max_pool2d`'s on purpose: the two as one inlined helper measured 12-15% slower.)"""
+    repeats `pool2d`'s on purpose: the two as one inlined helper measured 12-15% slower.)"""
     _, h, wd = x.shape
     _, ho, wo = out.shape
-    column_maxima = np.empty(wd, x.dtype)
+    down_columns = np.empty(wd, x.dtype)
     phases = np.empty((2, (wd + 1) // 2), x.dtype)  # at stride 2 across: its even and odd columns
     for p in range(p0, p1):
         for oh in range(ho):
@@ -127,27 +135,27 @@ def max_pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, k
                 src = x[p, ih]
                 if first:
                     for c in range(wd):
-                        column_maxima[_U(c)] = src[_U(c)]
+                        down_columns[_U(c)] = src[_U(c)]
                     first = False
                     continue
                 for c in range(wd):
-                    column_maxima[_U(c)] = _max(column_maxima[_U(c)], src[_U(c)])
+                    down_columns[_U(c)] = _combine(down_columns[_U(c)], src[_U(c)], summing)
             dst = out[p, oh]
             for ow in range(wo):
                 dst[_U(ow)] = lowest
             if first:  # every window row in the padding
                 continue
             if sw == 2 and dw == 1:
-                split_even_odd(column_maxima, phases[0], phases[1])
+                split_even_odd(down_columns, phases[0], phases[1])
                 for j in range(kw):
                     parity, q, lo, hi = phase_tap(j - left, wd, wo)
                     run = phases[parity]
                     for ow in range(lo, hi):
-                        dst[_U(ow)] = _max(dst[_U(ow)], run[_U(ow + q)])
+                        dst[_U(ow)] = _combine(dst[_U(ow)], run[_U(ow + q)], summing)
                 continue
             for j in range(kw):
                 shift = j * dw - left
                 lo = 0 if shift >= 0 else (sw - 1 - shift) // sw
                 hi = min(wo, (wd - 1 - shift) // sw + 1)
                 for ow in range(lo, hi):
-                    dst[_U(ow)] = _max(dst[_U(ow)], column_maxima[_U(ow * sw + shift)])
+                    dst[_U(ow)] = _combine(dst[_U(ow)], down_columns[_U(ow * sw + shift)], summing)
