@@ -4,8 +4,8 @@ A depthwise conv does a handful of multiply-adds per output and mixes no channel
 GEMM: lowered to per-channel im2col + GEMV it streams ``taps`` copies of the input through memory,
 and as whole-array NumPy passes it streams the map once per tap. 2-D ones run on the compiled
 loops of `asyncinfer.ops.compiled.depthwise`, which read the input once and keep each output row
-(or pixel) in L1 while every tap adds into it; this module picks one of its two loop orders
-(`channels_last_pays`) and shares large layers out between the pool's threads.
+(or pixel) in L1 while every tap adds into it; this module picks one of its loops (`flat_pays`,
+`stride2_rows_pay`, `channels_last_pays`) and shares large layers out between the pool's threads.
 
 Measured with bench/conv_shapes.py (kernel alone, one thread, against the NumPy channels-last
 einsum it replaced): about 2-5x faster on the MobileNetV3 / EfficientNet / ConvNeXt depthwise
@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from ..concurrency import parallel
-from .compiled.depthwise import depthwise_channels_last, depthwise_rows, depthwise_rows_stride2
+from .compiled.depthwise import depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2
 
 # From this many multiply-adds on (about 1.5 ms on one core), a kernel's images or output rows are
 # shared out between threads (see run_tasks). Below it, waking a helper thread (100-300 µs on the
@@ -82,6 +82,17 @@ def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, ker
     return width_stride == 2 and width_dilation == 1 and out_width >= 24 and kernel_width <= 3
 
 
+def flat_pays(height_stride: int, width_stride: int, out_width: int) -> bool:
+    """Whether `depthwise_flat` is the loop for a layer: unit strides, outputs of 12 columns or
+    more. Measured per layer shape on one core (AMD EPYC, AVX-512; bench/conv_shapes.py's
+    depthwise rows), against the loop the other rules chose: 1.1-3.6x faster at unit stride from
+    14x14 maps up (ConvNeXt's 7x7 on 96ch@56 2.69 -> 0.75 ms, EfficientNet's 5x5 on 240ch@28 0.66
+    -> 0.28, MobileNetV3's 3x3 on 88ch@28 at batch 32 9.8 -> 2.0), 0.8x on 7x7 maps (channels
+    last keeps those). Its strided form (phases per channel) lost to the stride-2 row loop and
+    channels last, so strided layers keep them."""
+    return height_stride == 1 and width_stride == 1 and out_width >= 12
+
+
 def channels_last_pays(multiplier: int, width_stride: int, out_width: int, kernel_width: int) -> bool:
     """Whether `depthwise_channels_last` beats `depthwise_rows` (measured per layer shape, one
     thread): the row loop wins only on wide maps at unit stride with small kernels (EfficientNet's
@@ -108,6 +119,19 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     result = np.empty((n, m, ho, wo), dtype=x.dtype)
     geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
     threads = threads_for(n * m * ho * wo * kh * kw)
+    if flat_pays(geometry[0], geometry[1], wo):
+        taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
+        _, _, dh, dw, top, left = geometry
+        row_width = wo + (kw - 1) * dw
+        positions = -(-ho * row_width // 16) * 16  # virtual positions, whole SIMD vectors
+        plane = positions + (kh - 1) * dh * row_width + (kw - 1) * dw
+
+        def flat(i0: int, i1: int, m0: int, m1: int) -> None:
+            depthwise_flat(x[i0:i1], taps, bias, result[i0:i1], m0, m1, dh, dw, top, left, mult,
+                           scratch((plane,), x.dtype, "plane"), scratch((positions,), x.dtype, "acc"))
+
+        run_tasks([functools.partial(flat, *part) for part in _blocks(m, threads, n)], threads)
+        return result
     if stride2_rows_pay(geometry[1], geometry[3], wo, kw):
         taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
         sh, _, dh, _, top, left = geometry
@@ -131,7 +155,7 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     # channel blocks: SIMD-width multiples, small enough that a block's channels-last copy of
     # the image stays in L2
     block = max(CHANNEL_ALIGN, min(c, CHUNK_BYTES // (h * wd * x.itemsize)) // CHANNEL_ALIGN * CHANNEL_ALIGN)
-    if threads > 1:
+    if 1 < threads and n < 2 * threads:  # too few images to share out: smaller channel blocks too
         block = min(block, -(-c // (2 * threads * n)) // CHANNEL_ALIGN * CHANNEL_ALIGN or CHANNEL_ALIGN)
 
     def channels(i: int, c0: int, c1: int) -> None:

@@ -3,8 +3,10 @@ asyncinfer/ops/compiled/depthwise.py, and the flat-window fallback in conv.py) a
 reference implementation, the definition.
 
 Every 2-D case runs down each loop order, forced by patching the dispatch rule: ``rows`` (SIMD
-along output rows) and ``channels_last`` (SIMD over channels), each also split into parts on a
-thread pool (``*_threads``), as large layers are. A spy checks the loop really taken.
+along output rows), ``channels_last`` (SIMD over channels), ``stride2`` (the row loop on column
+phases) and ``flat`` (padded planes, unit stride only: strided cases take the row loop there),
+each also split into parts on a thread pool (``*_threads``), as large layers are. A spy checks the
+loop really taken.
 """
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ DEPTHWISE_CASES = {
     "one_column": ((1, 3, 6, 1), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
     "wide_pads": ((1, 2, 4, 5), 1, (3, 3), dict(pads=[2, 3, 2, 3], dilations=[1, 2])),
 }
-PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads")
-_LOOPS = ("depthwise_rows", "depthwise_channels_last", "depthwise_rows_stride2")
+PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads", "flat",
+         "flat_threads")
+_LOOPS = ("depthwise_rows", "depthwise_channels_last", "depthwise_rows_stride2", "depthwise_flat")
 _HELPERS = ThreadPoolExecutor(2, thread_name_prefix="test-conv-helpers")
 
 
@@ -64,6 +67,8 @@ def _route(monkeypatch, path: str) -> list:
     monkeypatch.setattr(conv_kernels, "channels_last_pays", lambda mult, *a: channels_last and mult == 1)
     stride2 = path.startswith("stride2")  # whatever the width: every stride-2, undilated layer
     monkeypatch.setattr(conv_kernels, "stride2_rows_pay", lambda sw, dw, *a: stride2 and sw == 2 and dw == 1)
+    flat = path.startswith("flat")  # whatever the width: every unit-stride layer
+    monkeypatch.setattr(conv_kernels, "flat_pays", lambda sh, sw, *a: flat and sh == sw == 1)
     if path.endswith("threads"):  # three parts on a pool, whatever the size and the machine
         monkeypatch.setattr(conv_kernels, "threads_for", lambda macs: 3)
         monkeypatch.setattr(conv_module, "threads_for", lambda macs: 3)
@@ -75,6 +80,8 @@ def _route(monkeypatch, path: str) -> list:
 
 def _expected_loop(path: str, mult: int, attrs: dict | None = None, kernel=(3, 3)) -> str:
     attrs = attrs or {}
+    if path.startswith("flat") and (attrs.get("strides") or [1, 1]) == [1, 1]:
+        return "depthwise_flat"
     if path.startswith("stride2") and (attrs.get("strides") or [1, 1])[-1] == 2 \
             and (attrs.get("dilations") or [1, 1])[-1] == 1 and "auto_pad" not in attrs:
         return "depthwise_rows_stride2"
@@ -111,7 +118,7 @@ def test_depthwise_paths_match_reference(name, path, rng, monkeypatch):
     x, w, b = _inputs(rng, shape, mult, kernel, bias=name != "no_pads")
     _check(x, w, b, attrs, rtol=1e-4, atol=1e-5)
     if "auto_pad" in attrs:  # SAME pads: the stride depends on the output size; any loop of the path
-        assert calls and set(calls) <= {_expected_loop(path, mult), "depthwise_rows_stride2"}
+        assert calls and set(calls) <= {_expected_loop(path, mult), "depthwise_rows_stride2", "depthwise_rows"}
     else:
         assert calls and set(calls) == {_expected_loop(path, mult, attrs)}
 
@@ -129,6 +136,18 @@ def test_depthwise_float16_and_float64(dtype, path, rng, monkeypatch):
     assert calls and set(calls) == {_expected_loop(path, 1, attrs)}
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_depthwise_flat_float16_and_float64(dtype, rng, monkeypatch):
+    calls = _route(monkeypatch, "flat")
+    x, w, b = _inputs(rng, (2, 5, 9, 9), 1, (5, 5), dtype=dtype)
+    attrs = dict(pads=[2, 1, 2, 3])
+    if dtype == np.float16:
+        _check(x, w, b, attrs, rtol=2e-3, atol=2e-3, reference_dtype=np.float32)
+    else:
+        _check(x, w, b, attrs, rtol=1e-12, atol=1e-12)
+    assert set(calls) == {"depthwise_flat"}
+
+
 @pytest.mark.parametrize("name, shape, kernel, attrs", [
     ("1d", (2, 6, 20), (5,), dict(strides=[2], pads=[2, 1])),
     ("1d_dilated", (1, 4, 17), (3,), dict(dilations=[2], pads=[2, 2])),
@@ -143,27 +162,28 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
     assert bool(calls) == name.startswith("1d")
 
 
-@pytest.mark.parametrize("shape, kernel, stride, mult, channels_last", [
-    ((1, 32, 56, 56), 3, 1, 1, False),   # wide map, unit stride, small kernel: rows
-    ((1, 32, 40, 40), 3, 2, 1, True),    # strided, 20 columns out: channels last
-    ((1, 32, 56, 56), 3, 2, 1, None),    # strided, 28 columns out, 3x3: the stride-2 row loop
-    ((1, 16, 112, 112), 3, 2, 1, None),  # strided, 56 columns out, 3x3: the stride-2 row loop
-    ((1, 8, 112, 112), 5, 2, 1, True),   # strided 5x5: channels last
-    ((1, 64, 14, 14), 5, 1, 1, True),    # narrow map: channels last
-    ((1, 16, 56, 56), 7, 1, 1, True),    # large kernel: channels last
-    ((1, 8, 40, 40), 3, 2, 2, False),    # channel multiplier, 20 columns out: rows
-    ((1, 8, 56, 56), 3, 2, 2, None),     # channel multiplier, 28 columns out: the stride-2 row loop
+@pytest.mark.parametrize("shape, kernel, stride, mult, want", [
+    ((1, 32, 56, 56), 3, 1, 1, "depthwise_flat"),           # unit stride: flat planes
+    ((1, 64, 14, 14), 5, 1, 1, "depthwise_flat"),           # 14 columns out
+    ((1, 16, 56, 56), 7, 1, 1, "depthwise_flat"),           # large kernel
+    ((1, 8, 28, 28), 3, 1, 2, "depthwise_flat"),            # channel multiplier
+    ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
+    ((1, 32, 40, 40), 3, 2, 1, "depthwise_channels_last"),  # strided, 20 columns out
+    ((1, 32, 56, 56), 3, 2, 1, "depthwise_rows_stride2"),   # strided, 28 columns out, 3x3
+    ((1, 16, 112, 112), 3, 2, 1, "depthwise_rows_stride2"),  # strided, 56 columns out, 3x3
+    ((1, 8, 112, 112), 5, 2, 1, "depthwise_channels_last"),  # strided 5x5
+    ((1, 8, 40, 40), 3, 2, 2, "depthwise_rows"),            # channel multiplier, 20 columns out
+    ((1, 8, 56, 56), 3, 2, 2, "depthwise_rows_stride2"),    # channel multiplier, 28 columns out
 ])
-def test_dispatch_rule(shape, kernel, stride, mult, channels_last, rng, monkeypatch):
-    """The default rule (conv_kernels.channels_last_pays) on real-sized layers, checked against the reference."""
+def test_dispatch_rule(shape, kernel, stride, mult, want, rng, monkeypatch):
+    """The default rules (conv_kernels.flat_pays, stride2_rows_pay, channels_last_pays) on
+    real-sized layers, checked against the reference."""
     calls: list = []
     for name in _LOOPS:
         real = getattr(conv_kernels, name)
         monkeypatch.setattr(conv_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
     _check(x, w, b, dict(strides=[stride, stride], pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
-    want = "depthwise_rows_stride2" if channels_last is None else \
-        "depthwise_channels_last" if channels_last else "depthwise_rows"
     assert set(calls) == {want}
 
 

@@ -1,7 +1,7 @@
-"""2-D depthwise convolution (one input channel per group) on NCHW tensors, three loops.
+"""2-D depthwise convolution (one input channel per group) on NCHW tensors, four loops.
 
-None makes a padded copy: a tap only visits the output columns whose input column lies inside
-the image (the others would read zero padding), and rows outside the image are skipped.
+The first three make no padded copy: a tap only visits the output columns whose input column lies
+inside the image (the others would read zero padding), and rows outside the image are skipped.
 
 - `depthwise_rows`: each output row is accumulated tap by tap; the inner loop runs along the row
   (SIMD over output columns). Best on wide maps at unit stride (little loop overhead per row).
@@ -11,6 +11,9 @@ the image (the others would read zero padding), and rows outside the image are s
   then each output pixel is accumulated tap by tap with the inner loop over channels (SIMD over
   channels, ONNX Runtime's NCHWc idea); the result is written back to NCHW. Best with strides
   (no strided loads) and small maps (long inner loops where rows are short).
+- `depthwise_flat`: at unit stride, each channel is copied into a zero-padded plane, and every
+  kernel row's taps add into the whole (virtual, padded-width) output in one contiguous pass:
+  loops as long as the map, on any map width. Best at unit stride from about 14x14 up.
 
 Indices are cast to unsigned where the loop makes them non-negative: numba then emits no
 negative-index wraparound test, which would stop the loop vectorising.
@@ -169,3 +172,88 @@ def depthwise_rows_stride2(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: 
                         src = phases[parity, ih]
                         for ow in range(lo, hi):
                             row[_U(ow)] += weight * src[_U(ow + q)]
+
+
+@inline
+def _row_taps(acc: np.ndarray, plane: np.ndarray, w: np.ndarray, m: int, i: int, row0: int, step: int,
+              count: int) -> None:
+    """``acc[v] += Σ_j w[m, i, j] · plane[v + row0 + j·step]`` over ``v < acc.size`` for the ``count``
+    taps of kernel row ``i``: 3, 5 and 7 taps in one pass (one load and store of ``acc`` for all of
+    them), others one pass each."""
+    n = acc.shape[0]
+    if count == 3:
+        w0, w1, w2 = w[m, i, 0], w[m, i, 1], w[m, i, 2]
+        for v in range(n):
+            p = _U(v + row0)
+            acc[_U(v)] += w0 * plane[p] + w1 * plane[p + _U(step)] + w2 * plane[p + _U(2 * step)]
+    elif count == 5:
+        w0, w1, w2, w3, w4 = w[m, i, 0], w[m, i, 1], w[m, i, 2], w[m, i, 3], w[m, i, 4]
+        for v in range(n):
+            p = _U(v + row0)
+            acc[_U(v)] += (w0 * plane[p] + w1 * plane[p + _U(step)] + w2 * plane[p + _U(2 * step)]
+                           + w3 * plane[p + _U(3 * step)] + w4 * plane[p + _U(4 * step)])
+    elif count == 7:
+        w0, w1, w2, w3 = w[m, i, 0], w[m, i, 1], w[m, i, 2], w[m, i, 3]
+        w4, w5, w6 = w[m, i, 4], w[m, i, 5], w[m, i, 6]
+        for v in range(n):
+            p = _U(v + row0)
+            acc[_U(v)] += (w0 * plane[p] + w1 * plane[p + _U(step)] + w2 * plane[p + _U(2 * step)]
+                           + w3 * plane[p + _U(3 * step)] + w4 * plane[p + _U(4 * step)]
+                           + w5 * plane[p + _U(5 * step)] + w6 * plane[p + _U(6 * step)])
+    else:
+        for j in range(count):
+            wt = w[m, i, j]
+            off = row0 + j * step
+            for v in range(n):
+                acc[_U(v)] += wt * plane[_U(v + off)]
+
+
+@kernel
+def depthwise_flat(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
+                   dh: int, dw: int, top: int, left: int, multiplier: int, plane: np.ndarray,
+                   acc: np.ndarray) -> None:
+    """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo), at unit stride, on flat
+    padded planes: the channel's input is copied once into ``plane``, zero padded to ``Wp = Wo +
+    (kw - 1)·dw`` columns, so that tap (i, j) of every output reads ``plane[v + i·dh·Wp + j·dw]``
+    for the virtual position ``v = oh·Wp + ow``: one long contiguous pass over all of ``acc`` per
+    kernel row (the row loop's passes are one output row long, the width of a vector or two on
+    small maps), the columns ``ow ≥ Wo`` computed and dropped. ``acc`` has at least ``Ho·Wp``
+    entries (a multiple of 16: no scalar remainder), ``plane`` at least ``acc.size + (kh − 1)·dh·Wp
+    + (kw − 1)·dw`` (its tail is zeroed here). ``x``, ``w`` (M, kh, kw), ``bias`` as `depthwise_rows`."""
+    n_images, _, h, wd = x.shape
+    _, _, ho, wo = out.shape
+    kh, kw = w.shape[1], w.shape[2]
+    wp = wo + (kw - 1) * dw
+    hp = ho + (kh - 1) * dh
+    for k in range(hp * wp, plane.shape[0]):
+        plane[_U(k)] = 0.0
+    for n in range(n_images):
+        for m in range(m0, m1):
+            c = m // multiplier
+            for r in range(hp):
+                ih = r - top
+                row = plane[r * wp:(r + 1) * wp]
+                if ih < 0 or ih >= h:
+                    for q in range(wp):
+                        row[_U(q)] = 0.0
+                    continue
+                src = x[n, c, ih]
+                lo = min(wp, left)
+                hi = max(lo, min(wp, left + wd))
+                for q in range(lo):
+                    row[_U(q)] = 0.0
+                for q in range(lo, hi):
+                    row[_U(q)] = src[_U(q - left)]
+                for q in range(hi, wp):
+                    row[_U(q)] = 0.0
+            b = bias[m]
+            for v in range(acc.shape[0]):
+                acc[_U(v)] = b
+            for i in range(kh):
+                _row_taps(acc, plane, w, m, i, i * dh * wp, dw, kw)
+            for oh in range(ho):
+                dst = out[n, m, oh]
+                base = oh * wp
+                for ow in range(wo):
+                    dst[_U(ow)] = acc[_U(base + ow)]
+
