@@ -42,6 +42,11 @@ MIN_TILES = 32
 # Fewest input channels (the GEMMs' depth) and output channels.
 MIN_CHANNELS = 32
 MIN_OUT_CHANNELS = 16
+# A part's transformed input and GEMM products (α² x (C + M) x its tiles, float32) stay within
+# this many bytes (its scratch, reused from layer to layer), unless that leaves fewer than
+# MIN_PART_TILES tiles for its GEMMs.
+PART_BYTES = 8 << 20
+MIN_PART_TILES = 64
 
 
 @dataclass(frozen=True)
@@ -123,8 +128,12 @@ def conv2d_winograd(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin
     tile_rows, tw = -(-ho // algorithm.tile), -(-wo // algorithm.tile)
     y = np.empty((n, m, ho, wo), np.float32)
     threads = parallel.parts_available() if n * m * c * 9 * ho * wo >= SPLIT_MIN_MACS else 1
-    # bands of tile rows: about one part per thread, each image cut into the same number of bands
-    bands = max(1, min(tile_rows, -(-threads // n)))
+    # bands of tile rows: about one part per thread, each image cut into the same number of bands,
+    # and more where a part's V and products would outgrow PART_BYTES (a VGG-sized map)
+    row_tiles = tw + 1
+    window = algorithm.window
+    tiles_per_part = max(MIN_PART_TILES, PART_BYTES // (window * window * (c + m) * 4))
+    bands = max(1, min(tile_rows, max(-(-threads // n), -(-tile_rows * row_tiles // tiles_per_part))))
     edges = [round(tile_rows * i / bands) for i in range(bands + 1)]
     parts = [functools.partial(_part, algorithm, x[i], u, bias, y[i], top, left, tw, edges[j], edges[j + 1],
                                epilogue)

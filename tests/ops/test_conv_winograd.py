@@ -40,13 +40,16 @@ def _operands(name: str, rng, bias: bool = True):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@pytest.mark.parametrize("cut", ["whole", "threads"])
+@pytest.mark.parametrize("cut", ["whole", "threads", "one_tile_row_a_part"])
 def test_matches_reference(name, cut, rng, monkeypatch):
     inputs, attrs = _operands(name, rng, bias=name != "no_pads")
     calls = []
     real = conv_winograd._part
     monkeypatch.setattr(conv_winograd, "_part", lambda *a: (calls.append((a[0].tile, a[8], a[9])), real(*a)))
     conv = make_op("Conv", attrs, n_inputs=len(inputs))
+    if cut == "one_tile_row_a_part":  # a map larger than a part's scratch budget
+        monkeypatch.setattr(conv_winograd, "PART_BYTES", 1)
+        monkeypatch.setattr(conv_winograd, "MIN_PART_TILES", 1)
     if cut == "threads":
         monkeypatch.setattr(conv_winograd, "SPLIT_MIN_MACS", 0)
         with parallel.pool_bound(_POOL.submit, 2):
@@ -56,8 +59,11 @@ def test_matches_reference(name, cut, rng, monkeypatch):
     want = reference_run("Conv", inputs, attrs)[0]
     tile = CASES[name][3]
     assert calls and {c[0] for c in calls} == {tile}, "the layer did not take Winograd with its tile"
+    tile_rows = -(-want.shape[2] // tile)
     if cut == "threads" and inputs[0].shape[0] == 1:
-        assert len(calls) == min(2, -(-want.shape[2] // tile))  # two bands of tile rows, where there are two
+        assert len(calls) == min(2, tile_rows)  # two bands of tile rows, where there are two
+    if cut == "one_tile_row_a_part":
+        assert len(calls) == tile_rows * inputs[0].shape[0]
     assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
     # F(4x4, 3x3) rounds more than a direct sum: errors scale with the outputs' magnitude
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
