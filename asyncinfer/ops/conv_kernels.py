@@ -82,15 +82,19 @@ def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, ker
     return width_stride == 2 and width_dilation == 1 and out_width >= 24 and kernel_width <= 3
 
 
-def flat_pays(height_stride: int, width_stride: int, out_width: int) -> bool:
+def flat_pays(height_stride: int, width_stride: int, out_height: int, out_width: int, reach_height: int,
+              reach_width: int) -> bool:
     """Whether `depthwise_flat` is the loop for a layer: unit strides, outputs of 12 columns or
     more. Measured per layer shape on one core (AMD EPYC, AVX-512; bench/conv_shapes.py's
     depthwise rows), against the loop the other rules chose: 1.1-3.6x faster at unit stride from
     14x14 maps up (ConvNeXt's 7x7 on 96ch@56 2.69 -> 0.75 ms, EfficientNet's 5x5 on 240ch@28 0.66
     -> 0.28, MobileNetV3's 3x3 on 88ch@28 at batch 32 9.8 -> 2.0), 0.8x on 7x7 maps (channels
     last keeps those). Its strided form (phases per channel) lost to the stride-2 row loop and
-    channels last, so strided layers keep them."""
-    return height_stride == 1 and width_stride == 1 and out_width >= 12
+    channels last, so strided layers keep them. ``reach_*`` is the window's extent less one
+    (``(k − 1)·dilation``): a padded plane is at most 4x the output only while the window is no
+    larger than the map (a model's huge dilation would otherwise size a huge plane)."""
+    return (height_stride == 1 and width_stride == 1 and out_width >= 12 and reach_height <= out_height
+            and reach_width <= out_width)
 
 
 def channels_last_pays(multiplier: int, width_stride: int, out_width: int, kernel_width: int) -> bool:
@@ -119,7 +123,7 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     result = np.empty((n, m, ho, wo), dtype=x.dtype)
     geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
     threads = threads_for(n * m * ho * wo * kh * kw)
-    if flat_pays(geometry[0], geometry[1], wo):
+    if flat_pays(geometry[0], geometry[1], ho, wo, (kh - 1) * geometry[2], (kw - 1) * geometry[3]):
         taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
         _, _, dh, dw, top, left = geometry
         row_width = wo + (kw - 1) * dw

@@ -1,7 +1,8 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
-2-D float max and average pools run on compiled loops (`compiled.pool`): one over the tiles when the windows
-tile the map, else a separable loop (down the columns first at vertical strides above one). Other windowed pools reduce
+2-D float max and average pools run on compiled loops (`compiled.pool`; an average pool sums,
+then divides by each window's count): one over the tiles when the windows tile the map, else a
+separable loop (down the columns first at vertical strides above one). Other windowed pools reduce
 over kernel taps with whole-array NumPy ops: separably (one axis at a time) where the reduction
 allows, else one op per tap on the flat, polyphase-split input of `FlatWindows` (long contiguous
 runs instead of many short rows), sharing the window geometry with Conv.
@@ -188,6 +189,7 @@ class AveragePool(_WindowPool):
         kernel = [int(k) for k in self.attr("kernel_shape")]
         strides, dilations, _ = spatial_attrs(self, x.ndim - 2, kernel)
         include_pad = bool(self.attr("count_include_pad", 0))
+
         def divisors() -> np.ndarray:
             counts = _window_counts(x.shape[2:], kernel, strides, dilations, begin, end, out, include_pad)
             return _FULL if counts is None else counts.astype(x.dtype)

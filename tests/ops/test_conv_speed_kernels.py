@@ -168,6 +168,7 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
     ((1, 16, 56, 56), 7, 1, 1, "depthwise_flat"),           # large kernel
     ((1, 8, 28, 28), 3, 1, 2, "depthwise_flat"),            # channel multiplier
     ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
+    ((1, 8, 14, 14), 17, 1, 1, "depthwise_channels_last"),  # window larger than the map: no padded plane
     ((1, 32, 40, 40), 3, 2, 1, "depthwise_channels_last"),  # strided, 20 columns out
     ((1, 32, 56, 56), 3, 2, 1, "depthwise_rows_stride2"),   # strided, 28 columns out, 3x3
     ((1, 16, 112, 112), 3, 2, 1, "depthwise_rows_stride2"),  # strided, 56 columns out, 3x3
