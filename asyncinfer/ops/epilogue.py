@@ -54,6 +54,8 @@ class Epilogue:
             return Epilogue(compiled.HARD_SWISH)
         if kind == "Sigmoid":
             return Epilogue(compiled.SIGMOID)
+        if kind == "Swish":  # SiLU (x · Sigmoid(x)) after `loader.patterns.fuse_silu`: EfficientNet's
+            return Epilogue(compiled.SWISH, float(op.attr("alpha")))
         return None
 
     def store(self, block: np.ndarray, bias: np.ndarray, out: np.ndarray, v0: int, row_width: int,

@@ -92,6 +92,8 @@ ACTIVATIONS = {
     "HardSigmoid": ({"alpha": 0.3, "beta": 0.4}, []),
     "HardSwish": ({}, []),
     "Sigmoid": ({}, []),
+    "Swish": ({"alpha": 1.0}, []),
+    "Swish_alpha": ({"alpha": 1.702}, []),
 }
 
 
@@ -99,7 +101,7 @@ def _activation(name: str) -> tuple:
     attrs, extras = ACTIVATIONS[name]
     op_type = name.split("_")[0]
     layer = Layer("act", op_type, ["y"] + [f"e{i}" if e is not None else "" for i, e in enumerate(extras)], ["z"],
-                  attrs=attrs, version=14 if op_type == "HardSwish" else 13)
+                  attrs=attrs, version={"HardSwish": 14, "Swish": 24}.get(op_type, 13))
     return ops.create(layer), extras
 
 
