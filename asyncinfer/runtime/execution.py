@@ -136,17 +136,21 @@ class _SegmentJob:
         execution = self._execution
         futures = execution.futures
         done_type = execution._done_type
+        inline = done_type is _StepDone
         for node in self.segment.nodes:
             try:
                 args = [None if r is None else futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr,index]
             except TypeError:  # a failed input has no value: let the general path report it
                 execution._arguments(node)
                 continue
-            compute = node.backend.inline_compute if done_type is _StepDone else None
-            if (compute is not None and not execution._cancelled and not node.step.op.cancellable
-                    and not any(a is RELEASED for a in args)):
-                _run_inline(execution, node, args, compute)
-                continue
+            compute = node.backend.inline_compute if inline else None
+            if compute is not None and not execution._cancelled and not node.step.op.cancellable:
+                for a in args:
+                    if a is RELEASED:
+                        break
+                else:
+                    _run_inline(execution, node, args, compute)
+                    continue
             done = done_type(execution, node)
             for a in args:
                 if a is RELEASED:
