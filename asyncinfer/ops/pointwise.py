@@ -534,7 +534,10 @@ class BinaryOp(_TableOp):
         if self.version < 7:
             b = self._legacy_align(a, b)
         out = self.spec.fn(np, a, b, **self.values)
-        return np.asarray(out, dtype=bool) if self.spec.to_bool else np.asarray(out).astype(a.dtype, copy=False)
+        if self.spec.to_bool:
+            return np.asarray(out, dtype=bool)
+        # (most results are already arrays of A's type: no conversion call, on every layer of a run)
+        return out if type(out) is np.ndarray and out.dtype == a.dtype else np.asarray(out).astype(a.dtype, copy=False)
 
 
 class VariadicOp(_TableOp):
