@@ -368,8 +368,14 @@ class Execution:
                               layer=node.layer.name, op_type=node.layer.op_type)
 
     def _release_inputs(self, node: Node) -> None:
+        for ref in node.release_sole:  # this step is the value's only reader: nothing to count
+            values = self.futures[ref[0]].peek()  # type: ignore[union-attr]
+            if values is not None:
+                values[ref[1]] = RELEASED
+        if not node.release_shared:
+            return
         with self._lock:
-            for ref in node.release:
+            for ref in node.release_shared:
                 left = self._readers[ref] - 1
                 self._readers[ref] = left
                 if left == 0:

@@ -39,6 +39,10 @@ class Node:
     inputs: list[Ref | None]        # None: omitted optional input
     sources: tuple[int, ...] = ()   # distinct step/input sources this step waits for
     release: list[Ref] = field(default_factory=list)  # values whose last reader is this step
+    # ``release`` split (`Plan._plan_releases`): values this step alone reads (freed without
+    # counting or locking) and values several steps read (counted down under the run's lock)
+    release_sole: list[Ref] = field(default_factory=list)
+    release_shared: list[Ref] = field(default_factory=list)
     index: int = field(init=False)     # (copies of the step's: read for every step of every run)
     layer: Layer = field(init=False)
 
@@ -346,3 +350,8 @@ class Plan:
                            and r[0] not in self.precomputed):
                 self.reader_counts[ref] = self.reader_counts.get(ref, 0) + 1
                 node.release.append(ref)
+        for node in self.nodes:
+            node.release_sole = [r for r in node.release if self.reader_counts[r] == 1]
+            node.release_shared = [r for r in node.release if self.reader_counts[r] > 1]
+        # a run counts down only the values several steps read
+        self.reader_counts = {ref: count for ref, count in self.reader_counts.items() if count > 1}
