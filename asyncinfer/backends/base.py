@@ -145,6 +145,13 @@ class Backend(ABC):
         dispatch of its own. By default only kernels that do not use every core themselves."""
         return not getattr(kernel, "multithreaded", False)
 
+    def submit_here(self, submit: Callable[[], None]) -> None:
+        """Call ``submit`` (which dispatches a run's ready steps and jobs), for a caller that is
+        going to block until the run is done anyway (``run_blocking``): a backend may run some of
+        that work on the calling thread instead of handing it to its own. By default it hands
+        everything over."""
+        submit()
+
     @abstractmethod
     def close(self) -> None:
         """Release threads and device resources; waits for kernels already running."""

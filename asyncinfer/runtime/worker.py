@@ -227,10 +227,11 @@ class Worker:
 
     def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
                      **named: Any) -> dict[str, np.ndarray]:
-        """Blocking twin of [`run`][asyncinfer.Worker.run]: waits on the calling thread. Do not call it on an event
-        loop."""
+        """Blocking twin of [`run`][asyncinfer.Worker.run]: waits on the calling thread, which meanwhile runs the
+        run's first ready work on the cpu backend (no hand-off to a pool thread and back). Do not call it on an
+        event loop."""
         execution = self._new_execution(inputs, named, outputs, profile)
-        execution.submit_all()
+        self._backend.submit_here(execution.submit_all)  # this thread waits anyway: it may run the first work
         tensors = [execution.take_output(name) for name in execution.plan.output_names]
         arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}
         return {t.name: arrays[t.name] for t in tensors}

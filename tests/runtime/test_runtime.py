@@ -538,11 +538,39 @@ def test_a_thread_that_cannot_start_fails_the_run_and_the_worker_recovers(add_ch
 
     with ai.Worker(ai.load_model(add_chain_model(2)), threads=2) as worker:  # no pool thread yet
         monkeypatch.setattr(threading.Thread, "start", refuse)
+        worker.schedule(np.zeros((1, 4), np.float32))  # handed to the pool, whose thread cannot start
         with pytest.raises(ai.ExecutionError, match="cannot start a thread"):
-            worker.run_blocking(np.zeros((1, 4), np.float32))
-        monkeypatch.undo()
+            worker.peek_output().readback_and_clone()
+        # a blocking run needs no pool thread: its caller runs the work it waits for
         out = worker.run_blocking(np.zeros((1, 4), np.float32))
         np.testing.assert_array_equal(out["y"], np.full((1, 4), 2, np.float32))
+        monkeypatch.undo()
+        worker.schedule(np.zeros((1, 4), np.float32))
+        np.testing.assert_array_equal(worker.peek_output().readback_and_clone().numpy(), np.full((1, 4), 2))
+
+
+def test_a_blocking_run_runs_its_first_work_on_the_calling_thread(add_chain_model, monkeypatch):
+    """run_blocking waits anyway: its thread runs the job it made ready (no hand-off to the pool
+    and back); awaited and scheduled runs still run on the pool; one lane keeps its layers."""
+    import asyncinfer.backends.cpu.backend as cpu_backend
+
+    threads: list[str] = []
+    compute = cpu_backend._compute
+    monkeypatch.setattr(cpu_backend, "_compute", lambda step, args: threads.append(
+        threading.current_thread().name) or compute(step, args))
+    x = np.zeros((1, 4), np.float32)
+    with ai.Worker(ai.load_model(add_chain_model(3)), threads=2) as worker:
+        np.testing.assert_array_equal(worker.run_blocking(x)["y"], np.full((1, 4), 3, np.float32))
+        assert threads == [threading.current_thread().name] * 3
+        threads.clear()
+        worker.schedule(x)
+        worker.peek_output().readback_and_clone()
+        assert len(threads) == 3 and threading.current_thread().name not in threads
+    monkeypatch.setenv("ASYNCINFER_CPU_LANES", "1")
+    threads.clear()
+    with ai.Worker(ai.load_model(add_chain_model(3)), threads=2) as worker:
+        worker.run_blocking(x)
+        assert len(threads) == 3 and threading.current_thread().name not in threads
 
 
 def test_a_device_thread_that_cannot_start_is_backend_unavailable(monkeypatch):
