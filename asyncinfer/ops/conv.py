@@ -4,9 +4,9 @@ Convolutions are lowered to GEMMs so that the heavy lifting happens in BLAS (whi
 GIL). 1-D and 2-D convs run as tiled GEMMs (`.conv_gemm`: im2col, GEMM, bias and the fused
 activation one cache-sized block of outputs at a time), 3x3 ones at unit stride on maps of
 some size by Winograd's F(4x4, 3x3) or F(2x2, 3x3) (`.conv_winograd`: a quarter or 4/9 of the
-multiply-adds); depthwise ones (one input channel per
-group) are no GEMM and run on compiled loops over the kernel taps (`.conv_kernels`, where the
-choice of loop order is measured and documented). 3-D and higher convs build their im2col matrix
+multiply-adds); depthwise ones (one input channel per group) are no GEMM and run on compiled
+loops over the kernel taps (`.conv_kernels`, where the choice of loop order is measured and
+documented). 3-D and higher convs build their im2col matrix
 from `windows.FlatWindows` (long contiguous runs rather than many short rows) and run one
 (batched) matmul over all groups; their depthwise ones, per-channel im2col + tiny GEMMs.
 """
@@ -23,8 +23,8 @@ from .base import Op
 from .conv_gemm import conv2d as conv2d_gemm
 from .conv_gemm import exact_im2col_pays
 from .conv_kernels import depthwise2d, run_tasks, threads_for
-from .conv_winograd import conv2d_winograd, transform_weights, winograd_runs_on, winograd_tile
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
+from .conv_winograd import conv2d_winograd, transform_weights, winograd_runs_on, winograd_tile
 from .epilogue import NO_ACTIVATION, Activations, Epilogue, apply_activations
 from .linalg import gemm_dtypes, matmul
 from .registry import register

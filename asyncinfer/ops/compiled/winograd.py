@@ -186,7 +186,9 @@ def input_transform_2x2(slabs: np.ndarray, v: np.ndarray, e: np.ndarray) -> None
 
 @kernel
 def output_transform_2x2(m: np.ndarray, y: np.ndarray, tw: int, oh0: int, t: np.ndarray) -> None:
-    """F(2x2, 3x3)'s `output_transform`: ``m`` (16, K, Q), ``t`` a scratch (2, 4, tw)."""
+    """F(2x2, 3x3)'s `output_transform`: ``m`` (16, K, Q), ``t`` a scratch (2, 4, tw). (Its loop
+    skeleton repeats `output_transform`'s: the two differ in every size and formula, and a
+    transform passed in as a function would be called per element, not inlined.)"""
     channels, ho, wo = y.shape
     row_tiles = tw + 1
     tile_rows = m.shape[2] // row_tiles
