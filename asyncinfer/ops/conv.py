@@ -82,7 +82,8 @@ class Conv(_ConvBase):
                         (0,) + end, (1,) + out, epilogue)
             return y.reshape(n, m, *out)
         if nsp == 2:
-            tile = winograd_tile(x.shape, w.shape, group, strides, dilations, begin, end, out, x.dtype)
+            tile = self.per_shape(("winograd", x.shape, w.shape, x.dtype), lambda: winograd_tile(
+                x.shape, w.shape, group, strides, dilations, begin, end, out, x.dtype))  # once per shape, not per run
             if tile:
                 x = np.ascontiguousarray(x)
                 u = self.derived(f"winograd{tile}", {1: w}, lambda: transform_weights(w, tile))
