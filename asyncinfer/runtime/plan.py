@@ -186,6 +186,7 @@ class Plan:
         self.output_refs = [self.refs[name] for name in self.output_names]
         self.kept_refs: frozenset[Ref] = frozenset()  # other values never released (``keeping``)
         self.precomputed: dict[int, list[Any]] = {}    # steps not run (``with_precomputed``)
+        self.serial_segments = False                    # segments not paths (``for_serial_runs``)
         # ... and their futures, born complete and shared by every run of this plan: their values
         # are never released (like constants), so no run writes into them.
         self.precomputed_futures: list[tuple[int, TaskFuture]] = []
@@ -240,6 +241,14 @@ class Plan:
                 continue
             needed.update(ref[0] for ref in node.inputs if ref is not None and ref[0] < n_steps)
         return unread[::-1]
+
+    def for_serial_runs(self) -> "Plan":
+        """This plan, for runs that take their steps one after another (``Execution(serial=True)``):
+        its segments are runs of consecutive light steps in plan order, not only paths (see
+        `_plan_segments`). A serial run gains nothing from starting independent branches apart,
+        so a whole decode step (GPT-2: ~320 steps, ~50 paths) becomes one job, each step still
+        completing its own layer future, with no hand-off or callback between paths."""
+        return self._variant(serial_segments=True)
 
     def with_op(self, index: int, op: ops.Op) -> "Plan":
         """This plan with host step ``index`` running ``op`` instead of its layer's own (same
@@ -310,7 +319,11 @@ class Plan:
         model inputs or constants. A segment runs as one job on one thread (it was a path: no
         parallelism is lost), so its layers cost no dispatch each. Every other step is a segment
         of its own, as is a kernel the backend keeps out of jobs (`Backend.job_may_hold`: the CPU
-        backend's GEMM-based kernels while they take turns in its lane)."""
+        backend's GEMM-based kernels while they take turns in its lane).
+
+        A plan for serial runs (`for_serial_runs`) drops the path rule: a light step joins the
+        segment before it whenever everything it reads is in that segment or complete before
+        the run starts, so a segment never waits midway and branches run in plan order."""
         n_steps = len(self.nodes)
         segments: list[Segment] = []
         members: set[int] = set()
@@ -323,7 +336,7 @@ class Plan:
                      and node.backend.job_may_hold(step.kernel))
             last = segments[-1].nodes[-1] if segments else None
             if (light and last is not None and last.backend is node.backend and segments[-1].light
-                    and last.index in node.sources
+                    and (self.serial_segments or last.index in node.sources)
                     and all(s in members or s >= n_steps or s in ready for s in node.sources)):
                 segments[-1].nodes.append(node)
                 members.add(node.index)

@@ -5,7 +5,7 @@ import enum
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import anyio.lowlevel
@@ -377,16 +377,24 @@ class Worker:
                 self._generation = GenerationEngine(self.model, self._plan, self._schedule_generation)
             return self._generation
 
-    def _schedule_generation(self, futures: dict[str, Any], plan: Plan | None = None) -> Execution:
+    def _schedule_generation(self, futures: dict[str, Any], plan: Plan | None, here: bool,
+                             submitted: Callable[[Execution], None]) -> Execution:
         """A run of the generation engine: inputs it built and checked itself, possibly values
         still on this worker's backend (a device's upload step passes them through). ``plan``:
-        the engine's own shape-specialised variant of this worker's plan (see generation/engine.py)."""
+        the engine's own shape-specialised variant of this worker's plan (see generation/engine.py).
+        ``submitted(execution)`` is called once every step has its future, before any runs.
+        ``here``: the engine thread waits for this run and has nothing else to do meanwhile, so
+        it may run the run's work itself (`Backend.submit_here`) and return once that is done."""
         self._check_open()
         # serial: a decode step's branches (q, k and v; the rotary halves) are a few small kernels
         # each, which on two threads only take turns at the GIL (Llama-style decoder on 2 cores:
         # 37.5 -> 33 ms a token); its GEMMs still split across every core.
         execution = Execution(plan or self._plan, futures, worker=self, recorder=self._recorder(None), serial=True)
-        execution.submit_all()
+        execution.on_submitted(lambda: submitted(execution))
+        if here:
+            self._backend.submit_here(execution.submit_all)
+        else:
+            execution.submit_all()
         return execution
 
     # -- profiling ------------------------------------------------------------------------------------

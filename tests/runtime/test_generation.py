@@ -451,6 +451,24 @@ async def test_a_model_that_cannot_batch_takes_turns(gpt2):
         assert worker.generation_stats().largest_batch == 1
 
 
+@pytest.mark.asyncio
+async def test_the_engine_thread_runs_a_lone_run_itself_and_hands_several_to_the_pool():
+    """A step with one run (one stream, or one batch): the engine thread, which would only wait
+    for it, runs its layers itself. A step with several (streams of a model that cannot batch)
+    starts them together on the pool's lanes. The tokens are the reference's either way."""
+    proto = decoder(positions=False)  # cannot batch: each stream runs on its own
+    async with ai.Worker(ai.load_model(proto.SerializeToString()), "cpu", threads=2) as worker:
+        with worker.profile() as alone:
+            tokens = await worker.generate(PROMPTS[0], max_new_tokens=4).collect()
+        assert tokens == reference_greedy(proto, PROMPTS[0], 4)
+        assert {r.thread_name for r in alone.records} == {"asyncinfer-generate"}
+        with worker.profile() as several:
+            together = await asyncio.gather(*(worker.generate(p, max_new_tokens=4).collect() for p in PROMPTS[:3]))
+        assert together == [reference_greedy(proto, p, 4) for p in PROMPTS[:3]]
+        threads = {r.thread_name for r in several.records}
+        assert any(name.startswith("asyncinfer-cpu") for name in threads), threads
+
+
 def test_concurrent_streams_on_gpu_pixel_equal_their_solo_runs(gpt2):
     require_pixel()
     _, model = gpt2

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import asyncinfer as ai
 from conftest import BARRIERS, TEST_DOMAIN, LoopTicker, make_model, shape_arithmetic_model, tensor_info
@@ -128,6 +128,58 @@ def test_a_serial_run_keeps_the_branches_a_layer_makes_ready_on_its_thread(monke
             np.testing.assert_array_equal(execution.read_outputs_blocking()["y"], expected)
             used = set().union(*threads.values())
             assert len(used) == 1, f"a serial run used {sorted(used)}: {threads}"
+
+
+def test_a_plan_for_serial_runs_makes_branches_one_segment_and_keeps_every_layer_future():
+    """`Plan.for_serial_runs` (the generation engine's plans): a root feeding three paths and a
+    join is one job instead of five (paths cut at every branch otherwise); every layer still
+    completes its own future, and the result is the same."""
+    from asyncinfer.runtime.execution import Execution
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="root")]
+    branches = []
+    for b in range(3):
+        last = "r"
+        for i in range(2):
+            out = f"b{b}_{i}"
+            nodes.append(helper.make_node("Neg" if i % 2 else "Abs", [last], [out], name=out))
+            last = out
+        branches.append(last)
+    nodes.append(helper.make_node("Sum", branches, ["y"], name="join"))
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [8])], [tensor_info("y", [8])]))
+    x = np.linspace(-2, 2, 8).astype(np.float32)
+    with ai.Worker(model, threads=2) as worker:
+        assert len(worker._plan.segments) == 4  # root and the first branch, two more branches, the join
+        serial = worker._plan.for_serial_runs()
+        assert [len(s.nodes) for s in serial.segments] == [len(serial.nodes)]
+        assert len(worker._plan.segments) == 4  # a variant: the worker's own plan is unchanged
+        execution = Execution(serial, _completed_inputs(x), worker=worker, serial=True).submit_all()
+        np.testing.assert_array_equal(execution.read_outputs_blocking()["y"], -np.abs(np.maximum(x, 0)) * 3)
+        futures = [execution.layer_future(n.layer.name) for n in serial.nodes]
+        assert all(f.done() and not f.failed() for f in futures)
+
+
+def test_a_serial_segment_stops_at_a_step_that_reads_a_value_from_outside_it(monkeypatch):
+    """A step reading a value its segment does not make (here a MatMul's, which takes turns in
+    the lane when BLAS is kept multi-threaded, so is a step of its own) starts a new segment:
+    a segment never waits midway."""
+    from asyncinfer.backends.cpu import blas
+    from asyncinfer.runtime.execution import Execution
+
+    monkeypatch.setattr(blas, "acquire", lambda: False)
+    monkeypatch.setattr(blas, "release", lambda: None)
+    w = numpy_helper.from_array(np.eye(2, dtype=np.float32) * 2, "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"], name="matmul"),
+             helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Add", ["r", "m"], ["y"], name="join")]
+    model = ai.load_model(make_model(nodes, [tensor_info("x", [1, 2])], [tensor_info("y", [1, 2])],
+                                     initializers=[w]))
+    with ai.Worker(model, threads=2) as worker:
+        serial = worker._plan.for_serial_runs()
+        assert [[n.layer.name for n in s.nodes] for s in serial.segments] == [["matmul"], ["relu"], ["join"]]
+        execution = Execution(serial, _completed_inputs(np.array([[-1, 2]], np.float32)), worker=worker,
+                              serial=True).submit_all()
+        np.testing.assert_array_equal(execution.read_outputs_blocking()["y"], [[-2, 6]])
 
 
 def _completed_inputs(x: np.ndarray) -> dict:

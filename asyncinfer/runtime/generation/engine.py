@@ -63,7 +63,7 @@ POLL_S = 0.5
 #: larger blocks copy the cache less often and record fewer signatures, but attend over more padding.
 CACHE_BLOCK = 32
 
-Schedule = Callable[[dict[str, TaskFuture], Plan | None], Execution]
+Schedule = Callable[[dict[str, TaskFuture], Plan | None, bool, Callable[[Execution], None]], Execution]
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class GenerationEngine:
         self.model = model
         self.io: DecoderIO = detect(model)
         self.batching = self.io.batchable and self.io.has_past
-        self._plan = last_row_logits(plan, self.io)
+        self._plan = last_row_logits(plan, self.io).for_serial_runs()  # its runs are serial
         # Only a batching model's runs repeat their input shapes (its cache kept to blocks).
         self._shapes = ShapePlans(self._plan) if self.batching else None
         self._schedule = schedule
@@ -124,6 +124,8 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._runs = self._tokens = self._largest = 0
+        #: A step of one run is run by the engine thread itself (see `_step`).
+        self.run_here = True
 
     # -- the caller's side ---------------------------------------------------------------------
     def submit(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
@@ -233,8 +235,11 @@ class GenerationEngine:
         with self._cond:  # listed at once: stats count them, close() cancels their runs
             self._batches = fresh + self._batches
             batches = list(self._batches)
+        # One run this step: this thread would only wait for it, so it runs it (no hand-off to
+        # a pool thread and back). Several: they start together, on the pool's lanes.
+        here = self.run_here and len(batches) == 1
         for batch in batches:
-            self._start(batch)
+            self._start(batch, here)
         kept = [b for b in batches if self._finish(b)]
         with self._cond:
             self._batches = kept
@@ -295,28 +300,31 @@ class GenerationEngine:
             values[io.position_ids] = positions.astype(io.positions_dtype)
         return {name: TaskFuture.completed([value], label=name) for name, value in values.items()}
 
-    def _start(self, batch: _Batch) -> None:
+    def _start(self, batch: _Batch, here: bool = False) -> None:
+        """Schedule ``batch``'s run (``here``: run it on this thread, see `_step`)."""
+        def submitted(execution: Execution) -> None:  # before any layer runs: cancellable from now
+            with self._cond:
+                batch.execution = execution
+                self._runs += 1
+                if batch.feed.shape[1] == 1:
+                    self._largest = max(self._largest, len(batch.rows))
+                if all(s.cancelled for s in batch.rows):  # cancelled while it was being scheduled
+                    execution.cancel()
+            if observe is not None:  # the first run of its signature records its shape values
+                self._shapes.observe(observe, execution.futures)  # type: ignore[union-attr]
+
+        observe = None
         try:
             self._fit_cache(batch)
             futures = self._inputs(batch)
-            plan, observe = self._plan, None
+            plan = self._plan
             if self._shapes is not None and self._shapes.enabled and batch.past_device is None:
                 plan, observe = self._shapes.plan_for(futures)
-            execution = self._schedule(futures, plan)
-            if observe is not None:  # the first run of its signature records its shape values
-                self._shapes.observe(observe, execution.futures)  # type: ignore[union-attr]
+            self._schedule(futures, plan, here, submitted)
         except Exception as exc:  # noqa: BLE001 - e.g. the worker was disposed: the streams get it
             for sequence in batch.rows:
                 sequence.fail(exc)
             batch.execution = None
-            return
-        with self._cond:
-            batch.execution = execution
-            self._runs += 1
-            if batch.feed.shape[1] == 1:
-                self._largest = max(self._largest, len(batch.rows))
-            if all(s.cancelled for s in batch.rows):  # cancelled while it was being scheduled
-                execution.cancel()
 
     def _finish(self, batch: _Batch) -> bool:
         """Wait for ``batch``'s run, give every row its token; False when the batch is gone."""
