@@ -9,7 +9,7 @@ import pytest
 
 from asyncinfer.concurrency import parallel
 from asyncinfer.ops import linalg
-from asyncinfer.ops.compiled.few_rows import few_rows_matmul
+from asyncinfer.ops.compiled.few_rows import ONE_ROW_SEQUENTIAL_COLUMNS, few_rows_matmul
 
 
 def _operands(m: int, k: int, n: int, dtype: type, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -52,18 +52,18 @@ def test_inf_and_nan_propagate_as_in_the_definition():
     np.testing.assert_allclose(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("k", [768, 771])
-def test_a_row_has_the_same_bits_alone_in_any_batch(k):
+@pytest.mark.parametrize("k, n", [(768, 300), (771, 300), (771, ONE_ROW_SEQUENTIAL_COLUMNS + 29)])
+def test_a_row_has_the_same_bits_alone_in_any_batch(k, n):
     """A stream's logits must not depend on who shares its decode step: each row of a batch of
     1..16 equals the row computed alone, bit for bit (the 4-row block, the 1-row remainder and
-    the one-row kernel sum in one order)."""
-    a, b = _operands(16, k, 300, np.float32, seed=k)
-    alone = np.empty((16, 300), dtype=np.float32)
+    both one-row kernels, sequential on narrow b and interleaved on wide, sum in one order)."""
+    a, b = _operands(16, k, n, np.float32, seed=k)
+    alone = np.empty((16, n), dtype=np.float32)
     for r in range(16):
         few_rows_matmul(a[r:r + 1].copy(), b, alone[r:r + 1], 0, k, 128)
     for m in range(1, 17):
         for first in sorted({0, 16 - m, (16 - m) // 2}):
-            y = np.empty((m, 300), dtype=np.float32)
+            y = np.empty((m, n), dtype=np.float32)
             few_rows_matmul(a[first:first + m].copy(), b, y, 0, k, 128)
             np.testing.assert_array_equal(y, alone[first:first + m])
 
