@@ -12,8 +12,9 @@ sequence number. The helper runs it and marks it done without ever returning to 
 caller, spinning GIL-free too, sees it finish within microseconds. Only a helper idle that long
 goes back to Python, to sleep on a condition (and a caller wakes it the slow way).
 
-A serve loop is written with the kernel it serves (``ops/compiled/few_rows.py``): it calls
-`next_post`, reads its arguments from ``control[ARGS:]``, runs, and calls `mark_done`. A caller
+A serve loop is written with the kernels it serves (``ops/compiled/team_parts.py``): it calls
+`next_post`, reads the part's kind from ``control[KIND]`` and its arguments from
+``control[ARGS:]``, runs it, and calls `mark_done`. A caller
 keeps every buffer whose address it posts alive until `SpinTeam.try_run` returns.
 
 A caller may also post and wait in compiled code, where a decode step's ~70 GEMMs each save tens
@@ -42,8 +43,8 @@ SPIN_ROUNDS = 4000
 #: Rounds a caller spins waiting for its helpers before it looks whether they still live.
 WAIT_ROUNDS = 1 << 16
 # A control row per helper: the posted sequence number, the done one, the stop flag and the
-# asleep flag on cache lines of their own, then the part's arguments.
-_POSTED, _DONE, _STOP, _ASLEEP, ARGS, _ROW = 0, 8, 16, 24, 32, 48
+# asleep flag on cache lines of their own, then the part's kind and its arguments (room for 95).
+_POSTED, _DONE, _STOP, _ASLEEP, KIND, ARGS, _ROW = 0, 8, 16, 24, 32, 33, 128
 
 _sched_yield = types.ExternalFunction("sched_yield", types.int32())
 
@@ -90,8 +91,8 @@ def mark_done(control: np.ndarray, seq: int) -> None:
 
 @numba.njit(cache=True, nogil=True)
 def post(control: np.ndarray) -> int:
-    """(callers) Post the arguments written in ``control[ARGS:]`` to its helper; the part's
-    sequence number."""
+    """(callers) Post the part written in ``control[KIND]`` and ``control[ARGS:]`` to its helper;
+    the part's sequence number."""
     _fence()
     seq = control[_POSTED] + 1
     control[_POSTED] = seq
@@ -158,7 +159,7 @@ class SpinTeam:
         self._scratch_views: dict[tuple, np.ndarray] = {}  # by (shape, dtype), of _scratch
 
     def try_run(self, parts: list[Sequence[int]], own: Callable[[], None]) -> bool:
-        """Post each of ``parts`` (the integer arguments of one part) to a helper, run ``own()``
+        """Post each of ``parts`` (the integers of one part: its kind, then its arguments) to a helper, run ``own()``
         on this thread meanwhile, and return once every part is done; False, having run nothing,
         when another caller has the team or there are more parts than helpers."""
         if len(parts) > self.helpers:
@@ -170,7 +171,7 @@ class SpinTeam:
             seqs = []
             sleeping = False
             for i, arguments in enumerate(parts):
-                control[i, ARGS:ARGS + len(arguments)] = arguments
+                control[i, KIND:KIND + len(arguments)] = arguments
                 seqs.append(post(control[i]))
                 sleeping = sleeping or asleep(control[i])
             if sleeping:

@@ -69,6 +69,54 @@ def test_a_row_has_the_same_result_alone_as_in_a_batch():
         np.testing.assert_array_equal(alone, together[r:r + 1])
 
 
+@pytest.mark.parametrize("helpers", [1, 3])
+@pytest.mark.parametrize("batch,heads,kv_heads,queries", [(8, 12, 12, 1), (2, 8, 2, 3), (1, 2, 1, 1)])
+def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, heads, kv_heads, queries, helpers,
+                                                                       monkeypatch):
+    """With the CPU backend's spinning helpers bound (as on its pool threads), an attention large
+    enough is cut into bands of heads, one per thread: every value must equal the one-thread
+    result bit for bit (a view of the cache arena, grouped K/V heads, both masks), and a team
+    another caller holds leaves the whole attention on this thread."""
+    from asyncinfer.concurrency import parallel
+    from asyncinfer.concurrency.spin_team import SpinTeam
+    from asyncinfer.ops import fused
+    from asyncinfer.ops.compiled.team_parts import serve_parts
+
+    keys, depth = 70, 64
+    arena = RNG.standard_normal((batch, kv_heads, keys + 32, depth)).astype(np.float32)
+    k, v = arena[:, :, :keys], arena[:, :, 5:keys + 5] * 0.5  # views with the arena's strides
+    q = RNG.standard_normal((batch, heads, queries, depth)).astype(np.float32)
+    keep, bias = _masks(batch, queries, keys)
+    op = _op()
+    group = heads // kv_heads  # query heads per K/V head, as `run` finds them in a head repeat
+
+    def attend() -> np.ndarray:
+        return op._compiled(q, k, v, np.float32(8.0), keep, FILL, bias, group)
+
+    alone = attend()  # no team bound: one thread
+    monkeypatch.setattr(fused, "ATTENTION_SPLIT_MIN_MACS", 0)
+    team = SpinTeam(helpers, serve_parts, name="test-team")
+    split: list[int] = []
+    heads_on_team = fused._heads_on_team
+    monkeypatch.setattr(fused, "_heads_on_team", lambda *args: split.append(1) or heads_on_team(*args))
+    try:
+        with parallel.pool_bound(None, helpers + 1, team):
+            shared = attend()
+            assert team._threads, "the helpers never ran a part"
+            np.testing.assert_array_equal(shared, alone)
+            held = team.claim()  # another caller holds the team: this one runs every head itself
+            try:
+                np.testing.assert_array_equal(attend(), alone)
+            finally:
+                team.release()
+    finally:
+        team.close()
+    assert held is not None and len(split) == 2
+    k_full, v_full = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    np.testing.assert_allclose(alone, _definition(q, k_full, v_full, np.float32(8.0), True, keep, bias),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("case", ["three_d", "float64", "mask_widens_scores"])
 def test_general_path_matches_the_definition(case):
     q = RNG.standard_normal((2, 3, 4)).astype(np.float32)

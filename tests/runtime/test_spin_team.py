@@ -12,7 +12,8 @@ import pytest
 from asyncinfer.concurrency import parallel, spin_team
 from asyncinfer.concurrency.spin_team import SpinTeam
 from asyncinfer.ops import linalg
-from asyncinfer.ops.compiled.few_rows import few_rows_matmul, few_rows_serve, post_arguments
+from asyncinfer.ops.compiled.few_rows import PART_KIND, few_rows_matmul, post_arguments
+from asyncinfer.ops.compiled.team_parts import serve_parts
 
 
 def _operands(m: int, k: int, n: int, dtype=np.float32, seed: int = 0):
@@ -22,7 +23,7 @@ def _operands(m: int, k: int, n: int, dtype=np.float32, seed: int = 0):
 
 @pytest.fixture
 def team():
-    team = SpinTeam(2, few_rows_serve, name="test-team")
+    team = SpinTeam(2, serve_parts, name="test-team")
     yield team
     team.close()
 
@@ -88,8 +89,8 @@ def test_an_error_in_the_callers_part_still_waits_for_the_helpers(team):
 
 
 def test_a_closed_team_declines_and_its_threads_end():
-    team = SpinTeam(1, few_rows_serve, name="test-team")
-    assert team.try_run([[1, 0, 0, 0, 0, 16, 0, 0, 0, 0]], lambda: None)  # an empty part: k0 = k1 = 0
+    team = SpinTeam(1, serve_parts, name="test-team")
+    assert team.try_run([[PART_KIND, 1, 0, 0, 0, 0, 16, 0, 0, 0, 0]], lambda: None)  # an empty part: k0 = k1 = 0
     threads = list(team._threads)
     team.close()
     assert all(not t.is_alive() for t in threads)
@@ -111,7 +112,7 @@ def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monk
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(m, 200, 300, seed=m)
-    team = SpinTeam(1, few_rows_serve, name="test-team")
+    team = SpinTeam(1, serve_parts, name="test-team")
     claims = []
     real = team.claim
     monkeypatch.setattr(team, "claim", lambda: (claims.append(1), real())[1])
@@ -130,7 +131,7 @@ def test_with_the_team_busy_the_same_parts_run_in_turn_with_the_same_bits(monkey
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(3, 200, 300, seed=5)
-    team = SpinTeam(1, few_rows_serve, name="test-team")
+    team = SpinTeam(1, serve_parts, name="test-team")
     holding, release = threading.Event(), threading.Event()
     holder = threading.Thread(target=lambda: team.try_run([], lambda: (holding.set(), release.wait(10))))
     holder.start()
@@ -155,7 +156,7 @@ def test_a_part_posted_before_a_new_helper_first_looks_is_still_run(monkeypatch)
         return real_loop(self, index, seen)
 
     monkeypatch.setattr(SpinTeam, "_loop", slow_start)
-    team = SpinTeam(1, few_rows_serve, name="test-team")
+    team = SpinTeam(1, serve_parts, name="test-team")
     a, b = _operands(2, 32, 32)
     y = np.empty((2, 32), np.float32)
     try:
@@ -175,7 +176,7 @@ def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatc
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(2, 200, 300, seed=9)
     bias = np.random.default_rng(1).standard_normal(300).astype(np.float32)
-    team = SpinTeam(1, few_rows_serve, name="test-team")
+    team = SpinTeam(1, serve_parts, name="test-team")
     try:
         with ThreadPoolExecutor(1) as pool, parallel.pool_bound(pool.submit, 2, team):
             first = linalg._few_rows(a, b)

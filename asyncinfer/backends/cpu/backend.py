@@ -41,7 +41,7 @@ from ...concurrency.spin_team import SpinTeam
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
-from ...ops.compiled.few_rows import few_rows_serve
+from ...ops.compiled.team_parts import serve_parts
 from ...ops.epilogue import apply_activations
 from ..base import Backend, Job, Step, StepDone, ValueTypes, run_kernel
 from . import blas
@@ -75,7 +75,7 @@ class CPUBackend(Backend):
         self._helpers = ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="asyncinfer-part",
                                            initializer=self._start_thread)
         # compiled parts (a decode step's GEMVs) go to spinning helpers that start them in microseconds
-        self._team = SpinTeam(self.threads - 1, few_rows_serve) if self._blas_single and self.threads > 1 else None
+        self._team = SpinTeam(self.threads - 1, serve_parts) if self._blas_single and self.threads > 1 else None
         self._pool = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="asyncinfer-cpu",
                                         initializer=self._start_thread)
         self._local = threading.local()  # chain: work queued on this thread; caller: in `submit_here`

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import address_as_pointer
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer
 from . import kernel, reduction
 from .normalization import softmax_row
 
@@ -37,6 +37,16 @@ def _row(x: np.ndarray, b: int, h: int, r: int) -> np.ndarray:
     return numba.carray(address_as_pointer(at, np.float32), (x.shape[3],))
 
 
+#: This kernel's kind of spin-team part (see `team_parts`).
+PART_KIND = 1
+
+
+@kernel
+def _vector(at: int, n: int) -> np.ndarray:
+    """The ``n`` float32 values at address ``at``."""
+    return numba.carray(address_as_pointer(at, np.float32), (n,))
+
+
 @kernel
 def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, divides: bool, use_scale: bool,
                      keep: np.ndarray, fill: float, use_keep: bool, bias: np.ndarray, use_bias: bool,
@@ -46,21 +56,34 @@ def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
     ``(B, Hkv, T, Dv)``, each with a unit last stride; ``keep`` (bool) and ``bias`` 4-D, each
     dimension that of ``(B, H, S, T)`` or 1 (broadcast). Masked scores are ``fill``
     (``Where(keep, scores, fill)``), then ``bias`` is added."""
-    batch, heads, queries, _ = q.shape
-    kv_heads, keys, width = k.shape[1], k.shape[2], v.shape[3]
+    attention_heads(q, k.ctypes.data, k.strides[0], k.strides[1], k.strides[2], v.ctypes.data, v.strides[0],
+                    v.strides[1], v.strides[2], k.shape[1], k.shape[2], v.shape[3], scale, divides, use_scale,
+                    keep, fill, use_keep, bias, use_bias, y, 0, q.shape[1])
+
+
+@kernel
+def attention_heads(q: np.ndarray, k_at: int, ks0: int, ks1: int, ks2: int, v_at: int, vs0: int, vs1: int,
+                    vs2: int, kv_heads: int, keys: int, width: int, scale: float, divides: bool, use_scale: bool,
+                    keep: np.ndarray, fill: float, use_keep: bool, bias: np.ndarray, use_bias: bool,
+                    y: np.ndarray, h0: int, h1: int) -> None:
+    """`masked_attention` for query heads ``h0:h1`` of every batch entry, K and V given by address
+    and byte strides (so that a spin-team helper, which receives integers, runs it too). Each
+    row's arithmetic is the same whichever thread runs which heads."""
+    batch, heads, queries, depth = q.shape
     group = heads // kv_heads
     s32, f32 = np.float32(scale), np.float32(fill)
     scores = np.empty(keys, np.float32)
     for b in range(batch):
-        for h in range(heads):
+        for h in range(h0, h1):
             kh = h // group
+            k_head, v_head = k_at + b * ks0 + kh * ks1, v_at + b * vs0 + kh * vs1
             for s in range(queries):
                 row = _row(q, b, h, s)
                 keep_row = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(s, keep.shape[2] - 1)]
                 bias_row = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(s, bias.shape[2] - 1)]
                 keep_last, bias_last = keep_row.shape[0] - 1, bias_row.shape[0] - 1
                 for t in range(keys):
-                    x = _dot(row, _row(k, b, kh, t))
+                    x = _dot(row, _vector(k_head + t * ks2, depth))
                     if use_scale:
                         x = x / s32 if divides else x * s32
                     if use_keep and not keep_row[min(t, keep_last)]:
@@ -74,6 +97,42 @@ def masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
                     out[j] = 0
                 for t in range(keys):
                     p = scores[t]
-                    value = _row(v, b, kh, t)
+                    value = _vector(v_head + t * vs2, width)
                     for j in range(width):
                         out[j] += p * value[j]
+
+
+@kernel
+def attention_part(control: np.ndarray) -> None:
+    """Run the `attention_heads` part posted in a spin team's ``control`` row by `post_heads`
+    (the helper's side, `team_parts.serve_parts`)."""
+    batch, heads, queries, depth = control[ARGS], control[ARGS + 1], control[ARGS + 2], control[ARGS + 3]
+    kv_heads, keys, width = control[ARGS + 4], control[ARGS + 5], control[ARGS + 6]
+    q = numba.carray(address_as_pointer(control[ARGS + 7], np.float32), (batch, heads, queries, depth))
+    y = numba.carray(address_as_pointer(control[ARGS + 8], np.float32), (batch, heads, queries, width))
+    k_at, ks0, ks1, ks2 = control[ARGS + 9], control[ARGS + 10], control[ARGS + 11], control[ARGS + 12]
+    v_at, vs0, vs1, vs2 = control[ARGS + 13], control[ARGS + 14], control[ARGS + 15], control[ARGS + 16]
+    keep = numba.carray(address_as_pointer(control[ARGS + 17], np.uint8),
+                        (control[ARGS + 18], control[ARGS + 19], control[ARGS + 20], control[ARGS + 21]))
+    bias = numba.carray(address_as_pointer(control[ARGS + 22], np.float32),
+                        (control[ARGS + 23], control[ARGS + 24], control[ARGS + 25], control[ARGS + 26]))
+    numbers = numba.carray(address_as_pointer(control[ARGS + 27], np.float64), (2,))  # scale, fill
+    flags = control[ARGS + 28]
+    attention_heads(q, k_at, ks0, ks1, ks2, v_at, vs0, vs1, vs2, kv_heads, keys, width, numbers[0],
+                    (flags & 1) != 0, (flags & 2) != 0, keep, numbers[1], (flags & 4) != 0, bias,
+                    (flags & 8) != 0, y, control[ARGS + 29], control[ARGS + 30])
+
+
+def post_heads(row: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, numbers: np.ndarray, divides: bool,
+               use_scale: bool, keep: np.ndarray, use_keep: bool, bias: np.ndarray, use_bias: bool, y: np.ndarray,
+               h0: int, h1: int) -> None:
+    """Write the part `attention_part` runs as heads ``h0:h1`` into a claimed spin-team control
+    ``row`` (then `post` it): C-contiguous float32 ``q`` and ``y``, ``keep`` as C-contiguous
+    bytes, C-contiguous float32 ``bias``, ``numbers`` = float64 [scale, fill]; the caller keeps
+    every array alive until the part is done."""
+    row[KIND] = PART_KIND
+    row[ARGS:ARGS + 31] = (
+        *q.shape, k.shape[1], k.shape[2], v.shape[3], q.ctypes.data, y.ctypes.data,
+        k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3],
+        keep.ctypes.data, *keep.shape, bias.ctypes.data, *bias.shape, numbers.ctypes.data,
+        int(divides) | int(use_scale) << 1 | int(use_keep) << 2 | int(use_bias) << 3, h0, h1)

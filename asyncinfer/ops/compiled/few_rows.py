@@ -18,11 +18,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import (ARGS, address_as_pointer, asleep, last_post, mark_done, next_post, post,
-                                      wait_done)
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, asleep, last_post, post, wait_done
 from . import kernel
 
 _U = np.uint64
+#: This kernel's kind of spin-team part (see `team_parts`).
+PART_KIND = 0
 #: Rows of b added per pass over a band of y by several rows of a (each pass loads the band once).
 K_UNROLL = 8
 #: Up to this width a one-row product reads b's rows one at a time (`_one_row_sequential`): y's
@@ -150,26 +151,19 @@ def _tile(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, n0: int
 
 
 @kernel
-def few_rows_serve(control: np.ndarray, seen: int, rounds: int) -> int:
-    """The serve loop of a `concurrency.spin_team.SpinTeam` helper: runs `few_rows_matmul` parts
-    posted by `post_arguments` until none came for ``rounds`` rounds (returns the last sequence
-    number) or the team stops (returns -1)."""
-    while True:
-        seq = next_post(control, seen, rounds)
-        if seq == seen or seq < 0:
-            return seq
-        seen = seq
-        m, k, n, k0, k1, tile, wide = control[ARGS:ARGS + 7]
-        a_at, b_at, y_at = control[ARGS + 7], control[ARGS + 8], control[ARGS + 9]
-        if wide:
-            few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float64), (m, k)),
-                            numba.carray(address_as_pointer(b_at, np.float64), (k, n)),
-                            numba.carray(address_as_pointer(y_at, np.float64), (m, n)), k0, k1, tile)
-        else:
-            few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float32), (m, k)),
-                            numba.carray(address_as_pointer(b_at, np.float32), (k, n)),
-                            numba.carray(address_as_pointer(y_at, np.float32), (m, n)), k0, k1, tile)
-        mark_done(control, seq)
+def few_rows_part(control: np.ndarray) -> None:
+    """Run the `few_rows_matmul` part posted in a spin team's ``control`` row (by `post_parts` or
+    `post_arguments`): the helper's side (`team_parts.serve_parts`)."""
+    m, k, n, k0, k1, tile, wide = control[ARGS:ARGS + 7]
+    a_at, b_at, y_at = control[ARGS + 7], control[ARGS + 8], control[ARGS + 9]
+    if wide:
+        few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float64), (m, k)),
+                        numba.carray(address_as_pointer(b_at, np.float64), (k, n)),
+                        numba.carray(address_as_pointer(y_at, np.float64), (m, n)), k0, k1, tile)
+    else:
+        few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float32), (m, k)),
+                        numba.carray(address_as_pointer(b_at, np.float32), (k, n)),
+                        numba.carray(address_as_pointer(y_at, np.float32), (m, n)), k0, k1, tile)
 
 
 @kernel
@@ -183,6 +177,7 @@ def post_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.nd
     sleeping = 0
     for i in range(bounds.size - 2):
         row = control[i]
+        row[KIND] = PART_KIND
         row[ARGS], row[ARGS + 1], row[ARGS + 2] = m, k, n
         row[ARGS + 3], row[ARGS + 4], row[ARGS + 5], row[ARGS + 6] = bounds[i + 1], bounds[i + 2], tile, a.itemsize == 8
         row[ARGS + 7], row[ARGS + 8], row[ARGS + 9] = a.ctypes.data, b.ctypes.data, scratch[i].ctypes.data
@@ -221,8 +216,9 @@ def add_parts(y: np.ndarray, scratch: np.ndarray, parts: int, bias: np.ndarray) 
 
 
 def post_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int) -> list[int]:
-    """The integers `few_rows_serve` reads for ``few_rows_matmul(a, b, y, k0, k1, tile)`` (C-contiguous
-    float32 or float64 arrays, which the caller keeps alive until the part is done)."""
+    """The integers of a part `few_rows_part` runs as ``few_rows_matmul(a, b, y, k0, k1, tile)``
+    (for `SpinTeam.try_run`; C-contiguous float32 or float64 arrays, which the caller keeps alive
+    until the part is done)."""
     m, k = a.shape
-    return [m, k, b.shape[1], k0, k1, tile, int(a.dtype == np.float64),
+    return [PART_KIND, m, k, b.shape[1], k0, k1, tile, int(a.dtype == np.float64),
             a.ctypes.data, b.ctypes.data, y.ctypes.data]
