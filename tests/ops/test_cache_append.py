@@ -104,11 +104,24 @@ def test_two_threads_fed_the_same_past_both_get_the_definition():
 
 def test_a_freed_buffer_leaves_the_registry():
     present = concat_growing([_cache(4), _cache(1, seed=1)], 2)
-    address = present.base.__array_interface__["data"][0]
-    assert cache_append._arenas[address].buffer() is present.base
+    key = id(present.base)
+    assert cache_append._arenas[key].buffer() is present.base
     del present
     gc.collect()
-    assert address not in cache_append._arenas
+    assert key not in cache_append._arenas
+
+
+def test_an_array_that_reuses_a_freed_buffers_id_is_not_taken_for_it():
+    """Arenas are found by the id of their buffer; a later array may get a dead one's id, and
+    must then be concatenated as any other array, not written into."""
+    present = concat_growing([_cache(4), _cache(1, seed=1)], 2)
+    stale = cache_append._arenas[id(present.base)]
+    impostor = np.zeros((2, 3, 40, 4), np.float32)
+    cache_append._arenas[id(impostor)] = stale  # as if impostor had been given the dead buffer's id
+    past = impostor[:, :, :5]
+    grown = concat_growing([past, _cache(1, seed=2)], 2)
+    assert grown.base is not impostor and np.all(impostor == 0)
+    np.testing.assert_array_equal(grown, np.concatenate([past, _cache(1, seed=2)], 2))
 
 
 def _decoder_step_model() -> onnx.ModelProto:
