@@ -38,6 +38,8 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from .priority import lower_this_thread
+
 #: Rounds a helper spins after a part (a yield of the core each, past the first few) before it sleeps.
 SPIN_ROUNDS = 4000
 #: Rounds a caller spins waiting for its helpers before it looks whether they still live.
@@ -246,6 +248,7 @@ class SpinTeam:
             thread.start()
 
     def _loop(self, index: int, seen: int) -> None:
+        lower_this_thread()  # a compute thread: see concurrency/priority.py
         control = self._control[index]
         while True:
             last = self._serve(control, seen, SPIN_ROUNDS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import sys
 import threading
 import time
 
@@ -467,6 +468,29 @@ async def test_the_engine_thread_runs_a_lone_run_itself_and_hands_several_to_the
         assert together == [reference_greedy(proto, p, 4) for p in PROMPTS[:3]]
         threads = {r.thread_name for r in several.records}
         assert any(name.startswith("asyncinfer-cpu") for name in threads), threads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities exist on Linux only")
+def test_the_generation_engine_thread_runs_at_the_compute_threads_priority(monkeypatch):
+    """It runs decode steps itself (see the test above), so it is a compute thread too
+    (`concurrency/priority.py`)."""
+    import os
+
+    from asyncinfer.concurrency import priority
+    from asyncinfer.runtime.generation import engine
+
+    monkeypatch.delenv("ASYNCINFER_CPU_NICE", raising=False)
+    seen: list[int] = []
+    real = engine.lower_this_thread
+
+    def spy() -> None:
+        real()
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    monkeypatch.setattr(engine, "lower_this_thread", spy)
+    with ai.Worker(ai.load_model(decoder().SerializeToString()), "cpu") as worker:
+        assert len(worker.generate_blocking(PROMPTS[0], max_new_tokens=2)) == 2
+    assert seen == [min(os.getpriority(os.PRIO_PROCESS, os.getpid()) + priority.DEFAULT_NICE, 19)]
 
 
 def test_concurrent_streams_on_gpu_pixel_equal_their_solo_runs(gpt2):

@@ -37,6 +37,7 @@ from typing import Union
 import numpy as np
 
 from ...concurrency import parallel
+from ...concurrency.priority import lower_this_thread
 from ...concurrency.spin_team import SpinTeam
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
@@ -87,9 +88,12 @@ class CPUBackend(Backend):
         self._uses_lane = self.threads > 1 and not self._blas_single
 
     def _start_thread(self) -> None:
-        """(each pool thread, once) ONNX semantics: inf and nan are results, not warnings; and
-        kernels may split large work across this pool when BLAS is single-threaded."""
+        """(each pool thread, once) ONNX semantics: inf and nan are results, not warnings; a
+        background priority, so an event loop is not kept waiting for a core
+        (`concurrency/priority.py`); and kernels may split large work across this pool when
+        BLAS is single-threaded."""
         np.seterr(all="ignore")
+        lower_this_thread()
         if self._blas_single and self.threads > 1:
             parallel.bind_pool(self._helpers.submit, self.threads, self._team)
 

@@ -45,6 +45,7 @@ import numpy as np
 from ...backends.base import HOST, StepKind
 from ...concurrency.bridge import deferred_wakeups
 from ...concurrency.future import TaskFuture
+from ...concurrency.priority import lower_this_thread
 from ...errors import DisposedError, ExecutionError, InputError
 from ...model.ir import Model
 from ...ops.linalg import LastRowMatMul
@@ -206,6 +207,7 @@ class GenerationEngine:
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        lower_this_thread()  # it runs decode steps: a compute thread (concurrency/priority.py)
         try:
             while True:
                 with self._cond:
