@@ -88,6 +88,22 @@ def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch
     assert any(n.startswith("asyncinfer-part") for n in part_threads)
 
 
+def _branching_model(first: list, source: str, length: int) -> ai.Model:
+    """``first`` layers, then a root Relu of ``source`` feeding three paths of ``length``
+    alternating Abs/Neg layers, joined by a Sum into ``y`` (x and y: 8 floats)."""
+    nodes = first + [helper.make_node("Relu", [source], ["r"], name="root")]
+    branches = []
+    for b in range(3):
+        last = "r"
+        for i in range(length):
+            out = f"b{b}_{i}"
+            nodes.append(helper.make_node("Neg" if i % 2 else "Abs", [last], [out], name=out))
+            last = out
+        branches.append(last)
+    nodes.append(helper.make_node("Sum", branches, ["y"], name="join"))
+    return ai.load_model(make_model(nodes, [tensor_info("x", [8])], [tensor_info("y", [8])]))
+
+
 def test_a_serial_run_keeps_the_branches_a_layer_makes_ready_on_its_thread(monkeypatch):
     """Execution(serial=True) (the generation engine's decode steps): the branches that one layer
     makes ready run after it on its thread, each path as one job, not handed to the other lane.
@@ -104,18 +120,8 @@ def test_a_serial_run_keeps_the_branches_a_layer_makes_ready_on_its_thread(monke
         return compute(step, args)
 
     monkeypatch.setattr(cpu_backend, "_compute", spy_compute)
-    nodes = [helper.make_node("Rendezvous", ["x"], ["g"], domain=TEST_DOMAIN, barrier="scheduled", name="gate"),
-             helper.make_node("Relu", ["g"], ["r"], name="root")]
-    branches = []
-    for b in range(3):  # three paths of three layers each, all fed by the root
-        last = "r"
-        for i in range(3):
-            out = f"b{b}_{i}"
-            nodes.append(helper.make_node("Neg" if i % 2 else "Abs", [last], [out], name=out))
-            last = out
-        branches.append(last)
-    nodes += [helper.make_node("Sum", branches, ["y"], name="join")]
-    model = ai.load_model(make_model(nodes, [tensor_info("x", [8])], [tensor_info("y", [8])]))
+    gate = helper.make_node("Rendezvous", ["x"], ["g"], domain=TEST_DOMAIN, barrier="scheduled", name="gate")
+    model = _branching_model([gate], "g", length=3)  # three paths of three layers each, all fed by the root
     x = np.linspace(-2, 2, 8).astype(np.float32)
     expected = np.abs(np.maximum(x, 0)) * 3  # Abs(Neg(Abs(relu))) on each branch
     with ai.Worker(model, threads=2) as worker:
@@ -136,17 +142,7 @@ def test_a_plan_for_serial_runs_makes_branches_one_segment_and_keeps_every_layer
     completes its own future, and the result is the same."""
     from asyncinfer.runtime.execution import Execution
 
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="root")]
-    branches = []
-    for b in range(3):
-        last = "r"
-        for i in range(2):
-            out = f"b{b}_{i}"
-            nodes.append(helper.make_node("Neg" if i % 2 else "Abs", [last], [out], name=out))
-            last = out
-        branches.append(last)
-    nodes.append(helper.make_node("Sum", branches, ["y"], name="join"))
-    model = ai.load_model(make_model(nodes, [tensor_info("x", [8])], [tensor_info("y", [8])]))
+    model = _branching_model([], "x", length=2)
     x = np.linspace(-2, 2, 8).astype(np.float32)
     with ai.Worker(model, threads=2) as worker:
         assert len(worker._plan.segments) == 4  # root and the first branch, two more branches, the join
