@@ -126,8 +126,6 @@ class GenerationEngine:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._runs = self._tokens = self._largest = 0
-        #: A step of one run is run by the engine thread itself (see `_step`).
-        self.run_here = True
 
     # -- the caller's side ---------------------------------------------------------------------
     def submit(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
@@ -244,7 +242,7 @@ class GenerationEngine:
         # where 8 in turn take 0.35, their GEMMs' parts no longer queueing behind each other),
         # or a lone run. Several streams of a model that cannot batch start together, on the
         # pool's lanes.
-        here = self.run_here and (self.batching or len(batches) == 1)
+        here = self.batching or len(batches) == 1
         for batch in batches:
             self._start(batch, here)
         kept = [b for b in batches if self._finish(b)]
