@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..concurrency import parallel
-from ..concurrency.spin_team import asleep, post
 from .base import Op
-from .compiled.attention import attention_heads, masked_attention, post_heads
+from .compiled.attention import attention_heads, head_arguments, masked_attention
 from .compiled.normalization import softmax_rows
 from .linalg import matmul
 from .registry import register
@@ -175,31 +174,17 @@ def _heads_on_team(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, di
     team = parallel.team()
     if team is None or heads < 2 or work < ATTENTION_SPLIT_MIN_MACS:
         return False
-    control = team.claim()
-    if control is None:
-        return False
-    try:
-        parts = min(team.helpers + 1, heads)
-        bounds = [heads * i // parts for i in range(parts + 1)]
-        q = np.ascontiguousarray(q)
-        keep = np.ascontiguousarray(keep).view(np.uint8)
-        bias = np.ascontiguousarray(bias)
-        numbers = np.array([scale, fill], np.float64)
-        sleeping = False
-        for i in range(1, parts):
-            post_heads(control[i - 1], q, k, v, numbers, divides, use_scale, keep, use_keep, bias, use_bias, y,
-                       bounds[i], bounds[i + 1])
-            post(control[i - 1])
-            sleeping = sleeping or asleep(control[i - 1])
-        if sleeping:
-            team.wake()
-        attention_heads(q, k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3], k.shape[1], k.shape[2],
-                        v.shape[3], scale, divides, use_scale, keep, fill, use_keep, bias, use_bias, y, 0, bounds[1])
-        for i in range(parts - 1):
-            team.wait(i)
-    finally:
-        team.release()
-    return True
+    parts = min(team.helpers + 1, heads)
+    bounds = [heads * i // parts for i in range(parts + 1)]
+    q = np.ascontiguousarray(q)
+    keep = np.ascontiguousarray(keep).view(np.uint8)
+    bias = np.ascontiguousarray(bias)
+    numbers = np.array([scale, fill], np.float64)
+    posted = [head_arguments(q, k, v, numbers, divides, use_scale, keep, use_keep, bias, use_bias, y, bounds[i],
+                             bounds[i + 1]) for i in range(1, parts)]
+    return team.try_run(posted, lambda: attention_heads(
+        q, k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3], k.shape[1], k.shape[2], v.shape[3], scale,
+        divides, use_scale, keep, fill, use_keep, bias, use_bias, y, 0, bounds[1]))
 
 
 def _repeat_heads(x: np.ndarray, group: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer
+from ...concurrency.spin_team import ARGS, address_as_pointer
 from . import kernel, reduction
 from .normalization import softmax_row
 
@@ -123,16 +123,14 @@ def attention_part(control: np.ndarray) -> None:
                     (flags & 8) != 0, y, control[ARGS + 29], control[ARGS + 30])
 
 
-def post_heads(row: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, numbers: np.ndarray, divides: bool,
-               use_scale: bool, keep: np.ndarray, use_keep: bool, bias: np.ndarray, use_bias: bool, y: np.ndarray,
-               h0: int, h1: int) -> None:
-    """Write the part `attention_part` runs as heads ``h0:h1`` into a claimed spin-team control
-    ``row`` (then `post` it): C-contiguous float32 ``q`` and ``y``, ``keep`` as C-contiguous
-    bytes, C-contiguous float32 ``bias``, ``numbers`` = float64 [scale, fill]; the caller keeps
-    every array alive until the part is done."""
-    row[KIND] = PART_KIND
-    row[ARGS:ARGS + 31] = (
-        *q.shape, k.shape[1], k.shape[2], v.shape[3], q.ctypes.data, y.ctypes.data,
-        k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3],
-        keep.ctypes.data, *keep.shape, bias.ctypes.data, *bias.shape, numbers.ctypes.data,
-        int(divides) | int(use_scale) << 1 | int(use_keep) << 2 | int(use_bias) << 3, h0, h1)
+def head_arguments(q: np.ndarray, k: np.ndarray, v: np.ndarray, numbers: np.ndarray, divides: bool, use_scale: bool,
+                   keep: np.ndarray, use_keep: bool, bias: np.ndarray, use_bias: bool, y: np.ndarray, h0: int,
+                   h1: int) -> list[int]:
+    """The integers of a part `attention_part` runs as heads ``h0:h1`` (for `SpinTeam.try_run`):
+    C-contiguous float32 ``q`` and ``y``, ``keep`` as C-contiguous bytes, C-contiguous float32
+    ``bias``, ``numbers`` = float64 [scale, fill]; the caller keeps every array alive until the
+    part is done."""
+    return [PART_KIND, *q.shape, k.shape[1], k.shape[2], v.shape[3], q.ctypes.data, y.ctypes.data,
+            k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3],
+            keep.ctypes.data, *keep.shape, bias.ctypes.data, *bias.shape, numbers.ctypes.data,
+            int(divides) | int(use_scale) << 1 | int(use_keep) << 2 | int(use_bias) << 3, h0, h1]
