@@ -116,6 +116,14 @@ class Op:
             value = self._derived[name] = work_out()
         return value
 
+    def derived_constant(self, name: str, index: int, value: np.ndarray, work_out: Callable[[], T]) -> T | None:
+        """`derived` for a form worth only keeping (weights packed for a kernel): ``work_out()`` of
+        input ``index``'s ``value``, kept under ``name``, when ``value`` is the model's constant
+        bound to that index; None, and nothing worked out, when it is not."""
+        if self._constants.get(index) is not value:
+            return None
+        return self.derived(name, {index: value}, work_out)
+
     def check_allocation(self, shape: Sequence[int], what: str = "output") -> None:
         """Refuse to allocate a tensor of ``shape`` sized from run-time data beyond
         ``Limits.max_tensor_rank`` / ``max_tensor_elements`` (a RequestTooLargeError naming the

@@ -8,6 +8,7 @@ import numpy as np
 from ..concurrency import parallel, spin_team
 from .base import Op
 from .compiled.few_rows import K_UNROLL, add_parts, few_rows_matmul, finish_parts, post_parts
+from .compiled.panels import no_panels, pack_panels
 from .elementwise import compute_dtype
 from .registry import register
 
@@ -37,19 +38,19 @@ FEW_ROWS_TILE_ONE, FEW_ROWS_TILE_MANY = 8192, 4096
 COLUMN_BAND_MIN = 64
 
 
-def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
+           panels: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b)``, split across the pool's idle threads when it is large (BLAS runs one
     thread per call inside asyncinfer: see ``concurrency/parallel.py``). Each part writes a
     contiguous block of the result (a batch entry, or a band of rows), so BLAS runs on every part.
-    ``bias``: a row of the result's width and dtype, added to the product (``y += bias``)."""
+    ``bias``: a row of the result's width and dtype, added to the product (``y += bias``).
+    ``panels``: ``b`` packed by `compiled.panels.pack_panels` (see `constant_panels`)."""
     if a.ndim > 2 and b.ndim == 2 and a.dtype == b.dtype and a.shape[-1] == b.shape[0]:
         # (..., M, K) @ (K, N) is one (…·M, K) @ (K, N) GEMM; NumPy would loop over small ones
-        return matmul(a.reshape(-1, a.shape[-1]), b, bias).reshape(*a.shape[:-1], b.shape[-1])
-    if (a.ndim == 2 and b.ndim == 2 and a.shape[0] <= FEW_ROWS and a.dtype == b.dtype
-            and a.dtype in (np.float32, np.float64) and a.shape[1] == b.shape[0]
-            and b.nbytes >= FEW_ROWS_MIN_B_BYTES and a.shape[1] >= FEW_ROWS_MIN_DEPTH * a.shape[0]
-            and b.flags.c_contiguous):
-        return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype))
+        return matmul(a.reshape(-1, a.shape[-1]), b, bias, panels).reshape(*a.shape[:-1], b.shape[-1])
+    if _takes_few_rows(a, b):
+        return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype),
+                         no_panels(a.dtype) if panels is None else panels)
     if bias is not None:
         y = matmul(a, b)
         y += bias
@@ -95,11 +96,31 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.n
     return y
 
 
-def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+def _takes_few_rows(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `matmul` runs ``a @ b`` (2-D) in `compiled.few_rows`."""
+    return (a.ndim == 2 and b.ndim == 2 and a.shape[0] <= FEW_ROWS and a.dtype == b.dtype
+            and a.dtype in (np.float32, np.float64) and a.shape[1] == b.shape[0]
+            and b.nbytes >= FEW_ROWS_MIN_B_BYTES and a.shape[1] >= FEW_ROWS_MIN_DEPTH * a.shape[0]
+            and b.flags.c_contiguous)
+
+
+def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int) -> np.ndarray | None:
+    """``b`` packed in column panels for `matmul` (`compiled.panels`), kept by ``op`` when ``b`` is
+    the model's constant at input ``index`` and ``a @ b`` runs the few-row kernel on two rows or
+    more; else None. One row never asks, so a model run one row at a time keeps one copy of its
+    weights; a batch of rows keeps a second, packed one (as ONNX Runtime prepacks its weights)."""
+    rows = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
+    if rows < 2 or a.ndim < 2 or not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
+        return None
+    return op.derived_constant("panels", index, b, lambda: pack_panels(b))
+
+
+def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.ndarray) -> np.ndarray:
     """``a @ b (+ bias)`` for a few-row ``a`` and a large C-ordered ``b`` (`compiled.few_rows`);
     split along K across the pool's idle threads when ``b`` is large enough to pay for waking
     them (measured faster than bands of columns: a part's rows of b are one contiguous block).
-    ``bias``: a row of the result's width, of its dtype, added last."""
+    ``bias``: a row of the result's width, of its dtype, added last. ``panels``: b packed (or
+    `compiled.panels.no_panels`)."""
     m, k = a.shape
     n = b.shape[1]
     a = np.ascontiguousarray(a)
@@ -107,7 +128,7 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> n
     tile = FEW_ROWS_TILE_ONE if m == 1 else FEW_ROWS_TILE_MANY
     parts = parallel.parts_available()
     if parts < 2 or b.nbytes < SPLIT_MIN_B_BYTES or k < parts * K_UNROLL:
-        few_rows_matmul(a, b, y, 0, k, tile)
+        few_rows_matmul(a, b, y, 0, k, tile, panels)
         if bias is not None:
             y += bias
         return y
@@ -120,9 +141,9 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> n
     if control is not None:  # the helpers spin: post, run part 0 and wait in compiled code
         try:
             scratch = team.scratch((parts - 1, m, n), a.dtype)  # type: ignore[union-attr]
-            if post_parts(control, a, b, scratch, bounds, tile):
+            if post_parts(control, a, b, scratch, bounds, tile, panels):
                 team.wake()  # type: ignore[union-attr]
-            if not finish_parts(control, a, b, y, scratch, bias, bounds, tile, spin_team.WAIT_ROUNDS):
+            if not finish_parts(control, a, b, y, scratch, bias, bounds, tile, panels, spin_team.WAIT_ROUNDS):
                 for i in range(parts - 1):
                     team.wait(i)  # type: ignore[union-attr]
                 add_parts(y, scratch, parts - 1, bias)
@@ -132,10 +153,10 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> n
     partial = np.empty((parts - 1, m, n), a.dtype)
     if team is None:
         parallel.run_parts(parts, lambda i: few_rows_matmul(a, b, partial[i - 1] if i else y, bounds[i],
-                                                            bounds[i + 1], tile))
+                                                            bounds[i + 1], tile, panels))
     else:  # another lane has the team, so every core is busy already: the same parts, in turn here
         for i in range(parts):
-            few_rows_matmul(a, b, partial[i - 1] if i else y, bounds[i], bounds[i + 1], tile)
+            few_rows_matmul(a, b, partial[i - 1] if i else y, bounds[i], bounds[i + 1], tile, panels)
     add_parts(y, partial, parts - 1, bias)
     return y
 
@@ -161,7 +182,7 @@ class MatMul(Op):
     def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         work, out = gemm_dtypes(a, b)
         if work == a.dtype == b.dtype:
-            return matmul(a, b)
+            return matmul(a, b, panels=constant_panels(self, a, b, 1))
         return matmul(a.astype(work, copy=False), b.astype(work, copy=False)).astype(out, copy=False)
 
 
@@ -207,8 +228,9 @@ class Gemm(Op):
         if (alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
                 and c.shape[-1:] == b.shape[-1:] and c.size == b.shape[-1]):
             # the usual bias row: added by the GEMM kernel as it ends (the few-row one, in its pass)
-            return matmul(a, b, bias=c.reshape(-1)).astype(out_dtype, copy=False)
-        y = matmul(a, b)
+            # (a transposed b is no constant: `constant_panels` packs none)
+            return matmul(a, b, c.reshape(-1), constant_panels(self, a, b, 1)).astype(out_dtype, copy=False)
+        y = matmul(a, b, panels=constant_panels(self, a, b, 1))
         dt = y.dtype.type
         if alpha != 1.0:
             y *= dt(alpha)

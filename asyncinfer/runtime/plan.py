@@ -127,8 +127,7 @@ class Plan:
         while pending:
             layer = pending.pop()
             op = ops.create(layer, model.limits)
-            op.bind_constants({i: model.constants[name] for i, name in enumerate(layer.inputs)
-                               if name in model.constants})
+            self._bind_constants(op)
             on_device = backend.device != HOST
             keep_on_host = on_device and layer.cpu_bound and fallback is not None
             target, kernel = backend, None if keep_on_host else backend.prepare(layer, op, types)
@@ -254,11 +253,17 @@ class Plan:
         """This plan with host step ``index`` running ``op`` instead of its layer's own (same
         inputs, same outputs): how the generation engine computes only the logits it reads."""
         node = self.nodes[index]
+        self._bind_constants(op)
         kernel = node.backend.prepare(node.layer, op, value_types(self.model))
         plan = self._variant()
         plan.nodes[index] = replace(plan.nodes[index], step=replace(node.step, op=op, kernel=kernel))
         plan.segments = plan._plan_segments()  # they hold the nodes themselves
         return plan
+
+    def _bind_constants(self, op: ops.Op) -> None:
+        """Tell ``op`` which of its layer's inputs are the model's constants (`Op.bind_constants`)."""
+        constants = self.model.constants
+        op.bind_constants({i: constants[name] for i, name in enumerate(op.layer.inputs) if name in constants})
 
     def _variant(self, **changes: Any) -> "Plan":
         """A copy with ``changes`` to which values are kept or known, its releases and segments

@@ -10,6 +10,7 @@ import pytest
 from asyncinfer.concurrency import parallel
 from asyncinfer.ops import linalg
 from asyncinfer.ops.compiled.few_rows import ONE_ROW_SEQUENTIAL_COLUMNS, few_rows_matmul
+from asyncinfer.ops.compiled.panels import BLOCK_ROWS, no_panels, pack_panels, panel_width
 
 
 def _operands(m: int, k: int, n: int, dtype: type, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -21,29 +22,32 @@ def _operands(m: int, k: int, n: int, dtype: type, seed: int = 0) -> tuple[np.nd
 @pytest.mark.parametrize("m, k, n", [(1, 768, 100), (3, 5, 33), (4, 8, 16), (7, 131, 257), (8, 64, 1000),
                                      (16, 3, 17), (5, 1, 9), (2, 0, 4)])
 @pytest.mark.parametrize("tile", [16, 48, 4096])
-def test_equals_the_float64_product(m, k, n, dtype, tile):
+@pytest.mark.parametrize("packed", [False, True])
+def test_equals_the_float64_product(m, k, n, dtype, tile, packed):
     a, b = _operands(m, k, n, dtype, seed=m * 1000 + k)
     y = np.full((m, n), np.nan, dtype=dtype)
-    few_rows_matmul(a, b, y, 0, k, tile)
+    few_rows_matmul(a, b, y, 0, k, tile, pack_panels(b) if packed else no_panels(dtype))
     expected = a.astype(np.float64) @ b.astype(np.float64)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(y, expected, rtol=tol, atol=tol * max(1, k) ** 0.5)
 
 
 @pytest.mark.parametrize("k0, k1", [(0, 13), (13, 40), (4, 8), (40, 40)])
-def test_sums_only_its_block_of_k(k0, k1):
-    a, b = _operands(6, 40, 50, np.float32)
-    y = np.full((6, 50), -7.0, dtype=np.float32)
-    few_rows_matmul(a, b, y, k0, k1, 32)
+@pytest.mark.parametrize("packed", [False, True])
+def test_sums_only_its_block_of_k(k0, k1, packed):
+    a, b = _operands(6, 40, 70, np.float32)
+    y = np.full((6, 70), -7.0, dtype=np.float32)
+    few_rows_matmul(a, b, y, k0, k1, 32, pack_panels(b) if packed else no_panels(np.float32))
     np.testing.assert_allclose(y, a[:, k0:k1].astype(np.float64) @ b[k0:k1], rtol=1e-5, atol=1e-5)
 
 
-def test_inf_and_nan_propagate_as_in_the_definition():
-    a, b = _operands(5, 12, 20, np.float32)
+@pytest.mark.parametrize("packed", [False, True])
+def test_inf_and_nan_propagate_as_in_the_definition(packed):
+    a, b = _operands(5, 12, 40, np.float32)
     a[1, 3], a[2, 4], b[7, 5] = np.inf, np.nan, -np.inf
     b[3, 2] = 0.0  # inf * 0 is NaN
-    y = np.empty((5, 20), dtype=np.float32)
-    few_rows_matmul(a, b, y, 0, 12, 16)
+    y = np.empty((5, 40), dtype=np.float32)
+    few_rows_matmul(a, b, y, 0, 12, 16, pack_panels(b) if packed else no_panels(np.float32))
     with np.errstate(invalid="ignore"):
         expected = a.astype(np.float64) @ b.astype(np.float64)
     np.testing.assert_array_equal(np.isnan(y), np.isnan(expected))
@@ -52,20 +56,35 @@ def test_inf_and_nan_propagate_as_in_the_definition():
     np.testing.assert_allclose(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("k, n", [(768, 300), (771, 300), (771, ONE_ROW_SEQUENTIAL_COLUMNS + 29)])
-def test_a_row_has_the_same_bits_alone_in_any_batch(k, n):
+def test_a_row_has_the_same_bits_alone_in_any_batch(k, n, packed, dtype):
     """A stream's logits must not depend on who shares its decode step: each row of a batch of
-    1..16 equals the row computed alone, bit for bit (the 4-row block, the 1-row remainder and
-    both one-row kernels, sequential on narrow b and interleaved on wide, sum in one order)."""
-    a, b = _operands(16, k, n, np.float32, seed=k)
-    alone = np.empty((16, n), dtype=np.float32)
+    1..16 equals the row computed alone, bit for bit (the row-wise loop's 4-row block and 1-row
+    remainder, the panels' register blocks of 8, 4, 2 and 1 rows, the tail columns next to the
+    panels, and both one-row kernels, sequential on narrow b and interleaved on wide, sum in one
+    order)."""
+    a, b = _operands(16, k, n, dtype, seed=k)
+    panels = pack_panels(b) if packed else no_panels(dtype)
+    alone = np.empty((16, n), dtype=dtype)
     for r in range(16):
-        few_rows_matmul(a[r:r + 1].copy(), b, alone[r:r + 1], 0, k, 128)
+        few_rows_matmul(a[r:r + 1].copy(), b, alone[r:r + 1], 0, k, 128, panels)
     for m in range(1, 17):
         for first in sorted({0, 16 - m, (16 - m) // 2}):
-            y = np.empty((m, n), dtype=np.float32)
-            few_rows_matmul(a[first:first + m].copy(), b, y, 0, k, 128)
+            y = np.empty((m, n), dtype=dtype)
+            few_rows_matmul(a[first:first + m].copy(), b, y, 0, k, 128, panels)
             np.testing.assert_array_equal(y, alone[first:first + m])
+
+
+def test_panels_are_the_whole_column_blocks_of_b():
+    b = np.arange(5 * 70, dtype=np.float32).reshape(5, 70)
+    width = panel_width(np.float32)
+    panels = pack_panels(b)
+    assert panels.shape == (70 // width, 5, width) and panels.flags.c_contiguous
+    for p in range(panels.shape[0]):
+        np.testing.assert_array_equal(panels[p], b[:, p * width:(p + 1) * width])
+    assert BLOCK_ROWS in (4, 8) and panel_width(np.float64) == width // 2
 
 
 @pytest.mark.parametrize("width", [2, 3])
@@ -104,3 +123,41 @@ def test_matmul_takes_the_kernel_only_where_it_applies(monkeypatch):
         np.testing.assert_allclose(linalg.matmul(x, w), np.matmul(x, w), rtol=1e-3, atol=1e-2)
         assert bool(used) == expected_use
     assert linalg.matmul(np.ones((0, 30), np.float32), b[:30]).shape == (0, 40)
+
+
+def test_a_constant_weight_is_packed_once_and_only_for_batches(monkeypatch):
+    """MatMul and Gemm keep their constant B packed in panels from the first product of two rows
+    or more (and use it: the same bits as the row-wise loop); one row, or a B fed as an input,
+    packs nothing."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import asyncinfer as ai
+
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 70)).astype(np.float32)
+    c = rng.standard_normal(70).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["y_const"], name="with_constant"),
+             helper.make_node("Gemm", ["a", "w", "c"], ["y_gemm"], name="gemm"),
+             helper.make_node("MatMul", ["a", "b"], ["y_fed"], name="with_input")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, ["m", 64]),
+                     helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [64, 70])],
+        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["m", 70]) for n in ("y_const", "y_gemm", "y_fed")],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(c, "c")])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    with ai.Worker(model) as worker:
+        ops = {n.layer.name: n.step.op for n in worker._plan.nodes}
+        a = rng.standard_normal((1, 64)).astype(np.float32)
+        worker.run_blocking({"a": a, "b": w})
+        assert not any(op._derived for op in ops.values())
+        a = rng.standard_normal((3, 64)).astype(np.float32)
+        out = worker.run_blocking({"a": a, "b": w})
+        assert "panels" in ops["with_constant"]._derived and "panels" in ops["gemm"]._derived
+        assert not ops["with_input"]._derived
+        np.testing.assert_array_equal(out["y_const"], out["y_fed"])  # packed or not: the same bits
+        expected = out["y_fed"].copy()
+        expected += c
+        np.testing.assert_array_equal(out["y_gemm"], expected)
+        np.testing.assert_allclose(out["y_const"], a.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)

@@ -263,6 +263,8 @@ def test_prompts_multiply_only_their_last_row_by_the_vocabulary(gpt2):
     logits = plan.nodes[plan.refs["logits"][0]]
     assert isinstance(logits.step.kernel, LastRowMatMul)
     assert not isinstance(worker._plan.nodes[logits.index].step.kernel, LastRowMatMul)  # runs are unchanged
+    weight = model.constants[logits.layer.inputs[1]]
+    assert logits.step.kernel._constants == {1: weight}  # bound like the plan's own ops: packed for batches
 
 
 def test_model_without_past_recomputes_the_prefix():

@@ -13,7 +13,11 @@ from asyncinfer.concurrency import parallel, spin_team
 from asyncinfer.concurrency.spin_team import SpinTeam
 from asyncinfer.ops import linalg
 from asyncinfer.ops.compiled.few_rows import PART_KIND, few_rows_matmul, post_arguments
+from asyncinfer.ops.compiled.panels import no_panels, pack_panels
 from asyncinfer.ops.compiled.team_parts import serve_parts
+
+
+_NONE = no_panels(np.float32)
 
 
 def _operands(m: int, k: int, n: int, dtype=np.float32, seed: int = 0):
@@ -28,17 +32,21 @@ def team():
     team.close()
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_parts_posted_to_helpers_equal_the_kernel(team, dtype):
+def test_parts_posted_to_helpers_equal_the_kernel(team, dtype, packed):
+    """A posted part runs the kernel the caller would, b packed in panels (passed by address and
+    panel count) or not."""
     a, b = _operands(5, 90, 70, dtype)
+    panels = pack_panels(b) if packed else no_panels(dtype)
     bounds = [0, 28, 60, 90]
     parts = [np.empty((5, 70), dtype) for _ in range(3)]
-    ran_own = team.try_run([post_arguments(a, b, parts[i], bounds[i], bounds[i + 1], 32) for i in (1, 2)],
-                           lambda: few_rows_matmul(a, b, parts[0], bounds[0], bounds[1], 32))
+    ran_own = team.try_run([post_arguments(a, b, parts[i], bounds[i], bounds[i + 1], 32, panels) for i in (1, 2)],
+                           lambda: few_rows_matmul(a, b, parts[0], bounds[0], bounds[1], 32, panels))
     assert ran_own
     for i in range(3):
         expected = np.empty((5, 70), dtype)
-        few_rows_matmul(a, b, expected, bounds[i], bounds[i + 1], 32)
+        few_rows_matmul(a, b, expected, bounds[i], bounds[i + 1], 32, no_panels(dtype))
         np.testing.assert_array_equal(parts[i], expected)
 
 
@@ -49,7 +57,7 @@ def test_a_busy_team_declines_and_runs_nothing(team):
 
     def own():  # while this caller holds the team, another one is turned away
         other = threading.Thread(target=lambda: declined.append(
-            team.try_run([post_arguments(a, b, y, 0, 16, 16)], lambda: None)))
+            team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)))
         other.start()
         other.join()
 
@@ -63,9 +71,9 @@ def test_idle_helpers_sleep_and_a_post_wakes_them(team, monkeypatch):
     a, b = _operands(3, 40, 48)
     for round_ in range(3):
         y = np.empty((3, 48), np.float32)
-        assert team.try_run([post_arguments(a, b, y, 0, 40, 16)], lambda: None)
+        assert team.try_run([post_arguments(a, b, y, 0, 40, 16, _NONE)], lambda: None)
         expected = np.empty((3, 48), np.float32)
-        few_rows_matmul(a, b, expected, 0, 40, 16)
+        few_rows_matmul(a, b, expected, 0, 40, 16, _NONE)
         np.testing.assert_array_equal(y, expected)
         deadline = time.monotonic() + 5
         while not team._sleeping[0] and time.monotonic() < deadline:
@@ -81,9 +89,9 @@ def test_an_error_in_the_callers_part_still_waits_for_the_helpers(team):
         raise ValueError("own part failed")
 
     with pytest.raises(ValueError, match="own part failed"):
-        team.try_run([post_arguments(a, b, y, 0, 64, 64)], own)
+        team.try_run([post_arguments(a, b, y, 0, 64, 64, _NONE)], own)
     expected = np.empty((2, 64), np.float32)
-    few_rows_matmul(a, b, expected, 0, 64, 64)
+    few_rows_matmul(a, b, expected, 0, 64, 64, _NONE)
     np.testing.assert_array_equal(y, expected)  # the helper's part had ended before the error left
     assert team.try_run([], lambda: None)  # and the team is free again
 
@@ -160,17 +168,17 @@ def test_a_part_posted_before_a_new_helper_first_looks_is_still_run(monkeypatch)
     a, b = _operands(2, 32, 32)
     y = np.empty((2, 32), np.float32)
     try:
-        assert team.try_run([post_arguments(a, b, y, 0, 32, 32)], started.set)
+        assert team.try_run([post_arguments(a, b, y, 0, 32, 32, _NONE)], started.set)
     finally:
         team.close()
     expected = np.empty((2, 32), np.float32)
-    few_rows_matmul(a, b, expected, 0, 32, 32)
+    few_rows_matmul(a, b, expected, 0, 32, 32, _NONE)
     np.testing.assert_array_equal(y, expected)
 
 
 def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatch):
-    """The compiled caller sees a sleeping helper after its post and wakes it; the bias is added
-    after the parts, as ``y += bias`` after the product would."""
+    """The compiled caller sees a sleeping helper after its post and wakes it (b's panels posted
+    too); the bias is added after the parts, as ``y += bias`` after the product would."""
     monkeypatch.setattr(spin_team, "SPIN_ROUNDS", 50)
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
@@ -179,12 +187,12 @@ def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatc
     team = SpinTeam(1, serve_parts, name="test-team")
     try:
         with ThreadPoolExecutor(1) as pool, parallel.pool_bound(pool.submit, 2, team):
-            first = linalg._few_rows(a, b)
+            first = linalg._few_rows(a, b, None, pack_panels(b))
             deadline = time.monotonic() + 5
             while not team._sleeping[0] and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert team._sleeping[0], "an idle helper should have gone to sleep"
-            woken = linalg._few_rows(a, b, bias)
+            woken = linalg._few_rows(a, b, bias, pack_panels(b))
     finally:
         team.close()
     expected = first.copy()

@@ -10,6 +10,10 @@ a row held in L1.
   ``conv_kernels.run_tasks``: one threading policy), ``error_model="numpy"`` (no Python
   exceptions inside loops), and ``cache=True``: compiled once per signature on first call, then
   loaded from numba's on-disk cache by later processes (about 1 s per kernel the first time).
+  numba checks a cached function against its own file only: after changing a kernel that
+  kernels of other files call (a `panels` block inside `few_rows.few_rows_matmul`, itself inside
+  `team_parts.serve_parts`), delete ``asyncinfer/**/__pycache__/*.nb[ic]``, or those callers
+  keep running the old code (a fresh install or clone has no cache).
 - Kernels take C-contiguous arrays of one float dtype (float32 or float64; narrower floats are
   computed in float32 by the ops, as everywhere else) and write into an output the caller made.
 """

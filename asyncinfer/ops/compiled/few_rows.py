@@ -12,6 +12,11 @@ four rows (one row of ``a`` reads a narrow ``b`` one row at a time, see
 tiles never split a sum), so a stream's logits are the very bits of its solo run in any batch.
 A caller splits the work along K (`linalg` does, across the pool): each part sums a block of
 b's rows, and the parts' results are added in a fixed order.
+
+From two rows on, a b also packed in column panels (a model's constant weight, `panels`) runs in
+register blocks there instead, at the speed of reading b (8 x 768 @ 768 x 3072, two threads, cold:
+390 -> 275 us, the one-row time); this row-wise loop keeps the columns past the last whole panel
+and any b fed at run time.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, asleep, last_post, post, wait_done
 from . import kernel
+from .panels import panel_product, panel_width
 
 _U = np.uint64
 #: This kernel's kind of spin-team part (see `team_parts`).
@@ -32,17 +38,25 @@ K_UNROLL = 8
 #: each row on narrow ones: one core, 2-core AMD EPYC VM, weights cold, 3072 x 768 17.7 -> 28.9
 #: GB/s, 768 x 2304 23.5 -> 27.1; from 768 x 4096 on the interleaved loop was the faster.
 ONE_ROW_SEQUENTIAL_COLUMNS = 3072
+# Panel widths of posted parts (`few_rows_part` rebuilds the panels' shape from integers).
+NARROW_PANEL, WIDE_PANEL = panel_width(np.float32), panel_width(np.float64)
 
 
 @kernel
-def few_rows_matmul(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int) -> None:
+def few_rows_matmul(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int,
+                    panels: np.ndarray) -> None:
     """``y = a[:, k0:k1] @ b[k0:k1]``: ``a`` (m, k), ``b`` (k, n) and ``y`` (m, n) C-contiguous, one
-    float dtype; ``tile`` columns of y at a time (``m * tile`` values should stay in L1/L2)."""
+    float dtype; ``tile`` columns of y at a time (``m * tile`` values should stay in L1/L2).
+    ``panels``: b packed by `panels.pack_panels`, used from two rows on (else `panels.no_panels`)."""
     n = b.shape[1]
     if a.shape[0] == 1 and n <= ONE_ROW_SEQUENTIAL_COLUMNS:
         _one_row_sequential(a, b, y, k0, k1)
         return
-    for n0 in range(0, n, tile):
+    first = 0
+    if a.shape[0] > 1 and panels.shape[0]:
+        panel_product(a, panels, y, k0, k1)
+        first = panels.shape[0] * panels.shape[2]
+    for n0 in range(first, n, tile):
         if a.shape[0] == 1:
             _one_row_tile(a, b, y, k0, k1, n0, min(n0 + tile, n))
         else:
@@ -155,20 +169,22 @@ def few_rows_part(control: np.ndarray) -> None:
     """Run the `few_rows_matmul` part posted in a spin team's ``control`` row (by `post_parts` or
     `post_arguments`): the helper's side (`team_parts.serve_parts`)."""
     m, k, n, k0, k1, tile, wide = control[ARGS:ARGS + 7]
-    a_at, b_at, y_at = control[ARGS + 7], control[ARGS + 8], control[ARGS + 9]
+    a_at, b_at, y_at, panels_at, count = control[ARGS + 7:ARGS + 12]
     if wide:
         few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float64), (m, k)),
                         numba.carray(address_as_pointer(b_at, np.float64), (k, n)),
-                        numba.carray(address_as_pointer(y_at, np.float64), (m, n)), k0, k1, tile)
+                        numba.carray(address_as_pointer(y_at, np.float64), (m, n)), k0, k1, tile,
+                        numba.carray(address_as_pointer(panels_at, np.float64), (count, k, WIDE_PANEL)))
     else:
         few_rows_matmul(numba.carray(address_as_pointer(a_at, np.float32), (m, k)),
                         numba.carray(address_as_pointer(b_at, np.float32), (k, n)),
-                        numba.carray(address_as_pointer(y_at, np.float32), (m, n)), k0, k1, tile)
+                        numba.carray(address_as_pointer(y_at, np.float32), (m, n)), k0, k1, tile,
+                        numba.carray(address_as_pointer(panels_at, np.float32), (count, k, NARROW_PANEL)))
 
 
 @kernel
 def post_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.ndarray, bounds: np.ndarray,
-               tile: int) -> int:
+               tile: int, panels: np.ndarray) -> int:
     """Post part ``i + 1`` of ``a @ b`` split along K at ``bounds`` (b's rows ``bounds[i + 1]`` to
     ``bounds[i + 2]``, into ``scratch[i]``) to helper ``i`` of a claimed team's ``control``; the
     number of those helpers found asleep (the caller wakes them). Part 0 is `finish_parts`'s."""
@@ -181,6 +197,7 @@ def post_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.nd
         row[ARGS], row[ARGS + 1], row[ARGS + 2] = m, k, n
         row[ARGS + 3], row[ARGS + 4], row[ARGS + 5], row[ARGS + 6] = bounds[i + 1], bounds[i + 2], tile, a.itemsize == 8
         row[ARGS + 7], row[ARGS + 8], row[ARGS + 9] = a.ctypes.data, b.ctypes.data, scratch[i].ctypes.data
+        row[ARGS + 10], row[ARGS + 11] = panels.ctypes.data, panels.shape[0]
         post(row)
         sleeping += asleep(row)
     return sleeping
@@ -188,11 +205,11 @@ def post_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.nd
 
 @kernel
 def finish_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, y: np.ndarray, scratch: np.ndarray,
-                 bias: np.ndarray, bounds: np.ndarray, tile: int, rounds: int) -> bool:
+                 bias: np.ndarray, bounds: np.ndarray, tile: int, panels: np.ndarray, rounds: int) -> bool:
     """Run part 0 of a split posted by `post_parts` into ``y``, wait for the helpers' parts and
     `add_parts`; False (nothing added) when a helper is not done within ``rounds`` spins (the
     caller then waits the slow way, `SpinTeam.wait`, and adds)."""
-    few_rows_matmul(a, b, y, bounds[0], bounds[1], tile)
+    few_rows_matmul(a, b, y, bounds[0], bounds[1], tile, panels)
     for i in range(bounds.size - 2):
         if not wait_done(control[i], last_post(control[i]), rounds):
             return False
@@ -215,10 +232,11 @@ def add_parts(y: np.ndarray, scratch: np.ndarray, parts: int, bias: np.ndarray) 
                 y[r, j] += bias[j]
 
 
-def post_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int) -> list[int]:
-    """The integers of a part `few_rows_part` runs as ``few_rows_matmul(a, b, y, k0, k1, tile)``
-    (for `SpinTeam.try_run`; C-contiguous float32 or float64 arrays, which the caller keeps alive
-    until the part is done)."""
+def post_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, tile: int,
+                   panels: np.ndarray) -> list[int]:
+    """The integers of a part `few_rows_part` runs as ``few_rows_matmul(a, b, y, k0, k1, tile,
+    panels)`` (for `SpinTeam.try_run`; C-contiguous float32 or float64 arrays, which the caller
+    keeps alive until the part is done)."""
     m, k = a.shape
     return [PART_KIND, m, k, b.shape[1], k0, k1, tile, int(a.dtype == np.float64),
-            a.ctypes.data, b.ctypes.data, y.ctypes.data]
+            a.ctypes.data, b.ctypes.data, y.ctypes.data, panels.ctypes.data, panels.shape[0]]
