@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import asyncio
+import gc
 import inspect
 import json
 import math
@@ -16,7 +17,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -166,6 +168,21 @@ async def _call(fn: Thunk) -> None:
     result = fn()
     if inspect.isawaitable(result):
         await result
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Inside: the heap collected, then frozen (`gc.freeze`), as a latency-minded application does
+    once its models are loaded (and as `asyncinfer serve` does, see docs/serving.md): a full
+    collection otherwise scans every object alive, 50-60 ms with the GIL held once a GPT-2 worker
+    is loaded, and shows up as one engine's loop-lag maximum by chance. Both engines get it.
+    Unfrozen on the way out, so that what the next model measured leaves behind is collected."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # Contestants run in blocks: each block starts after a pause and with one untimed call, so every

@@ -14,7 +14,9 @@ time from the block's start to the last one's end (no partial run is lost or cou
 The median runs/s of each engine over the rounds gives the ratio asyncinfer/ORT (above 1:
 asyncinfer serves more). Meanwhile a 1 ms ``asyncio.sleep`` ticker on the same loop records how
 late it wakes up (p50/p99/max over each engine's blocks). For context, the single-request latency
-of each engine (``await``, nothing else running). Outputs are checked against ORT first.
+of each engine (``await``, nothing else running). Outputs are checked against ORT first. The
+timed blocks run with the heap frozen (`common.frozen_heap`), as a latency-minded application
+runs once its models are loaded: a full garbage collection would stall the loop 20-60 ms.
 
     python3 bench/concurrency.py [--models squeezenet resnet50] [--tasks 8] [--seconds 5] [--rounds 2]
 """
@@ -91,13 +93,14 @@ async def measure_model_async(proto: onnx.ModelProto, inputs: dict[str, np.ndarr
                 await asyncio.gather(*(calls[name]() for _ in range(tasks)))
             rps: dict[str, list[float]] = {name: [] for name in ENGINES}
             lags: dict[str, list[float]] = {name: [] for name in ENGINES}
-            for round_ in range(rounds):
-                shift = round_ % len(ENGINES)  # rotate the order: neither engine always goes first
-                for name in ENGINES[shift:] + ENGINES[:shift]:
-                    await asyncio.sleep(common.SETTLE_S)  # the other engine's threads settle
-                    runs, elapsed, block_lags = await drive(calls[name], tasks, seconds)
-                    rps[name].append(runs / elapsed)
-                    lags[name] += block_lags
+            with common.frozen_heap():
+                for round_ in range(rounds):
+                    shift = round_ % len(ENGINES)  # rotate the order: neither engine always goes first
+                    for name in ENGINES[shift:] + ENGINES[:shift]:
+                        await asyncio.sleep(common.SETTLE_S)  # the other engine's threads settle
+                        runs, elapsed, block_lags = await drive(calls[name], tasks, seconds)
+                        rps[name].append(runs / elapsed)
+                        lags[name] += block_lags
     engines = {name: {"runs_per_s": statistics.median(rps[name]), "runs_per_s_blocks": rps[name],
                       "single_request": latency[name].to_dict(),
                       "loop_lag": {"ticks": len(lags[name]), **common.percentiles_ms(lags[name], (50, 99))}}

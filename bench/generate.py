@@ -22,7 +22,9 @@ ticker on the event loop meanwhile (p50/p99/max). asyncinfer's tokens are timed 
 loop receives them; the threaded engines', when their thread makes them (a small model's tokens
 can outrun the loop). Greedy tokens are checked identical across
 engines, and each of asyncinfer's 8 concurrent streams identical to its solo run, before any ratio
-is reported (a ratio over different tokens would be meaningless).
+is reported (a ratio over different tokens would be meaningless). The rounds run with the heap
+frozen (`common.frozen_heap`): a full garbage collection (50-60 ms once a GPT-2 worker is
+loaded) would otherwise land in some engine's loop-lag maximum by chance.
 
     python3 bench/generate.py [--models gpt2 llama] [--tokens 64] [--rounds 3]
 """
@@ -549,15 +551,16 @@ async def measure_async(d: Decoder, *, tokens: int = 64, streams: int = STREAMS,
         together: dict[str, list[list[StreamTiming]]] = {name: [] for name in engines}
         lags: dict[str, list[float]] = {name: [] for name in engines}
         names = list(engines)
-        for round_ in range(rounds):
-            shift = round_ % len(names)  # rotate the order: no engine always runs right after another
-            for name in names[shift:] + names[:shift]:
-                await asyncio.sleep(common.SETTLE_S)
-                solo[name].append(await engines[name].solo(batch[0], tokens))
-                await asyncio.sleep(common.SETTLE_S)
-                streams_run, block_lags = await _with_ticker(lambda: engines[name].concurrent(batch, tokens))
-                together[name].append(streams_run)
-                lags[name] += block_lags
+        with common.frozen_heap():
+            for round_ in range(rounds):
+                shift = round_ % len(names)  # rotate the order: no engine always runs right after another
+                for name in names[shift:] + names[:shift]:
+                    await asyncio.sleep(common.SETTLE_S)
+                    solo[name].append(await engines[name].solo(batch[0], tokens))
+                    await asyncio.sleep(common.SETTLE_S)
+                    streams_run, block_lags = await _with_ticker(lambda: engines[name].concurrent(batch, tokens))
+                    together[name].append(streams_run)
+                    lags[name] += block_lags
         for name in names:  # every solo run equals the reference, every concurrent stream its prompt's solo run
             same = all(run.tokens == reference[0] for run in solo[name])
             same = same and all([s.tokens for s in run] == reference for run in together[name])

@@ -200,7 +200,7 @@ def run_serve(args: argparse.Namespace, *, channel: socket.socket | None = None,
         max_delay=args.max_delay_ms / 1000, threads=args.threads,
         limits=DEFAULT_LIMITS.replace(max_request_bytes=args.max_request_bytes),
         request_timeout=args.request_timeout or None, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
-        trace_dir=getattr(args, "trace_dir", None))
+        trace_dir=getattr(args, "trace_dir", None), freeze_heap=True)
     repository = getattr(args, "model_repository", None)
     if getattr(args, "ray", False):
         if getattr(args, "workers", 1) > 1:

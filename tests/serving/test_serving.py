@@ -386,6 +386,25 @@ async def test_health_and_metadata_endpoints(digits_model):
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("freeze", [False, True])
+async def test_freeze_heap_puts_the_loaded_models_out_of_the_collectors_reach(digits_model, freeze):
+    """``freeze_heap`` (what `asyncinfer serve` sets) freezes the heap once the service runs, so
+    that full collections skip its models and workers; by default the process's heap is left
+    alone. The service serves either way."""
+    import gc
+
+    from asyncinfer.serving.service import InferenceService
+
+    gc.unfreeze()
+    try:
+        async with serving({}, service=InferenceService({"digits": digits_model}, freeze_heap=freeze)) as client:
+            assert (gc.get_freeze_count() > 0) is freeze
+            assert (await client.get("/v2/health/ready")).json() == {"ready": True}
+    finally:
+        gc.unfreeze()  # (the rest of the test session collects as before)
+
+
+@pytest.mark.anyio
 async def test_json_infer_matches_worker_run(digits_model, digits_samples):
     images = digits_samples[0][:3]
     async with ai.Worker(digits_model) as worker:
