@@ -66,15 +66,23 @@ def pack_panels(b: np.ndarray) -> np.ndarray:
     return panels
 
 
+# `_pack` copies tiles of this many rows of b by this many panels: runs of 4 KiB on both sides
+# (panel by panel, it read 128 bytes from each row of b, a page apart: 0.45 GB/s on GPT-2's
+# 768 x 50257 logits weight, which tiles copy at several GB/s).
+_PACK_ROWS, _PACK_PANELS = 32, 32
+
+
 @kernel
 def _pack(b: np.ndarray, panels: np.ndarray) -> None:
     count, k, width = panels.shape
-    for p in range(count):
-        for kk in range(k):
-            source = b[kk, p * width:(p + 1) * width]
-            target = panels[p, kk]
-            for j in range(width):
-                target[j] = source[j]
+    for k0 in range(0, k, _PACK_ROWS):
+        for p0 in range(0, count, _PACK_PANELS):
+            for p in range(p0, min(p0 + _PACK_PANELS, count)):
+                for kk in range(k0, min(k0 + _PACK_ROWS, k)):
+                    source = b[kk, p * width:(p + 1) * width]
+                    target = panels[p, kk]
+                    for j in range(width):
+                        target[j] = source[j]
 
 
 def no_panels(dtype: Any) -> np.ndarray:
