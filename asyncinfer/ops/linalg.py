@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -108,9 +109,12 @@ def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int) -> np.ndar
     """``b`` packed in column panels for `matmul` (`compiled.panels`), kept by ``op`` when ``b`` is
     the model's constant at input ``index`` and ``a @ b`` runs the few-row kernel on two rows or
     more; else None. One row never asks, so a model run one row at a time keeps one copy of its
-    weights; a batch of rows keeps a second, packed one (as ONNX Runtime prepacks its weights)."""
+    weights; a batch of rows keeps a second, packed one (as ONNX Runtime prepacks its weights),
+    unless ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the row-wise loop, same bits)."""
     rows = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
     if rows < 2 or a.ndim < 2 or not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
+        return None
+    if os.environ.get("ASYNCINFER_PACKED_WEIGHTS", "").strip() == "0":
         return None
     return op.derived_constant("panels", index, b, lambda: pack_panels(b))
 

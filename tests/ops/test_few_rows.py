@@ -125,16 +125,19 @@ def test_matmul_takes_the_kernel_only_where_it_applies(monkeypatch):
     assert linalg.matmul(np.ones((0, 30), np.float32), b[:30]).shape == (0, 40)
 
 
-def test_a_constant_weight_is_packed_once_and_only_for_batches(monkeypatch):
+@pytest.mark.parametrize("setting", ["", "1", "0"])
+def test_a_constant_weight_is_packed_once_and_only_for_batches(monkeypatch, setting):
     """MatMul and Gemm keep their constant B packed in panels from the first product of two rows
-    or more (and use it: the same bits as the row-wise loop); one row, or a B fed as an input,
-    packs nothing."""
+    or more (and use it: the same bits as the row-wise loop), unless ASYNCINFER_PACKED_WEIGHTS=0;
+    one row, or a B fed as an input, packs nothing."""
     import onnx
     from onnx import helper, numpy_helper
 
     import asyncinfer as ai
 
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    monkeypatch.setenv("ASYNCINFER_PACKED_WEIGHTS", setting)
+    packs = setting != "0"  # ASYNCINFER_PACKED_WEIGHTS=0: one copy of the weights, the same bits
     rng = np.random.default_rng(3)
     w = rng.standard_normal((64, 70)).astype(np.float32)
     c = rng.standard_normal(70).astype(np.float32)
@@ -154,7 +157,7 @@ def test_a_constant_weight_is_packed_once_and_only_for_batches(monkeypatch):
         assert not any(op._derived for op in ops.values())
         a = rng.standard_normal((3, 64)).astype(np.float32)
         out = worker.run_blocking({"a": a, "b": w})
-        assert "panels" in ops["with_constant"]._derived and "panels" in ops["gemm"]._derived
+        assert ("panels" in ops["with_constant"]._derived) is packs and ("panels" in ops["gemm"]._derived) is packs
         assert not ops["with_input"]._derived
         np.testing.assert_array_equal(out["y_const"], out["y_fed"])  # packed or not: the same bits
         expected = out["y_fed"].copy()
