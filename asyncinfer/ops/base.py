@@ -116,12 +116,16 @@ class Op:
             value = self._derived[name] = work_out()
         return value
 
-    def derived_constant(self, name: str, index: int, value: np.ndarray, work_out: Callable[[], T]) -> T | None:
+    def derived_constant(self, name: str, index: int, value: np.ndarray, work_out: Callable[[], T], *,
+                         create: bool = True) -> T | None:
         """`derived` for a form worth only keeping (weights packed for a kernel): ``work_out()`` of
         input ``index``'s ``value``, kept under ``name``, when ``value`` is the model's constant
-        bound to that index; None, and nothing worked out, when it is not."""
+        bound to that index; None, and nothing worked out, when it is not. ``create=False``: only
+        a form kept already (None when there is none yet)."""
         if self._constants.get(index) is not value:
             return None
+        if not create:
+            return self._derived.get(name)
         return self.derived(name, {index: value}, work_out)
 
     def check_allocation(self, shape: Sequence[int], what: str = "output") -> None:

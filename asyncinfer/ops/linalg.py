@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -105,18 +108,39 @@ def _takes_few_rows(a: np.ndarray, b: np.ndarray) -> bool:
             and b.flags.c_contiguous)
 
 
+class _Packing(threading.local):
+    allowed = False
+
+
+_packing = _Packing()
+
+
+@contextmanager
+def packing_weights() -> Iterator[None]:
+    """Inside, on this thread, few-row GEMMs of two rows or more pack their constant weights in
+    column panels (`constant_panels`): the generation engine's batched decode steps, which then
+    run at the speed of reading the weights. Elsewhere panels are used where they exist but never
+    made, so a model run otherwise (one stream's prompts and steps, a batch of requests) keeps a
+    single copy of its weights."""
+    before, _packing.allowed = _packing.allowed, True
+    try:
+        yield
+    finally:
+        _packing.allowed = before
+
+
 def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int) -> np.ndarray | None:
-    """``b`` packed in column panels for `matmul` (`compiled.panels`), kept by ``op`` when ``b`` is
-    the model's constant at input ``index`` and ``a @ b`` runs the few-row kernel on two rows or
-    more; else None. One row never asks, so a model run one row at a time keeps one copy of its
-    weights; a batch of rows keeps a second, packed one (as ONNX Runtime prepacks its weights),
-    unless ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the row-wise loop, same bits)."""
+    """``b`` packed in column panels for `matmul` (`compiled.panels`), kept by ``op``, when ``b``
+    is the model's constant at input ``index`` and ``a @ b`` runs the few-row kernel on two rows
+    or more; else None. Packed only inside `packing_weights`, and never with
+    ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the row-wise loop, the same bits): the
+    packed copy sits beside the model's own, as ONNX Runtime's prepacked weights do."""
     rows = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
     if rows < 2 or a.ndim < 2 or not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
         return None
     if os.environ.get("ASYNCINFER_PACKED_WEIGHTS", "").strip() == "0":
         return None
-    return op.derived_constant("panels", index, b, lambda: pack_panels(b))
+    return op.derived_constant("panels", index, b, lambda: pack_panels(b), create=_packing.allowed)
 
 
 def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.ndarray) -> np.ndarray:

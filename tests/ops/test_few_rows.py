@@ -127,9 +127,10 @@ def test_matmul_takes_the_kernel_only_where_it_applies(monkeypatch):
 
 @pytest.mark.parametrize("setting", ["", "1", "0"])
 def test_a_constant_weight_is_packed_once_and_only_for_batches(monkeypatch, setting):
-    """MatMul and Gemm keep their constant B packed in panels from the first product of two rows
-    or more (and use it: the same bits as the row-wise loop), unless ASYNCINFER_PACKED_WEIGHTS=0;
-    one row, or a B fed as an input, packs nothing."""
+    """MatMul and Gemm keep their constant B packed in panels from their first product of two rows
+    or more inside `packing_weights` (and use it: the same bits as the row-wise loop), unless
+    ASYNCINFER_PACKED_WEIGHTS=0; one row, a product outside the context, or a B fed as an input
+    packs nothing."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -152,15 +153,28 @@ def test_a_constant_weight_is_packed_once_and_only_for_batches(monkeypatch, sett
     model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
     with ai.Worker(model) as worker:
         ops = {n.layer.name: n.step.op for n in worker._plan.nodes}
-        a = rng.standard_normal((1, 64)).astype(np.float32)
-        worker.run_blocking({"a": a, "b": w})
+        weight, bias = model.constants["w"], model.constants["c"]  # what the plan binds and feeds
+        one, a = rng.standard_normal((1, 64)).astype(np.float32), rng.standard_normal((3, 64)).astype(np.float32)
+        with linalg.packing_weights():
+            ops["with_constant"].run(one, weight)  # one row: nothing to pack
+        unpacked = ops["with_constant"].run(a, weight)  # outside the context: none made
         assert not any(op._derived for op in ops.values())
-        a = rng.standard_normal((3, 64)).astype(np.float32)
-        out = worker.run_blocking({"a": a, "b": w})
+        with linalg.packing_weights():
+            packed = ops["with_constant"].run(a, weight)
+            gemm = ops["gemm"].run(a, weight, bias)
+            fed = ops["with_input"].run(a, weight.copy())  # the same values, not the constant
         assert ("panels" in ops["with_constant"]._derived) is packs and ("panels" in ops["gemm"]._derived) is packs
         assert not ops["with_input"]._derived
-        np.testing.assert_array_equal(out["y_const"], out["y_fed"])  # packed or not: the same bits
-        expected = out["y_fed"].copy()
-        expected += c
-        np.testing.assert_array_equal(out["y_gemm"], expected)
+        np.testing.assert_array_equal(packed, unpacked)  # packed or not: the same bits
+        np.testing.assert_array_equal(packed, fed)
+        used = []
+        real = linalg._few_rows
+        monkeypatch.setattr(linalg, "_few_rows", lambda *args: (used.append(args[3].shape[0] > 0), real(*args))[1])
+        np.testing.assert_array_equal(ops["with_constant"].run(a, weight), packed)
+        assert used == [packs]  # kept panels are used outside the context too
+        expected = packed.copy()
+        expected += bias
+        np.testing.assert_array_equal(gemm, expected)
+        out = worker.run_blocking({"a": a, "b": w})  # and the whole model, as the plan runs it
+        np.testing.assert_array_equal(out["y_const"], packed)
         np.testing.assert_allclose(out["y_const"], a.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)

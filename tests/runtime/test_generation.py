@@ -429,6 +429,28 @@ async def test_eight_concurrent_streams_equal_their_solo_runs_in_shared_runs(whi
 
 
 @pytest.mark.asyncio
+async def test_batched_steps_on_packed_weights_equal_the_solo_runs(monkeypatch):
+    """Batched decode steps multiply their rows by weights packed in column panels (from 2 rows
+    on; `ops/compiled/panels.py`), solo steps and prompts by the weights as they are, and a solo
+    stream packs nothing: the streams' tokens are the same either way. (The test decoders'
+    weights are under the packing threshold: lowered.)"""
+    from asyncinfer.ops import linalg
+
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
+    proto = decoder(hidden=128, heads=4, kv_heads=2, seed=3)  # K = 128: deep enough for 8 rows
+    n = 8
+    async with ai.Worker(ai.load_model(proto.SerializeToString()), "cpu") as worker:
+        solo = [await worker.generate(p, max_new_tokens=n).collect() for p in PROMPTS]
+        plan = worker._generation._plan
+        assert not any("panels" in node.step.op._derived for node in plan.nodes if node.step.op is not None)
+        together = await asyncio.gather(*(worker.generate(p, max_new_tokens=n).collect() for p in PROMPTS))
+        packed = [node.layer.op_type for node in plan.nodes if node.step.op is not None and "panels" in node.step.op._derived]
+    assert together == solo
+    assert solo[0] == reference_greedy(proto, PROMPTS[0], n)
+    assert "MatMul" in packed or "Gemm" in packed
+
+
+@pytest.mark.asyncio
 async def test_streams_join_a_running_batch_at_step_boundaries(long_gpt2):
     _, model = long_gpt2
     async with ai.Worker(model, "cpu") as worker:

@@ -7,7 +7,8 @@ classic remedy (BLAS, ONNX Runtime's MLAS) keeps a block of y in registers for t
 which needs b's columns in narrow contiguous panels: read in place, a panel of a row-major b is
 one short run per row, 12 KiB apart, and the caches' sets and prefetchers serve that badly (a
 cold 768 x 3072 weight took 1.3-1.6 ms, twice the row-wise loop). So a constant weight is packed
-once (`pack_panels`, kept by the op beside the model's own copy), like ORT's prepacked weights.
+once (`pack_panels`, kept by the op beside the model's own copy, at the generation engine's first
+batched step: `linalg.packing_weights`), like ORT's prepacked weights.
 
 `panel_product` runs a block of rows against one panel at a time: ``BLOCK_ROWS`` rows x two
 vectors of columns of y held in registers while K runs, from the panel's rows (one sequential

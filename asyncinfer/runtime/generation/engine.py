@@ -48,7 +48,7 @@ from ...concurrency.future import TaskFuture
 from ...concurrency.priority import lower_this_thread
 from ...errors import DisposedError, ExecutionError, InputError
 from ...model.ir import Model
-from ...ops.linalg import LastRowMatMul
+from ...ops.linalg import LastRowMatMul, packing_weights
 from ...tensor import reraise
 from ..execution import Execution
 from ..plan import Plan
@@ -244,7 +244,11 @@ class GenerationEngine:
         # pool's lanes.
         here = self.batching or len(batches) == 1
         for batch in batches:
-            self._start(batch, here)
+            if here and len(batch.rows) > 1:  # a batched decode step: its GEMMs pack their weights
+                with packing_weights():
+                    self._start(batch, here)
+            else:
+                self._start(batch, here)
         kept = [b for b in batches if self._finish(b)]
         with self._cond:
             self._batches = kept
