@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,10 +245,8 @@ class GenerationEngine:
         # pool's lanes.
         here = self.batching or len(batches) == 1
         for batch in batches:
-            if here and len(batch.rows) > 1:  # a batched decode step: its GEMMs pack their weights
-                with packing_weights():
-                    self._start(batch, here)
-            else:
+            # a batched decode step's GEMMs pack their weights (ops/compiled/panels.py)
+            with packing_weights() if here and len(batch.rows) > 1 else nullcontext():
                 self._start(batch, here)
         kept = [b for b in batches if self._finish(b)]
         with self._cond:
