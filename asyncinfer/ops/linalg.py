@@ -136,8 +136,8 @@ def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int) -> np.ndar
     ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the row-wise loop, the same bits): the
     packed copy sits beside the model's own, as ONNX Runtime's prepacked weights do."""
     rows = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
-    if rows < 2 or a.ndim < 2 or not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
-        return None
+    if not 2 <= rows <= FEW_ROWS or not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
+        return None  # (most products, one row or many, leave before the reshape: every GEMM asks)
     if os.environ.get("ASYNCINFER_PACKED_WEIGHTS", "").strip() == "0":
         return None
     return op.derived_constant("panels", index, b, lambda: pack_panels(b), create=_packing.allowed)
