@@ -34,6 +34,9 @@ CONSTANT_RTOL = 1e-5
 #: The op each fusion produces: (op_type, schema version).
 GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("RMSNormalization", 23), ("Swish", 24)
 MASKED_ATTENTION, ROTARY_HALF = ("MaskedAttention", 1), ("RotaryHalfEmbedding", 1)  # in FUSED_DOMAIN
+RESHAPED_GEMM = ("ReshapedGemm", 1)  # in FUSED_DOMAIN
+#: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
+SHAPE_READERS = frozenset({"Shape", "Size"})
 
 
 class _Graph:
@@ -569,6 +572,68 @@ def _last_axis(g: _Graph, axis: object, name: str) -> bool:
         return False
     rank = g.rank(name)
     return int(axis) == -1 or (rank is not None and int(axis) == rank - 1)
+
+
+def fuse_gemm_reshapes(model: Model) -> int:
+    """``Reshape → Gemm → Reshape`` (either Reshape alone too) → ``ReshapedGemm`` (``ops/fused.py``):
+    how exporters write a transformer's projections (flatten to two axes, Gemm, restore the axes).
+    Runs after ``fuse_activations`` (a Gemm's fused activations stay with it) and keeps the layers
+    as the expansion for backends without the fused kernel.
+
+    The Reshape before is taken when the Gemm is the only reader of its result besides ``Shape``
+    layers (which keep it: runs of known input shapes skip it, see ``Plan.with_precomputed``); the
+    Reshape after, when it is the Gemm's only reader."""
+    g, count = _Graph(model), 0
+    for gemm in list(model.layers):  # (a Gemm with fused activations is a candidate too)
+        if gemm.op_type != "Gemm" or gemm.domain or id(gemm) in g.removed:
+            continue
+        before = _reshape_before(g, gemm)
+        after = _reshape_after(g, gemm)
+        if before is None and after is None:
+            continue
+        pattern = [layer for layer in (before, gemm, after) if layer is not None]
+        last = pattern[-1]
+        inputs = (gemm.inputs + [""])[:3]
+        if before is not None:
+            inputs[0] = before.inputs[0]
+        inputs += [before.inputs[1] if before is not None else "", after.inputs[1] if after is not None else ""]
+        attrs = {"transA": int(gemm.attrs.get("transA", 0)), "transB": int(gemm.attrs.get("transB", 0)),
+                 "alpha": float(gemm.attrs.get("alpha", 1.0)), "beta": float(gemm.attrs.get("beta", 1.0)),
+                 "a_allowzero": int(before.attrs.get("allowzero", 0)) if before is not None else 0,
+                 "y_allowzero": int(after.attrs.get("allowzero", 0)) if after is not None else 0}
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``last``
+        fused = Layer(name=gemm.name, op_type=RESHAPED_GEMM[0], inputs=inputs, outputs=[last.outputs[0]],
+                      attrs=attrs, domain=FUSED_DOMAIN, version=RESHAPED_GEMM[1], fused=list(gemm.fused),
+                      expansion=expansion)
+        kept = before is not None and len(g.consumers.get(before.outputs[0], ())) > 1  # Shape reads it too
+        g.replace([layer for layer in pattern if not (kept and layer is before)], last, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _reshape_before(g: _Graph, gemm: Layer) -> Layer | None:
+    """The Reshape making the Gemm's A, when nothing but the Gemm and Shape layers reads it."""
+    reshape = g.producers.get(gemm.inputs[0])
+    if (reshape is None or id(reshape) in g.removed or reshape.op_type != "Reshape" or reshape.domain
+            or reshape.fused or reshape.version < 5 or len(reshape.inputs) != 2 or not reshape.inputs[1]
+            or gemm.inputs[0] in g.pinned or gemm.inputs.count(gemm.inputs[0]) != 1):
+        return None
+    readers = g.consumers.get(gemm.inputs[0], [])
+    if any(r is not gemm and r.op_type not in SHAPE_READERS for r in readers):
+        return None
+    return reshape
+
+
+def _reshape_after(g: _Graph, gemm: Layer) -> Layer | None:
+    """The Reshape of the Gemm's result, when it is its only reader."""
+    if len(gemm.outputs) != 1:
+        return None
+    reshape = g.only_consumer(gemm.outputs[0], "Reshape")
+    if (reshape is None or reshape.version < 5 or len(reshape.inputs) != 2 or not reshape.inputs[1]
+            or reshape.inputs[0] != gemm.outputs[0]):
+        return None
+    return reshape
 
 
 #: The fusions, in the order ``optimize`` runs them (before ``fuse_activations``).

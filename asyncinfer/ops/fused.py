@@ -14,9 +14,9 @@ from ..concurrency import parallel
 from .base import Op
 from .compiled.attention import attention_heads, head_arguments, masked_attention
 from .compiled.normalization import softmax_rows
-from .linalg import matmul
+from .linalg import Gemm, matmul
 from .registry import register
-from .shape import op_error
+from .shape import int_list, op_error, reshape_to
 
 #: The domain of the fused ops.
 FUSED_DOMAIN = "ai.asyncinfer"
@@ -238,3 +238,30 @@ class RotaryHalfEmbedding(Op):
         rotated = np.concatenate([np.negative(x[..., self.split:self.end]), x[..., :self.split]], axis=-1)
         with np.errstate(all="ignore"):
             return np.add(np.multiply(x, cos), np.multiply(rotated, sin))
+
+
+@register("ReshapedGemm", versions=(1,), domain=FUSED_DOMAIN)
+class ReshapedGemm(Gemm):
+    """``Reshape(Gemm(Reshape(A, a_shape), B, C), y_shape)``, either Reshape optional: the
+    projections of exported transformers, which flatten ``(batch, sequence, features)`` to two
+    axes for a ``Gemm`` and give the axes back after it (GPT-2: seven Reshapes a block, layers a
+    decode step dispatched one by one for no arithmetic).
+
+    Inputs: ``A``, ``B``, ``C`` (optional) as Gemm's, then ``a_shape`` and ``y_shape`` (each
+    optional: no Reshape there); attributes: Gemm's ``transA``, ``transB``, ``alpha``, ``beta``
+    (always written out, there is no schema to default them) and ``a_allowzero``/``y_allowzero``,
+    the Reshapes'. The arithmetic is Gemm's, the Reshapes are NumPy's views (or copies) as the
+    Reshape layers made them, so the result has the three layers' bits and errors name this layer.
+    """
+
+    value_inputs = (3, 4)  # the Reshapes' targets
+
+    def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None, a_shape: np.ndarray | None = None,
+            y_shape: np.ndarray | None = None) -> np.ndarray:
+        if a_shape is not None:
+            a = reshape_to(self, np.asarray(a), int_list(a_shape), bool(self.attr("a_allowzero", 0)))
+        y = Gemm.run(self, a, b, c)
+        if y_shape is not None:
+            y = reshape_to(self, y, int_list(y_shape), bool(self.attr("y_allowzero", 0)))
+        return y
+

@@ -104,12 +104,18 @@ class Reshape(Op):
         dims = input_or_attr(self, shape, "shape", since=5)
         if dims is None:
             raise op_error(self, "no target shape")
-        if not self.attr("allowzero", 0):  # 0 copies the input dimension
-            dims = [data.shape[i] if d == 0 and i < data.ndim else d for i, d in enumerate(dims)]
-        try:
-            return data.reshape(dims)
-        except ValueError as exc:
-            raise op_error(self, f"cannot reshape {data.shape} into {dims}") from exc
+        return reshape_to(self, data, dims, bool(self.attr("allowzero", 0)))
+
+
+def reshape_to(op: Op, data: Array, dims: list[int], allowzero: bool) -> Array:
+    """``data`` reshaped to ``dims`` as ONNX's Reshape does it: a 0 copies the input's dimension
+    unless ``allowzero``, a -1 is inferred; a mismatch is an error naming ``op``'s layer."""
+    if not allowzero:
+        dims = [data.shape[i] if d == 0 and i < data.ndim else d for i, d in enumerate(dims)]
+    try:
+        return data.reshape(dims)
+    except ValueError as exc:
+        raise op_error(op, f"cannot reshape {data.shape} into {dims}") from exc
 
 
 @register("Flatten", versions=(1, 9, 11, 13, 21, 23, 24, 25))

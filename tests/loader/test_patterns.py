@@ -375,3 +375,141 @@ def test_grouped_query_attention_shares_kv_heads_instead_of_repeating_them(read_
                 got = worker.run_blocking(feeds)
             assert not worker.placement.fallback or backend == "cpu"
         np.testing.assert_allclose(got["y"], expected[0], rtol=2e-4, atol=2e-4)
+
+
+# -- Reshape → Gemm → Reshape (a transformer's projections) --------------------------------------
+N_OUT = 6
+
+
+def _projection_model(before: bool = True, after: bool = True, *, activation: str | None = None,
+                      trans_b: int = 0, dynamic_after: bool = False, shape_reads_before: bool = False,
+                      extra_reader: bool = False) -> onnx.ModelProto:
+    """``y = Reshape(Gemm(Reshape(x, [-1, C]), W, b), [2, 5, N])`` with x of shape (2, 5, C), each
+    Reshape optional; ``dynamic_after``: the last target built from ``Shape(x)`` as exporters do
+    (``shape_reads_before``: from ``Shape`` of the flattened x instead, which keeps that Reshape);
+    ``extra_reader``: the flattened x is also an output (the first Reshape must stay)."""
+    w = RNG.standard_normal((N_OUT, C) if trans_b else (C, N_OUT)).astype(np.float32)
+    ints = lambda name, v: numpy_helper.from_array(np.array(v, np.int64), name)  # noqa: E731
+    consts = [numpy_helper.from_array(w, "w"), _const("b", RNG.standard_normal(N_OUT)), ints("flat", [-1, C]),
+              ints("back", [2, 5, N_OUT]), ints("lead", [0]), ints("two", [2]), ints("n_out", [N_OUT]),
+              ints("one", [1])]
+    nodes, a = [], "x"
+    if before:
+        nodes.append(helper.make_node("Reshape", ["x", "flat"], ["a"]))
+        a = "a"
+    nodes.append(helper.make_node("Gemm", [a, "w", "b"], ["g"], transB=trans_b, alpha=0.5, beta=2.0))
+    product = "g"
+    if activation:
+        nodes.append(helper.make_node(activation, ["g"], ["g_act"]))
+        product = "g_act"
+    outputs = [tensor_info("y", [2, 5, N_OUT] if after else [10, N_OUT])]
+    if after:
+        target = "back"
+        if dynamic_after:
+            if shape_reads_before:  # (10, C) -> [10]: the sequence axis folded, so [2, 5] is rebuilt from x
+                nodes += [helper.make_node("Shape", ["a"], ["sa"]), helper.make_node("Gather", ["sa", "lead"], ["rows"]),
+                          helper.make_node("Div", ["rows", "two"], ["five"]),
+                          helper.make_node("Concat", ["two", "five", "n_out"], ["dyn"], axis=0)]
+            else:
+                nodes += [helper.make_node("Shape", ["x"], ["sx"]),
+                          helper.make_node("Slice", ["sx", "lead", "two"], ["bs"]),
+                          helper.make_node("Concat", ["bs", "n_out"], ["dyn"], axis=0)]
+            target = "dyn"
+        nodes.append(helper.make_node("Reshape", [product, target], ["y"]))
+    else:
+        nodes[-1].output[0] = "y"
+    if extra_reader:
+        outputs.append(tensor_info("a", [10, C]))
+    x_dims = ["batch", "sequence", C] if dynamic_after else [2, 5, C]  # (else load folds the Shape away)
+    return make_model(nodes, [tensor_info("x", x_dims)], outputs, consts, extra_domains=())
+
+
+@pytest.mark.parametrize("before,after", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_projection_reshapes_fuse_into_the_gemm_and_match_the_definition(before, after, trans_b):
+    proto = _projection_model(before, after, trans_b=trans_b)
+    if not before:  # the Gemm reads x directly: x is (10, C) then
+        proto.graph.input[0].CopyFrom(tensor_info("x", [10, C]))
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_gemm_reshapes"] == 1
+    assert [l.op_type for l in model.layers] == ["ReshapedGemm"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Reshape"] * before + ["Gemm"] + ["Reshape"] * after
+    x = RNG.standard_normal((2, 5, C) if before else (10, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)["y"]
+    assert got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["Relu", "Tanh"])
+def test_a_gemm_with_a_fused_activation_keeps_it_when_its_reshapes_fuse(activation):
+    proto = _projection_model(activation=activation)
+    model = ai.load_model(proto)
+    assert [l.kind for l in model.layers] == [f"ReshapedGemm+{activation}"]
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    with ai.Worker(model, "cpu") as worker:
+        np.testing.assert_allclose(worker.run_blocking(x)["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape_reads_before", [False, True])
+def test_a_reshape_target_computed_at_run_time_is_an_input_of_the_fused_layer(shape_reads_before):
+    """Exporters compute the last Reshape's target from ``Shape``: the fused layer reads that
+    value; a Reshape whose result ``Shape`` also reads stays for it (and runs of known shapes skip it)."""
+    proto = _projection_model(dynamic_after=True, shape_reads_before=shape_reads_before)
+    model = ai.load_model(proto)
+    kinds = [l.op_type for l in model.layers]
+    assert "ReshapedGemm" in kinds and "Gemm" not in kinds
+    assert kinds.count("Reshape") == (1 if shape_reads_before else 0)  # kept for the Shape that reads it
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    with ai.Worker(model, "cpu") as worker:
+        for _ in range(3):  # the first run of these shapes records the target, later ones take it
+            np.testing.assert_allclose(worker.run_blocking(x)["y"], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_flattened_input_read_elsewhere_keeps_its_reshape():
+    proto = _projection_model(extra_reader=True)
+    model = ai.load_model(proto)
+    fused = [l for l in model.layers if l.op_type == "ReshapedGemm"]
+    assert len(fused) == 1 and fused[0].inputs[3] == ""  # only the Reshape after went in
+    assert [l.op_type for l in model.layers].count("Reshape") == 1
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)
+    np.testing.assert_allclose(got["y"], expected[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got["a"], expected[1])
+
+
+def test_a_fused_reshape_that_cannot_apply_is_an_error_naming_the_layer():
+    """The target of the last Reshape fed at run time (an untrusted request): a wrong one fails
+    the run with an ExecutionError naming the fused layer, and the worker stays usable."""
+    proto = _projection_model()
+    node = proto.graph.node[-1]
+    node.input[1] = "target"
+    proto.graph.input.append(tensor_info("target", [3], onnx.TensorProto.INT64))
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["ReshapedGemm"]
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        with pytest.raises(ai.ExecutionError, match="cannot reshape"):
+            worker.run_blocking({"x": x, "target": np.array([7, 5, N_OUT], np.int64)})
+        good = worker.run_blocking({"x": x, "target": np.array([2, 5, N_OUT], np.int64)})["y"]
+    expected = ReferenceEvaluator(proto).run(None, {"x": x, "target": np.array([2, 5, N_OUT], np.int64)})[0]
+    np.testing.assert_allclose(good, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_projection_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    require_pixel()
+    proto = _projection_model(activation="Relu")
+    model = ai.load_model(proto)
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(x)["y"]
+    assert model.layers[0].name not in placement.fallback, placement.fallback
+    assert placement.layers[model.layers[0].name] == "gpu_pixel"
+    np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)
