@@ -223,10 +223,10 @@ class Execution:
         #: (`backends.base.Job.serial`): for runs whose parallel branches are too small to pay.
         self.serial = serial
         n_steps = len(plan.nodes)
-        self.futures: list[TaskFuture | None] = [None] * plan.n_sources
+        # (the precomputed steps' futures are in place already: `submit_iter` replaces them)
+        self.futures: list[TaskFuture | None] = plan.run_futures()
         for name, source in plan.input_sources.items():
             self.futures[source] = inputs[name]
-        self.futures[n_steps + len(plan.input_sources):] = plan.constant_futures
         self._missing = [0] * n_steps
         self._readers = dict(plan.reader_counts)
         self._lock = threading.Lock()
@@ -245,9 +245,7 @@ class Execution:
     def submit_all(self) -> "Execution":
         """Submit every step: a segment of light layers (see ``Plan.segments``) as one job."""
         try:
-            for index, future in self.plan.precomputed_futures:  # shared: never released
-                self.futures[index] = future
-            self._submitted += len(self.plan.precomputed_futures)
+            self._submitted += len(self.plan.precomputed_futures)  # in place (Plan.run_futures)
             for segment in self.plan.segments:
                 if len(segment.nodes) == 1:
                     self._submit(segment.nodes[0])

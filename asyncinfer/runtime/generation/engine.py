@@ -103,6 +103,7 @@ class _Batch:
         self.past = past          # cache values in DecoderIO.cache order ([rows, heads, length, size])
         self.ids = ids            # no-past models: [rows, length] the tokens so far (left-padded)
         self.past_device: Any = None  # the backend holding ``past`` when it is not on the host
+        self.run_mask: np.ndarray | None = None  # ``mask`` with the run's tokens: the next ``mask``
         self.execution: Execution | None = None
 
     @property
@@ -121,6 +122,8 @@ class GenerationEngine:
         # Only a batching model's runs repeat their input shapes (its cache kept to blocks).
         self._shapes = ShapePlans(self._plan) if self.batching else None
         self._schedule = schedule
+        # where the outputs read every step come from (25 a GPT-2 step): (ref, device or None)
+        self._output_sources = {name: self._source(name) for name in [self.io.logits, *(c.present for c in self.io.cache)]}
         self._cond = threading.Condition()
         self._joining: list[Sequence] = []
         self._batches: list[_Batch] = []
@@ -289,7 +292,7 @@ class GenerationEngine:
     def _inputs(self, batch: _Batch) -> dict[str, TaskFuture]:
         io = self.io
         rows, steps = batch.feed.shape
-        mask = np.concatenate([batch.mask, np.ones((rows, steps), np.int8)], axis=1)
+        mask = batch.run_mask = np.concatenate([batch.mask, np.ones((rows, steps), np.int8)], axis=1)
         values: dict[str, Any] = {}
         if io.has_past:
             values[io.input_ids] = batch.feed
@@ -352,8 +355,7 @@ class GenerationEngine:
         io = self.io
         with self._cond:
             batch.execution = None
-        steps = batch.feed.shape[1]
-        batch.mask = np.concatenate([batch.mask, np.ones((len(batch.rows), steps), np.int8)], axis=1)
+        batch.mask = batch.run_mask  # (its run's mask: the same columns, one more per token fed)
         if io.has_past:
             batch.past, batch.past_device = self._presents(execution)
         else:
@@ -379,13 +381,19 @@ class GenerationEngine:
 
     def _output(self, execution: Execution, name: str) -> tuple[Any, Any]:
         """The value of output ``name`` once computed, and the device backend holding it (None: host)."""
-        ref = self._plan.refs[name]
+        ref, device = self._output_sources[name]
         future = execution.futures[ref[0]]
-        self._wait(future)  # type: ignore[arg-type]
+        if not future.done():  # type: ignore[union-attr]
+            self._wait(future)  # type: ignore[arg-type]
         if future.failed():  # type: ignore[union-attr]
             raise reraise(future.exception(), name)  # type: ignore[union-attr]
+        return future.peek()[ref[1]], device  # type: ignore[union-attr]
+
+    def _source(self, name: str) -> tuple[Any, Any]:
+        """Output ``name``'s ref in the plan, and the device backend holding it (None: the host)."""
+        ref = self._plan.refs[name]
         backend = self._plan.nodes[ref[0]].backend if ref[0] < len(self._plan.nodes) else None
-        return future.peek()[ref[1]], (backend if backend is not None and backend.device != HOST else None)  # type: ignore[union-attr]
+        return ref, (backend if backend is not None and backend.device != HOST else None)
 
     def _last_logits(self, execution: Execution) -> np.ndarray:
         """The last row of logits of each stream, ``[rows, vocab]``, on the host."""
