@@ -9,7 +9,9 @@ five to nine, one task, fewer passes over memory, and an activation that ``fuse_
 can then run in place inside the MatMul or Conv before it. Every backend implements the fused ops.
 The attention of exported decoders (scores, scale, masks, softmax, values: seven layers) becomes
 ``MaskedAttention`` of asyncinfer's own domain (``ops/fused.py``); a backend without its kernel
-runs the seven layers it keeps (``Layer.expansion``).
+runs the seven layers it keeps (``Layer.expansion``). Layout layers that only serve a GEMM or
+split attention heads go into one layer with it (``ReshapedGemm``, ``ReshapeTranspose``: passes
+run late by ``optimize``, after the activations are fused).
 
 A pattern is fused only when it is exactly the function: the constants are checked (√2, 1, ½,
 ε…), every intermediate value has no consumer outside the pattern and is no graph output, and
@@ -34,7 +36,7 @@ CONSTANT_RTOL = 1e-5
 #: The op each fusion produces: (op_type, schema version).
 GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("RMSNormalization", 23), ("Swish", 24)
 MASKED_ATTENTION, ROTARY_HALF = ("MaskedAttention", 1), ("RotaryHalfEmbedding", 1)  # in FUSED_DOMAIN
-RESHAPED_GEMM = ("ReshapedGemm", 1)  # in FUSED_DOMAIN
+RESHAPED_GEMM, RESHAPE_TRANSPOSE = ("ReshapedGemm", 1), ("ReshapeTranspose", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -634,6 +636,33 @@ def _reshape_after(g: _Graph, gemm: Layer) -> Layer | None:
             or reshape.inputs[0] != gemm.outputs[0]):
         return None
     return reshape
+
+
+def fuse_reshape_transposes(model: Model) -> int:
+    """``Transpose(Reshape(x, shape))`` → ``ReshapeTranspose`` (``ops/fused.py``): the head split of
+    exported attention, for each of Q, K and V. Runs after ``fuse_attention`` (whose pattern
+    starts at the Transpose of K) and keeps the two layers as the expansion. The Reshape is taken
+    when the Transpose is the only reader of its result besides ``Shape`` layers (which keep it)."""
+    g, count = _Graph(model), 0
+    for transpose in g.candidates("Transpose"):
+        reshape = g.producers.get(transpose.inputs[0])
+        if (reshape is None or id(reshape) in g.removed or reshape.op_type != "Reshape" or reshape.domain
+                or reshape.fused or reshape.version < 5 or len(reshape.inputs) != 2 or not reshape.inputs[1]
+                or transpose.inputs[0] in g.pinned):
+            continue
+        readers = g.consumers.get(transpose.inputs[0], [])
+        if any(r is not transpose and r.op_type not in SHAPE_READERS for r in readers):
+            continue
+        attrs = {"allowzero": int(reshape.attrs.get("allowzero", 0))}
+        if "perm" in transpose.attrs:
+            attrs["perm"] = [int(p) for p in transpose.attrs["perm"]]
+        fused = Layer(name=transpose.name, op_type=RESHAPE_TRANSPOSE[0], inputs=list(reshape.inputs),
+                      outputs=[transpose.outputs[0]], attrs=attrs, domain=FUSED_DOMAIN,
+                      version=RESHAPE_TRANSPOSE[1], expansion=[replace(reshape), replace(transpose)])
+        g.replace([transpose] if len(readers) > 1 else [reshape, transpose], transpose, fused)
+        count += 1
+    g.commit()
+    return count
 
 
 #: The fusions, in the order ``optimize`` runs them (before ``fuse_activations``).

@@ -16,7 +16,7 @@ from .compiled.attention import attention_heads, head_arguments, masked_attentio
 from .compiled.normalization import softmax_rows
 from .linalg import Gemm, matmul
 from .registry import register
-from .shape import int_list, op_error, reshape_to
+from .shape import int_list, normalize_axes, op_error, reshape_to
 
 #: The domain of the fused ops.
 FUSED_DOMAIN = "ai.asyncinfer"
@@ -265,3 +265,22 @@ class ReshapedGemm(Gemm):
             y = reshape_to(self, y, int_list(y_shape), bool(self.attr("y_allowzero", 0)))
         return y
 
+
+
+@register("ReshapeTranspose", versions=(1,), domain=FUSED_DOMAIN)
+class ReshapeTranspose(Op):
+    """``Transpose(Reshape(X, shape), perm)``: how exporters split attention heads (``(batch,
+    sequence, heads · size)`` → ``(batch, heads, sequence, size)``), three times a transformer block.
+
+    Inputs ``X`` and ``shape``; attributes ``perm`` (the Transpose's, absent: reverse the axes)
+    and ``allowzero`` (the Reshape's). Both are NumPy views where the layers' were (or a copy where
+    the Reshape made one), so the result is the two layers' own."""
+
+    value_inputs = (1,)  # the Reshape's target
+
+    def run(self, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
+        y = reshape_to(self, np.asarray(x), int_list(shape), bool(self.attr("allowzero", 0)))
+        perm = self.attr("perm", None)
+        if perm is not None and sorted(normalize_axes(self, perm, y.ndim)) != list(range(y.ndim)):
+            raise op_error(self, f"perm {perm} is not a permutation of rank {y.ndim}")
+        return np.transpose(y, perm)

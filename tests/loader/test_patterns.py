@@ -513,3 +513,58 @@ def test_projection_on_gpu_pixel_runs_the_layers_it_replaced_there():
     assert model.layers[0].name not in placement.fallback, placement.fallback
     assert placement.layers[model.layers[0].name] == "gpu_pixel"
     np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-4)
+
+
+# -- Transpose(Reshape(x)): the head split of attention ------------------------------------------
+def _head_split_model(perm: list[int] | None = (0, 2, 1, 3), shape_reads: bool = False) -> onnx.ModelProto:
+    """``y = Transpose(Reshape(x, [0, 0, 4, -1]), perm)``, x of shape (2, 5, C) or, with
+    ``shape_reads``, of symbolic shape with a ``Shape`` of the reshaped x as a second output."""
+    target = numpy_helper.from_array(np.array([0, 0, 4, -1], np.int64), "heads")  # (0: x's own dimension)
+    attrs = {} if perm is None else {"perm": list(perm)}
+    nodes = [helper.make_node("Reshape", ["x", "heads"], ["r"]), helper.make_node("Transpose", ["r"], ["y"], **attrs)]
+    out_dims = [2, 5, 4, C // 4] if perm is None else None
+    outputs = [tensor_info("y", None if out_dims is None else out_dims[::-1])]
+    if shape_reads:
+        nodes.append(helper.make_node("Shape", ["r"], ["s"]))
+        outputs.append(tensor_info("s", [4], onnx.TensorProto.INT64))
+    x_dims = ["batch", "sequence", C] if shape_reads else [2, 5, C]
+    return make_model(nodes, [tensor_info("x", x_dims)], outputs, [target], extra_domains=())
+
+
+@pytest.mark.parametrize("perm", [(0, 2, 1, 3), (0, 2, 3, 1), None])
+def test_head_split_fuses_and_matches_the_definition(perm):
+    proto = _head_split_model(perm)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_reshape_transposes"] == 1
+    assert [l.op_type for l in model.layers] == ["ReshapeTranspose"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Reshape", "Transpose"]
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]
+    with ai.Worker(model, "cpu") as worker:
+        np.testing.assert_array_equal(worker.run_blocking(x)["y"], expected)
+
+
+def test_head_split_whose_reshape_shape_reads_keeps_the_reshape_for_it():
+    proto = _head_split_model(shape_reads=True)
+    model = ai.load_model(proto)
+    assert sorted(l.op_type for l in model.layers) == ["Reshape", "ReshapeTranspose", "Shape"]
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)
+    np.testing.assert_array_equal(got["y"], expected[0])
+    np.testing.assert_array_equal(got["s"], expected[1])
+
+
+def test_head_split_that_cannot_reshape_is_an_error_naming_the_layer():
+    proto = _head_split_model()
+    proto.graph.node[0].input[1] = "target"
+    proto.graph.input.append(tensor_info("target", [4], onnx.TensorProto.INT64))
+    model = ai.load_model(proto)
+    assert [l.op_type for l in model.layers] == ["ReshapeTranspose"]
+    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        with pytest.raises(ai.ExecutionError, match="cannot reshape"):
+            worker.run_blocking({"x": x, "target": np.array([2, 5, 3, 3], np.int64)})
+        good = worker.run_blocking({"x": x, "target": np.array([2, 5, 2, C // 2], np.int64)})["y"]
+    assert good.shape == (2, 2, 5, C // 2)
