@@ -115,12 +115,37 @@ def _into_new_buffer(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray:
     index[axis] = slice(0, filled)
     view = root[tuple(index)]
     np.concatenate(arrays, axis=axis, out=view)
+    _register(root, axis, filled)
+    return view
+
+
+def pad_growing(array: np.ndarray, pad: int, axis: int) -> np.ndarray:
+    """``array`` after ``pad`` zeros along ``axis`` (``np.pad`` on that axis alone), written into a
+    buffer with room for `SPARE` more entries: a `concat_growing` fed the result (or a view of it
+    that ends where it ends) appends in place. The generation engine pads a cache so once every
+    32 steps; with ``np.pad`` the step's ``Concat`` then copied it a second time, into a buffer
+    with room."""
+    shape = list(array.shape)
+    filled = pad + shape[axis]
+    shape[axis] = filled + SPARE
+    root = np.empty(shape, dtype=array.dtype)
+    index: list[slice] = [slice(None)] * root.ndim
+    index[axis] = slice(0, pad)
+    root[tuple(index)] = 0
+    index[axis] = slice(pad, filled)
+    root[tuple(index)] = array
+    index[axis] = slice(0, filled)
+    _register(root, axis, filled)
+    return root[tuple(index)]
+
+
+def _register(root: np.ndarray, axis: int, filled: int) -> None:
+    """Make ``root`` (filled up to ``filled`` along ``axis``) a buffer `concat_growing` appends into."""
     key = id(root)
     arena = _Arena(root, axis, filled)
     with _lock:
         _arenas[key] = arena
     weakref.finalize(root, _forget, key, arena)
-    return view
 
 
 def _forget(key: int, arena: _Arena) -> None:

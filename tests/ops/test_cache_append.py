@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 import asyncinfer as ai
 from asyncinfer.ops import cache_append
-from asyncinfer.ops.cache_append import SPARE, concat_growing
+from asyncinfer.ops.cache_append import SPARE, concat_growing, pad_growing
 
 
 def _cache(length: int, seed: int = 0) -> np.ndarray:
@@ -152,3 +152,16 @@ def test_the_optimizer_marks_the_cache_concat_and_runs_stay_exact():
             np.testing.assert_array_equal(present, np.concatenate([past, 2 * x], 2))
             np.testing.assert_array_equal(other, np.concatenate([2 * x, past], 2))
             past = present
+
+
+def test_a_padded_cache_is_np_pad_with_room_and_its_next_concat_appends_in_place():
+    """`pad_growing` (the generation engine's padding of a cache to its block) equals np.pad along
+    the axis; the Concat that extends it then writes only the new entries, into the same buffer."""
+    past = np.arange(2 * 3 * 5 * 4, dtype=np.float32).reshape(2, 3, 5, 4)
+    padded = pad_growing(past, 3, axis=2)
+    np.testing.assert_array_equal(padded, np.pad(past, ((0, 0), (0, 0), (3, 0), (0, 0))))
+    new = np.full((2, 3, 1, 4), -1, np.float32)
+    grown = concat_growing([padded[:, :, 1:], new], axis=2)  # the engine drops a leading column a step
+    np.testing.assert_array_equal(grown, np.concatenate([padded[:, :, 1:], new], axis=2))
+    assert grown.base is padded.base  # appended in place: the padded buffer had room
+    np.testing.assert_array_equal(padded, np.pad(past, ((0, 0), (0, 0), (3, 0), (0, 0))))  # unchanged

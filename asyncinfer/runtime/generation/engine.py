@@ -49,6 +49,7 @@ from ...concurrency.future import TaskFuture
 from ...concurrency.priority import lower_this_thread
 from ...errors import DisposedError, ExecutionError, InputError
 from ...model.ir import Model
+from ...ops.cache_append import pad_growing
 from ...ops.linalg import LastRowMatMul, packing_weights
 from ...tensor import reraise
 from ..execution import Execution
@@ -287,7 +288,8 @@ class GenerationEngine:
         elif target > length:
             pad = target - length
             batch.mask = np.pad(batch.mask, ((0, 0), (pad, 0)))
-            batch.past = [np.pad(v, ((0, 0), (0, 0), (pad, 0), (0, 0))) for v in batch.past]
+            # (into a buffer with room: the step's Concat appends in place instead of copying it again)
+            batch.past = [pad_growing(np.asarray(v), pad, axis=2) for v in batch.past]
 
     def _inputs(self, batch: _Batch) -> dict[str, TaskFuture]:
         io = self.io
