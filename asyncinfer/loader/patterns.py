@@ -589,7 +589,7 @@ def fuse_gemm_reshapes(model: Model) -> int:
     for gemm in list(model.layers):  # (a Gemm with fused activations is a candidate too)
         if gemm.op_type != "Gemm" or gemm.domain or id(gemm) in g.removed:
             continue
-        before = _reshape_before(g, gemm)
+        before = _reshape_feeding(g, gemm)
         after = _reshape_after(g, gemm)
         if before is None and after is None:
             continue
@@ -607,24 +607,32 @@ def fuse_gemm_reshapes(model: Model) -> int:
         fused = Layer(name=gemm.name, op_type=RESHAPED_GEMM[0], inputs=inputs, outputs=[last.outputs[0]],
                       attrs=attrs, domain=FUSED_DOMAIN, version=RESHAPED_GEMM[1], fused=list(gemm.fused),
                       expansion=expansion)
-        kept = before is not None and len(g.consumers.get(before.outputs[0], ())) > 1  # Shape reads it too
-        g.replace([layer for layer in pattern if not (kept and layer is before)], last, fused)
+        g.replace(_taking(g, pattern, before), last, fused)
         count += 1
     g.commit()
     return count
 
 
-def _reshape_before(g: _Graph, gemm: Layer) -> Layer | None:
-    """The Reshape making the Gemm's A, when nothing but the Gemm and Shape layers reads it."""
-    reshape = g.producers.get(gemm.inputs[0])
+def _reshape_feeding(g: _Graph, layer: Layer) -> Layer | None:
+    """The Reshape making ``layer``'s first input, when nothing but ``layer`` and ``Shape`` layers
+    reads it (a fusion then takes it, and leaves it to the Shape layers if there are any)."""
+    name = layer.inputs[0] if layer.inputs else ""
+    reshape = g.producers.get(name)
     if (reshape is None or id(reshape) in g.removed or reshape.op_type != "Reshape" or reshape.domain
             or reshape.fused or reshape.version < 5 or len(reshape.inputs) != 2 or not reshape.inputs[1]
-            or gemm.inputs[0] in g.pinned or gemm.inputs.count(gemm.inputs[0]) != 1):
+            or name in g.pinned or layer.inputs.count(name) != 1):
         return None
-    readers = g.consumers.get(gemm.inputs[0], [])
-    if any(r is not gemm and r.op_type not in SHAPE_READERS for r in readers):
+    if any(r is not layer and r.op_type not in SHAPE_READERS for r in g.consumers.get(name, [])):
         return None
     return reshape
+
+
+def _taking(g: _Graph, pattern: list[Layer], reshape: Layer | None) -> list[Layer]:
+    """``pattern`` without ``reshape`` when Shape layers still read its result (it stays for them:
+    runs of known input shapes skip it, see ``Plan.with_precomputed``)."""
+    if reshape is None or len(g.consumers.get(reshape.outputs[0], ())) == 1:
+        return pattern
+    return [layer for layer in pattern if layer is not reshape]
 
 
 def _reshape_after(g: _Graph, gemm: Layer) -> Layer | None:
@@ -645,13 +653,8 @@ def fuse_reshape_transposes(model: Model) -> int:
     when the Transpose is the only reader of its result besides ``Shape`` layers (which keep it)."""
     g, count = _Graph(model), 0
     for transpose in g.candidates("Transpose"):
-        reshape = g.producers.get(transpose.inputs[0])
-        if (reshape is None or id(reshape) in g.removed or reshape.op_type != "Reshape" or reshape.domain
-                or reshape.fused or reshape.version < 5 or len(reshape.inputs) != 2 or not reshape.inputs[1]
-                or transpose.inputs[0] in g.pinned):
-            continue
-        readers = g.consumers.get(transpose.inputs[0], [])
-        if any(r is not transpose and r.op_type not in SHAPE_READERS for r in readers):
+        reshape = _reshape_feeding(g, transpose)
+        if reshape is None:
             continue
         attrs = {"allowzero": int(reshape.attrs.get("allowzero", 0))}
         if "perm" in transpose.attrs:
@@ -659,7 +662,7 @@ def fuse_reshape_transposes(model: Model) -> int:
         fused = Layer(name=transpose.name, op_type=RESHAPE_TRANSPOSE[0], inputs=list(reshape.inputs),
                       outputs=[transpose.outputs[0]], attrs=attrs, domain=FUSED_DOMAIN,
                       version=RESHAPE_TRANSPOSE[1], expansion=[replace(reshape), replace(transpose)])
-        g.replace([transpose] if len(readers) > 1 else [reshape, transpose], transpose, fused)
+        g.replace(_taking(g, [reshape, transpose], reshape), transpose, fused)
         count += 1
     g.commit()
     return count

@@ -16,7 +16,7 @@ from .compiled.attention import attention_heads, head_arguments, masked_attentio
 from .compiled.normalization import softmax_rows
 from .linalg import Gemm, matmul
 from .registry import register
-from .shape import int_list, normalize_axes, op_error, reshape_to
+from .shape import int_list, op_error, reshape_to, transpose_by
 
 #: The domain of the fused ops.
 FUSED_DOMAIN = "ai.asyncinfer"
@@ -266,7 +266,6 @@ class ReshapedGemm(Gemm):
         return y
 
 
-
 @register("ReshapeTranspose", versions=(1,), domain=FUSED_DOMAIN)
 class ReshapeTranspose(Op):
     """``Transpose(Reshape(X, shape), perm)``: how exporters split attention heads (``(batch,
@@ -280,7 +279,4 @@ class ReshapeTranspose(Op):
 
     def run(self, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
         y = reshape_to(self, np.asarray(x), int_list(shape), bool(self.attr("allowzero", 0)))
-        perm = self.attr("perm", None)
-        if perm is not None and sorted(normalize_axes(self, perm, y.ndim)) != list(range(y.ndim)):
-            raise op_error(self, f"perm {perm} is not a permutation of rank {y.ndim}")
-        return np.transpose(y, perm)
+        return transpose_by(self, y, self.attr("perm", None))

@@ -177,11 +177,15 @@ class Expand(Op):
 @register("Transpose", versions=(1, 13, 21, 23, 24, 25))
 class Transpose(Op):
     def run(self, data: Array) -> Array:
-        data = np.asarray(data)
-        perm = self.attr("perm", None)
-        if perm is not None and sorted(normalize_axes(self, perm, data.ndim)) != list(range(data.ndim)):
-            raise op_error(self, f"perm {perm} is not a permutation of rank {data.ndim}")
-        return np.transpose(data, perm)
+        return transpose_by(self, np.asarray(data), self.attr("perm", None))
+
+
+def transpose_by(op: Op, data: Array, perm: Sequence[int] | None) -> Array:
+    """``data`` with its axes permuted as ONNX's Transpose does it (``perm`` None: reversed); a
+    ``perm`` that is not a permutation of its axes is an error naming ``op``'s layer."""
+    if perm is not None and sorted(normalize_axes(op, perm, data.ndim)) != list(range(data.ndim)):
+        raise op_error(op, f"perm {perm} is not a permutation of rank {data.ndim}")
+    return np.transpose(data, perm)
 
 
 @register("Concat", versions=(1, 4, 11, 13))
