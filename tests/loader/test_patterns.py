@@ -483,24 +483,6 @@ def test_a_flattened_input_read_elsewhere_keeps_its_reshape():
     np.testing.assert_array_equal(got["a"], expected[1])
 
 
-def test_a_fused_reshape_that_cannot_apply_is_an_error_naming_the_layer():
-    """The target of the last Reshape fed at run time (an untrusted request): a wrong one fails
-    the run with an ExecutionError naming the fused layer, and the worker stays usable."""
-    proto = _projection_model()
-    node = proto.graph.node[-1]
-    node.input[1] = "target"
-    proto.graph.input.append(tensor_info("target", [3], onnx.TensorProto.INT64))
-    model = ai.load_model(proto)
-    assert [l.op_type for l in model.layers] == ["ReshapedGemm"]
-    x = RNG.standard_normal((2, 5, C)).astype(np.float32)
-    with ai.Worker(model, "cpu") as worker:
-        with pytest.raises(ai.ExecutionError, match="cannot reshape"):
-            worker.run_blocking({"x": x, "target": np.array([7, 5, N_OUT], np.int64)})
-        good = worker.run_blocking({"x": x, "target": np.array([2, 5, N_OUT], np.int64)})["y"]
-    expected = ReferenceEvaluator(proto).run(None, {"x": x, "target": np.array([2, 5, N_OUT], np.int64)})[0]
-    np.testing.assert_allclose(good, expected, rtol=1e-5, atol=1e-5)
-
-
 def test_projection_on_gpu_pixel_runs_the_layers_it_replaced_there():
     require_pixel()
     proto = _projection_model(activation="Relu")
@@ -556,15 +538,24 @@ def test_head_split_whose_reshape_shape_reads_keeps_the_reshape_for_it():
     np.testing.assert_array_equal(got["s"], expected[1])
 
 
-def test_head_split_that_cannot_reshape_is_an_error_naming_the_layer():
-    proto = _head_split_model()
-    proto.graph.node[0].input[1] = "target"
-    proto.graph.input.append(tensor_info("target", [4], onnx.TensorProto.INT64))
+@pytest.mark.parametrize("build,node,fused,bad,good", [
+    (_projection_model, -1, "ReshapedGemm", [7, 5, N_OUT], [2, 5, N_OUT]),
+    (_head_split_model, 0, "ReshapeTranspose", [2, 5, 3, 3], [2, 5, 2, C // 2]),
+])
+def test_a_fused_reshape_that_cannot_apply_is_an_error_naming_the_layer(build, node, fused, bad, good):
+    """A fused Reshape's target fed at run time (an untrusted request): a wrong one fails the run
+    with an ExecutionError naming the fused layer; the worker stays usable, and a right one gives
+    the definition's result."""
+    proto = build()
+    proto.graph.node[node].input[1] = "target"
+    proto.graph.input.append(tensor_info("target", [len(good)], onnx.TensorProto.INT64))
     model = ai.load_model(proto)
-    assert [l.op_type for l in model.layers] == ["ReshapeTranspose"]
+    assert [l.op_type for l in model.layers] == [fused]
     x = RNG.standard_normal((2, 5, C)).astype(np.float32)
     with ai.Worker(model, "cpu") as worker:
-        with pytest.raises(ai.ExecutionError, match="cannot reshape"):
-            worker.run_blocking({"x": x, "target": np.array([2, 5, 3, 3], np.int64)})
-        good = worker.run_blocking({"x": x, "target": np.array([2, 5, 2, C // 2], np.int64)})["y"]
-    assert good.shape == (2, 2, 5, C // 2)
+        with pytest.raises(ai.ExecutionError, match="cannot reshape") as failure:
+            worker.run_blocking({"x": x, "target": np.array(bad, np.int64)})
+        assert model.layers[0].name in str(failure.value)
+        got = worker.run_blocking({"x": x, "target": np.array(good, np.int64)})["y"]
+    expected = ReferenceEvaluator(proto).run(None, {"x": x, "target": np.array(good, np.int64)})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
