@@ -14,7 +14,7 @@ from ..concurrency import parallel
 from .base import Op
 from .compiled.attention import attention_heads, head_arguments, masked_attention
 from .compiled.normalization import softmax_rows
-from .linalg import Gemm, matmul
+from .linalg import Gemm, constant_panels, matmul
 from .registry import register
 from .shape import int_list, op_error, reshape_to, transpose_by
 
@@ -256,14 +256,40 @@ class ReshapedGemm(Gemm):
 
     value_inputs = (3, 4)  # the Reshapes' targets
 
+    def check(self) -> None:
+        super().check()
+        # The last plain run (see `_remember`): the same operands again take the short way.
+        self._known: tuple | None = None
+
     def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None, a_shape: np.ndarray | None = None,
             y_shape: np.ndarray | None = None) -> np.ndarray:
-        if a_shape is not None:
-            a = reshape_to(self, np.asarray(a), int_list(a_shape), bool(self.attr("a_allowzero", 0)))
-        y = Gemm.run(self, a, b, c)
+        known = self._known
+        if (known is not None and a.shape == known[0] and a.dtype == known[1] and b is known[2]
+                and c is known[3] and a_shape is known[4] and y_shape is known[5]):
+            flat = a.reshape(known[6])
+            y = matmul(flat, b, known[8], constant_panels(self, flat, b, 1))
+            return y if known[7] is None else y.reshape(known[7])
+        x = a if a_shape is None else reshape_to(self, np.asarray(a), int_list(a_shape),
+                                                 bool(self.attr("a_allowzero", 0)))
+        y = Gemm.run(self, x, b, c)
         if y_shape is not None:
             y = reshape_to(self, y, int_list(y_shape), bool(self.attr("y_allowzero", 0)))
+        self._remember(a, b, c, a_shape, y_shape, x, y)
         return y
+
+    def _remember(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None, a_shape: np.ndarray | None,
+                  y_shape: np.ndarray | None, x: np.ndarray, y: np.ndarray) -> None:
+        """Keep this run's operands and shapes when it was the plain case (no transposes, alpha
+        and beta 1, a bias row, one float type): a decode step runs each projection with the same
+        weights, the same bias and the same (precomputed) targets every step, and 5-10 µs of
+        Python a call (parsing targets, types, checks) are then an identity test. The short way
+        calls `matmul` as `Gemm.run` would, so the bits are the same."""
+        if (self.trans_a or self.trans_b or self.alpha != 1.0 or self.beta != 1.0 or c is None or x.ndim != 2
+                or b.ndim != 2 or not a.dtype == b.dtype == c.dtype == y.dtype
+                or a.dtype not in (np.float32, np.float64) or c.size != b.shape[1] or c.shape[-1:] != b.shape[1:]):
+            return
+        self._known = (a.shape, a.dtype, b, c, a_shape, y_shape, x.shape, None if y_shape is None else y.shape,
+                       np.ascontiguousarray(c.reshape(-1)))
 
 
 @register("ReshapeTranspose", versions=(1,), domain=FUSED_DOMAIN)

@@ -559,3 +559,16 @@ def test_a_fused_reshape_that_cannot_apply_is_an_error_naming_the_layer(build, n
         got = worker.run_blocking({"x": x, "target": np.array(good, np.int64)})["y"]
     expected = ReferenceEvaluator(proto).run(None, {"x": x, "target": np.array(good, np.int64)})[0]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_repeated_projections_take_the_short_way_with_the_same_bits():
+    """A ReshapedGemm keeps its last plain run's operands (`ReshapedGemm._remember`): runs with the
+    same ones skip the parsing, others (a new batch size, new targets) take the full way again;
+    every result has the bits of the unfused layers."""
+    proto = _projection_model(dynamic_after=True)
+    fused, plain = ai.load_model(proto), ai.load_model(proto, optimize=False)
+    assert "ReshapedGemm" in [l.op_type for l in fused.layers]
+    xs = [RNG.standard_normal((batch, 5, C)).astype(np.float32) for batch in (2, 2, 3, 2, 3, 3)]
+    with ai.Worker(fused, "cpu") as fast, ai.Worker(plain, "cpu") as slow:
+        for x in xs:
+            np.testing.assert_array_equal(fast.run_blocking(x)["y"], slow.run_blocking(x)["y"])
