@@ -475,6 +475,10 @@ def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], dict[
     chain += [product, transpose]
     inputs = [product.inputs[0], transpose.inputs[0], out.inputs[1], scale, keep, fill, bias]
     attrs = {"scale_divides": int(divides)}
+    merge = g.only_consumer(out.outputs[0], "Transpose")
+    if merge is not None and "perm" in merge.attrs:  # the heads' merge (B, H, S, D) -> (B, S, H, D)
+        attrs["out_perm"] = [int(p) for p in merge.attrs["perm"]]
+        chain.append(merge)
     repeats = [_head_repeat(g, name) for name in (transpose.inputs[0], out.inputs[1])]
     if all(repeats):  # grouped-query attention: take K and V before their heads are repeated
         for (source, expand, shape, allowzero, layers), slot, key in zip(repeats, (1, 2), ("k", "v")):  # type: ignore[misc]

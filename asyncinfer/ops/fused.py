@@ -42,6 +42,9 @@ class MaskedAttention(Op):
     those shapes repeat heads (``(B, Hkv, T, D)`` → ``(B, Hkv·g, T, D)``) the heads are shared,
     never copied; any other shapes are applied as the three ops would.
 
+    Attribute ``out_perm``: the ``Transpose`` that merges the heads back (``(B, H, S, D)`` →
+    ``(B, S, H, D)``), when it is the attention's only reader, is applied to the result (a view).
+
     Float32 Q, K and V of shape ``(B, H, S, D)`` (a decode step's) run in one compiled pass per
     query row (``compiled/attention.py``); its dot products are SIMD partial sums, so it differs
     from the unfused layers by rounding alone. Other shapes take the unfused layers' arithmetic
@@ -59,11 +62,17 @@ class MaskedAttention(Op):
             self.unsupported("keep without fill, or a head repeat's Expand shape without its Reshape's")
         self.divides = bool(int(self.attr("scale_divides", 1)))
         self.allowzero = (bool(int(self.attr("k_allowzero", 0))), bool(int(self.attr("v_allowzero", 0))))
+        perm = self.attr("out_perm", None)
+        self.out_perm = None if perm is None else [int(p) for p in perm]
 
-    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None = None,
-            keep: np.ndarray | None = None, fill: np.ndarray | None = None, bias: np.ndarray | None = None,
-            k_expand: np.ndarray | None = None, k_shape: np.ndarray | None = None,
-            v_expand: np.ndarray | None = None, v_shape: np.ndarray | None = None) -> np.ndarray:
+    def run(self, *inputs: np.ndarray | None) -> np.ndarray:
+        y = self._attend(*inputs)
+        return y if self.out_perm is None else transpose_by(self, y, self.out_perm)
+
+    def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None = None,
+                keep: np.ndarray | None = None, fill: np.ndarray | None = None, bias: np.ndarray | None = None,
+                k_expand: np.ndarray | None = None, k_shape: np.ndarray | None = None,
+                v_expand: np.ndarray | None = None, v_shape: np.ndarray | None = None) -> np.ndarray:
         out_dtype = q.dtype
         if q.dtype.kind != "f" or k.dtype != q.dtype or v.dtype != q.dtype:
             raise op_error(self, f"Q, K and V must be of one float type, got {q.dtype}, {k.dtype}, {v.dtype}")

@@ -259,6 +259,26 @@ def test_decoder_attention_in_float16_computes_in_float32_and_rounds_once():
     np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("read_elsewhere", [False, True])
+def test_the_heads_merge_after_attention_goes_into_it_when_it_is_the_only_reader(read_elsewhere):
+    """``Transpose(attention, [0, 2, 1, 3])`` (the heads merged back) becomes the fused layer's
+    ``out_perm`` when nothing else reads the attention; else the Transpose stays a layer."""
+    proto = _attention_model(extra_outputs=("o",) if read_elsewhere else ())
+    proto.graph.node[-1].output[0] = "o"
+    proto.graph.node.append(helper.make_node("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3]))
+    proto.graph.output[0].CopyFrom(tensor_info("y", [B, S, H, D]))
+    model = ai.load_model(proto)
+    kinds = [l.op_type for l in model.layers]
+    assert kinds == (["MaskedAttention", "Transpose"] if read_elsewhere else ["MaskedAttention"])
+    assert [l.op_type for l in model.layers[0].expansion][-1] == ("MatMul" if read_elsewhere else "Transpose")
+    feeds = _attention_feeds()
+    expected = ReferenceEvaluator(proto).run(None, feeds)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)
+    np.testing.assert_allclose(got["y"], expected[0], rtol=1e-5, atol=1e-5)
+    assert got["y"].shape == (B, S, H, D)
+
+
 def test_attention_whose_scores_are_also_an_output_is_left_alone():
     model = ai.load_model(_attention_model(extra_outputs=("s1",)))
     assert model.optimizations["fuse_attention"] == 0
