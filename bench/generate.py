@@ -22,11 +22,13 @@ ticker on the event loop meanwhile (p50/p99/max). asyncinfer's tokens are timed 
 loop receives them; the threaded engines', when their thread makes them (a small model's tokens
 can outrun the loop). Greedy tokens are checked identical across
 engines, and each of asyncinfer's 8 concurrent streams identical to its solo run, before any ratio
-is reported (a ratio over different tokens would be meaningless). The rounds run with the heap
+is reported (a ratio over different tokens would be meaningless). A round runs every engine's
+solo stream back to back, then every engine's concurrent streams, the order rotating each round;
+a ratio is the median of the rounds' own ratios (see ``ratios``). The rounds run with the heap
 frozen (`common.frozen_heap`): a full garbage collection (50-60 ms once a GPT-2 worker is
 loaded) would otherwise land in some engine's loop-lag maximum by chance.
 
-    python3 bench/generate.py [--models gpt2 llama] [--tokens 64] [--rounds 3]
+    python3 bench/generate.py [--models gpt2 llama] [--tokens 64] [--rounds 5]
 """
 from __future__ import annotations
 
@@ -57,6 +59,7 @@ from bench.overhead import _ticker
 ENGINES = ("asyncinfer", "ort_iobinding", "ort_genai")
 TICK_S = 0.001
 STREAMS = 8
+ROUNDS = 5  # odd: the median is one round's figure
 #: genai's model type for both files: "llama" reads the transformers names; with "gpt2", genai 0.18
 #: fails on our GPT-2 file with "Model input was not found: " (an empty input name).
 GENAI_TYPE = "llama"
@@ -322,8 +325,8 @@ def summarize_solo(runs: Sequence[StreamTiming]) -> dict[str, Any]:
     """Medians over the rounds of one stream alone: time to first token, per-token time, tokens/s
     (``tokens_per_s``: every token over request-to-last-token; ``decode_tokens_per_s``: after the first)."""
     per_token = statistics.median(r.per_token_ms for r in runs)
-    return {"ttft_ms": statistics.median(r.ttft_ms for r in runs), "per_token_ms": per_token,
-            "per_token_ms_rounds": [r.per_token_ms for r in runs],
+    return {"ttft_ms": statistics.median(r.ttft_ms for r in runs), "ttft_ms_rounds": [r.ttft_ms for r in runs],
+            "per_token_ms": per_token, "per_token_ms_rounds": [r.per_token_ms for r in runs],
             "tokens_per_s": statistics.median(len(r.tokens) / (r.end - r.start) for r in runs),
             "decode_tokens_per_s": 1e3 / per_token}
 
@@ -530,7 +533,7 @@ def _engines(d: Decoder, folder: Path, threads: int, streams: int, skip: Sequenc
     return engines, why
 
 
-async def measure_async(d: Decoder, *, tokens: int = 64, streams: int = STREAMS, rounds: int = 3,
+async def measure_async(d: Decoder, *, tokens: int = 64, streams: int = STREAMS, rounds: int = ROUNDS,
                         threads: int | None = None, skip: Sequence[str] = ()) -> dict[str, Any]:
     """Every engine on decoder ``d``: tokens checked first, then ``rounds`` alternating rounds of
     one stream and of ``streams`` concurrent ones (see the module docstring)."""
@@ -554,9 +557,13 @@ async def measure_async(d: Decoder, *, tokens: int = 64, streams: int = STREAMS,
         with common.frozen_heap():
             for round_ in range(rounds):
                 shift = round_ % len(names)  # rotate the order: no engine always runs right after another
-                for name in names[shift:] + names[:shift]:
+                order = names[shift:] + names[:shift]
+                # A round's solo runs back to back, then its concurrent ones: the engines compared
+                # in one round ran seconds apart, under the same state of a shared machine
+                for name in order:
                     await asyncio.sleep(common.SETTLE_S)
                     solo[name].append(await engines[name].solo(batch[0], tokens))
+                for name in order:
                     await asyncio.sleep(common.SETTLE_S)
                     streams_run, block_lags = await _with_ticker(lambda: engines[name].concurrent(batch, tokens))
                     together[name].append(streams_run)
@@ -586,22 +593,31 @@ async def measure_async(d: Decoder, *, tokens: int = 64, streams: int = STREAMS,
 def ratios(engines: dict[str, Any], identical: dict[str, bool], streams: int) -> dict[str, dict[str, float | None]]:
     """asyncinfer / each other engine: per-token time and time to first token of one stream,
     aggregate tokens/s of ``streams``; None where either engine's tokens were not the reference's
-    (a ratio over different tokens means nothing)."""
+    (a ratio over different tokens means nothing).
+
+    Each is the median over the rounds of the round's own ratio: the engines of one round ran
+    seconds apart, so a shared machine's slow and fast spells (this VM's speed switches between
+    two levels about 25% apart, for every engine alike) cancel within a round instead of landing
+    in one engine's median. The ratio of the medians is kept as ``<figure>_of_medians``."""
     ours = engines["asyncinfer"]
     out: dict[str, dict[str, float | None]] = {}
     for name, theirs in engines.items():
         if name == "asyncinfer":
             continue
         trusted = identical["asyncinfer"] and identical[name]
-        pairs = {"per_token": (ours["one_stream"]["per_token_ms"], theirs["one_stream"]["per_token_ms"]),
-                 "ttft": (ours["one_stream"]["ttft_ms"], theirs["one_stream"]["ttft_ms"]),
-                 "aggregate_tokens_per_s": (ours[f"{streams}_streams"]["aggregate_tokens_per_s"],
-                                            theirs[f"{streams}_streams"]["aggregate_tokens_per_s"])}
-        out[name] = {key: a / b if trusted else None for key, (a, b) in pairs.items()}
+        figures = {"per_token": ("one_stream", "per_token_ms"), "ttft": ("one_stream", "ttft_ms"),
+                   "aggregate_tokens_per_s": (f"{streams}_streams", "aggregate_tokens_per_s")}
+        out[name] = {}
+        for key, (block, figure) in figures.items():
+            a, b = ours[block], theirs[block]
+            paired = [x / y for x, y in zip(a.get(f"{figure}_rounds", [a[figure]]),
+                                            b.get(f"{figure}_rounds", [b[figure]]))]
+            out[name][key] = statistics.median(paired) if trusted else None
+            out[name][f"{key}_of_medians"] = a[figure] / b[figure] if trusted else None
     return out
 
 
-def run(models: Sequence[str] = ("gpt2", "llama"), *, tokens: int = 64, streams: int = STREAMS, rounds: int = 3,
+def run(models: Sequence[str] = ("gpt2", "llama"), *, tokens: int = 64, streams: int = STREAMS, rounds: int = ROUNDS,
         small: bool = False, threads: int | None = None, skip: Sequence[str] = (),
         verbose: bool = True) -> dict[str, Any]:
     """Measure each decoder named (``small``: the few-layer variants of the quick profile)."""
@@ -643,8 +659,11 @@ def print_report(result: dict[str, Any]) -> None:
             print(f"{model}: 1-minute load average {r['load_average'][0]:.2f} before, {r['load_average'][1]:.2f} after "
                   f"(on {os.cpu_count()} cores)")
         for engine, ratio in r.get("ratios", {}).items():
-            cells = ", ".join(f"{k} {common.fmt(v) if v is not None else '- (tokens differ)'}" for k, v in ratio.items())
-            print(f"{model}: asyncinfer / {engine}: {cells}")
+            cells = ", ".join(f"{k} {common.fmt(v) if v is not None else '- (tokens differ)'}" for k, v in ratio.items()
+                              if not k.endswith("_of_medians"))
+            print(f"{model}: asyncinfer / {engine}, median of the rounds' ratios: {cells}")
+            if (of_medians := ratio.get("per_token_of_medians")) is not None:
+                print(f"{model}: asyncinfer / {engine}, per_token as the ratio of the medians: {common.fmt(of_medians)}")
 
 
 # -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
@@ -680,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["gpt2", "llama"], help="decoders (default: gpt2 llama)")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per stream (default 64)")
     parser.add_argument("--streams", type=int, default=STREAMS, help=f"concurrent streams (default {STREAMS})")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per engine, alternating (default 3)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds, engines alternating (default {ROUNDS})")
     parser.add_argument("--small", action="store_true", help="the small few-layer decoders (a smoke run)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["ort_genai"], help="engines to leave out")
     common.add_engine_args(parser, "generate.json")

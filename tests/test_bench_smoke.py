@@ -504,8 +504,34 @@ def test_generate_floors_and_unequal_tokens_void_the_ratios():
     fast = {"one_stream": {"per_token_ms": 10.0, "ttft_ms": 25.0}, "8_streams": {"aggregate_tokens_per_s": 400.0}}
     engines = {"asyncinfer": engine, "ort_iobinding": fast, "ort_genai": fast}
     got = generate.ratios(engines, {"asyncinfer": True, "ort_iobinding": True, "ort_genai": False}, 8)
-    assert got["ort_iobinding"] == {"per_token": 2.0, "ttft": 2.0, "aggregate_tokens_per_s": 0.5}
-    assert got["ort_genai"] == {"per_token": None, "ttft": None, "aggregate_tokens_per_s": None}
+    assert got["ort_iobinding"] == {"per_token": 2.0, "ttft": 2.0, "aggregate_tokens_per_s": 0.5,
+                                    "per_token_of_medians": 2.0, "ttft_of_medians": 2.0,
+                                    "aggregate_tokens_per_s_of_medians": 0.5}
+    assert set(got["ort_genai"].values()) == {None}
+
+
+def test_generate_ratios_pair_each_round():
+    """A ratio is the median of the rounds' own ratios: a slow spell of the machine that hits both
+    engines in one round cancels, where the ratio of the medians would mix rounds."""
+    from bench import generate
+
+    def engine(per_token: list[float]) -> dict:
+        return {"one_stream": {"per_token_ms": sorted(per_token)[1], "per_token_ms_rounds": per_token,
+                               "ttft_ms": 1.0},
+                "8_streams": {"aggregate_tokens_per_s": 1.0}}
+
+    # round 2 ran slow for both; ours is 1.1x theirs in every round
+    ours, theirs = engine([11.0, 22.0, 13.2]), engine([10.0, 20.0, 12.0])
+    got = generate.ratios({"asyncinfer": ours, "ort_iobinding": theirs}, {"asyncinfer": True, "ort_iobinding": True},
+                          8)["ort_iobinding"]
+    assert got["per_token"] == pytest.approx(1.1)
+    assert got["per_token_of_medians"] == pytest.approx(13.2 / 12.0)
+    # pairing is by round: the same times in another order give other ratios
+    shuffled = engine([13.2, 11.0, 22.0])
+    got = generate.ratios({"asyncinfer": shuffled, "ort_iobinding": theirs},
+                          {"asyncinfer": True, "ort_iobinding": True}, 8)["ort_iobinding"]
+    assert got["per_token"] == pytest.approx(1.32)  # 1.32, 0.55, 1.83: the median
+    assert got["per_token_of_medians"] == pytest.approx(13.2 / 12.0)
 
 
 # -- serving_load: asyncinfer serve vs ORT behind FastAPI, over HTTP ---------------------------------
