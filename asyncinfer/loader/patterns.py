@@ -29,7 +29,7 @@ import numpy as np
 from .. import ops
 from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
-from ..ops.fused import FUSED_DOMAIN
+from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
 CONSTANT_RTOL = 1e-5
@@ -37,6 +37,7 @@ CONSTANT_RTOL = 1e-5
 GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("RMSNormalization", 23), ("Swish", 24)
 MASKED_ATTENTION, ROTARY_HALF = ("MaskedAttention", 1), ("RotaryHalfEmbedding", 1)  # in FUSED_DOMAIN
 RESHAPED_GEMM, RESHAPE_TRANSPOSE = ("ReshapedGemm", 1), ("ReshapeTranspose", 1)  # in FUSED_DOMAIN
+SPLIT_HEADS = ("SplitHeads", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -653,23 +654,102 @@ def _reshape_after(g: _Graph, gemm: Layer) -> Layer | None:
 def fuse_reshape_transposes(model: Model) -> int:
     """``Transpose(Reshape(x, shape))`` → ``ReshapeTranspose`` (``ops/fused.py``): the head split of
     exported attention, for each of Q, K and V. Runs after ``fuse_attention`` (whose pattern
-    starts at the Transpose of K) and keeps the two layers as the expansion. The Reshape is taken
-    when the Transpose is the only reader of its result besides ``Shape`` layers (which keep it)."""
+    starts at the Transpose of K) and keeps the layers as the expansion. The Reshape is taken
+    when the Transpose is the only reader of its result besides ``Shape`` layers (which keep it).
+    A KV cache's ``Concat(past, heads)`` that is the only reader of the result goes in too (see
+    `_cache_append`)."""
     g, count = _Graph(model), 0
     for transpose in g.candidates("Transpose"):
         reshape = _reshape_feeding(g, transpose)
         if reshape is None:
             continue
-        attrs = {"allowzero": int(reshape.attrs.get("allowzero", 0))}
+        attrs: dict[str, object] = {"allowzero": int(reshape.attrs.get("allowzero", 0))}
         if "perm" in transpose.attrs:
             attrs["perm"] = [int(p) for p in transpose.attrs["perm"]]
-        fused = Layer(name=transpose.name, op_type=RESHAPE_TRANSPOSE[0], inputs=list(reshape.inputs),
-                      outputs=[transpose.outputs[0]], attrs=attrs, domain=FUSED_DOMAIN,
-                      version=RESHAPE_TRANSPOSE[1], expansion=[replace(reshape), replace(transpose)])
-        g.replace(_taking(g, [reshape, transpose], reshape), transpose, fused)
+        pattern, inputs = [reshape, transpose], list(reshape.inputs)
+        concat = _cache_append(g, transpose.outputs[0])
+        if concat is not None:
+            pattern.append(concat)
+            inputs.append(concat.inputs[0])
+            attrs["append_axis"] = int(concat.attrs.get("axis", 0))
+        fused = Layer(name=transpose.name, op_type=RESHAPE_TRANSPOSE[0], inputs=inputs,
+                      outputs=[pattern[-1].outputs[0]], attrs=attrs, domain=FUSED_DOMAIN,
+                      version=RESHAPE_TRANSPOSE[1], expansion=[replace(layer) for layer in pattern])
+        g.replace(_taking(g, pattern, reshape), pattern[-1], fused)
         count += 1
     g.commit()
     return count
+
+
+def _cache_append(g: _Graph, name: str) -> Layer | None:
+    """The ``Concat(past, name)`` growing a KV cache (a graph input, into a graph output: what
+    ``optimize.mark_cache_appends`` marks) when it is the only reader of ``name``."""
+    concat = g.only_consumer(name, "Concat")
+    graph_inputs = {i.name for i in g.model.inputs}
+    graph_outputs = {o.name for o in g.model.outputs}
+    if (concat is None or "axis" not in concat.attrs or concat.inputs[1:] != [name]
+            or concat.inputs[0] not in graph_inputs or concat.outputs[0] not in graph_outputs):
+        return None
+    return concat
+
+
+def fuse_split_heads(model: Model) -> int:
+    """``Split`` whose every part is read by a ``ReshapeTranspose`` alone → ``SplitHeads``
+    (``ops/fused.py``): GPT-2-style attention's fused Q/K/V projection split into Q, K and V heads
+    (K and V appended to their caches), six layers of a block in one. Runs after
+    ``fuse_reshape_transposes`` and keeps the Split and the ReshapeTransposes as the expansion.
+
+    Taken when each part's Transpose has an explicit ``perm`` of one rank, and the fused layer,
+    in the place of the pattern's last layer, still comes before every reader of its outputs.
+    ``Shape`` layers may read the parts too: the Split then stays for them."""
+    g, count = _Graph(model), 0
+    order = {id(layer): i for i, layer in enumerate(model.layers)}
+    for split in g.candidates("Split"):
+        parts = [_heads_reading(g, name) for name in split.outputs]
+        if not 1 <= len(parts) <= SPLIT_HEADS_PARTS or any(p is None for p in parts):
+            continue
+        heads: list[Layer] = parts  # type: ignore[assignment]
+        perms = [h.attrs.get("perm") for h in heads]
+        if any(p is None or len(p) != len(perms[0]) for p in perms):  # type: ignore[arg-type]
+            continue
+        pattern = [split, *heads]
+        last = max(pattern, key=lambda layer: order[id(layer)])
+        if any(order[id(reader)] <= order[id(last)] for h in heads for reader in g.consumers.get(h.outputs[0], [])):
+            continue  # (a reader between the parts: the fused layer would come after it)
+        pasts = [(h.inputs + ["", ""])[2] for h in heads]
+        fill = [""] * (SPLIT_HEADS_PARTS - len(heads))
+        inputs = [split.inputs[0], (split.inputs + [""])[1],
+                  *[h.inputs[1] for h in heads], *fill, *pasts, *fill]
+        while inputs[-1] == "":
+            inputs.pop()
+        attrs: dict[str, object] = {"axis": int(split.attrs.get("axis", 0)), "perm_rank": len(perms[0]),  # type: ignore[arg-type]
+                                    "perms": [int(p) for perm in perms for p in perm],  # type: ignore[union-attr]
+                                    "allowzero": [int(h.attrs.get("allowzero", 0)) for h in heads],
+                                    "append_axes": [int(h.attrs.get("append_axis", 0)) for h in heads]}
+        if split.version < 13 and "split" in split.attrs:
+            attrs["split"] = [int(s) for s in split.attrs["split"]]
+        fused = Layer(name=split.name, op_type=SPLIT_HEADS[0], inputs=inputs, outputs=[h.outputs[0] for h in heads],
+                      attrs=attrs, domain=FUSED_DOMAIN, version=SPLIT_HEADS[1],
+                      expansion=[replace(layer) for layer in sorted(pattern, key=lambda layer: order[id(layer)])])
+        # A Split whose parts Shape layers read stays for them (runs of known shapes skip it, see
+        # ``Plan.with_precomputed``); the fused layer takes a ReshapeTranspose's place (the last).
+        shape_read = any(len(g.consumers.get(name, ())) > 1 for name in split.outputs)
+        g.replace(heads if shape_read else pattern, last, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _heads_reading(g: _Graph, name: str) -> Layer | None:
+    """The ``ReshapeTranspose`` that alone reads ``name`` (as its data), ``Shape`` layers aside."""
+    users = [u for u in g.consumers.get(name, []) if u.op_type not in SHAPE_READERS]
+    if not name or name in g.pinned or len(users) != 1:
+        return None
+    layer = users[0]
+    if (id(layer) in g.removed or layer.domain != FUSED_DOMAIN or layer.op_type != RESHAPE_TRANSPOSE[0]
+            or layer.inputs[0] != name or layer.inputs[1:].count(name)):
+        return None
+    return layer
 
 
 #: The fusions, in the order ``optimize`` runs them (before ``fuse_activations``).

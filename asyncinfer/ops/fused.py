@@ -12,11 +12,12 @@ import numpy as np
 
 from ..concurrency import parallel
 from .base import Op
+from .cache_append import concat_growing
 from .compiled.attention import attention_heads, head_arguments, masked_attention
 from .compiled.normalization import softmax_rows
 from .linalg import Gemm, constant_panels, matmul
 from .registry import register
-from .shape import int_list, op_error, reshape_to, transpose_by
+from .shape import int_list, normalize_axis, op_error, reshape_to, split_views, transpose_by
 
 #: The domain of the fused ops.
 FUSED_DOMAIN = "ai.asyncinfer"
@@ -304,14 +305,72 @@ class ReshapedGemm(Gemm):
 @register("ReshapeTranspose", versions=(1,), domain=FUSED_DOMAIN)
 class ReshapeTranspose(Op):
     """``Transpose(Reshape(X, shape), perm)``: how exporters split attention heads (``(batch,
-    sequence, heads · size)`` → ``(batch, heads, sequence, size)``), three times a transformer block.
+    sequence, heads · size)`` → ``(batch, heads, sequence, size)``), three times a transformer block;
+    with input ``past``, ``Concat(past, that, axis=append_axis)`` too: the KV cache of a decoder
+    with past growing by the step's keys or values.
 
-    Inputs ``X`` and ``shape``; attributes ``perm`` (the Transpose's, absent: reverse the axes)
-    and ``allowzero`` (the Reshape's). Both are NumPy views where the layers' were (or a copy where
-    the Reshape made one), so the result is the two layers' own."""
+    Inputs ``X``, ``shape`` and ``past`` (optional); attributes ``perm`` (the Transpose's, absent:
+    reverse the axes), ``allowzero`` (the Reshape's) and ``append_axis`` (the Concat's). The
+    Reshape and Transpose are NumPy views where the layers' were (or a copy where the Reshape made
+    one), and the Concat appends in place as a cache's Concat does (``ops/cache_append.py``), so
+    the result is the layers' own."""
 
     value_inputs = (1,)  # the Reshape's target
 
-    def run(self, x: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    def run(self, x: np.ndarray, shape: np.ndarray, past: np.ndarray | None = None) -> np.ndarray:
         y = reshape_to(self, np.asarray(x), int_list(shape), bool(self.attr("allowzero", 0)))
-        return transpose_by(self, y, self.attr("perm", None))
+        y = transpose_by(self, y, self.attr("perm", None))
+        return y if past is None else _append(self, past, y, self.attr("append_axis"))
+
+
+#: The most parts a `SplitHeads` takes (Q, K and V, and one to spare): its inputs sit in fixed slots.
+SPLIT_HEADS_PARTS = 4
+
+
+@register("SplitHeads", versions=(1,), domain=FUSED_DOMAIN)
+class SplitHeads(Op):
+    """``Split(X)`` with each part made a `ReshapeTranspose` (each with or without its cache
+    append): the fused Q/K/V projection of GPT-2-style attention split into heads, and K and V
+    appended to the cache, in one layer (six of a block before).
+
+    Inputs, in fixed slots: ``X`` (0), the Split's ``split`` sizes (1, optional), the parts'
+    Reshape targets (2 to 5, one a part) and their caches (6 to 9, optional; "" where none).
+    Attributes: the Split's ``axis`` and ``split`` (sizes given as an attribute, opsets < 13);
+    per part, lists: ``perms`` (the Transposes', concatenated, each ``perm_rank`` long),
+    ``allowzero`` (the Reshapes') and ``append_axes`` (the Concats'; unused without a cache).
+    Each part's arithmetic is `split_views`, then `ReshapeTranspose`'s, so the outputs are the
+    layers' own."""
+
+    value_inputs = (1, 2, 3, 4, 5)  # the sizes and the Reshapes' targets
+
+    def check(self) -> None:
+        n = len(self.layer.outputs)
+        names = list(self.layer.inputs) + [""] * (2 + 2 * SPLIT_HEADS_PARTS)
+        if not 1 <= n <= SPLIT_HEADS_PARTS or not all(names[2:2 + n]):
+            self.unsupported(f"{n} parts, each with its Reshape target, at most {SPLIT_HEADS_PARTS}")
+        rank = int(self.attr("perm_rank"))
+        perms = [int(p) for p in self.attr("perms")]
+        if len(perms) != n * rank or len(self.attr("allowzero")) != n or len(self.attr("append_axes")) != n:
+            self.unsupported(f"per-part attributes of {n} parts expected")
+        self.perms = [perms[i * rank:(i + 1) * rank] for i in range(n)]
+        self.allowzero = [bool(int(a)) for a in self.attr("allowzero")]
+        self.append_axes = [int(a) for a in self.attr("append_axes")]
+
+    def run(self, x: np.ndarray, split: np.ndarray | None = None, *rest: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        sizes = int_list(split) if split is not None else None
+        if sizes is None and "split" in self.attrs:
+            sizes = int_list(self.attrs["split"])
+        n = len(self.perms)
+        rest = rest + (None,) * (2 * SPLIT_HEADS_PARTS - len(rest))
+        shapes, pasts = rest[:SPLIT_HEADS_PARTS], rest[SPLIT_HEADS_PARTS:]
+        outputs = []
+        for i, part in enumerate(split_views(self, np.asarray(x), int(self.attr("axis")), sizes, n)):
+            y = transpose_by(self, reshape_to(self, part, int_list(shapes[i]), self.allowzero[i]), self.perms[i])
+            outputs.append(y if pasts[i] is None else _append(self, pasts[i], y, self.append_axes[i]))
+        return tuple(outputs)
+
+
+def _append(op: Op, past: np.ndarray, new: np.ndarray, axis: int) -> np.ndarray:
+    """``Concat(past, new, axis)`` of a KV cache, in place where it can be (``ops/cache_append.py``)."""
+    past = np.asarray(past)
+    return concat_growing([past, new], normalize_axis(op, axis, past.ndim))

@@ -208,21 +208,26 @@ class Split(Op):
             self.unsupported(f"num_outputs={n} with {len(self.layer.outputs)} outputs")
 
     def run(self, data: Array, split: MaybeArray = None) -> tuple[Array, ...]:
-        data = np.asarray(data)
-        axis = normalize_axis(self, self.attr("axis", 0), data.ndim)
-        dim = data.shape[axis]
         # Sizes: an input from opset 13 on; an attribute before (Split-1 also took an input).
         sizes = int_list(split) if split is not None else None
         if sizes is None and self.version < 13 and "split" in self.attrs:
             sizes = int_list(self.attrs["split"])
-        n = len(self.layer.outputs)
-        if sizes is None:  # equal parts, the last one smaller when uneven (opset 18)
-            chunk = -(-dim // n)
-            sizes = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
-        if len(sizes) != n or sum(sizes) != dim or min(sizes) < 0:
-            raise op_error(self, f"cannot split dimension {dim} into {n} parts of sizes {sizes}")
-        return tuple(data[index] for index in self.per_shape((data.shape, axis, *sizes),
-                                                             lambda: _split_indices(data.ndim, axis, sizes)))
+        return split_views(self, np.asarray(data), self.attr("axis", 0), sizes, len(self.layer.outputs))
+
+
+def split_views(op: Op, data: Array, axis: int, sizes: list[int] | None, n: int) -> tuple[Array, ...]:
+    """``data`` split along ``axis`` into ``n`` parts of ``sizes`` (None: equal parts, the last
+    one smaller when uneven, as opset 18 has it), as views: Split's arithmetic, shared with the
+    fused ``SplitHeads``; errors name ``op``'s layer."""
+    axis = normalize_axis(op, axis, data.ndim)
+    dim = data.shape[axis]
+    if sizes is None:
+        chunk = -(-dim // n)
+        sizes = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
+    if len(sizes) != n or sum(sizes) != dim or min(sizes) < 0:
+        raise op_error(op, f"cannot split dimension {dim} into {n} parts of sizes {sizes}")
+    return tuple(data[index] for index in op.per_shape((data.shape, axis, *sizes),
+                                                       lambda: _split_indices(data.ndim, axis, sizes)))
 
 
 def _split_indices(rank: int, axis: int, sizes: list[int]) -> list[tuple[slice, ...]]:

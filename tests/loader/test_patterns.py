@@ -558,6 +558,155 @@ def test_head_split_whose_reshape_shape_reads_keeps_the_reshape_for_it():
     np.testing.assert_array_equal(got["s"], expected[1])
 
 
+# -- the K/V head splits appended to the cache, and the Split of a fused Q/K/V projection -------------
+HEADS = 4
+
+
+def _qkv_split_model(opset: int = 17, *, past: bool = True, shape_reads: bool = False,
+                     part_read_elsewhere: bool = False) -> onnx.ModelProto:
+    """GPT-2's attention inputs: ``Split`` of x (1, S, 3C) into Q, K and V, each split into
+    ``HEADS`` heads (``Transpose(Reshape)``), K and V appended to ``past_k``/``past_v`` (``Concat``
+    on axis -2) as outputs ``present_k``/``present_v``; output ``y`` is Q's heads. The Split's
+    sizes are an input (opset 13+: ``opset`` 17), an attribute (11) or absent (18, equal parts).
+    ``shape_reads``: a ``Shape`` of the K part is an output too;
+    ``part_read_elsewhere``: the V part itself is an output."""
+    target = numpy_helper.from_array(np.array([0, 0, HEADS, -1], np.int64), "heads")
+    sizes = numpy_helper.from_array(np.array([C, C, C], np.int64), "sizes")
+    if opset >= 18:
+        split = helper.make_node("Split", ["x"], ["q", "k", "v"], axis=2, num_outputs=3)
+    elif opset >= 13:
+        split = helper.make_node("Split", ["x", "sizes"], ["q", "k", "v"], axis=2)
+    else:
+        split = helper.make_node("Split", ["x"], ["q", "k", "v"], axis=2, split=[C, C, C])
+    nodes = [split]
+    for part in ("q", "k", "v"):
+        nodes += [helper.make_node("Reshape", [part, "heads"], [f"{part}_r"]),
+                  helper.make_node("Transpose", [f"{part}_r"], [f"{part}_h"], perm=[0, 2, 1, 3])]
+    outputs = [tensor_info("y", None)]
+    inputs = [tensor_info("x", [1, "sequence", 3 * C])]
+    if past:
+        for part in ("k", "v"):
+            nodes.append(helper.make_node("Concat", [f"past_{part}", f"{part}_h"], [f"present_{part}"], axis=-2))
+            inputs.append(tensor_info(f"past_{part}", ["batch", "heads", "past", "size"]))
+            outputs.append(tensor_info(f"present_{part}", None))
+    else:
+        nodes += [helper.make_node("Identity", [f"{part}_h"], [f"{part}_out"]) for part in ("k", "v")]
+        outputs += [tensor_info("k_out", None), tensor_info("v_out", None)]
+    nodes.append(helper.make_node("Identity", ["q_h"], ["y"]))
+    if shape_reads:
+        nodes.append(helper.make_node("Shape", ["k"], ["k_shape"]))
+        outputs.append(tensor_info("k_shape", [3], onnx.TensorProto.INT64))
+    if part_read_elsewhere:
+        nodes.append(helper.make_node("Identity", ["v"], ["v_part"]))
+        outputs.append(tensor_info("v_part", None))
+    initializers = [target] + ([sizes] if 13 <= opset < 18 else [])
+    return make_model(nodes, inputs, outputs, initializers, opset=opset, extra_domains=())
+
+
+def _qkv_feeds(past: int = 2, sequence: int = 3) -> dict[str, np.ndarray]:
+    feeds = {"x": RNG.standard_normal((1, sequence, 3 * C)).astype(np.float32)}
+    for part in ("k", "v"):
+        feeds[f"past_{part}"] = RNG.standard_normal((1, HEADS, past, C // HEADS)).astype(np.float32)
+    return feeds
+
+
+def _expect_definition(proto: onnx.ModelProto, model: ai.Model, feeds: dict[str, np.ndarray]) -> None:
+    names = [o.name for o in proto.graph.output]
+    feeds = {i.name: feeds[i.name] for i in proto.graph.input}
+    expected = ReferenceEvaluator(proto).run(None, feeds)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)
+    for name, value in zip(names, expected):
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("opset", [11, 17, 18])
+def test_qkv_split_into_heads_and_cache_appends_fuse_into_one_layer(opset):
+    proto = _qkv_split_model(opset)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_reshape_transposes"] == 3
+    assert model.optimizations["fuse_split_heads"] == 1
+    fused = [l for l in model.layers if l.op_type == "SplitHeads"]
+    assert len(fused) == 1 and fused[0].outputs == ["q_h", "present_k", "present_v"]
+    assert "Split" not in [l.op_type for l in model.layers] and "Concat" not in [l.op_type for l in model.layers]
+    expanded = [l.op_type for l in fused[0].expansion]
+    assert expanded == ["Split", "ReshapeTranspose", "ReshapeTranspose", "ReshapeTranspose"]
+    assert [l.op_type for l in fused[0].expansion[2].expansion] == ["Reshape", "Transpose", "Concat"]
+    _expect_definition(proto, model, _qkv_feeds())
+
+
+def test_the_fused_cache_append_grows_its_own_present_in_place():
+    """The fused kernel fed its own ``present`` back as ``past`` appends after it in the same
+    buffer, as the cache's Concat did (``ops/cache_append.py``), step after step, and the
+    results stay the definition's."""
+    from asyncinfer import ops
+    from asyncinfer.ops.fused import FUSED_DOMAIN
+
+    proto = _qkv_split_model()
+    model = ai.load_model(proto)
+    layer = next(l for l in model.layers if l.op_type == "SplitHeads")
+    kernel = ops.lookup("SplitHeads", 1, FUSED_DOMAIN)(layer)
+    reference = ReferenceEvaluator(proto)
+    feeds = _qkv_feeds(past=2, sequence=1)
+    buffers = set()
+    for step in range(4):
+        got = kernel.run(*[None if not n else feeds[n] if n in feeds else model.constants[n] for n in layer.inputs])
+        for name, value, expected in zip(["y", "present_k", "present_v"], got, reference.run(None, feeds)):
+            np.testing.assert_array_equal(value, expected, err_msg=f"{name}, step {step}")
+        buffers.add(id(got[1].base))
+        feeds = {"x": RNG.standard_normal((1, 1, 3 * C)).astype(np.float32), "past_k": got[1], "past_v": got[2]}
+    assert len(buffers) == 1  # the first step made a buffer with room; the others appended into it
+
+
+def test_a_split_whose_part_shape_reads_stays_for_the_shape_layer():
+    proto = _qkv_split_model(shape_reads=True)
+    model = ai.load_model(proto)
+    kinds = sorted(l.op_type for l in model.layers)
+    assert "SplitHeads" in kinds and "Split" in kinds and "Shape" in kinds, kinds
+    _expect_definition(proto, model, _qkv_feeds(sequence=4))
+
+
+@pytest.mark.parametrize("past", [True, False])
+def test_a_split_part_read_elsewhere_keeps_the_split(past):
+    proto = _qkv_split_model(past=past, part_read_elsewhere=True)
+    model = ai.load_model(proto)
+    kinds = [l.op_type for l in model.layers]
+    assert "SplitHeads" not in kinds and "Split" in kinds and kinds.count("ReshapeTranspose") == 3, kinds
+    assert "Concat" not in kinds, kinds  # (with past: the appends went into the ReshapeTransposes)
+    _expect_definition(proto, model, _qkv_feeds())
+
+
+def test_a_cache_that_cannot_be_appended_to_is_an_error_naming_the_fused_layer():
+    """A past of the wrong head count (an untrusted request) fails the run with an ExecutionError
+    naming the fused layer; the worker stays usable."""
+    proto = _qkv_split_model()
+    model = ai.load_model(proto)
+    fused = next(l for l in model.layers if l.op_type == "SplitHeads")
+    feeds = _qkv_feeds()
+    bad = dict(feeds, past_k=np.zeros((1, HEADS + 1, 2, C // HEADS), np.float32))
+    with ai.Worker(model, "cpu") as worker:
+        with pytest.raises(ai.ExecutionError) as failure:
+            worker.run_blocking(bad)
+        assert fused.name in str(failure.value)
+        got = worker.run_blocking(feeds)
+    np.testing.assert_array_equal(got["present_v"], ReferenceEvaluator(proto).run(None, feeds)[2])
+
+
+def test_qkv_split_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    require_pixel()
+    proto = _qkv_split_model()
+    model = ai.load_model(proto)
+    fused = next(l for l in model.layers if l.op_type == "SplitHeads")
+    feeds = _qkv_feeds()
+    expected = ReferenceEvaluator(proto).run(None, feeds)
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(feeds)
+    assert fused.name not in placement.fallback, placement.fallback
+    for name, value in zip(["y", "present_k", "present_v"], expected):
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("build,node,fused,bad,good", [
     (_projection_model, -1, "ReshapedGemm", [7, 5, N_OUT], [2, 5, N_OUT]),
     (_head_split_model, 0, "ReshapeTranspose", [2, 5, 3, 3], [2, 5, 2, C // 2]),

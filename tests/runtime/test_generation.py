@@ -640,13 +640,15 @@ def test_blocking_iteration_on_a_thread(gpt2):
 
 
 # -- the decode step's speed: cache blocks, shape specialisation, sampling ----------------------------
-def _steps_per_run(profile) -> list[tuple[int, set[tuple]]]:
+def _steps_per_run(profile, model) -> list[tuple[int, set[tuple]]]:
     """For each profiled run, in order: how many steps ran, and the cache shapes it fed (the
-    shapes of its ``present.*`` Concat outputs)."""
+    shapes of its ``present.*`` outputs, whichever layers made them)."""
+    outputs = {layer.name: layer.outputs for layer in model.layers}
     runs: dict[int, list] = {}
     for record in profile.records:
         runs.setdefault(record.run, []).append(record)
-    return [(len(records), {r.output_shapes[0] for r in records if r.op_type == "Concat" and len(r.output_shapes[0]) == 4})
+    return [(len(records), {shape for r in records for name, shape in zip(outputs.get(r.layer, ()), r.output_shapes)
+                            if name.startswith("present.")})
             for _, records in sorted(runs.items())]
 
 
@@ -662,7 +664,7 @@ def test_decode_steps_keep_the_cache_in_blocks_and_skip_the_shape_arithmetic(lon
         with worker.profile() as profile:
             tokens = worker.generate_blocking(prompt, max_new_tokens=n)
     assert tokens == reference_greedy(proto, prompt, n)
-    runs = _steps_per_run(profile)
+    runs = _steps_per_run(profile, model)
     assert len(runs) == n  # the prompt's run, then one per further token
     block = engine.CACHE_BLOCK
     for i, (_, shapes) in enumerate(runs[1:], start=1):  # present = past (a whole block) + 1
