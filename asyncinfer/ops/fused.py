@@ -65,15 +65,27 @@ class MaskedAttention(Op):
         self.allowzero = (bool(int(self.attr("k_allowzero", 0))), bool(int(self.attr("v_allowzero", 0))))
         perm = self.attr("out_perm", None)
         self.out_perm = None if perm is None else [int(p) for p in perm]
+        # The last compiled run's case (see `_remember`): the same case again takes the short way.
+        self._known: tuple | None = None
 
     def run(self, *inputs: np.ndarray | None) -> np.ndarray:
+        known = self._known
+        if known is not None:
+            y = self._again(known, inputs)
+            if y is not None:
+                return y if self.out_perm is None else y.transpose(self.out_perm)
         y = self._attend(*inputs)
+        if isinstance(y, tuple):  # (a compiled run: its case is remembered)
+            self._remember(inputs, *y[1:])
+        y = y[0] if isinstance(y, tuple) else y
         return y if self.out_perm is None else transpose_by(self, y, self.out_perm)
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None = None,
                 keep: np.ndarray | None = None, fill: np.ndarray | None = None, bias: np.ndarray | None = None,
                 k_expand: np.ndarray | None = None, k_shape: np.ndarray | None = None,
-                v_expand: np.ndarray | None = None, v_shape: np.ndarray | None = None) -> np.ndarray:
+                v_expand: np.ndarray | None = None, v_shape: np.ndarray | None = None
+                ) -> np.ndarray | tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The attention; ``(y, q, k, v)`` when the compiled kernel ran on ``q``, ``k`` and ``v``."""
         out_dtype = q.dtype
         if q.dtype.kind != "f" or k.dtype != q.dtype or v.dtype != q.dtype:
             raise op_error(self, f"Q, K and V must be of one float type, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -89,7 +101,7 @@ class MaskedAttention(Op):
         if work == np.float32 and out_dtype == np.float32:
             y = self._compiled(q, k, v, scale, keep, fill, bias, group)
             if y is not None:
-                return y
+                return y, q, k, v
         k, v = _repeat_heads(k, group), _repeat_heads(v, group)  # the general path's MatMuls need them
         with np.errstate(all="ignore"):
             scores = matmul(q, np.swapaxes(k, -1, -2))
@@ -166,6 +178,57 @@ class MaskedAttention(Op):
                               keep is not None, masks[1], bias is not None, y):
             masked_attention(q, k, v, scale_value, self.divides, scale is not None, masks[0], fill_value,
                              keep is not None, masks[1], bias is not None, y)
+        return y
+
+    def _remember(self, inputs: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        """Keep the case of a compiled run whose inputs the kernel took as they came (float32, no
+        head repeat copied, masks already 4-D): a decode step runs each attention with the same
+        shapes but the cache's length, the same scale and fill constants and the same head-repeat
+        shapes every step, and ~15 µs of Python a call (more, run cold after a GEMM) then become a
+        few comparisons. `_again` calls the kernel as `_compiled` does, so the bits are the same."""
+        masks = (inputs + (None,) * 7)[4], (inputs + (None,) * 7)[6]
+        if (q is not inputs[0] or k is not inputs[1] or v is not inputs[2]
+                or any(m is not None and (m.ndim != 4 or m.dtype != d) for m, d in zip(masks, (np.bool_, np.float32)))
+                or (self.out_perm is not None and sorted(self.out_perm) != [0, 1, 2, 3])):
+            return
+        # the inputs that must be the same objects again: scale, fill and the head repeats' shapes
+        same = tuple((i, inputs[i]) for i in (3, 5, 7, 8, 9, 10) if i < len(inputs) and inputs[i] is not None)
+        repeats = any(x is not None for x in inputs[7:])  # (their values hold the cache's length)
+        scale, fill = (inputs + (None,) * 7)[3], (inputs + (None,) * 7)[5]
+        self._known = (len(inputs), same, q.shape, k.shape if repeats else k.shape[:2] + k.shape[3:],
+                       v.shape if repeats else v.shape[:2] + v.shape[3:], tuple(None if m is None else m.shape[:3]
+                                                                              for m in masks),
+                       1.0 if scale is None else float(np.asarray(scale).item()),
+                       0.0 if fill is None else float(np.asarray(fill).item()))
+
+    def _again(self, known: tuple, inputs: tuple) -> np.ndarray | None:
+        """The attention of ``inputs`` when they are the remembered case (`_remember`), else None."""
+        count, same, q_shape, k_key, v_key, mask_keys, scale, fill = known
+        if len(inputs) != count:
+            return None
+        for i, value in same:
+            if inputs[i] is not value:
+                return None
+        q, k, v = inputs[0], inputs[1], inputs[2]
+        repeats = len(k_key) == 4
+        if (q.shape != q_shape or (k.shape if repeats else k.shape[:2] + k.shape[3:]) != k_key
+                or (v.shape if repeats else v.shape[:2] + v.shape[3:]) != v_key or k.shape[2] != v.shape[2]
+                or q.dtype != np.float32 or k.dtype != np.float32 or v.dtype != np.float32
+                or k.strides[3] != 4 or v.strides[3] != 4 or (q.strides[3] != 4 and q.shape[3] > 1)
+                or not k.shape[2]):
+            return None
+        keys = k.shape[2]
+        keep, bias = (inputs + (None,) * 7)[4], (inputs + (None,) * 7)[6]
+        for mask, key, dtype in ((keep, mask_keys[0], np.bool_), (bias, mask_keys[1], np.float32)):
+            if (mask is None) != (key is None) or (mask is not None and (
+                    mask.ndim != 4 or mask.shape[:3] != key or mask.dtype != dtype or mask.shape[3] not in (1, keys))):
+                return None
+        keep_in = _NO_KEEP if keep is None else keep
+        bias_in = _NO_BIAS if bias is None else bias
+        y = np.empty(q_shape[:3] + v.shape[3:], np.float32)
+        use_scale, use_keep, use_bias = len(inputs) > 3 and inputs[3] is not None, keep is not None, bias is not None
+        if not _heads_on_team(q, k, v, scale, self.divides, use_scale, keep_in, fill, use_keep, bias_in, use_bias, y):
+            masked_attention(q, k, v, scale, self.divides, use_scale, keep_in, fill, use_keep, bias_in, use_bias, y)
         return y
 
 

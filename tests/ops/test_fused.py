@@ -136,6 +136,52 @@ def test_general_path_matches_the_definition(case):
     np.testing.assert_allclose(got, _definition(q, k, v, 2.0, True, keep, bias), rtol=1e-5, atol=1e-5)
 
 
+def test_repeated_attention_takes_the_short_way_with_the_bits_of_the_full_one(monkeypatch):
+    """A MaskedAttention remembers its last compiled case (`MaskedAttention._remember`): calls in
+    the same case (the cache one longer, the same scale, fill and head-repeat shapes) skip the
+    parsing, any other takes the full way again; every result has the bits of a fresh op's."""
+    from asyncinfer.ops.fused import MaskedAttention
+
+    short = []
+    again = MaskedAttention._again
+    monkeypatch.setattr(MaskedAttention, "_again", lambda self, known, inputs: short.append(
+        again(self, known, inputs) is not None) or again(self, known, inputs))
+    layer = Layer(name="attention", op_type="MaskedAttention", domain=FUSED_DOMAIN, version=1,
+                  inputs=["q", "k", "v", "scale", "keep", "fill", "bias", "ke", "ks", "ve", "vs"], outputs=["y"],
+                  attrs={"scale_divides": 1, "out_perm": [0, 2, 1, 3]})
+    op = ops.create(layer)
+    scale, depth = np.float32(4.0), 8
+
+    shapes: dict[int, list] = {}  # the head repeats' shape arrays, by cache length (as a plan's constants)
+
+    def call(keys, *, scale=scale, keep=True, bias_dtype=np.float32, kv_heads=4, group=1, queries=1, reuse=False):
+        arena = RNG.standard_normal((2, kv_heads, 64, depth)).astype(np.float32)
+        k, v = arena[:, :, :keys], RNG.standard_normal((2, kv_heads, keys, depth)).astype(np.float32)
+        q = RNG.standard_normal((2, kv_heads * group, queries, depth)).astype(np.float32)
+        masks = _masks(2, queries, keys)
+        repeat = ([np.array([2, kv_heads, group, keys, depth]), np.array([2, kv_heads * group, keys, depth])] * 2
+                  if group > 1 else [None] * 4)
+        repeat = shapes.setdefault(keys, repeat) if reuse else repeat
+        inputs = (q, k, v, scale, masks[0] if keep else None, FILL, masks[1].astype(bias_dtype), *repeat)
+        got = op.run(*inputs)
+        np.testing.assert_array_equal(got, ops.create(layer).run(*inputs))
+        return short.pop() if short else None
+
+    two = np.float32(2.0)
+    assert call(10) is None  # the first call takes the full way, and remembers
+    assert call(11) is True and call(12) is True  # the cache one longer: the short way
+    assert call(12, scale=two) is False  # another scale (remembered in turn)
+    assert call(13, scale=two) is True
+    assert call(13, scale=two, keep=False) is False  # a mask fewer
+    assert call(13, scale=two, bias_dtype=np.float64) is False  # a mask to convert (not remembered)
+    assert call(14, scale=two, keep=False) is True
+    assert call(13, scale=two, queries=2) is False  # other shapes
+    assert call(14, scale=two, kv_heads=2, group=2) is False  # shared heads: their shapes' arrays are
+    assert call(14, scale=two, kv_heads=2, group=2) is False  # new objects each call here
+    assert call(15, scale=two, kv_heads=2, group=2, reuse=True) is False
+    assert call(15, scale=two, kv_heads=2, group=2, reuse=True) is True  # the same ones
+
+
 def test_mismatched_shapes_are_a_clear_error():
     from asyncinfer.errors import AsyncInferError
 
