@@ -17,7 +17,8 @@ from .compiled.attention import attention_heads, head_arguments, masked_attentio
 from .compiled.normalization import softmax_rows
 from .linalg import Gemm, constant_panels, matmul
 from .registry import register
-from .shape import int_list, normalize_axis, op_error, reshape_to, split_views, transpose_by
+from .shape import (int_list, normalize_axis, op_error, reshape_dims, reshape_to, split_indices, split_views,
+                    transpose_by)
 
 #: The domain of the fused ops.
 FUSED_DOMAIN = "ai.asyncinfer"
@@ -418,19 +419,47 @@ class SplitHeads(Op):
         self.perms = [perms[i * rank:(i + 1) * rank] for i in range(n)]
         self.allowzero = [bool(int(a)) for a in self.attr("allowzero")]
         self.append_axes = [int(a) for a in self.attr("append_axes")]
+        # The last run's geometry, kept for the same operands again (see `_remember`).
+        self._known: tuple | None = None
 
     def run(self, x: np.ndarray, split: np.ndarray | None = None, *rest: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        rest = rest + (None,) * (2 * SPLIT_HEADS_PARTS - len(rest))
+        shapes, pasts = rest[:SPLIT_HEADS_PARTS], rest[SPLIT_HEADS_PARTS:]
+        known = self._known
+        if (known is not None and x.shape == known[0] and x.dtype == known[1] and split is known[2]
+                and all(a is b for a, b in zip(shapes, known[3]))):
+            outputs = []
+            for (index, dims, perm, axis), past in zip(known[4], pasts):
+                y = x[index].reshape(dims).transpose(perm)
+                outputs.append(y if past is None else concat_growing([past, y], axis))
+            return tuple(outputs)
         sizes = int_list(split) if split is not None else None
         if sizes is None and "split" in self.attrs:
             sizes = int_list(self.attrs["split"])
-        n = len(self.perms)
-        rest = rest + (None,) * (2 * SPLIT_HEADS_PARTS - len(rest))
-        shapes, pasts = rest[:SPLIT_HEADS_PARTS], rest[SPLIT_HEADS_PARTS:]
+        x = np.asarray(x)
+        parts = split_views(self, x, int(self.attr("axis")), sizes, len(self.perms))
         outputs = []
-        for i, part in enumerate(split_views(self, np.asarray(x), int(self.attr("axis")), sizes, n)):
+        for i, part in enumerate(parts):
             y = transpose_by(self, reshape_to(self, part, int_list(shapes[i]), self.allowzero[i]), self.perms[i])
             outputs.append(y if pasts[i] is None else _append(self, pasts[i], y, self.append_axes[i]))
+        self._remember(x, split, shapes, parts)
         return tuple(outputs)
+
+    def _remember(self, x: np.ndarray, split: np.ndarray | None, shapes: tuple, parts: tuple[np.ndarray, ...]) -> None:
+        """Keep this run's geometry (each part's index, resolved Reshape target, perm and append
+        axis) for the same input shape, sizes and target arrays again: a decode step's, every step
+        (its targets are its plan's constants), where parsing them is ~15 µs of Python a call, run
+        cold after a GEMM. The short way makes the same NumPy views and appends, so the same bits."""
+        axis = normalize_axis(self, int(self.attr("axis")), x.ndim)
+        indices = split_indices(x.ndim, axis, [p.shape[axis] for p in parts])
+        geometry = []
+        for i, part in enumerate(parts):
+            dims = reshape_dims(part.shape, int_list(shapes[i]), self.allowzero[i])
+            append = self.append_axes[i]
+            if not -len(dims) <= append < len(dims):
+                return  # (each run says what is wrong)
+            geometry.append((indices[i], dims, self.perms[i], append % len(dims)))
+        self._known = (x.shape, x.dtype, split, shapes, geometry)
 
 
 def _append(op: Op, past: np.ndarray, new: np.ndarray, axis: int) -> np.ndarray:

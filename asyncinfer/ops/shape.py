@@ -110,12 +110,18 @@ class Reshape(Op):
 def reshape_to(op: Op, data: Array, dims: list[int], allowzero: bool) -> Array:
     """``data`` reshaped to ``dims`` as ONNX's Reshape does it: a 0 copies the input's dimension
     unless ``allowzero``, a -1 is inferred; a mismatch is an error naming ``op``'s layer."""
-    if not allowzero:
-        dims = [data.shape[i] if d == 0 and i < data.ndim else d for i, d in enumerate(dims)]
+    dims = reshape_dims(data.shape, dims, allowzero)
     try:
         return data.reshape(dims)
     except ValueError as exc:
         raise op_error(op, f"cannot reshape {data.shape} into {dims}") from exc
+
+
+def reshape_dims(shape: tuple[int, ...], dims: list[int], allowzero: bool) -> list[int]:
+    """Reshape's target for an input of ``shape``: a 0 is the input's dimension unless ``allowzero``."""
+    if allowzero:
+        return dims
+    return [shape[i] if d == 0 and i < len(shape) else d for i, d in enumerate(dims)]
 
 
 @register("Flatten", versions=(1, 9, 11, 13, 21, 23, 24, 25))
@@ -227,10 +233,10 @@ def split_views(op: Op, data: Array, axis: int, sizes: list[int] | None, n: int)
     if len(sizes) != n or sum(sizes) != dim or min(sizes) < 0:
         raise op_error(op, f"cannot split dimension {dim} into {n} parts of sizes {sizes}")
     return tuple(data[index] for index in op.per_shape((data.shape, axis, *sizes),
-                                                       lambda: _split_indices(data.ndim, axis, sizes)))
+                                                       lambda: split_indices(data.ndim, axis, sizes)))
 
 
-def _split_indices(rank: int, axis: int, sizes: list[int]) -> list[tuple[slice, ...]]:
+def split_indices(rank: int, axis: int, sizes: list[int]) -> list[tuple[slice, ...]]:
     """The index of each part of a Split (views, as ``np.split`` gives, without its overhead)."""
     indices, start = [], 0
     for size in sizes:

@@ -649,12 +649,15 @@ def test_the_fused_cache_append_grows_its_own_present_in_place():
     reference = ReferenceEvaluator(proto)
     feeds = _qkv_feeds(past=2, sequence=1)
     buffers = set()
-    for step in range(4):
+    for step, sequence in enumerate([1, 1, 1, 1, 2, 1]):  # (steps after the first take the short way
+        # while the input's shape stays: `SplitHeads._remember`)
+        feeds["x"] = RNG.standard_normal((1, sequence, 3 * C)).astype(np.float32)
         got = kernel.run(*[None if not n else feeds[n] if n in feeds else model.constants[n] for n in layer.inputs])
         for name, value, expected in zip(["y", "present_k", "present_v"], got, reference.run(None, feeds)):
             np.testing.assert_array_equal(value, expected, err_msg=f"{name}, step {step}")
+        assert kernel._known is not None and kernel._known[0] == (1, sequence, 3 * C)
         buffers.add(id(got[1].base))
-        feeds = {"x": RNG.standard_normal((1, 1, 3 * C)).astype(np.float32), "past_k": got[1], "past_v": got[2]}
+        feeds = {"past_k": got[1], "past_v": got[2]}
     assert len(buffers) == 1  # the first step made a buffer with room; the others appended into it
 
 
