@@ -88,6 +88,7 @@ async def measure_model_async(proto: onnx.ModelProto, inputs: dict[str, np.ndarr
                 "ort": lambda: loop.run_in_executor(pool, session.run, None, inputs),
             }
             max_diff = common.check_outputs_match(await worker.run(inputs), common.ort_outputs(session, inputs))
+            await worker.warmup(inputs)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
             latency = await common.time_interleaved_async(calls, repeats=repeats, warmup=1)
             for name in ENGINES:  # warm-up: every executor thread started, first concurrent runs done
                 await asyncio.gather(*(calls[name]() for _ in range(tasks)))

@@ -41,6 +41,7 @@ async def measure_latency_async(proto: onnx.ModelProto, inputs: dict[str, np.nda
         expected = common.ort_outputs(session, inputs)
         max_diff = common.check_outputs_match(await worker.run(inputs), expected)
         common.check_outputs_match(worker.run_blocking(inputs), expected)
+        await worker.warmup(inputs)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
         timings = await common.time_interleaved_async({
             "asyncinfer_await": lambda: worker.run(inputs),
             "asyncinfer_blocking": lambda: worker.run_blocking(inputs),

@@ -264,6 +264,7 @@ async def measure_async(network: Network, variant: str, *, repeats: int, warmup:
         start = time.perf_counter()
         got = await worker.run(feeds)
         first = time.perf_counter() - start
+        await worker.warmup(feeds)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
         check = architectures.Architecture(network.name, network.build, network.inputs, network.summary,
                                            rtol=rtol_of(variant))
         moved = {} if reference is None or variant == "fp32" else {

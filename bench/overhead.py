@@ -74,6 +74,7 @@ async def measure_per_layer_async(layers: int = 1000, *, repeats: int = 30, warm
     session = common.ort_session(proto, threads)
     with ai.Worker(model, "cpu", threads=threads) as worker:
         _check_chain(await worker.run(inputs), inputs, layers)
+        await worker.warmup(inputs)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
         _check_chain(common.ort_outputs(session, inputs), inputs, layers)
         timings = await common.time_interleaved_async({
             "asyncinfer_await": lambda: worker.run(inputs),
@@ -113,6 +114,7 @@ def measure_schedule(proto: onnx.ModelProto, inputs: dict[str, np.ndarray], *, r
     schedule_s: list[float] = []
     run_s: list[float] = []
     with ai.Worker(model, "cpu", threads=threads) as worker:
+        worker.warmup_blocking(inputs)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
         for i in range(warmup + repeats):
             start = time.perf_counter()
             execution = worker.schedule(inputs)
@@ -176,7 +178,7 @@ def measure_loop_lag(proto: onnx.ModelProto | None, inputs: dict[str, np.ndarray
         return asyncio.run(measure_loop_lag_async(None, seconds=seconds, period=period))
     model = ai.load_model(proto)
     with ai.Worker(model, "cpu", threads=threads) as worker:
-        worker.run_blocking(inputs)  # warm-up outside the measured window
+        worker.warmup_blocking(inputs)  # outside the measured window (the run mode chosen too)
         return asyncio.run(measure_loop_lag_async(worker, inputs, seconds=seconds, period=period))
 
 

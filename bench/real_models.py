@@ -162,6 +162,7 @@ async def measure_model_async(name: str, *, repeats: int = 20, warmup: int = 2, 
         start = time.perf_counter()
         got = await worker.run(inputs)
         ai_first = time.perf_counter() - start
+        await worker.warmup(inputs)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
         result.update(
             layers=len(model.layers), onnx_nodes=_node_count(path),
             load_ms={"asyncinfer": _ms(ai_load), "asyncinfer_load_model": _ms(ai_load_model), "ort": _ms(ort_load)},

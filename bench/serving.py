@@ -93,6 +93,7 @@ async def measure_model_async(proto: onnx.ModelProto, inputs: dict[str, np.ndarr
                 }
                 expected = common.ort_outputs(session, inputs)
                 max_diff = common.check_outputs_match(await batcher.infer(inputs), expected)
+                await worker.warmup(inputs)  # (and its choice of serial or parallel runs made: runtime/tuning.py)
                 common.check_outputs_match(await worker.run(inputs), expected)
                 for name in MODES:  # warm-up: thread pools started, first-run work done
                     await drive(calls[name], clients, clients)

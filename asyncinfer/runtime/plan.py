@@ -186,6 +186,7 @@ class Plan:
         self.kept_refs: frozenset[Ref] = frozenset()  # other values never released (``keeping``)
         self.precomputed: dict[int, list[Any]] = {}    # steps not run (``with_precomputed``)
         self.serial_segments = False                    # segments not paths (``for_serial_runs``)
+        self._serial_variant: Plan | None = None        # ``for_serial_runs``'s, made once
         # ... and their futures, born complete and shared by every run of this plan: their values
         # are never released (like constants), so no run writes into them.
         self.precomputed_futures: list[tuple[int, TaskFuture]] = []
@@ -247,8 +248,13 @@ class Plan:
         its segments are runs of consecutive light steps in plan order, not only paths (see
         `_plan_segments`). A serial run gains nothing from starting independent branches apart,
         so a whole decode step (GPT-2: ~320 steps, ~50 paths) becomes one job, each step still
-        completing its own layer future, with no hand-off or callback between paths."""
-        return self._variant(serial_segments=True)
+        completing its own layer future, with no hand-off or callback between paths. Made once
+        per plan."""
+        if self.serial_segments:
+            return self
+        if self._serial_variant is None:
+            self._serial_variant = self._variant(serial_segments=True)
+        return self._serial_variant
 
     def with_op(self, index: int, op: ops.Op) -> "Plan":
         """This plan with host step ``index`` running ``op`` instead of its layer's own (same
@@ -271,7 +277,7 @@ class Plan:
         planned again; layers, kernels and device constants are shared."""
         plan = copy.copy(self)
         plan.__dict__.update(changes)
-        plan._futures_template = None
+        plan._futures_template = plan._serial_variant = None
         plan.nodes = [replace(node, release=[]) for node in self.nodes]
         plan._plan_releases()
         plan.segments = plan._plan_segments()

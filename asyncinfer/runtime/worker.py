@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -23,6 +24,12 @@ from .outputs import OutputPlans
 from .specialise import ShapePlans
 from .plan import Placement, Plan
 from .profiling import Profile, RunRecorder
+from .tuning import RunModeTuner, mode_requested
+
+
+#: How long ``warmup()`` keeps running the model, after its first run, for the worker to choose
+#: serial or parallel runs (runtime/tuning.py); later runs finish the choice otherwise.
+WARMUP_TUNING_S = 1.0
 
 
 class WorkerState(enum.Enum):
@@ -78,6 +85,9 @@ class Worker:
             raise
         self._plans = OutputPlans(self._plan)
         self._shape_plans = ShapePlans(self._plan)
+        # serial or parallel runs, chosen by timing both (runtime/tuning.py); device backends'
+        # runs stay parallel (their steps are queued on the device, not run by the pool)
+        self._run_mode = RunModeTuner(mode_requested() if isinstance(self._backend, CPUBackend) else "parallel")
         self._profiles: tuple[Profile, ...] = ()  # attached by profile(): every run records into them
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
@@ -133,7 +143,7 @@ class Worker:
             InputError: a missing, extra, wrongly typed or wrongly shaped input; an output name
                 the graph does not hold (the message says if the optimizer fused it away).
         """
-        execution = self._new_execution(inputs, named, outputs, profile)
+        execution = self._new_execution(inputs, named, outputs, profile, self._run_mode.begin(timed=False).serial)
         execution.submit_all()
         self._latest = execution
         return execution
@@ -145,6 +155,7 @@ class Worker:
         Inputs are checked when this is called, before the first step. Outputs can be peeked once
         the iteration is over. ``outputs`` and ``profile`` are those of `schedule()`.
         """
+        self._run_mode.begin(timed=False)  # (runs its steps as they are scheduled: never serial)
         execution = self._new_execution(inputs, named, outputs, profile)
 
         def steps() -> Iterator[str]:
@@ -159,6 +170,7 @@ class Worker:
         """Async form of [`schedule_iterable`][asyncinfer.Worker.schedule_iterable]: ``async for name in ...``
         schedules one layer per step and lets the event loop run other tasks between layers. Stopping early
         (``break``, cancellation) fails the layers never scheduled, so no output is left pending forever."""
+        self._run_mode.begin(timed=False)
         execution = self._new_execution(inputs, named, outputs, profile)
 
         async def steps() -> AsyncIterator[str]:
@@ -174,7 +186,8 @@ class Worker:
         return steps()
 
     def _new_execution(self, inputs: tuple, named: dict, outputs: Sequence[str] | None = None,
-                       profile: Profile | None = None) -> Execution:
+                       profile: Profile | None = None, serial: bool = False) -> Execution:
+        """A run of these inputs; ``serial``: its steps one after another (see runtime/tuning.py)."""
         self._check_open()
         plan = self._plan if outputs is None else self._plans.get(outputs)
         if profile is not None and not isinstance(profile, Profile):
@@ -183,7 +196,9 @@ class Worker:
         observed = None
         if outputs is None and self._shape_plans.enabled:  # the shape arithmetic, once per input signature
             plan, observed = self._shape_plans.plan_for(futures)
-        execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile))
+        if serial:
+            plan = plan.for_serial_runs()
+        execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile), serial=serial)
         if observed is not None:
             execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.futures))
         return execution
@@ -217,28 +232,42 @@ class Worker:
         graph: see `schedule()`); ``profile`` records the run's steps in a `Profile`.
         Cancelling the awaiting task skips the layers that have not started.
         """
-        execution = self._new_execution(inputs, named, outputs, profile)
-        execution.submit_all()
+        trial, start, ok = self._run_mode.begin(), time.perf_counter(), False
         try:
-            return await execution.read_outputs()
-        except BaseException:
-            execution.cancel()
-            raise
+            execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
+            execution.submit_all()
+            try:
+                result = await execution.read_outputs()
+            except BaseException:
+                execution.cancel()
+                raise
+            ok = True
+            return result
+        finally:
+            self._run_mode.end(trial, time.perf_counter() - start, ok)
 
     def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
                      **named: Any) -> dict[str, np.ndarray]:
         """Blocking twin of [`run`][asyncinfer.Worker.run]: waits on the calling thread, which meanwhile runs the
         run's first ready work on the cpu backend (no hand-off to a pool thread and back). Do not call it on an
         event loop."""
-        execution = self._new_execution(inputs, named, outputs, profile)
-        self._backend.submit_here(execution.submit_all)  # this thread waits anyway: it may run the first work
-        tensors = [execution.take_output(name) for name in execution.plan.output_names]
-        arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}
-        return {t.name: arrays[t.name] for t in tensors}
+        trial, start, ok = self._run_mode.begin(), time.perf_counter(), False
+        try:
+            execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
+            self._backend.submit_here(execution.submit_all)  # this thread waits anyway: it may run the first work
+            tensors = [execution.take_output(name) for name in execution.plan.output_names]
+            arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}
+            ok = True
+            return {t.name: arrays[t.name] for t in tensors}
+        finally:
+            self._run_mode.end(trial, time.perf_counter() - start, ok)
 
     async def warmup(self, *inputs: Any, **named: Any) -> None:
-        """Run the model once and discard the result, so the first real request finds the thread
-        pool started, the allocator's pages warm and the kernels' scratch buffers made.
+        """Run the model and discard the results, so the first real request finds the thread
+        pool started, the allocator's pages warm and the kernels' scratch buffers made. On the
+        cpu backend it also runs the model until the worker has timed its runs step after step
+        against branches side by side and kept the faster (about a dozen runs, for at most
+        `WARMUP_TUNING_S` seconds after the first; see the "How a model runs" docs).
 
         With no inputs, zeros of each input's declared type and shape are used (a symbolic or
         unknown dimension counts as 1); give example inputs for models whose layers depend on input
@@ -249,11 +278,19 @@ class Worker:
                 cannot be made up (a sequence input, or one whose rank is not declared).
             ExecutionError: the model failed on them (give example inputs that it accepts).
         """
-        await self.run(*(inputs or (example_inputs(self.model),)), **named)
+        inputs = inputs or (example_inputs(self.model),)
+        start = time.perf_counter()
+        await self.run(*inputs, **named)
+        while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
+            await self.run(*inputs, **named)
 
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
         """Blocking twin of [`warmup`][asyncinfer.Worker.warmup]. Do not call it on an event loop."""
-        self.run_blocking(*(inputs or (example_inputs(self.model),)), **named)
+        inputs = inputs or (example_inputs(self.model),)
+        start = time.perf_counter()
+        self.run_blocking(*inputs, **named)
+        while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
+            self.run_blocking(*inputs, **named)
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
@@ -386,6 +423,7 @@ class Worker:
         ``here``: the engine thread waits for this run and has nothing else to do meanwhile, so
         it may run the run's work itself (`Backend.submit_here`) and return once that is done."""
         self._check_open()
+        self._run_mode.begin(timed=False)  # (a run() timed meanwhile would time both)
         # serial: a decode step's branches (q, k and v; the rotary halves) are a few small kernels
         # each, which on two threads only take turns at the GIL (Llama-style decoder on 2 cores:
         # 37.5 -> 33 ms a token); its GEMMs still split across every core.

@@ -22,7 +22,9 @@ async def test_outputs_after_warmup_equal_outputs_without_it(digits_model, digit
     async with ai.Worker(digits_model, any_backend) as warm:
         with warm.profile() as profile:
             await warm.warmup()  # the model's declared (N, 1, 8, 8): N counts as 1
-        assert len(profile.runs) == 1 and {r.layer for r in profile.records} >= {l.name for l in digits_model.layers}
+        assert {r.layer for r in profile.records} >= {l.name for l in digits_model.layers}
+        # on cpu it runs on until the worker has chosen serial or parallel runs (runtime/tuning.py)
+        assert len(profile.runs) == 1 if any_backend != "cpu" else not warm._run_mode.deciding
         got = await warm.run(images)
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value)

@@ -1,0 +1,95 @@
+"""Serial or parallel runs (asyncinfer/runtime/tuning.py): the tuner alternates the two, times
+only runs that ran alone, and keeps serial runs when they are clearly faster; a worker's runs
+give the same results either way, every layer still completing its own future."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import asyncinfer as ai
+from asyncinfer.runtime import tuning
+from asyncinfer.runtime.tuning import MARGIN, SAMPLES, SKIPPED, RunModeTuner
+from pixel_testing import require_pixel
+
+
+def _timed(tuner: RunModeTuner, seconds: dict[bool, float], ok: bool = True) -> bool:
+    trial = tuner.begin()
+    tuner.end(trial, seconds[trial.serial], ok)
+    return trial.serial
+
+
+@pytest.mark.parametrize("serial_s,chosen", [(0.5, "serial"), (MARGIN * 1.01, "parallel"), (2.0, "parallel")])
+def test_the_tuner_alternates_then_keeps_serial_runs_only_when_clearly_faster(serial_s, chosen):
+    tuner = RunModeTuner()
+    modes = [_timed(tuner, {True: serial_s, False: 1.0}) for _ in range(SKIPPED + 2 * SAMPLES)]
+    assert modes[SKIPPED:] == [False, True] * SAMPLES  # parallel first, then in turn
+    assert tuner.mode == chosen and not tuner.deciding
+    assert tuner.timings() == {"serial": [serial_s] * SAMPLES, "parallel": [1.0] * SAMPLES}
+    assert {_timed(tuner, {True: 9.0, False: 9.0}) for _ in range(4)} == {chosen == "serial"}  # chosen for good
+
+
+def test_runs_that_overlap_or_fail_are_not_timed():
+    tuner = RunModeTuner()
+    for _ in range(SKIPPED):
+        _timed(tuner, {True: 1.0, False: 1.0})
+    first = tuner.begin()
+    second = tuner.begin()  # begins while the first is in flight: not timed, parallel
+    assert second == tuning.Trial(False)
+    tuner.end(second, 1.0, True)
+    tuner.end(first, 1.0, True)  # another run began meanwhile: its time is spoiled too
+    lone = tuner.begin()
+    tuner.begin(timed=False)  # an untimed run (schedule()) begins meanwhile
+    tuner.end(lone, 1.0, True)
+    _timed(tuner, {True: 1.0, False: 1.0}, ok=False)  # a failed run
+    assert tuner.timings() == {"serial": [], "parallel": []} and tuner.deciding
+
+
+def test_a_fixed_mode_is_never_tuned():
+    serial, parallel = RunModeTuner("serial"), RunModeTuner("parallel")
+    assert {_timed(serial, {True: 9.0, False: 1.0}) for _ in range(20)} == {True}
+    assert {_timed(parallel, {True: 0.1, False: 1.0}) for _ in range(20)} == {False}
+    assert serial.mode == "serial" and parallel.mode == "parallel"
+    with pytest.raises(ValueError, match="run mode must be one of"):
+        RunModeTuner("fastest")
+
+
+@pytest.mark.parametrize("value,expected", [("serial", "serial"), (" Parallel ", "parallel"), ("", "auto"),
+                                            ("bogus", "auto")])
+def test_the_run_mode_comes_from_the_environment(monkeypatch, value, expected):
+    monkeypatch.setenv("ASYNCINFER_RUN_MODE", value)
+    assert tuning.mode_requested() == expected
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["serial", "parallel"])
+async def test_serial_and_parallel_runs_give_the_same_results_and_layer_futures(monkeypatch, digits_model,
+                                                                               digits_samples, mode):
+    images = digits_samples[0][:3]
+    monkeypatch.setenv("ASYNCINFER_RUN_MODE", "parallel")
+    with ai.Worker(digits_model, "cpu") as reference:
+        want = reference.run_blocking(images)
+    monkeypatch.setenv("ASYNCINFER_RUN_MODE", mode)
+    async with ai.Worker(digits_model, "cpu") as worker:
+        execution = worker.schedule(images)
+        assert execution.serial is (mode == "serial")
+        await execution.read_outputs()
+        for layer in digits_model.layers:  # every layer's own future, done
+            assert execution.layer_future(layer.name).done()
+        for got in (await worker.run(images), worker.run_blocking(images)):
+            for name, value in want.items():
+                np.testing.assert_array_equal(got[name], value)
+
+
+def test_warmup_leaves_a_cpu_worker_decided(digits_model):
+    with ai.Worker(digits_model, "cpu") as worker:
+        assert worker._run_mode.deciding
+        worker.warmup_blocking()
+        assert worker._run_mode.mode in ("serial", "parallel")
+
+
+def test_a_device_worker_runs_in_parallel_untuned(digits_model):
+    require_pixel()
+    with ai.Worker(digits_model, "gpu_pixel") as worker:
+        assert worker._run_mode.mode == "parallel"
+        worker.warmup_blocking()
+        assert not worker.schedule(np.zeros((1, 1, 8, 8), np.float32)).serial
