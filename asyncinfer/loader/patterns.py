@@ -722,7 +722,8 @@ def fuse_split_heads(model: Model) -> int:
                   *[h.inputs[1] for h in heads], *fill, *pasts, *fill]
         while inputs[-1] == "":
             inputs.pop()
-        attrs: dict[str, object] = {"axis": int(split.attrs.get("axis", 0)), "perm_rank": len(perms[0]),  # type: ignore[arg-type]
+        rank = len(perms[0])  # type: ignore[arg-type]
+        attrs: dict[str, object] = {"axis": int(split.attrs.get("axis", 0)), "perm_rank": rank,
                                     "perms": [int(p) for perm in perms for p in perm],  # type: ignore[union-attr]
                                     "allowzero": [int(h.attrs.get("allowzero", 0)) for h in heads],
                                     "append_axes": [int(h.attrs.get("append_axis", 0)) for h in heads]}

@@ -186,7 +186,9 @@ class MaskedAttention(Op):
         head repeat copied, masks already 4-D): a decode step runs each attention with the same
         shapes but the cache's length, the same scale and fill constants and the same head-repeat
         shapes every step, and ~15 µs of Python a call (more, run cold after a GEMM) then become a
-        few comparisons. `_again` calls the kernel as `_compiled` does, so the bits are the same."""
+        few comparisons. `_again` calls the kernel as `_compiled` does, so the bits are the same.
+        (The head repeats' shapes are compared by identity: a plan's constants, or arrays a run
+        computes afresh; the scale and fill values are read again each call.)"""
         masks = (inputs + (None,) * 7)[4], (inputs + (None,) * 7)[6]
         if (q is not inputs[0] or k is not inputs[1] or v is not inputs[2]
                 or any(m is not None and (m.ndim != 4 or m.dtype != d) for m, d in zip(masks, (np.bool_, np.float32)))
@@ -195,16 +197,13 @@ class MaskedAttention(Op):
         # the inputs that must be the same objects again: scale, fill and the head repeats' shapes
         same = tuple((i, inputs[i]) for i in (3, 5, 7, 8, 9, 10) if i < len(inputs) and inputs[i] is not None)
         repeats = any(x is not None for x in inputs[7:])  # (their values hold the cache's length)
-        scale, fill = (inputs + (None,) * 7)[3], (inputs + (None,) * 7)[5]
         self._known = (len(inputs), same, q.shape, k.shape if repeats else k.shape[:2] + k.shape[3:],
-                       v.shape if repeats else v.shape[:2] + v.shape[3:], tuple(None if m is None else m.shape[:3]
-                                                                              for m in masks),
-                       1.0 if scale is None else float(np.asarray(scale).item()),
-                       0.0 if fill is None else float(np.asarray(fill).item()))
+                       v.shape if repeats else v.shape[:2] + v.shape[3:],
+                       tuple(None if m is None else m.shape[:3] for m in masks))
 
     def _again(self, known: tuple, inputs: tuple) -> np.ndarray | None:
         """The attention of ``inputs`` when they are the remembered case (`_remember`), else None."""
-        count, same, q_shape, k_key, v_key, mask_keys, scale, fill = known
+        count, same, q_shape, k_key, v_key, mask_keys = known
         if len(inputs) != count:
             return None
         for i, value in same:
@@ -226,6 +225,9 @@ class MaskedAttention(Op):
                 return None
         keep_in = _NO_KEEP if keep is None else keep
         bias_in = _NO_BIAS if bias is None else bias
+        # (read each call: the same array may hold another value, were it an input someone refilled)
+        scale = 1.0 if len(inputs) < 4 or inputs[3] is None else float(np.asarray(inputs[3]).item())
+        fill = 0.0 if len(inputs) < 6 or inputs[5] is None else float(np.asarray(inputs[5]).item())
         y = np.empty(q_shape[:3] + v.shape[3:], np.float32)
         use_scale, use_keep, use_bias = len(inputs) > 3 and inputs[3] is not None, keep is not None, bias is not None
         if not _heads_on_team(q, k, v, scale, self.divides, use_scale, keep_in, fill, use_keep, bias_in, use_bias, y):

@@ -180,6 +180,10 @@ def test_repeated_attention_takes_the_short_way_with_the_bits_of_the_full_one(mo
     assert call(14, scale=two, kv_heads=2, group=2) is False  # new objects each call here
     assert call(15, scale=two, kv_heads=2, group=2, reuse=True) is False
     assert call(15, scale=two, kv_heads=2, group=2, reuse=True) is True  # the same ones
+    refilled = np.array(2.0, np.float32)
+    assert call(15, scale=refilled) is False
+    refilled[...] = 3.0  # the same array, another value: the short way reads it again
+    assert call(15, scale=refilled) is True
 
 
 def test_mismatched_shapes_are_a_clear_error():
