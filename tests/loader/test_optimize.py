@@ -224,6 +224,32 @@ def test_narrow_weights_are_widened_where_the_model_is_not_promoted(rng):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_gemm_weights_are_stored_untransposed(rng, rows):
+    """A Gemm with transB=1 on a constant weight read by it alone gets the weight transposed, C
+    ordered, and transB=0 (its few-row products then run the compiled kernel); a weight another
+    layer reads stays. Results equal onnx.reference on the original graph."""
+    from onnx.reference import ReferenceEvaluator
+
+    w = numpy_helper.from_array(rng.standard_normal((64, 96)).astype(np.float32), "w")  # (N, K)
+    shared = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "shared")
+    c = numpy_helper.from_array(rng.standard_normal(64).astype(np.float32), "c")
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["h"], transB=1, alpha=0.5, beta=2.0),
+             helper.make_node("Gemm", ["h", "shared"], ["g"], transB=1),
+             helper.make_node("MatMul", ["g", "shared"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", ["rows", 96])], [tensor_info("y", ["rows", 64])], [w, shared, c],
+                       extra_domains=())
+    model = ai.load_model(proto)
+    assert model.optimizations["untranspose_gemm_weights"] == 1
+    first, second = (l for l in model.layers if l.op_type == "Gemm")
+    assert first.attrs["transB"] == 0 and second.attrs["transB"] == 1
+    weight = model.constants["w"]
+    assert weight.shape == (96, 64) and weight.flags.c_contiguous and not weight.flags.writeable
+    x = rng.standard_normal((rows, 96)).astype(np.float32)
+    expected = ReferenceEvaluator(proto).run(None, {"x": x})[0]  # (values up to ~500: float32 sums)
+    np.testing.assert_allclose(_run(model, x)["y"], expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+
+
 def _run_both(proto, x):
     """Outputs of ``proto`` with and without the optimizer."""
     results = []
