@@ -65,6 +65,48 @@ class _ConvBase(Op):
 class Conv(_ConvBase):
     """N-D convolution (1-D, 2-D, 3-D…) with groups, dilations, strides, pads and auto_pad."""
 
+    def check(self) -> None:
+        super().check()
+        # The last run's case when it was a one-image float32 1x1 conv (see `_remember`).
+        self._pointwise: tuple | None = None
+
+    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
+            activations: Activations = ()) -> np.ndarray:
+        known = self._pointwise
+        if (known is not None and x.shape == known[0] and w is known[1] and b is known[2]
+                and activations is known[3] and x.dtype == np.float32 and x.flags.c_contiguous):
+            weights, bias, epilogue, planes, out_shape = known[4:]
+            y = matmul(weights, x.reshape(planes))
+            if bias is not None:
+                epilogue.apply(y, bias)
+            return y.reshape(out_shape)
+        y = _ConvBase.run(self, x, w, b, activations=activations)
+        self._remember(x, w, b, activations)
+        return y
+
+    def _remember(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activations: Activations) -> None:
+        """Keep this run's case when it was a 1x1 conv of one float32 image, stride 1, no padding,
+        one group, with its activations done by the epilogue: a squeeze-and-excitation block's
+        convs (MobileNetV3: 18 of them, on 1x1 maps) cost 20-50 µs of Python a call for a GEMV
+        of a few microseconds. The short way is `conv_gemm.conv2d`'s pointwise path (one GEMM,
+        then bias and activation in place), on the same operands, so the same bits."""
+        if (x.ndim != 4 or x.shape[0] != 1 or w.shape[2:] != (1, 1) or x.dtype != np.float32
+                or w.dtype != np.float32 or (b is not None and (b.dtype != np.float32 or b.shape != (w.shape[0],)))
+                or int(self.attr("group")) != 1 or not x.flags.c_contiguous):
+            return
+        _, strides, _, begin, end, out = self._windows(x.shape, w.shape)
+        if strides != (1, 1) or any(begin) or any(end) or out != x.shape[2:]:
+            return
+        epilogue = Epilogue.of(activations, np.dtype(np.float32))
+        if activations and epilogue is None:
+            return  # (activations applied after the conv: the full way)
+        epilogue = epilogue or NO_ACTIVATION
+        bias = (np.zeros(w.shape[0], np.float32) if b is None else np.ascontiguousarray(b)) \
+            if b is not None or epilogue != NO_ACTIVATION else None
+        m, c = w.shape[:2]
+        self._pointwise = (x.shape, w, b, activations, np.ascontiguousarray(w).reshape(m, c), bias, epilogue,
+                           (c, x.shape[2] * x.shape[3]), (1, m) + x.shape[2:])
+
     def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, epilogue: Epilogue) -> np.ndarray:
         group = int(self.attr("group"))
         nsp = x.ndim - 2

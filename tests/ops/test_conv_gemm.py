@@ -210,3 +210,31 @@ def test_one_layer_fed_alternating_shapes_keeps_each_geometry(rng):
         got = op(x, w, b)[0]
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", [None, "Relu", "HardSigmoid", "Clip"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activation, bias, rng):
+    """A Conv remembers its last one-image float32 1x1 case (`Conv._remember`: squeeze-and-
+    excitation convs on 1x1 maps): the same operands and activations again take one GEMM, then
+    bias and activation in place, with the bits of the full way; other shapes take the full way."""
+    op = make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)
+    w, b = randn(rng, 24, 16, 1, 1), randn(rng, 24) if bias else None
+    acts = [] if activation is None else [_activation(activation)]
+    for shape, short in [((1, 16, 1, 1), False), ((1, 16, 1, 1), True), ((1, 16, 3, 3), False),
+                         ((1, 16, 3, 3), True), ((2, 16, 3, 3), False), ((1, 16, 3, 3), True)]:
+        x = randn(rng, *shape) * 3
+        x.flat[::7] = np.nan
+        remembered = op._pointwise
+        with np.errstate(all="ignore"):
+            got = op(x, w, b, activations=acts)[0]
+            full = make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)(x, w, b, activations=acts)[0]
+        assert (remembered is not None and remembered[0] == shape) is short
+        np.testing.assert_array_equal(got, full)
+        assert got.shape == (shape[0], 24) + shape[2:]
+    other = randn(rng, 24, 16, 1, 1)  # new weights: the full way, and remembered in turn
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(op(x, other, b, activations=acts)[0],
+                                      make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)(x, other, b,
+                                                                                            activations=acts)[0])
+    assert op._pointwise[1] is other
