@@ -189,7 +189,8 @@ class MaskedAttention(Op):
         few comparisons. `_again` calls the kernel as `_compiled` does, so the bits are the same.
         (The head repeats' shapes are compared by identity: a plan's constants, or arrays a run
         computes afresh; the scale and fill values are read again each call.)"""
-        masks = (inputs + (None,) * 7)[4], (inputs + (None,) * 7)[6]
+        padded = inputs + (None,) * 7
+        masks = padded[4], padded[6]
         if (q is not inputs[0] or k is not inputs[1] or v is not inputs[2]
                 or any(m is not None and (m.ndim != 4 or m.dtype != d) for m, d in zip(masks, (np.bool_, np.float32)))
                 or (self.out_perm is not None and sorted(self.out_perm) != [0, 1, 2, 3])):
@@ -218,7 +219,8 @@ class MaskedAttention(Op):
                 or not k.shape[2]):
             return None
         keys = k.shape[2]
-        keep, bias = (inputs + (None,) * 7)[4], (inputs + (None,) * 7)[6]
+        padded = inputs + (None,) * 7
+        keep, bias = padded[4], padded[6]
         for mask, key, dtype in ((keep, mask_keys[0], np.bool_), (bias, mask_keys[1], np.float32)):
             if (mask is None) != (key is None) or (mask is not None and (
                     mask.ndim != 4 or mask.shape[:3] != key or mask.dtype != dtype or mask.shape[3] not in (1, keys))):

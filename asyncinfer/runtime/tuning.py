@@ -23,6 +23,9 @@ from __future__ import annotations
 import os
 import statistics
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 #: Clean timings of each mode before the choice.
@@ -87,6 +90,16 @@ class RunModeTuner:
                 return Trial(False)
             serial = len(self._times[True]) < len(self._times[False])  # (parallel first)
             return Trial(serial, self._started)
+
+    @contextmanager
+    def timed(self) -> Iterator[Trial]:
+        """`begin` a run, and `end` it with its time when the block leaves (ok if it did not raise)."""
+        trial, start, ok = self.begin(), time.perf_counter(), False
+        try:
+            yield trial
+            ok = True
+        finally:
+            self.end(trial, time.perf_counter() - start, ok)
 
     def end(self, trial: Trial, seconds: float, ok: bool) -> None:
         """A run begun with ``timed=True`` ended after ``seconds`` (``ok``: it succeeded)."""

@@ -232,35 +232,26 @@ class Worker:
         graph: see `schedule()`); ``profile`` records the run's steps in a `Profile`.
         Cancelling the awaiting task skips the layers that have not started.
         """
-        trial, start, ok = self._run_mode.begin(), time.perf_counter(), False
-        try:
+        with self._run_mode.timed() as trial:
             execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
             execution.submit_all()
             try:
-                result = await execution.read_outputs()
+                return await execution.read_outputs()
             except BaseException:
                 execution.cancel()
                 raise
-            ok = True
-            return result
-        finally:
-            self._run_mode.end(trial, time.perf_counter() - start, ok)
 
     def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
                      **named: Any) -> dict[str, np.ndarray]:
         """Blocking twin of [`run`][asyncinfer.Worker.run]: waits on the calling thread, which meanwhile runs the
         run's first ready work on the cpu backend (no hand-off to a pool thread and back). Do not call it on an
         event loop."""
-        trial, start, ok = self._run_mode.begin(), time.perf_counter(), False
-        try:
+        with self._run_mode.timed() as trial:
             execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
             self._backend.submit_here(execution.submit_all)  # this thread waits anyway: it may run the first work
             tensors = [execution.take_output(name) for name in execution.plan.output_names]
             arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}
-            ok = True
             return {t.name: arrays[t.name] for t in tensors}
-        finally:
-            self._run_mode.end(trial, time.perf_counter() - start, ok)
 
     async def warmup(self, *inputs: Any, **named: Any) -> None:
         """Run the model and discard the results, so the first real request finds the thread

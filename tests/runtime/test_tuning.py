@@ -44,6 +44,19 @@ def test_runs_that_overlap_or_fail_are_not_timed():
     assert tuner.timings() == {"serial": [], "parallel": []} and tuner.deciding
 
 
+def test_a_timed_block_reports_its_time_and_whether_it_raised():
+    tuner = RunModeTuner()
+    for _ in range(SKIPPED):
+        with tuner.timed():
+            pass
+    with pytest.raises(RuntimeError), tuner.timed():
+        raise RuntimeError("the run failed")
+    with tuner.timed() as trial:
+        assert trial.start is not None and not trial.serial
+    assert tuner.timings()["serial"] == [] and len(tuner.timings()["parallel"]) == 1
+    assert tuner.begin() == tuning.Trial(True, tuner._started)  # nothing left in flight: timed
+
+
 def test_a_fixed_mode_is_never_tuned():
     serial, parallel = RunModeTuner("serial"), RunModeTuner("parallel")
     assert {_timed(serial, {True: 9.0, False: 1.0}) for _ in range(20)} == {True}
