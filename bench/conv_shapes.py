@@ -155,6 +155,7 @@ def measure(shape: Shape, batch: int, repeats: int, threads: int) -> dict[str, A
     with ai.Worker(ai.load_model(proto), "cpu", threads=threads) as worker:
         common.check_outputs_match(worker.run_blocking(inputs), common.ort_outputs(session, inputs),
                                    rtol=1e-3, atol=1e-4)
+        worker.warmup_blocking(inputs)  # the run mode decided, as a served model's would be
         run_ort = common.ort_runner(session, inputs)
         timings = common.time_interleaved({
             "asyncinfer": lambda: worker.run_blocking(inputs),

@@ -12,6 +12,13 @@ the final store. BLAS also runs faster on a block whose B operand stays in cache
 Blocks (per image) are the parts shared out between the pool's threads. A small map gives too few
 blocks to share (ResNet's 7x7 stage: one block of 49 columns); its weights' rows are then split
 in bands instead, over one im2col matrix built up front.
+
+A float32 conv of `linalg.TEAM_MIN_MACS` multiply-adds or more is first offered to the CPU
+backend's spinning helpers (`_on_team`): the same blocks, as one compiled loop
+(`compiled.conv_blocks`, BLAS called from compiled code), one share of images, positions or
+channel bands on this thread and one on each helper. Pool threads wake in 100-300 µs on a small
+VM, so convs under `linalg.SPLIT_MIN_MACS` used to run on one core (all but one of SqueezeNet's);
+the helpers start in microseconds (SqueezeNet's 16->64 3x3 at 55x55: 0.79 -> 0.44 ms on 2 cores).
 """
 from __future__ import annotations
 
@@ -22,10 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..concurrency import parallel
+from .compiled import blas_call
+from .compiled.conv_blocks import DIRECT, EXACT, FLAT, conv_blocks, part_arguments
 from .compiled.im2col import im2col2d, im2col_flat
 from .conv_kernels import run_tasks, scratch
 from .epilogue import NO_ACTIVATION, Epilogue
-from .linalg import SPLIT_MIN_MACS, matmul
+from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS, matmul
 from .windows import FlatWindows, flat_windows
 
 # Bytes of one block's im2col columns plus its GEMM results: within the 1-2 MiB L2 of a core.
@@ -63,6 +72,7 @@ class _Layout:
     span: int                        # columns (virtual positions) per image
     row_width: int                   # columns per output row in that grid
     parallel: bool                   # large enough to split across the pool
+    macs: int                        # multiply-adds of the whole conv
     single_blocks: tuple[tuple[int, int, int], ...]  # (image, v0, v1) blocks on one thread
 
 
@@ -89,16 +99,16 @@ def _layout(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, stri
         else:
             windows, offsets = win, np.asarray(win.offsets, dtype=np.int64)
             span, row_width = win.length, win.q[1]
-    parallel = n * m * rows // group * positions >= SPLIT_MIN_MACS
+    macs = n * m * rows // group * positions
     width = _block_width(span, rows, m, itemsize, 2 // max(1, n))
     blocks = tuple((i, v0, min(span, v0 + width)) for i in range(n) for v0 in range(0, span, width))
-    return _Layout(pointwise, exact, windows, offsets, span, row_width, parallel, blocks)
+    return _Layout(pointwise, exact, windows, offsets, span, row_width, macs >= SPLIT_MIN_MACS, macs, blocks)
 
 
 def _tuning() -> tuple:
     """The module's thresholds that `_layout` reads."""
     return (EXACT_IM2COL_WASTE, EXACT_IM2COL_MAX_STRIDED_TAPS, EXACT_IM2COL_MIN_TAPS, BLOCK_BYTES, MIN_WIDTH,
-            SPLIT_MIN_MACS)
+            SPLIT_MIN_MACS, TEAM_MIN_MACS)
 
 
 def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, strides: Sequence[int],
@@ -127,6 +137,10 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
         if b is not None or epilogue != NO_ACTIVATION:
             epilogue.apply(y.reshape(n * m, ho * wo), bias if n == 1 else np.tile(bias, n))
         return y.reshape(n, m, ho, wo)
+    if x.dtype == np.float32 and layout.macs >= TEAM_MIN_MACS:
+        y = np.empty((n, m, ho * wo), dtype=x.dtype)
+        if _on_team(x, weights, bias, y, wo, layout, epilogue):
+            return y.reshape(n, m, ho, wo)
     columns = _columns(x, layout)
     rows = x.shape[1] * kh * kw  # im2col rows, group after group
     k = cg * kh * kw
@@ -164,6 +178,63 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
 
         run_tasks([functools.partial(band_part, j) for j in range(len(edges) - 1)], threads)
     return y.reshape(n, m, ho, wo)
+
+
+_NO_GEOMETRY = np.zeros(9, np.int64)
+_NO_OFFSETS = np.zeros(1, np.int64)
+
+
+def _on_team(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarray, out_width: int, layout: _Layout,
+             epilogue: Epilogue) -> bool:
+    """The conv into ``y`` (N, M, Ho·Wo; Wo = ``out_width``) on `compiled.conv_blocks`, this thread
+    and the CPU backend's spinning helpers taking a part each: images, else positions, else
+    (small maps) bands of output channels over columns built up front. False, having done
+    nothing, when there is no free team (or no compiled sgemm, or too little work to share)."""
+    team = parallel.team()
+    if team is None or not blas_call.available():
+        return False
+    n, c = x.shape[:2]
+    group, mg, k = weights.shape
+    m, rows, span = group * mg, group * k, layout.span
+    parts = team.helpers + 1
+    geometry, offsets = _NO_GEOMETRY, _NO_OFFSETS
+    if layout.exact is not None:
+        mode, operand, geometry = EXACT, x, np.asarray(layout.exact, np.int64)
+    elif layout.windows is not None:
+        mode, operand, offsets = FLAT, layout.windows.load(x).reshape(n, c, -1, 1), layout.offsets
+    else:
+        mode, operand = DIRECT, x.reshape(n, c, span, 1)
+    if n >= parts:  # (image range, position range, channel range) per part
+        cuts = [n * i // parts for i in range(parts + 1)]
+        ranges = [(cuts[i], cuts[i + 1], 0, span, 0, m) for i in range(parts)]
+    elif span >= parts * MIN_WIDTH:
+        cuts = [min(span, -(-span * i // parts) // 16 * 16) for i in range(parts)] + [span]
+        ranges = [(0, n, cuts[i], cuts[i + 1], 0, m) for i in range(parts)]
+    elif group == 1 and m >= parts * MIN_BAND_ROWS:
+        if mode != DIRECT:  # every band reads all columns: build them once
+            columns = _columns(x, layout)
+            operand = np.empty((n, rows, span, 1), x.dtype)
+            for i in range(n):
+                columns(i, 0, span, operand[i].reshape(rows, span))
+            mode = DIRECT
+        cuts = [m * i // parts for i in range(parts + 1)]
+        ranges = [(0, n, 0, span, cuts[i], cuts[i + 1]) for i in range(parts)]
+    else:
+        return False
+    longest = max(v1 - v0 for _, _, v0, v1, _, _ in ranges)
+    width = _block_width(longest, rows, m, x.itemsize, 1)
+    cols_size, block_size = (rows * width if mode != DIRECT else 1), m * width
+    own = scratch((cols_size + block_size,), x.dtype, "team_conv")
+    helpers = team.scratch((parts - 1, cols_size + block_size), x.dtype)
+    numbers = np.array([epilogue.a, epilogue.b], np.float64)
+    fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
+    row_width = layout.row_width
+    posted = [part_arguments(operand, mode, geometry, offsets, weights, bias, y, helpers[j, :cols_size],
+                             helpers[j, cols_size:], numbers, *ranges[j + 1], width, row_width, out_width,
+                             epilogue.kind, fn, ilp64) for j in range(parts - 1)]
+    return team.try_run(posted, lambda: conv_blocks(
+        operand, mode, geometry, offsets, weights, bias, y, own[:cols_size], own[cols_size:], *ranges[0], width,
+        row_width, out_width, epilogue.kind, epilogue.a, epilogue.b, fn, ilp64))
 
 
 Columns = Callable[[int, int, int, np.ndarray], np.ndarray]

@@ -11,7 +11,8 @@ Measured with bench/conv_shapes.py (kernel alone, one thread, against the NumPy 
 einsum it replaced): about 2-5x faster on the MobileNetV3 / EfficientNet / ConvNeXt depthwise
 layers. Large kernels (batches, big maps) share their images or channel blocks out between
 threads (`run_tasks`, from `PARALLEL_MIN_MACS` multiply-adds on); the compiled loops release the
-GIL.
+GIL. From `TEAM_MIN_MACS` on, a float32 layer is first offered to the CPU backend's spinning
+helpers (`_on_team`, `compiled.depthwise_parts`), which start a part in microseconds.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from ..concurrency import parallel
 from .compiled.depthwise import depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2
+from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, depthwise_range, range_arguments,
+                                       scratch_floats)
 
 # From this many multiply-adds on (about 1.5 ms on one core), a kernel's images or output rows are
 # shared out between threads (see run_tasks). Below it, waking a helper thread (100-300 µs on the
@@ -30,6 +33,12 @@ from .compiled.depthwise import depthwise_channels_last, depthwise_flat, depthwi
 # layers at batch 32 (11-38 M) ran 1.4-2x faster on two threads, ConvNeXt's 7x7 on 96ch@56 (15 M)
 # 1.2x, and every batch-1 layer under 5 M slower (up to +280 µs).
 PARALLEL_MIN_MACS = 10_000_000
+# From this many multiply-adds on (about 15 µs on one core: a depthwise conv does few multiply-adds
+# per value it moves), a float32 layer is shared with the CPU backend's spinning helpers when they
+# are free (`_on_team`), which start a part in microseconds. Measured on 2 cores, one layer alone:
+# ShuffleNet's 272ch@14 3x3 81 -> 55 µs, MobileNetV3's 16ch@112 3x3/2 87 -> 57 and 72ch@56 3x3/2
+# 152 -> 93, EfficientNet's 144ch@56 3x3 306 -> 193.
+TEAM_MIN_MACS = 100_000
 # Channels per block of the channels-last loop: a multiple of the SIMD width (16 float32 lanes on
 # AVX-512), with the block's channels-last copy of the image within CHUNK_BYTES (stays in L2).
 CHANNEL_ALIGN = 16
@@ -122,10 +131,22 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     bias = np.zeros(m, x.dtype) if bias is None else np.ascontiguousarray(bias, dtype=x.dtype)
     result = np.empty((n, m, ho, wo), dtype=x.dtype)
     geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
-    threads = threads_for(n * m * ho * wo * kh * kw)
-    if flat_pays(geometry[0], geometry[1], ho, wo, (kh - 1) * geometry[2], (kw - 1) * geometry[3]):
+    sh, sw, dh, dw, top, left = geometry
+    macs = n * m * ho * wo * kh * kw
+    threads = threads_for(macs)
+    if flat_pays(sh, sw, ho, wo, (kh - 1) * dh, (kw - 1) * dw):
+        loop = FLAT
+    elif stride2_rows_pay(sw, dw, wo, kw):
+        loop = ROWS2
+    elif not channels_last_pays(mult, sw, wo, kw):
+        loop = ROWS
+    else:
+        loop = CHANNELS_LAST
+    if loop != CHANNELS_LAST:
         taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
-        _, _, dh, dw, top, left = geometry
+        if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, CHANNEL_ALIGN):
+            return result
+    if loop == FLAT:
         row_width = wo + (kw - 1) * dw
         positions = -(-ho * row_width // 16) * 16  # virtual positions, whole SIMD vectors
         plane = positions + (kh - 1) * dh * row_width + (kw - 1) * dw
@@ -136,29 +157,25 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
 
         run_tasks([functools.partial(flat, *part) for part in _blocks(m, threads, n)], threads)
         return result
-    if stride2_rows_pay(geometry[1], geometry[3], wo, kw):
-        taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
-        sh, _, dh, _, top, left = geometry
-
+    if loop == ROWS2:
         def rows2(i0: int, i1: int, m0: int, m1: int) -> None:
             phases = scratch((2, h, (wd + 1) // 2), x.dtype, "phases")
             depthwise_rows_stride2(x[i0:i1], taps, bias, result[i0:i1], m0, m1, sh, dh, top, left, mult, phases)
 
         run_tasks([functools.partial(rows2, *part) for part in _blocks(m, threads, n)], threads)
         return result
-    if not channels_last_pays(mult, geometry[1], wo, kw):
-        taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
-        parts = _blocks(m, threads, n)
-
+    if loop == ROWS:
         def rows(i0: int, i1: int, m0: int, m1: int) -> None:
             depthwise_rows(x[i0:i1], taps, bias, result[i0:i1], m0, m1, *geometry, mult)
 
-        run_tasks([functools.partial(rows, i0, i1, m0, m1) for i0, i1, m0, m1 in parts], threads)
+        run_tasks([functools.partial(rows, *part) for part in _blocks(m, threads, n)], threads)
         return result
     taps = np.ascontiguousarray(w.reshape(c, kh, kw).transpose(1, 2, 0), dtype=x.dtype)
     # channel blocks: SIMD-width multiples, small enough that a block's channels-last copy of
     # the image stays in L2
     block = max(CHANNEL_ALIGN, min(c, CHUNK_BYTES // (h * wd * x.itemsize)) // CHANNEL_ALIGN * CHANNEL_ALIGN)
+    if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, block):
+        return result
     if 1 < threads and n < 2 * threads:  # too few images to share out: smaller channel blocks too
         block = min(block, -(-c // (2 * threads * n)) // CHANNEL_ALIGN * CHANNEL_ALIGN or CHANNEL_ALIGN)
 
@@ -170,6 +187,39 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     run_tasks([functools.partial(channels, i, c0, min(c, c0 + block))
                for i in range(n) for c0 in range(0, c, block)], threads)
     return result
+
+
+def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, result: np.ndarray,
+             geometry: tuple[int, ...], mult: int, block: int) -> bool:
+    """The conv on ``loop`` (`compiled.depthwise_parts`), this thread and the CPU backend's
+    spinning helpers taking a part each (images, else bands of channels, whole blocks of
+    ``block`` where the loop works channels last); False, having done nothing, when there is no
+    free team, the operands are not float32 or there are too few channels to share."""
+    team = parallel.team()
+    if team is None or x.dtype != np.float32:
+        return False
+    n, _, h, wd = x.shape
+    m, ho, wo = result.shape[1:]
+    parts = team.helpers + 1
+    if n >= parts:
+        cuts = [n * i // parts for i in range(parts + 1)]
+        ranges = [(cuts[i], cuts[i + 1], 0, m) for i in range(parts)]
+    else:
+        if loop == CHANNELS_LAST:  # blocks of whole SIMD vectors, at least one a part
+            block = min(block, max(CHANNEL_ALIGN, -(-m // parts) // CHANNEL_ALIGN * CHANNEL_ALIGN))
+        step = block if loop == CHANNELS_LAST else 1
+        if m < parts * step:
+            return False
+        cuts = [min(m, m * i // parts // step * step) for i in range(parts)] + [m]
+        ranges = [(0, n, cuts[i], cuts[i + 1]) for i in range(parts)]
+    kh, kw = (taps.shape[1], taps.shape[2]) if loop != CHANNELS_LAST else taps.shape[:2]
+    size = scratch_floats(loop, h, wd, ho, wo, kh, kw, geometry[2], geometry[3], block)
+    own = scratch((size,), np.float32, "team_depthwise")
+    helpers = team.scratch((parts - 1, size), np.float32)
+    posted = [range_arguments(loop, x, taps, bias, result, *ranges[j], geometry, mult, block, helpers[j - 1])
+              for j in range(1, parts)]
+    return team.try_run(posted, lambda: depthwise_range(loop, x, taps, bias, result, *ranges[0], *geometry, mult,
+                                                        block, own))
 
 
 def _blocks(channels: int, threads: int, images: int) -> list[tuple[int, int, int, int]]:

@@ -10,7 +10,9 @@ the input rows into slabs, transform them into ``V`` (α², C, tiles), run the �
 fused activation (the `Epilogue`) over the part's rows while they are in cache.
 
 Parts are bands of tile rows (per image), independent from gather to store: a layer split across
-the pool's threads waits for them once.
+the pool's threads waits for them once. From `linalg.TEAM_MIN_MACS` on, the bands are first
+offered to the CPU backend's spinning helpers (`_on_team`, `compiled.winograd_bands`: the same
+steps as one compiled loop), which start in microseconds where a pool thread takes 100-300 µs.
 
 Measured on one core of the 2-core VM (AMD EPYC, AVX-512) inside ResNet-50, against the tiled
 GEMM conv (`conv_gemm`): 64ch@56x56 2.72 -> about 2.0 ms and 128ch@28x28 2.69 -> 1.75 ms with 4x4
@@ -31,11 +33,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..concurrency import parallel
+from ..concurrency.spin_team import SpinTeam
+from .compiled import blas_call
 from .compiled.winograd import (gather_slabs, input_transform, input_transform_2x2, non_finite_mark,
                                 output_transform, output_transform_2x2)
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
-from .linalg import SPLIT_MIN_MACS
+from .compiled.winograd_bands import band_arguments, scratch_size, winograd_bands
+from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS
 
 # Fewest virtual tiles per image (the GEMMs' columns; one spare tile a tile row) for a tile size.
 MIN_TILES = 32
@@ -127,19 +132,47 @@ def conv2d_winograd(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin
     bias = np.zeros(m, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
     tile_rows, tw = -(-ho // algorithm.tile), -(-wo // algorithm.tile)
     y = np.empty((n, m, ho, wo), np.float32)
-    threads = parallel.parts_available() if n * m * c * 9 * ho * wo >= SPLIT_MIN_MACS else 1
+    macs = n * m * c * 9 * ho * wo
+    threads = parallel.parts_available() if macs >= SPLIT_MIN_MACS else 1
+    team = parallel.team() if macs >= TEAM_MIN_MACS and blas_call.available() else None
     # bands of tile rows: about one part per thread, each image cut into the same number of bands,
     # and more where a part's V and products would outgrow PART_BYTES (a VGG-sized map)
     row_tiles = tw + 1
     window = algorithm.window
     tiles_per_part = max(MIN_PART_TILES, PART_BYTES // (window * window * (c + m) * 4))
-    bands = max(1, min(tile_rows, max(-(-threads // n), -(-tile_rows * row_tiles // tiles_per_part))))
+    sharers = threads if team is None else team.helpers + 1
+    bands = max(1, min(tile_rows, max(-(-sharers // n), -(-tile_rows * row_tiles // tiles_per_part))))
     edges = [round(tile_rows * i / bands) for i in range(bands + 1)]
+    if team is not None and _on_team(team, algorithm, x, u, bias, y, top, left, tw, edges, epilogue):
+        return y
     parts = [functools.partial(_part, algorithm, x[i], u, bias, y[i], top, left, tw, edges[j], edges[j + 1],
                                epilogue)
              for i in range(n) for j in range(bands) if edges[j + 1] > edges[j]]
     run_tasks(parts, threads)
     return y
+
+
+def _on_team(team: SpinTeam, algorithm: _Algorithm, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray,
+             top: int, left: int, tw: int, edges: list[int], epilogue: Epilogue) -> bool:
+    """The bands (each image cut at tile rows ``edges``) on `compiled.winograd_bands`, shared
+    between this thread and the team's helpers, about the same number of tiles each; False,
+    having done nothing, when there are fewer bands than sharers or the team is busy."""
+    bands = np.array([(i, edges[j], edges[j + 1]) for i in range(x.shape[0]) for j in range(len(edges) - 1)
+                      if edges[j + 1] > edges[j]], np.int64)
+    parts = team.helpers + 1
+    if len(bands) < parts:
+        return False
+    cuts = [len(bands) * i // parts for i in range(parts + 1)]
+    rows = int((bands[:, 2] - bands[:, 1]).max())
+    size = scratch_size(algorithm.window, x.shape[1], u.shape[1], rows * (tw + 1), tw)
+    own = scratch((size,), np.float32, "winograd_team")
+    helpers = team.scratch((parts - 1, size), np.float32)
+    numbers = np.array([epilogue.a, epilogue.b], np.float64)
+    fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
+    posted = [band_arguments(x, u, bias, y, bands, cuts[j], cuts[j + 1], top, left, tw, helpers[j - 1],
+                             epilogue.kind, numbers, fn, ilp64) for j in range(1, parts)]
+    return team.try_run(posted, lambda: winograd_bands(x, u, bias, y, bands, 0, cuts[1], top, left, tw, own,
+                                                       epilogue.kind, epilogue.a, epilogue.b, fn, ilp64))
 
 
 def _part(algorithm: _Algorithm, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, top: int,

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..concurrency import parallel, spin_team
 from .base import Op
+from .compiled import blas_call
 from .compiled.few_rows import K_UNROLL, add_parts, few_rows_matmul, finish_parts, post_parts
 from .compiled.panels import no_panels, pack_panels
 from .elementwise import compute_dtype
@@ -22,6 +23,10 @@ from .registry import register
 # (bench/latency.py), splitting from 4M MACs made squeezenet 15.5 ms and inception_v2 49 ms,
 # from 30M 13.4 and 43.7 ms (resnet50 72 ms either way; 83 ms with no splitting at all).
 SPLIT_MIN_MACS = 30_000_000
+# From this many multiply-adds on (about 20 µs on one core), a float32 GEMM (and a tiled conv) is
+# shared with the CPU backend's spinning helpers when they are free (`_on_team`): they start a
+# part in microseconds, not the pool thread's 50-300 µs.
+TEAM_MIN_MACS = 1_000_000
 # A GEMM of a few rows (a decode step's 8 × 768 @ 768 × 2304) is bound by reading B, not by its
 # multiply-adds. From this size of B on it runs in `compiled.few_rows` (B read once, where BLAS
 # packs it first from two rows on: 3x the time of one row), and from SPLIT_MIN_B_BYTES on it is
@@ -45,7 +50,8 @@ COLUMN_BAND_MIN = 64
 def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
            panels: np.ndarray | None = None) -> np.ndarray:
     """``np.matmul(a, b)``, split across the pool's idle threads when it is large (BLAS runs one
-    thread per call inside asyncinfer: see ``concurrency/parallel.py``). Each part writes a
+    thread per call inside asyncinfer: see ``concurrency/parallel.py``), or from
+    `TEAM_MIN_MACS` on (float32, one product) across the spin team's helpers. Each part writes a
     contiguous block of the result (a batch entry, or a band of rows), so BLAS runs on every part.
     ``bias``: a row of the result's width and dtype, added to the product (``y += bias``).
     ``panels``: ``b`` packed by `compiled.panels.pack_panels` (see `constant_panels`)."""
@@ -67,9 +73,15 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
     count = math.prod(batch)
     if b.shape[-2] != k:
         return np.matmul(a, b)
-    if count * m * k * n < SPLIT_MIN_MACS:
+    macs = count * m * k * n
+    if macs < min(TEAM_MIN_MACS, SPLIT_MIN_MACS):
         return np.matmul(a, b)
     y = np.empty((*batch, m, n), dtype=a.dtype)
+    if (macs >= TEAM_MIN_MACS and count == 1 and a.dtype == np.float32
+            and _on_team(a.reshape(m, k), b.reshape(k, n), y.reshape(m, n))):
+        return y
+    if macs < SPLIT_MIN_MACS:
+        return np.matmul(a, b)
     if count >= parts:  # whole batch entries per part
         a3 = np.broadcast_to(a, (*batch, m, k)).reshape(count, m, k)
         b3 = np.broadcast_to(b, (*batch, k, n)).reshape(count, k, n)
@@ -98,6 +110,35 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
 
     parallel.run_parts(parts, band)
     return y
+
+
+def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray) -> bool:
+    """``y = a @ b`` (2-D float32) in bands, this thread and the CPU backend's spinning helpers
+    taking one each (rows or columns as `matmul` splits them); False, having done nothing, when
+    there is no free team or no compiled sgemm (`compiled.blas_call`)."""
+    team = parallel.team()
+    if team is None or not blas_call.available() or not (_blas_rows(a) and _blas_rows(b)):
+        return False
+    m, k = a.shape
+    n = b.shape[1]
+    parts = team.helpers + 1
+    by_rows = m >= parts and (m >= n or n < parts * COLUMN_BAND_MIN)
+    if not by_rows and n < parts * 16:
+        return False
+    # column bands start on whole vectors of y
+    cuts = [m * i // parts for i in range(parts + 1)] if by_rows else \
+        [min(n, -(-n * i // parts) // 16 * 16) for i in range(parts)] + [n]
+    bands = [(a[lo:hi], b, y[lo:hi]) if by_rows else (a, b[:, lo:hi], y[:, lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+    posted = [blas_call.gemm_arguments(pa.shape[0], pb.shape[1], k, pa.ctypes.data, pa.strides[0] // 4, pb.ctypes.data,
+                                       pb.strides[0] // 4, py.ctypes.data, py.strides[0] // 4)
+              for pa, pb, py in bands[1:]]
+    own = bands[0]
+    return team.try_run(posted, lambda: blas_call.gemm(*own, blas_call.SGEMM, blas_call.ILP64))
+
+
+def _blas_rows(x: np.ndarray) -> bool:
+    """Whether BLAS reads the 2-D float32 ``x`` in place: contiguous rows, a row stride of at least a row."""
+    return x.strides[1] == 4 and x.strides[0] % 4 == 0 and x.strides[0] >= 4 * x.shape[1]
 
 
 def _takes_few_rows(a: np.ndarray, b: np.ndarray) -> bool:

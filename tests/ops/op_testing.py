@@ -2,7 +2,8 @@
 compare; interpret a node case's graph with the kernels alone."""
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import onnx
@@ -118,3 +119,44 @@ def evaluate_with_kernels(model: onnx.ModelProto, inputs: list) -> list:
             if name:
                 values[name] = out
     return [values[o.name] for o in model.graph.output]
+
+
+class TeamRuns:
+    """A spin team of ``helpers`` threads for kernel tests (`spin_team_bound`), counting the
+    kernels that shared their work with it (`SpinTeam.try_run` calls that ran)."""
+
+    def __init__(self, helpers: int):
+        from asyncinfer.concurrency.spin_team import SpinTeam
+        from asyncinfer.ops.compiled.team_parts import serve_parts
+
+        self.team = SpinTeam(helpers, serve_parts, name="test-team")
+        self.shared = 0
+        real = self.team.try_run
+
+        def counted(parts, own):
+            ran = real(parts, own)
+            self.shared += ran
+            return ran
+        self.team.try_run = counted
+
+
+@contextmanager
+def spin_team_bound(helpers: int = 1) -> Iterator[TeamRuns]:
+    """Within the block, kernels on this thread may share parts with a fresh spin team (as on a
+    CPU backend's threads). Skips the test where NumPy's BLAS exports no ``cblas_sgemm`` (Apple's
+    Accelerate, MKL builds): the team's GEMM and conv parts are then never used."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncinfer.concurrency import parallel
+    from asyncinfer.ops.compiled import blas_call
+
+    if not blas_call.available():
+        pytest.skip("NumPy's BLAS exports no cblas_sgemm here: kernels keep their NumPy path")
+    runs = TeamRuns(helpers)
+    pool = ThreadPoolExecutor(helpers, thread_name_prefix="test-pool")
+    try:
+        with parallel.pool_bound(pool.submit, helpers + 1, runs.team):
+            yield runs
+    finally:
+        runs.team.close()
+        pool.shutdown()

@@ -18,7 +18,7 @@ from asyncinfer.model.ir import Layer
 from asyncinfer.ops import conv_gemm
 from asyncinfer.ops.epilogue import Epilogue
 
-from .op_testing import make_op, randn, reference_run
+from .op_testing import make_op, randn, reference_run, spin_team_bound
 
 _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-gemm")
 
@@ -65,6 +65,29 @@ def test_matches_reference_however_it_is_cut(name, cut, rng, monkeypatch):
         got, want = _run_case(name, rng)
     assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_matches_reference_shared_with_the_spin_team(name, helpers, rng, monkeypatch):
+    """The compiled conv (`compiled.conv_blocks`, sgemm from compiled code) with this thread and
+    the team's helpers taking a part each: images, positions, or bands of channels (small maps),
+    over exact, flat or no im2col, in narrow blocks."""
+    from asyncinfer.ops import linalg
+
+    monkeypatch.setattr(conv_gemm, "TEAM_MIN_MACS", 0)
+    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)  # a 1x1 conv's GEMM
+    monkeypatch.setattr(conv_gemm, "BLOCK_BYTES", 1)
+    monkeypatch.setattr(conv_gemm, "MIN_WIDTH", 4)  # (3x3 maps: positions for two, bands for three)
+    monkeypatch.setattr(conv_gemm, "MIN_BAND_ROWS", 4)
+    with spin_team_bound(helpers) as runs:
+        got, want = _run_case(name, rng, bias=name != "dilated")
+    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # a batch of 1x1 convs is one batched matmul (pool threads split it); one position of four
+    # channels makes fewer than three parts
+    alone = name == "1x1_direct" or (name, helpers) == ("1x1_one_position", 2)
+    assert runs.shared == (0 if alone else 1)
 
 
 def test_small_maps_split_output_channels_into_bands(rng, monkeypatch):

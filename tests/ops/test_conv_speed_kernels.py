@@ -19,7 +19,7 @@ from asyncinfer.concurrency import parallel
 from asyncinfer.ops import conv as conv_module
 from asyncinfer.ops import conv_kernels
 
-from .op_testing import make_op, randn, reference_run
+from .op_testing import make_op, randn, reference_run, spin_team_bound
 
 # name: (x shape, channel multiplier, kernel, attrs)
 DEPTHWISE_CASES = {
@@ -162,7 +162,7 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
     assert bool(calls) == name.startswith("1d")
 
 
-@pytest.mark.parametrize("shape, kernel, stride, mult, want", [
+DISPATCH_CASES = [
     ((1, 32, 56, 56), 3, 1, 1, "depthwise_flat"),           # unit stride: flat planes
     ((1, 64, 14, 14), 5, 1, 1, "depthwise_flat"),           # 14 columns out
     ((1, 16, 56, 56), 7, 1, 1, "depthwise_flat"),           # large kernel
@@ -175,7 +175,10 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
     ((1, 8, 112, 112), 5, 2, 1, "depthwise_channels_last"),  # strided 5x5
     ((1, 8, 40, 40), 3, 2, 2, "depthwise_rows"),            # channel multiplier, 20 columns out
     ((1, 8, 56, 56), 3, 2, 2, "depthwise_rows_stride2"),    # channel multiplier, 28 columns out
-])
+]
+
+
+@pytest.mark.parametrize("shape, kernel, stride, mult, want", DISPATCH_CASES)
 def test_dispatch_rule(shape, kernel, stride, mult, want, rng, monkeypatch):
     """The default rules (conv_kernels.flat_pays, stride2_rows_pay, channels_last_pays) on
     real-sized layers, checked against the reference."""
@@ -186,6 +189,25 @@ def test_dispatch_rule(shape, kernel, stride, mult, want, rng, monkeypatch):
     x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
     _check(x, w, b, dict(strides=[stride, stride], pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
     assert set(calls) == {want}
+
+
+@pytest.mark.parametrize("shape, kernel, stride, mult, want", DISPATCH_CASES)
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_depthwise_shared_with_the_spin_team_has_the_bits_of_one_thread(shape, kernel, stride, mult, want, helpers,
+                                                                        rng, monkeypatch):
+    """Images or bands of channels (channels-last blocks whole) on this thread and the team's
+    helpers (`compiled.depthwise_parts`): each loop computes every value as on one thread."""
+    monkeypatch.setattr(conv_kernels, "TEAM_MIN_MACS", 0)
+    x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
+    attrs = dict(strides=[stride, stride], pads=[kernel // 2] * 4, group=shape[1], kernel_shape=[kernel, kernel])
+    conv = make_op("Conv", attrs, n_inputs=3)
+    alone = conv(x, w, b)[0]
+    with spin_team_bound(helpers) as runs:
+        shared = conv(x, w, b)[0]
+    # channels last keeps SIMD-wide blocks of 16 channels whole: 8 or 16 channels are one part
+    assert runs.shared == (0 if want == "depthwise_channels_last" and shape[1] * mult < 16 * (helpers + 1) else 1)
+    np.testing.assert_array_equal(shared, alone)
+    np.testing.assert_allclose(shared, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
 
 
 # Ungrouped convs with and without bias, batches, strides, dilations, 1-D (all on the tiled GEMM).

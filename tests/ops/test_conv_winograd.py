@@ -13,7 +13,7 @@ from asyncinfer.concurrency import parallel
 from asyncinfer.ops import conv_winograd
 from asyncinfer.ops.epilogue import Epilogue
 
-from .op_testing import make_op, randn, reference_run
+from .op_testing import make_op, randn, reference_run, spin_team_bound
 from .test_conv_gemm import _activation
 
 _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-winograd")
@@ -67,6 +67,31 @@ def test_matches_reference(name, cut, rng, monkeypatch):
     assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
     # F(4x4, 3x3) rounds more than a direct sum: errors scale with the outputs' magnitude
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_bands_shared_with_the_spin_team_have_the_bits_of_one_thread(name, helpers, rng, monkeypatch):
+    """`compiled.winograd_bands` on this thread and the team's helpers, a part of the bands each,
+    computes every value as `_part` does alone, and matches the reference."""
+    inputs, attrs = _operands(name, rng)
+    conv = make_op("Conv", attrs, n_inputs=len(inputs))
+    monkeypatch.setattr(conv_winograd, "MIN_PART_TILES", 1)
+    monkeypatch.setattr(conv_winograd, "PART_BYTES", 1)  # a band a tile row: bands for every sharer
+    alone = conv(*inputs)[0]  # (the same bands: BLAS's rounding may depend on a GEMM's width)
+    monkeypatch.setattr(conv_winograd, "TEAM_MIN_MACS", 0)
+    parts = []
+    real = conv_winograd._part
+    monkeypatch.setattr(conv_winograd, "_part", lambda *a: (parts.append(1), real(*a)))
+    with spin_team_bound(helpers) as runs:
+        shared = conv(*inputs)[0]
+    if name == "one_tile_row":  # one band: nothing to share, the Python path runs it
+        assert runs.shared == 0 and parts
+    else:
+        assert runs.shared == 1 and not parts  # no band left to the Python path
+    np.testing.assert_array_equal(shared, alone)
+    want = reference_run("Conv", inputs, attrs)[0]
+    np.testing.assert_allclose(shared, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
 
 
 def test_agrees_with_the_gemm_conv(rng, monkeypatch):

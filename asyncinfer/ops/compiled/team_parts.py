@@ -2,8 +2,10 @@
 
 A `concurrency.spin_team.SpinTeam` helper runs a compiled serve loop that never returns to
 Python between parts; this one runs the parts of the kernels that split across the team: a
-few-row GEMM's block of K (`few_rows`) and a decode step's attention heads (`attention`),
-told apart by the kind each poster writes (`PART_KIND` of each module).
+few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attention`), a tiled
+conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
+images or channels (`depthwise_parts`) and a band of a GEMM (`blas_call`), told apart by the
+kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ from ...concurrency.spin_team import KIND, mark_done, next_post
 from . import kernel
 from .attention import PART_KIND as ATTENTION
 from .attention import attention_part
+from .blas_call import PART_KIND as GEMM
+from .blas_call import gemm_part
+from .conv_blocks import PART_KIND as CONV
+from .conv_blocks import conv_part
+from .depthwise_parts import PART_KIND as DEPTHWISE
+from .depthwise_parts import depthwise_part
+from .winograd_bands import PART_KIND as WINOGRAD
+from .winograd_bands import band_part
 from .few_rows import few_rows_part
 
 
@@ -27,6 +37,14 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
         seen = seq
         if control[KIND] == ATTENTION:
             attention_part(control)
+        elif control[KIND] == CONV:
+            conv_part(control)
+        elif control[KIND] == GEMM:
+            gemm_part(control)
+        elif control[KIND] == WINOGRAD:
+            band_part(control)
+        elif control[KIND] == DEPTHWISE:
+            depthwise_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)

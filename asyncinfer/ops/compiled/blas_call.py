@@ -1,0 +1,159 @@
+"""BLAS's single-precision GEMM called from compiled code, so that a GEMM can be a part of a
+compiled kernel: a spinning helper (`concurrency/spin_team.py`) runs it without Python.
+
+NumPy's matmul is Python-level: a kernel that interleaves GEMMs with compiled loops (the tiled
+conv's im2col, GEMM and epilogue per block) must return to Python between them, and its parts
+can only be shared out to pool threads that wake in 100-300 µs on a small VM. Here the
+``cblas_sgemm`` of the OpenBLAS that NumPy itself loaded is looked up once (its address, found
+through threadpoolctl, which the CPU backend already uses to pin BLAS to one thread per call) and
+called through that address from compiled code: `sgemm`. The address is an argument, not a
+constant baked into the machine code, so kernels calling it stay in numba's on-disk cache.
+
+NumPy's wheels bundle OpenBLAS with 64-bit integers and a ``scipy_`` prefix
+(``scipy_cblas_sgemm64_``); other builds export ``cblas_sgemm64_`` or plain 32-bit
+``cblas_sgemm``. Where none is found (NumPy on Apple's Accelerate, MKL builds) `SGEMM` is 0 and
+callers keep their NumPy path. The binding checks itself on first use against NumPy's matmul
+(`available`): a library exporting the name with another calling convention disables it rather
+than giving wrong results.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ...concurrency.spin_team import ARGS
+from . import kernel
+
+#: The kind of a spin-team part that is one `sgemm` (`gemm_part`).
+PART_KIND = 3
+
+# CBLAS enums: row-major storage, no transposition
+_ROW_MAJOR, _NO_TRANS = 101, 111
+# (symbol, 64-bit integers) in the order tried
+_SYMBOLS = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
+            ("cblas_sgemm", False))
+
+
+def _find() -> tuple[int, bool]:
+    """(address of cblas_sgemm in NumPy's OpenBLAS, whether its integers are 64-bit); (0, False)
+    when there is none."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return 0, False
+    for lib in threadpool_info():
+        if lib.get("internal_api") != "openblas" or not lib.get("filepath"):
+            continue
+        try:
+            handle = ctypes.CDLL(lib["filepath"])
+        except OSError:
+            continue
+        for name, ilp64 in _SYMBOLS:
+            fn = getattr(handle, name, None)
+            if fn is not None:
+                return int(ctypes.cast(fn, ctypes.c_void_p).value or 0), ilp64
+    return 0, False
+
+
+SGEMM, ILP64 = _find()
+
+
+def _call(int_type: ir.IntType) -> Any:
+    """codegen of ``cblas_sgemm(RowMajor, NoTrans, NoTrans, m, n, k, 1, a, lda, b, ldb, 0, c, ldc)``
+    through the address in the first argument, with BLAS integers of ``int_type``."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fn, m, n, k, a, lda, b, ldb, c, ldc = args
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        ptr = f32.as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, int_type, int_type, int_type, f32, ptr, int_type, ptr,
+                                               int_type, f32, ptr, int_type])
+        callee = builder.inttoptr(fn, fnty.as_pointer())
+
+        def blas_int(v: Any) -> Any:
+            return v if int_type.width == 64 else builder.trunc(v, int_type)
+
+        builder.call(callee, [ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS), ir.Constant(i32, _NO_TRANS),
+                              blas_int(m), blas_int(n), blas_int(k), ir.Constant(f32, 1.0),
+                              builder.inttoptr(a, ptr), blas_int(lda), builder.inttoptr(b, ptr), blas_int(ldb),
+                              ir.Constant(f32, 0.0), builder.inttoptr(c, ptr), blas_int(ldc)])
+        return context.get_dummy_value()
+    return codegen
+
+
+_ARGS = (types.int64,) * 10
+
+
+@intrinsic
+def _sgemm64(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any, ldb: Any, c: Any,
+             ldc: Any) -> Any:
+    return types.void(*_ARGS), _call(ir.IntType(64))
+
+
+@intrinsic
+def _sgemm32(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any, ldb: Any, c: Any,
+             ldc: Any) -> Any:
+    return types.void(*_ARGS), _call(ir.IntType(32))
+
+
+@numba.njit(inline="always")
+def sgemm(fn: int, ilp64: bool, m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int, ldc: int) -> None:
+    """``C = A @ B`` (float32, row-major, ``C`` overwritten) with the BLAS at address ``fn``
+    (`SGEMM`, `ILP64`): ``A`` is m×k at address ``a`` with row stride ``lda`` (elements), ``B``
+    k×n at ``b`` (``ldb``), ``C`` m×n at ``c`` (``ldc``). Compiled code only."""
+    if ilp64:
+        _sgemm64(fn, m, n, k, a, lda, b, ldb, c, ldc)
+    else:
+        _sgemm32(fn, m, n, k, a, lda, b, ldb, c, ldc)
+
+
+def gemm_arguments(m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int, ldc: int) -> list[int]:
+    """The integers of a part that is one `sgemm` (addresses and strides as there; for
+    `SpinTeam.try_run`; the caller keeps the arrays alive until it is done)."""
+    return [PART_KIND, m, n, k, a, lda, b, ldb, c, ldc, SGEMM, int(ILP64)]
+
+
+@numba.njit(inline="always")
+def gemm_part(control: np.ndarray) -> None:
+    """Run the `sgemm` posted in a spin team's ``control`` row (`gemm_arguments`): the helper's side."""
+    at = ARGS
+    sgemm(control[at + 9], control[at + 10] != 0, control[at], control[at + 1], control[at + 2], control[at + 3],
+          control[at + 4], control[at + 5], control[at + 6], control[at + 7], control[at + 8])
+
+
+@kernel
+def gemm(a: np.ndarray, b: np.ndarray, c: np.ndarray, fn: int, ilp64: bool) -> None:
+    """``c = a @ b`` by `sgemm` (2-D float32 arrays whose rows are contiguous, any row strides),
+    from Python: the calling thread's share of a GEMM split with a spin team."""
+    m, k = a.shape
+    sgemm(fn, ilp64, m, b.shape[1], k, a.ctypes.data, a.strides[0] // 4, b.ctypes.data, b.strides[0] // 4,
+          c.ctypes.data, c.strides[0] // 4)
+
+
+@kernel
+def _matmul(fn: int, ilp64: bool, a: np.ndarray, b: np.ndarray, c: np.ndarray) -> None:
+    m, k = a.shape
+    sgemm(fn, ilp64, m, b.shape[1], k, a.ctypes.data, k, b.ctypes.data, b.shape[1], c.ctypes.data, c.shape[1])
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether `sgemm` may be called: the symbol was found and a product through it equals
+    NumPy's (checked once per process)."""
+    if not SGEMM:
+        return False
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((7, 13)).astype(np.float32)
+    b = rng.standard_normal((13, 5)).astype(np.float32)
+    c = np.full((7, 5), np.nan, np.float32)
+    try:
+        _matmul(SGEMM, ILP64, a, b, c)
+    except Exception:  # noqa: BLE001 - an unusable binding is no binding
+        return False
+    return bool(np.allclose(c, a @ b, rtol=1e-5, atol=1e-5))

@@ -1,0 +1,102 @@
+"""A depthwise conv's share of images or channels, on whichever of `depthwise`'s loops the layer
+takes, as one compiled call: the form in which the CPU backend's spinning helpers
+(`concurrency/spin_team.py`) run a part of it.
+
+`conv_kernels.depthwise2d` picks the loop (`FLAT`, `ROWS2`, `ROWS`, `CHANNELS_LAST`) and cuts
+the layer into one part per sharer; `depthwise_range` runs a part on the calling thread, and
+`depthwise_part` on a helper from the integers `range_arguments` posts. A MobileNetV3 or
+ShuffleNet depthwise layer is 0.2-5 M multiply-adds: too little to wake a pool thread for (100-300
+µs on a small VM), enough for two cores once the helper is spinning. Every output is computed by
+the same loop as on one thread, so the bits do not depend on the split.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ...concurrency.spin_team import ARGS, address_as_pointer
+from . import kernel
+from .depthwise import depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2
+
+PART_KIND = 5
+
+#: The loops of `depthwise`: flat padded planes, rows at stride 2 across, rows, channels last.
+FLAT, ROWS2, ROWS, CHANNELS_LAST = 0, 1, 2, 3
+
+
+def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int, dh: int, dw: int,
+                   block: int) -> int:
+    """Values of scratch `depthwise_range` needs for ``loop`` on an (H, W) map to (Ho, Wo) with
+    a kh x kw kernel, dilations ``dh, dw``, channel blocks of ``block`` (channels last)."""
+    if loop == FLAT:
+        wp = wo + (kw - 1) * dw
+        positions = -(-ho * wp // 16) * 16
+        return 2 * positions + (kh - 1) * dh * wp + (kw - 1) * dw
+    if loop == ROWS2:
+        return 2 * h * ((w + 1) // 2)
+    if loop == CHANNELS_LAST:
+        return block * (h * w + wo)
+    return 1
+
+
+@kernel
+def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
+                    m0: int, m1: int, sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int,
+                    block: int, scratch: np.ndarray) -> None:
+    """Images ``i0:i1``, output channels ``m0:m1`` of a 2-D depthwise conv of ``x`` (N, C, H, W)
+    into ``out`` (N, M, Ho, Wo) on ``loop``. ``taps`` is (M, kh, kw), or (kh, kw, C) for
+    `CHANNELS_LAST` (whose channels go ``block`` at a time); strides, dilations, pads and the
+    channel multiplier as in `depthwise`; ``scratch`` holds `scratch_floats` values."""
+    n, c, h, w = x.shape
+    ho, wo = out.shape[2], out.shape[3]
+    if loop == FLAT:
+        kh, kw = taps.shape[1], taps.shape[2]
+        wp = wo + (kw - 1) * dw
+        positions = -(-ho * wp // 16) * 16
+        plane = positions + (kh - 1) * dh * wp + (kw - 1) * dw
+        depthwise_flat(x[i0:i1], taps, bias, out[i0:i1], m0, m1, dh, dw, top, left, multiplier, scratch[:plane],
+                       scratch[plane:plane + positions])
+    elif loop == ROWS2:
+        half = (w + 1) // 2
+        depthwise_rows_stride2(x[i0:i1], taps, bias, out[i0:i1], m0, m1, sh, dh, top, left, multiplier,
+                               scratch[:2 * h * half].reshape(2, h, half))
+    elif loop == ROWS:
+        depthwise_rows(x[i0:i1], taps, bias, out[i0:i1], m0, m1, sh, sw, dh, dw, top, left, multiplier)
+    else:
+        for i in range(i0, i1):
+            for c0 in range(m0, m1, block):
+                c1 = min(m1, c0 + block)
+                cb = c1 - c0
+                depthwise_channels_last(x[i], taps, bias, out[i], scratch[:h * w * cb].reshape(h, w, cb),
+                                        scratch[h * w * cb:h * w * cb + wo * cb].reshape(wo, cb), c0, c1,
+                                        sh, sw, dh, dw, top, left)
+
+
+def range_arguments(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
+                    m0: int, m1: int, geometry: tuple[int, ...], multiplier: int, block: int,
+                    scratch: np.ndarray) -> list[int]:
+    """The integers of a part `depthwise_part` runs as ``depthwise_range(...)`` (``geometry`` =
+    sh, sw, dh, dw, top, left) on C-contiguous float32 arrays, for `SpinTeam.try_run`; the caller
+    keeps every array alive until the part is done."""
+    return [PART_KIND, loop, *x.shape, *taps.shape, *out.shape[1:], x.ctypes.data, taps.ctypes.data, bias.ctypes.data,
+            out.ctypes.data, i0, i1, m0, m1, *geometry, multiplier, block, scratch.ctypes.data, scratch.size]
+
+
+@numba.njit(inline="always")
+def depthwise_part(control: np.ndarray) -> None:
+    """Run the `depthwise_range` part posted in a spin team's ``control`` row (`range_arguments`):
+    the helper's side (`team_parts.serve_parts`)."""
+    at = ARGS
+    n = control[at + 1]
+    x = numba.carray(address_as_pointer(control[at + 11], np.float32),
+                     (n, control[at + 2], control[at + 3], control[at + 4]))
+    taps = numba.carray(address_as_pointer(control[at + 12], np.float32),
+                        (control[at + 5], control[at + 6], control[at + 7]))
+    m = control[at + 8]
+    bias = numba.carray(address_as_pointer(control[at + 13], np.float32), (m,))
+    out = numba.carray(address_as_pointer(control[at + 14], np.float32), (n, m, control[at + 9], control[at + 10]))
+    scratch = numba.carray(address_as_pointer(control[at + 27], np.float32), (control[at + 28],))
+    p = at + 15
+    depthwise_range(control[at], x, taps, bias, out, control[p], control[p + 1], control[p + 2], control[p + 3],
+                    control[p + 4], control[p + 5], control[p + 6], control[p + 7], control[p + 8], control[p + 9],
+                    control[p + 10], control[p + 11], scratch)

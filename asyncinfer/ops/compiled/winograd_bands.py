@@ -1,0 +1,105 @@
+"""Winograd's 3x3 conv (`ops.conv_winograd`) by bands of tile rows in one compiled loop, so that
+its parts run on the CPU backend's spinning helpers (`concurrency/spin_team.py`).
+
+`winograd_bands` runs what `conv_winograd._part` runs in Python for each band: gather the input
+rows into slabs, transform them, the α² GEMMs (BLAS's sgemm from compiled code: `blas_call`),
+the output transform, bias and activation. The calling thread takes some bands and a helper the
+others (`band_arguments`, `band_part`), starting in microseconds where a pool thread takes
+100-300 µs to wake, so mid-sized layers (SqueezeNet's, ResNet's 14x14 stage) run on every core.
+Each value is computed as in `_part`: the same transforms, one sgemm per ξ, the same epilogue.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ...concurrency.spin_team import ARGS, address_as_pointer
+from . import kernel
+from .blas_call import sgemm
+from .epilogue import apply_rows
+from .winograd import gather_slabs, input_transform, input_transform_2x2, output_transform, output_transform_2x2
+
+PART_KIND = 4
+
+
+@kernel
+def winograd_bands(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, bands: np.ndarray, b0: int,
+                   b1: int, top: int, left: int, tw: int, scratch: np.ndarray, act: int, a: float, b: float, fn: int,
+                   ilp64: bool) -> None:
+    """Bands ``b0:b1`` of ``bands`` (rows: image, first and end tile row) of the Winograd conv
+    of ``x`` (N, C, H, W) by ``u`` (α², M, C: `conv_winograd.transform_weights`) into ``y`` (N,
+    M, Ho, Wo), float32, with ``top``/``left`` pads and ``tw`` tiles a row; ``scratch`` holds at
+    least `scratch_size` values for the largest band. ``act``, ``a``, ``b``: the epilogue;
+    ``fn``, ``ilp64``: `blas_call.SGEMM`, `blas_call.ILP64`."""
+    c = x.shape[1]
+    m = u.shape[1]
+    window = 6 if u.shape[0] == 36 else 4
+    step = window - 2
+    ho, wo = y.shape[2], y.shape[3]
+    for j in range(b0, b1):
+        i, ti0, ti1 = bands[j, 0], bands[j, 1], bands[j, 2]
+        tiles = (ti1 - ti0) * (tw + 1)
+        sizes = (c * window * (step * tiles + 8), window * window * c * tiles, window * window * tiles,
+                 window * window * m * tiles)
+        at = 0
+        slabs = scratch[at:at + sizes[0]].reshape(c, window, step * tiles + 8)
+        at += sizes[0]
+        v = scratch[at:at + sizes[1]].reshape(window * window, c, tiles)
+        at += sizes[1]
+        e = scratch[at:at + sizes[2]].reshape(window, window, tiles)
+        at += sizes[2]
+        products = scratch[at:at + sizes[3]].reshape(window * window, m, tiles)
+        at += sizes[3]
+        t = scratch[at:at + step * window * tw].reshape(step, window, tw)
+        gather_slabs(x[i], slabs, step, top, left, step * (tw + 1), ti0, ti1 - ti0)
+        if window == 6:
+            input_transform(slabs, v, e)
+        else:
+            input_transform_2x2(slabs, v, e)
+        for xi in range(window * window):
+            sgemm(fn, ilp64, m, tiles, c, u[xi].ctypes.data, c, v[xi].ctypes.data, tiles, products[xi].ctypes.data,
+                  tiles)
+        oh0, oh1 = step * ti0, min(ho, step * ti1)
+        if window == 6:
+            output_transform(products, y[i], tw, oh0, t)
+        else:
+            output_transform_2x2(products, y[i], tw, oh0, t)
+        for ch in range(m):
+            apply_rows(y[i, ch, oh0:oh1].reshape(1, (oh1 - oh0) * wo), bias[ch:ch + 1], act, a, b)
+
+
+def scratch_size(window: int, c: int, m: int, tiles: int, tw: int) -> int:
+    """Floats of scratch `winograd_bands` needs for a band of ``tiles`` virtual tiles."""
+    step = window - 2
+    return (c * window * (step * tiles + 8) + window * window * (c + m + 1) * tiles + step * window * tw)
+
+
+def band_arguments(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, bands: np.ndarray, b0: int,
+                   b1: int, top: int, left: int, tw: int, scratch: np.ndarray, act: int, numbers: np.ndarray,
+                   fn: int, ilp64: bool) -> list[int]:
+    """The integers of a part `band_part` runs as ``winograd_bands(...)`` on the same arguments
+    (for `SpinTeam.try_run`): C-contiguous arrays, int64 ``bands``, the epilogue's ``a, b`` as
+    float64 ``numbers``; the caller keeps every array alive until the part is done."""
+    return [PART_KIND, *x.shape, *u.shape, *y.shape[2:], x.ctypes.data, u.ctypes.data, bias.ctypes.data,
+            y.ctypes.data, bands.ctypes.data, bands.shape[0], b0, b1, top, left, tw, scratch.ctypes.data, scratch.size,
+            act, numbers.ctypes.data, fn, int(ilp64)]
+
+
+@numba.njit(inline="always")
+def band_part(control: np.ndarray) -> None:
+    """Run the `winograd_bands` part posted in a spin team's ``control`` row (`band_arguments`):
+    the helper's side (`team_parts.serve_parts`)."""
+    at = ARGS
+    n, c, h, w = control[at], control[at + 1], control[at + 2], control[at + 3]
+    xi, m = control[at + 4], control[at + 5]
+    ho, wo = control[at + 7], control[at + 8]
+    x = numba.carray(address_as_pointer(control[at + 9], np.float32), (n, c, h, w))
+    u = numba.carray(address_as_pointer(control[at + 10], np.float32), (xi, m, c))
+    bias = numba.carray(address_as_pointer(control[at + 11], np.float32), (m,))
+    y = numba.carray(address_as_pointer(control[at + 12], np.float32), (n, m, ho, wo))
+    bands = numba.carray(address_as_pointer(control[at + 13], np.int64), (control[at + 14], 3))
+    scratch = numba.carray(address_as_pointer(control[at + 20], np.float32), (control[at + 21],))
+    numbers = numba.carray(address_as_pointer(control[at + 23], np.float64), (2,))
+    winograd_bands(x, u, bias, y, bands, control[at + 15], control[at + 16], control[at + 17], control[at + 18],
+                   control[at + 19], scratch, control[at + 22], numbers[0], numbers[1], control[at + 24],
+                   control[at + 25] != 0)
