@@ -22,20 +22,23 @@ _local = threading.local()
 
 
 def bind_pool(submit: Callable[[Callable[[], None]], object] | None, width: int,
-              team: SpinTeam | None = None) -> None:
+              team: SpinTeam | None = None, crowded: Callable[[], bool] | None = None) -> None:
     """Let kernels on the calling thread split work into ``width`` parts, handing helpers to
     ``submit`` (the pool's submit), and compiled parts to ``team`` when it is free (see
-    `spin_team`). Called once per pool thread, when it starts."""
-    _local.submit, _local.width, _local.team = submit, width, team
+    `spin_team`) and ``crowded()`` is false (the pool's other threads are idle: a helper would
+    only take a core from their work, and the caller spin while it waits). Called once per pool
+    thread, when it starts."""
+    _local.submit, _local.width, _local.team, _local.crowded = submit, width, team, crowded
 
 
 @contextmanager
 def pool_bound(submit: Callable[[Callable[[], None]], object] | None, width: int,
-               team: SpinTeam | None = None) -> Iterator[None]:
+               team: SpinTeam | None = None, crowded: Callable[[], bool] | None = None) -> Iterator[None]:
     """Within the block, kernels on this thread may split into ``width`` parts handed to
     ``submit`` or ``team`` (for code that runs kernels outside a CPU backend's pool, and for tests)."""
-    outer = getattr(_local, "submit", None), getattr(_local, "width", 1), getattr(_local, "team", None)
-    bind_pool(submit, width, team)
+    outer = (getattr(_local, "submit", None), getattr(_local, "width", 1), getattr(_local, "team", None),
+             getattr(_local, "crowded", None))
+    bind_pool(submit, width, team, crowded)
     try:
         yield
     finally:
@@ -43,8 +46,9 @@ def pool_bound(submit: Callable[[Callable[[], None]], object] | None, width: int
 
 
 def team() -> SpinTeam | None:
-    """The spinning helpers this thread may hand compiled parts to (None: use `run_parts`)."""
-    return getattr(_local, "team", None)
+    """The spinning helpers this thread may hand compiled parts to now (None: use `run_parts`)."""
+    crowded = getattr(_local, "crowded", None)
+    return None if crowded is not None and crowded() else getattr(_local, "team", None)
 
 
 def parts_available() -> int:

@@ -199,3 +199,56 @@ def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatc
     expected += bias
     np.testing.assert_array_equal(woken, expected)
     np.testing.assert_allclose(first, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-4)
+
+
+def test_a_crowded_pool_offers_no_team():
+    """`parallel.team()` is the bound team only while ``crowded()`` is false."""
+    team = SpinTeam(1, serve_parts, name="test-team")
+    crowded = [False]
+    try:
+        with parallel.pool_bound(None, 2, team, lambda: crowded[0]):
+            assert parallel.team() is team
+            crowded[0] = True
+            assert parallel.team() is None
+        assert parallel.team() is None  # unbound again
+    finally:
+        team.close()
+
+
+def test_kernels_leave_the_team_alone_while_another_pool_thread_works():
+    """On a CPU backend's pool, work running alone sees the team; two pieces of work at the same
+    time (concurrent requests) see none: each has a core, which a helper would only share."""
+    from asyncinfer.backends.cpu.backend import CPUBackend
+
+    backend = CPUBackend(threads=2)
+    try:
+        if backend._team is None:
+            pytest.skip("BLAS is not pinned to one thread here (ASYNCINFER_BLAS_THREADS or no threadpoolctl): "
+                        "the backend keeps no team")
+        seen: list[bool] = []
+        done = threading.Semaphore(0)
+
+        class Job:
+            serial = False
+
+            def __init__(self, barrier: threading.Barrier | None):
+                self.barrier = barrier
+
+            def run(self) -> None:
+                if self.barrier is not None:
+                    self.barrier.wait(timeout=10)
+                seen.append(parallel.team() is not None)
+                if self.barrier is not None:
+                    self.barrier.wait(timeout=10)  # both looked before either leaves
+                done.release()
+
+        backend._submit(Job(None))
+        assert done.acquire(timeout=10)
+        together = threading.Barrier(2)
+        backend._submit(Job(together))
+        backend._submit(Job(together))
+        assert done.acquire(timeout=10) and done.acquire(timeout=10)
+        assert seen == [True, False, False]
+        assert backend._working == 0
+    finally:
+        backend.close()
