@@ -220,8 +220,10 @@ class SpinTeam:
                 raise RuntimeError(f"{self._threads[helper].name} stopped before its part ran")
 
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        """A buffer for the helpers' partial results, reused by every claim (call it while
-        holding one): grown as needed, never shrunk."""
+        """A buffer for the helpers' partial results, reused by every claim: grown as needed,
+        never shrunk. Only the parts of the caller holding the claim write to it, so a caller may
+        also take its view just before `try_run` claims the team (a view keeps its buffer alive
+        if the buffer grows meanwhile)."""
         key = (shape, dtype)
         view = self._scratch_views.get(key)
         if view is None:

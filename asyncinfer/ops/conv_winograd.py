@@ -37,9 +37,9 @@ from ..concurrency.spin_team import SpinTeam
 from .compiled import blas_call
 from .compiled.winograd import (gather_slabs, input_transform, input_transform_2x2, non_finite_mark,
                                 output_transform, output_transform_2x2)
+from .compiled.winograd_bands import band_arguments, scratch_size, winograd_bands
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
-from .compiled.winograd_bands import band_arguments, scratch_size, winograd_bands
 from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS
 
 # Fewest virtual tiles per image (the GEMMs' columns; one spare tile a tile row) for a tile size.
