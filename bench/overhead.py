@@ -4,6 +4,9 @@
 (b) ``schedule()`` time: how long ``worker.schedule(x)`` itself takes, against the full run.
 (c) event-loop lag: how late a 1 ms ticker wakes up while a model runs through ``await worker.run``,
     and with nothing running (the baseline: the loop's own timer granularity).
+(d) fixed cost of a run: one run of a one-``Add`` model, from the call to the result in hand
+    (``await worker.run``, ``run_blocking``, ORT's ``session.run``): what a streaming model called
+    every few milliseconds pays besides its layers.
 
     python3 bench/overhead.py [--layers 1000] [--repeats 30] [--lag-seconds 3] [--model resnet50]
 """
@@ -210,12 +213,13 @@ def run(*, layers: int = 1000, repeats: int = 30, lag_seconds: float = 3.0, mode
         model: guarded(f"schedule(), {model}", measure_schedule, light, light_inputs,
                        repeats=repeats, threads=threads),
     }
+    fixed = guarded("fixed cost, one Add", measure_per_layer, 1, repeats=3 * repeats, threads=threads)
     loop_lag = {
         "baseline": guarded("loop lag, no model", measure_loop_lag, None, seconds=lag_seconds),
         model: guarded(f"loop lag, {model}", measure_loop_lag, light, light_inputs,
                        seconds=lag_seconds, threads=threads),
     }
-    return {"per_layer": per_layer, "schedule": schedule, "loop_lag": loop_lag, "model": model,
+    return {"per_layer": per_layer, "schedule": schedule, "loop_lag": loop_lag, "fixed_cost": fixed, "model": model,
             "chain": chain_name, "threads": threads or common.default_threads()}
 
 
@@ -244,6 +248,13 @@ def print_report(result: dict[str, Any]) -> None:
             rows.append([name, r["ticks"], r["model_runs"], r["p50_ms"], r["p99_ms"], r["max_ms"], ""])
     common.print_table(["load", "ticks", "model runs", "p50 ms", "p99 ms", "max ms", "note"], rows,
                        title="(c) event-loop lag of a 1 ms asyncio.sleep ticker")
+    fixed = result.get("fixed_cost") or {"error": "not measured"}
+    if "error" in fixed:
+        print(f"\n(d) fixed cost of a run: skipped ({fixed['error']})")
+    else:
+        rows = [[name, t["median_ms"] * 1e3, t["p90_ms"] * 1e3] for name, t in fixed["timings"].items()]
+        common.print_table(["engine", "µs a run", "p90 µs"], rows,
+                           title="(d) fixed cost: one run of a one-Add model, call to result in hand")
 
 
 # -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
@@ -263,9 +274,16 @@ def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
     model = result["model"]
     return {"per-layer await/ORT": await_us / ort_us if await_us and ort_us else None,
             "µs/layer await": await_us,
+            "fixed µs, await": fixed_us(result, "asyncinfer_await"),
             f"loop-lag p99 ms ({model})": common.dig(result, "loop_lag", model, "p99_ms"),
             "loop-lag p99 ms (no model)": common.dig(result, "loop_lag", "baseline", "p99_ms"),
             f"schedule/run ({model})": common.dig(result, "schedule", model, "ratio")}
+
+
+def fixed_us(result: dict[str, Any], engine: str) -> float | None:
+    """(d)'s median µs a run for ``engine`` (None when it was not measured)."""
+    ms = common.dig(result, "fixed_cost", "timings", engine, "median_ms")
+    return None if ms is None else ms * 1e3
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -136,18 +136,28 @@ class Floor:
                 "at_least": self.at_least, "target": self.target, "verdict": self.verdict}
 
 
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+
+
 def floors(results: Mapping[str, Mapping[str, Any]]) -> list[Floor]:
-    """The targets measurable from ``results`` (benchmark name -> result): latency's, overhead's,
-    concurrency's, ort_tools', load_time's, generate's and serving_load's."""
+    """The targets measurable from ``results`` (benchmark name -> result): latency's, real_models',
+    overhead's, concurrency's, ort_tools', load_time's, generate's and serving_load's."""
     checks = []
     if (lat := results.get("latency")) is not None:
         checks.append(Floor("geomean latency ratio asyncinfer(await)/ORT", common.dig(lat, "geomean_ratio_await"),
-                            2.0, "x"))
+                            1.2, "x"))
+    if (real := results.get("real_models")) is not None:
+        ratios = [r["ratio"] for r in real.get("models", {}).values() if isinstance(r, Mapping) and "ratio" in r]
+        checks += [Floor("real architectures: geomean ratio asyncinfer(await)/ORT", real.get("geomean_ratio"), 1.5, "x"),
+                   Floor("real architectures: worst model's ratio", max(ratios) if ratios else None, 3.0, "x")]
     if (ovh := results.get("overhead")) is not None:
         model, chain = ovh["model"], ovh["chain"]
         checks += [
             Floor("per-layer overhead, await worker.run",
-                  common.dig(ovh, "per_layer", "us_per_layer", "asyncinfer_await"), 50.0, "µs"),
+                  common.dig(ovh, "per_layer", "us_per_layer", "asyncinfer_await"), 3.0, "µs"),
+            Floor("fixed cost of one awaited run of a one-layer model",
+                  _times(common.dig(ovh, "fixed_cost", "timings", "asyncinfer_await", "median_ms"), 1e3), 150.0, "µs"),
             Floor(f"event-loop lag p99 while {model} runs", common.dig(ovh, "loop_lag", model, "p99_ms"), 5.0, "ms"),
         ]
         checks += [Floor(f"schedule()/run time, {name}", common.dig(ovh, "schedule", name, "ratio"),

@@ -144,8 +144,13 @@ def test_floors_report_every_target_of_the_benchmarks_that_ran():
            "loop_lag": {"m": {"error": "did not load"}},
            "schedule": {"chain": {"ratio": 0.2}, "m": {"ratio": 0.01}}}
     verdicts = {f.name: f.verdict for f in runner.floors({"latency": lat, "overhead": ovh})}
-    assert sorted(verdicts.values()) == ["MISS", "MISS", "N/A", "PASS", "PASS"]
-    assert [f.verdict for f in runner.floors({"latency": lat})] == ["PASS"]  # a subset: its floors only
+    # latency 1.5 > 1.2, 60 µs a layer, a 0.2 schedule share: MISS; lag and fixed cost not measured
+    assert sorted(verdicts.values()) == ["MISS", "MISS", "MISS", "N/A", "N/A", "PASS"]
+    assert [f.verdict for f in runner.floors({"latency": {**lat, "geomean_ratio_await": 1.1}})] == ["PASS"]
+    ovh["fixed_cost"] = {"timings": {"asyncinfer_await": {"median_ms": 0.12}}}
+    assert runner.floors({"overhead": ovh})[1].verdict == "PASS"  # 120 µs
+    real = {"geomean_ratio": 1.4, "models": {"a": {"ratio": 1.1}, "b": {"ratio": 3.5}, "c": {"error": "x"}}}
+    assert [(f.value, f.verdict) for f in runner.floors({"real_models": real})] == [(1.4, "PASS"), (3.5, "MISS")]
     assert runner.floors({"pixel": {}}) == []
 
 
@@ -449,7 +454,7 @@ def test_quick_overhead_run_writes_the_summary(monkeypatch, tmp_path):
     assert bench["name"] == "overhead" and bench["status"] == "ok", bench
     assert_positive(bench["figures"]["per-layer await/ORT"])
     floors = summary["results"]["floors"]
-    assert len(floors) == 4 and {f["verdict"] for f in floors} <= {"PASS", "MISS"}
+    assert len(floors) == 5 and {f["verdict"] for f in floors} <= {"PASS", "MISS"}
     markdown = (tmp_path / "summary.md").read_text()
     assert "| overhead | ok | per-layer await/ORT" in markdown and summary["environment"]["cpu_model"] in markdown
 
