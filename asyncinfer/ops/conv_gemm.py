@@ -13,12 +13,13 @@ Blocks (per image) are the parts shared out between the pool's threads. A small 
 blocks to share (ResNet's 7x7 stage: one block of 49 columns); its weights' rows are then split
 in bands instead, over one im2col matrix built up front.
 
-A float32 conv of `linalg.TEAM_MIN_MACS` multiply-adds or more is first offered to the CPU
-backend's spinning helpers (`_on_team`): the same blocks, as one compiled loop
-(`compiled.conv_blocks`, BLAS called from compiled code), one share of images, positions or
-channel bands on this thread and one on each helper. Pool threads wake in 100-300 µs on a small
-VM, so convs under `linalg.SPLIT_MIN_MACS` used to run on one core (all but one of SqueezeNet's);
-the helpers start in microseconds (SqueezeNet's 16->64 3x3 at 55x55: 0.79 -> 0.44 ms on 2 cores).
+A float32 conv runs the same blocks as one compiled loop (`_compiled`, `compiled.conv_blocks`,
+BLAS called from compiled code): no Python between blocks (an LSTM VAD's 1-D convs of 25-250 k
+multiply-adds: about 27 -> 12 µs each). From `linalg.TEAM_MIN_MACS` multiply-adds on it is first
+offered to the CPU backend's spinning helpers, one share of images, positions or channel bands on
+this thread and one on each helper. Pool threads wake in 100-300 µs on a small VM, so convs under
+`linalg.SPLIT_MIN_MACS` used to run on one core (all but one of SqueezeNet's); the helpers start
+in microseconds (SqueezeNet's 16->64 3x3 at 55x55: 0.79 -> 0.44 ms on 2 cores).
 """
 from __future__ import annotations
 
@@ -137,9 +138,9 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
         if b is not None or epilogue != NO_ACTIVATION:
             epilogue.apply(y.reshape(n * m, ho * wo), bias if n == 1 else np.tile(bias, n))
         return y.reshape(n, m, ho, wo)
-    if x.dtype == np.float32 and layout.macs >= TEAM_MIN_MACS:
+    if x.dtype == np.float32:
         y = np.empty((n, m, ho * wo), dtype=x.dtype)
-        if _on_team(x, weights, bias, y, wo, layout, epilogue):
+        if _compiled(x, weights, bias, y, wo, layout, epilogue):
             return y.reshape(n, m, ho, wo)
     columns = _columns(x, layout)
     rows = x.shape[1] * kh * kw  # im2col rows, group after group
@@ -184,19 +185,20 @@ _NO_GEOMETRY = np.zeros(9, np.int64)
 _NO_OFFSETS = np.zeros(1, np.int64)
 
 
-def _on_team(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarray, out_width: int, layout: _Layout,
-             epilogue: Epilogue) -> bool:
-    """The conv into ``y`` (N, M, Ho·Wo; Wo = ``out_width``) on `compiled.conv_blocks`, this thread
-    and the CPU backend's spinning helpers taking a part each: images, else positions, else
-    (small maps) bands of output channels over columns built up front. False, having done
-    nothing, when there is no free team (or no compiled sgemm, or too little work to share)."""
-    team = parallel.team()
-    if team is None or not blas_call.available():
+def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarray, out_width: int, layout: _Layout,
+              epilogue: Epilogue) -> bool:
+    """The conv into ``y`` (N, M, Ho·Wo; Wo = ``out_width``) on `compiled.conv_blocks`: shared
+    with the CPU backend's spinning helpers when they are free and the conv has
+    `TEAM_MIN_MACS` multiply-adds (this thread and each helper take a part: images, else
+    positions, else, on small maps, bands of output channels over columns built up front), else
+    whole on this thread, one compiled call instead of a Python loop over its blocks. False,
+    having done nothing, without a compiled sgemm, or when the conv is large enough for the
+    pool's threads to split (`run_tasks`) and the team is busy."""
+    if not blas_call.available():
         return False
     n, c = x.shape[:2]
     group, mg, k = weights.shape
     m, rows, span = group * mg, group * k, layout.span
-    parts = team.helpers + 1
     geometry, offsets = _NO_GEOMETRY, _NO_OFFSETS
     if layout.exact is not None:
         mode, operand, geometry = EXACT, x, np.asarray(layout.exact, np.int64)
@@ -204,7 +206,9 @@ def _on_team(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarray
         mode, operand, offsets = FLAT, layout.windows.load(x).reshape(n, c, -1, 1), layout.offsets
     else:
         mode, operand = DIRECT, x.reshape(n, c, span, 1)
-    if n >= parts:  # (image range, position range, channel range) per part
+    team = parallel.team() if layout.macs >= TEAM_MIN_MACS else None
+    parts = 1 if team is None else team.helpers + 1
+    if parts == 1 or n >= parts:  # (image range, position range, channel range) per part
         cuts = [n * i // parts for i in range(parts + 1)]
         ranges = [(cuts[i], cuts[i + 1], 0, span, 0, m) for i in range(parts)]
     elif span >= parts * MIN_WIDTH:
@@ -220,21 +224,33 @@ def _on_team(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarray
         cuts = [m * i // parts for i in range(parts + 1)]
         ranges = [(0, n, 0, span, cuts[i], cuts[i + 1]) for i in range(parts)]
     else:
-        return False
+        parts, ranges = 1, [(0, n, 0, span, 0, m)]
     longest = max(v1 - v0 for _, _, v0, v1, _, _ in ranges)
     width = _block_width(longest, rows, m, x.itemsize, 1)
     cols_size, block_size = (rows * width if mode != DIRECT else 1), m * width
-    own = scratch((cols_size + block_size,), x.dtype, "team_conv")
-    helpers = team.scratch((parts - 1, cols_size + block_size), x.dtype)
-    numbers = np.array([epilogue.a, epilogue.b], np.float64)
-    fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
-    row_width = layout.row_width
-    posted = [part_arguments(operand, mode, geometry, offsets, weights, bias, y, helpers[j, :cols_size],
-                             helpers[j, cols_size:], numbers, *ranges[j + 1], width, row_width, out_width,
-                             epilogue.kind, fn, ilp64) for j in range(parts - 1)]
-    return team.try_run(posted, lambda: conv_blocks(
-        operand, mode, geometry, offsets, weights, bias, y, own[:cols_size], own[cols_size:], *ranges[0], width,
-        row_width, out_width, epilogue.kind, epilogue.a, epilogue.b, fn, ilp64))
+    own = scratch((cols_size + block_size,), x.dtype, "conv_blocks")
+    fn, ilp64, row_width = blas_call.SGEMM, blas_call.ILP64, layout.row_width
+
+    def run(i0: int, i1: int, v0: int, v1: int, m0: int, m1: int) -> None:
+        conv_blocks(operand, mode, geometry, offsets, weights, bias, y, own[:cols_size], own[cols_size:], i0, i1, v0,
+                    v1, m0, m1, width, row_width, out_width, epilogue.kind, epilogue.a, epilogue.b, fn, ilp64)
+
+    if parts > 1:
+        helpers = team.scratch((parts - 1, cols_size + block_size), x.dtype)
+        numbers = np.array([epilogue.a, epilogue.b], np.float64)
+        posted = [part_arguments(operand, mode, geometry, offsets, weights, bias, y, helpers[j, :cols_size],
+                                 helpers[j, cols_size:], numbers, *ranges[j + 1], width, row_width, out_width,
+                                 epilogue.kind, fn, ilp64) for j in range(parts - 1)]
+        if team.try_run(posted, lambda: run(*ranges[0])):
+            return True
+    if layout.parallel and parallel.parts_available() > 1:
+        return False  # (the team is busy: the pool's threads split it)
+    if parts > 1:  # (the team was busy: the whole conv here, as one part)
+        width = _block_width(span, rows, m, x.itemsize, 1)
+        cols_size, block_size = (rows * width if mode != DIRECT else 1), m * width
+        own = scratch((cols_size + block_size,), x.dtype, "conv_blocks")
+    run(0, n, 0, span, 0, m)
+    return True
 
 
 Columns = Callable[[int, int, int, np.ndarray], np.ndarray]

@@ -198,6 +198,8 @@ def test_a_worker_hands_the_fused_activation_to_the_conv(rng, monkeypatch):
     kinds = []
     real = compiled.store_rows
     monkeypatch.setattr(compiled, "store_rows", lambda *a: kinds.append(a[6]) or real(*a))
+    blocks = conv_gemm.conv_blocks  # (the compiled conv: its epilogue is argument 18)
+    monkeypatch.setattr(conv_gemm, "conv_blocks", lambda *a: kinds.append(a[18]) or blocks(*a))
     with ai.Worker(ai.load_model(model), "cpu") as worker:
         got = worker.run_blocking({"x": x})["y"]
     want = reference_run("Conv", [x, w, b], dict(pads=[1, 1, 1, 1]))[0]
