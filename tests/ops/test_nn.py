@@ -19,7 +19,7 @@ from asyncinfer import ops
 from asyncinfer.errors import UnsupportedOperatorError
 from asyncinfer.model.ir import Layer
 from node_cases import cases_made_of, expected_failures_among
-from op_testing import compare_with_ort, make_op, ort_run, randn  # noqa: F401
+from op_testing import compare_with_ort, make_op, ort_run, randn, reference_run  # noqa: F401
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the reference")
 
@@ -422,6 +422,34 @@ def test_lstm_input_forget_and_scaled_tanh(rng):
     attrs = dict(hidden_size=5, input_forget=1, activations=["Sigmoid", "ScaledTanh", "Tanh"],
                  activation_alpha=[1.5], activation_beta=[0.5])
     compare_with_ort("LSTM", inputs, attrs, opset=14, n_outputs=3)
+
+
+@pytest.mark.parametrize("seq, batch, bias, states", [(1, 1, True, True), (7, 3, True, False), (4, 2, False, True)])
+def test_plain_forward_lstm_in_one_compiled_call_matches_the_reference(seq, batch, bias, states, rng, monkeypatch):
+    """Forward, default activations, no peepholes: every step in `compiled.recurrent.lstm_forward`
+    (a streaming VAD's LSTM), against onnx's reference, the final states equal to Y's last step."""
+    from asyncinfer.ops import rnn
+
+    calls = []
+    real = rnn.lstm_forward
+    monkeypatch.setattr(rnn, "lstm_forward", lambda *a: calls.append(1) or real(*a))
+    hidden, size = 6, 5
+    x = randn(rng, seq, batch, size)
+    w, r = randn(rng, 1, 4 * hidden, size), randn(rng, 1, 4 * hidden, hidden)
+    inputs = [x, w, r, randn(rng, 1, 8 * hidden) if bias else None, None]
+    inputs += [randn(rng, 1, batch, hidden), randn(rng, 1, batch, hidden)] if states else [None, None]
+    attrs = dict(hidden_size=hidden)
+    op = make_op("LSTM", attrs, 14, len(inputs), 3)
+    got = op(*inputs)
+    want = reference_run("LSTM", inputs, attrs, opset=14, n_outputs=3)
+    assert calls == [1]
+    for g, e in zip(got, want):
+        assert g.shape == e.shape and g.dtype == np.float32
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[0][-1], got[1])
+    again = op(*inputs)  # (the transposed weights are kept for constant ones, worked out for these)
+    for g, a in zip(got, again):
+        np.testing.assert_array_equal(g, a)
 
 
 def test_rnn_without_optional_inputs(rng):

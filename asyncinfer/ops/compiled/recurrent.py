@@ -28,3 +28,38 @@ def lstm_cell(gates: np.ndarray, c: np.ndarray, h_new: np.ndarray, c_new: np.nda
             cell = f * c[b, k] + i * tanh1(g[3 * hidden + k])
             c_new[b, k] = cell
             h_new[b, k] = o * tanh1(cell)
+
+
+@kernel
+def lstm_forward(proj: np.ndarray, r_t: np.ndarray, h0: np.ndarray, c0: np.ndarray, ys: np.ndarray, h: np.ndarray,
+                 c: np.ndarray, gates: np.ndarray) -> None:
+    """Every step of one forward LSTM direction with ONNX's default activations, in one call:
+    ``proj`` (T, B, 4H) the input projection with both biases, ``r_t`` (H, 4H) the recurrent
+    weights transposed, ``h0``/``c0`` (B, H) the initial states → ``ys`` (T, B, H) each step's
+    hidden state, ``h``/``c`` (B, H) the final ones; ``gates`` (B, 4H) scratch. The recurrence
+    ``h @ r_t`` is summed here, a row of ``r_t`` at a time (a streaming model's GEMV of 64 x 256
+    is too small for BLAS's set-up to pay)."""
+    steps, batch, width = proj.shape
+    hidden = width // 4
+    h[:] = h0
+    c[:] = c0
+    for t in range(steps):
+        for b in range(batch):
+            g = gates[b]
+            for j in range(width):
+                g[j] = proj[t, b, j]
+            for k in range(hidden):
+                hk = h[b, k]
+                row = r_t[k]
+                for j in range(width):
+                    g[j] += hk * row[j]
+        for b in range(batch):
+            g = gates[b]
+            for k in range(hidden):
+                i = sigmoid1(g[k])
+                o = sigmoid1(g[hidden + k])
+                f = sigmoid1(g[2 * hidden + k])
+                cell = f * c[b, k] + i * tanh1(g[3 * hidden + k])
+                c[b, k] = cell
+                h[b, k] = o * tanh1(cell)
+                ys[t, b, k] = h[b, k]
