@@ -4,7 +4,7 @@
                      [--no-batching] [--max-batch-size 32] [--max-delay-ms 2]
                      [--max-request-bytes N] [--request-timeout 60] [--max-queue 64] [--drain-timeout 30]
                      [--model-repository DIR [--model-control-mode none|poll|explicit]
-                      [--repository-poll-secs 15] [--load-model NAME ...] [--no-strict-readiness]]
+                      [--repository-poll-secs 15] [--load-model NAME ...] [--no-strict-readiness]] [--no-warmup]
                      [--grpc-port PORT] [--trace-dir DIR] [--workers N|auto]
                      [--ray [--replicas N | --autoscale MIN:MAX] [--cpus-per-replica C] [--gpus-per-replica G]]
 
@@ -128,6 +128,9 @@ def add_serve_command(subparsers: Any) -> None:
     serve.add_argument("--no-strict-readiness", action="store_true",
                        help="report the server ready even while a model is unavailable (default: ready only when "
                             "every model is)")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="report a model ready as soon as it is loaded (default: after a warm-up run on zeros "
+                            "of its inputs, a few seconds at most, which also chooses how its runs take their steps)")
     serve.add_argument("--grpc-port", type=bounded(int, 0, 65535), default=0,
                        help="also serve the KServe v2 gRPC API on this port (default 0: no gRPC)")
     ray = serve.add_argument_group("scale-out on Ray Serve (the 'ray' extra; see docs/scale-out.md)")
@@ -200,7 +203,7 @@ def run_serve(args: argparse.Namespace, *, channel: socket.socket | None = None,
         max_delay=args.max_delay_ms / 1000, threads=args.threads,
         limits=DEFAULT_LIMITS.replace(max_request_bytes=args.max_request_bytes),
         request_timeout=args.request_timeout or None, max_queue=args.max_queue, drain_timeout=args.drain_timeout,
-        trace_dir=getattr(args, "trace_dir", None), freeze_heap=True)
+        trace_dir=getattr(args, "trace_dir", None), freeze_heap=True, warmup=not getattr(args, "no_warmup", False))
     repository = getattr(args, "model_repository", None)
     if getattr(args, "ray", False):
         if getattr(args, "workers", 1) > 1:

@@ -72,6 +72,7 @@ class ModelSettings:
     max_delay: float = 0.002  # seconds
     threads: int | None = None
     instances: int = 2  # engine runs in flight at once (the batcher's max_concurrent_batches)
+    warmup: bool = False  # run the model on zeros before it is READY (`ServedModel._warm_up`)
     version_policy: dict[str, Any] = field(default_factory=lambda: {"latest": {"num_versions": 1}})
     parameters: dict[str, str] = field(default_factory=dict)
     model_filename: str = DEFAULT_MODEL_FILENAME
@@ -124,7 +125,7 @@ class ModelConfig:
         return ModelSettings(backend=backend, dynamic_batching=dynamic, max_batch_size=max_batch_size,
                              max_delay=max_delay, threads=threads, instances=self.instance_count or defaults.instances,
                              version_policy=self.version_policy or defaults.version_policy,
-                             parameters=dict(self.parameters),
+                             parameters=dict(self.parameters), warmup=defaults.warmup,
                              model_filename=self.default_model_filename or DEFAULT_MODEL_FILENAME)
 
 

@@ -33,6 +33,7 @@ from .repository import ModelSettings
 from .statistics import ModelStatistics
 
 DEFAULT_VERSION = "1"  # the version of a model given by name rather than read from a repository
+WARMUP_TIMEOUT_S = 5.0  # the longest a model may warm up before it is READY (`ServedModel._warm_up`)
 logger = logging.getLogger(__name__)
 
 # The engine-run timing of the request being inferred in this task: set by Call.infer, read by
@@ -165,6 +166,8 @@ class ServedModel:
                 return
             async with AsyncExitStack() as stack:
                 stack.push_async_callback(_dispose_shielded, worker)
+                if settings.warmup:
+                    await self._warm_up(worker)
                 if self.batching:
                     batcher = DynamicBatcher(worker, max_batch_size=self.settings.max_batch_size,
                                              max_delay=self.settings.max_delay,
@@ -184,6 +187,20 @@ class ServedModel:
             self._stopped.set()
             if not started:
                 task_status.started()
+
+    async def _warm_up(self, worker: Worker) -> None:
+        """Run the model on zeros of its declared inputs (`Worker.warmup`) before it is READY, so
+        the first requests find its threads started, its memory paged in and its run mode chosen
+        (on the CPU backend, serial or parallel by measurement: a model warmed up by traffic
+        alone decides under load, or never). Best effort, at most `WARMUP_TIMEOUT_S`: a model
+        that zeros cannot run (values that drive shapes) is served all the same, and says why in
+        the log."""
+        try:
+            with anyio.move_on_after(WARMUP_TIMEOUT_S):
+                await worker.warmup()
+        except Exception as exc:  # noqa: BLE001 - warm-up is an optimisation, never a reason to refuse
+            logger.info("model %r version %s: warm-up on zeros skipped (%s: %s)", self.name, self.version,
+                        type(exc).__name__, exc)
 
     async def stop(self, drain_timeout: float = math.inf) -> None:
         """Refuse new requests (503), let those in flight finish (up to ``drain_timeout``

@@ -279,6 +279,10 @@ class InferenceService:
             Python heap (`gc.freeze`), so that the garbage collector's full passes skip what
             is loaded and no longer stall requests for tens of milliseconds; it affects the
             whole process (`asyncinfer serve`, whose process it is, sets it).
+        warmup: run each model version on zeros of its declared inputs (`Worker.warmup`) before
+            it is ready, for at most a few seconds: the first requests then find its threads
+            started and, on the CPU backend, its run mode chosen by measurement. A model that
+            zeros cannot run is served all the same (`asyncinfer serve` sets it; ``--no-warmup``).
     """
 
     def __init__(self, models: Mapping[str, ModelSource] | None = None, *, backend: BackendType | str = "cpu",
@@ -288,7 +292,7 @@ class InferenceService:
                  repository: str | os.PathLike[str] | None = None, model_control_mode: str = "none",
                  repository_poll_secs: float = 15.0, load_models: Sequence[str] = (),
                  strict_readiness: bool = True, trace_dir: str | os.PathLike[str] | None = None,
-                 freeze_heap: bool = False):
+                 freeze_heap: bool = False, warmup: bool = False):
         if not isinstance(limits, Limits):
             raise TypeError(f"limits must be an asyncinfer.Limits, got {type(limits).__name__}")
         if model_control_mode not in CONTROL_MODES:
@@ -309,7 +313,8 @@ class InferenceService:
                                       max_batch_size=max_batch_size if batching else 0, max_delay=max_delay,
                                       # a second run in flight needs a second thread to run at once; with
                                       # one (serve --workers 2 on 2 cores), it only splits the batches
-                                      threads=threads, instances=min(2, threads or os.cpu_count() or 1))
+                                      threads=threads, instances=min(2, threads or os.cpu_count() or 1),
+                                      warmup=warmup)
         self.admission = Admission((), max_queue=max_queue, request_timeout=request_timeout,
                                    drain_timeout=drain_timeout)
         self.stats_store = Statistics()  # counters of every model version, kept across reloads

@@ -406,3 +406,36 @@ async def test_kind_gpu_runs_on_gpu_compute_or_says_why_not(tmp_path):
             entry = service.repository_index()[0]
             assert entry["state"] == "UNAVAILABLE"
             assert "the worker could not be built: BackendUnavailableError" in entry["reason"]
+
+
+def ranged_model() -> onnx.ModelProto:
+    """y = Range(0, limit, delta): zeros ask for a step of 0, which no run can take."""
+    start = helper.make_tensor("start", TensorProto.FLOAT, [], [0.0])
+    return make_model([helper.make_node("Range", ["start", "limit", "delta"], ["y"])],
+                      [tensor_info("limit", []), tensor_info("delta", [])], [tensor_info("y", None)], [start],
+                      extra_domains=())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("repository", [False, True])
+async def test_warmup_runs_each_model_before_it_is_ready(repository, tmp_path, caplog):
+    """With ``warmup=True`` a model is READY after a run on zeros (its CPU run mode chosen), and
+    one that zeros cannot run is served all the same, the log saying why; off by default."""
+    models = {"scaled": scaled_model(2.0), "ranged": ranged_model()}
+    if repository:
+        for name, proto in models.items():
+            add_version(tmp_path, name, 1, proto)
+        make = lambda **options: InferenceService.from_repository(tmp_path, **options)  # noqa: E731
+    else:
+        make = lambda **options: InferenceService(models, **options)  # noqa: E731
+    caplog.set_level("INFO", logger="asyncinfer.serving.served")
+    async with make(warmup=True) as service:
+        scaled, ranged = service.models["scaled"], service.models["ranged"]
+        assert scaled.settings.warmup and ranged.state.name == scaled.state.name == "READY"
+        assert scaled.worker._run_mode.mode != "deciding"
+        answer = await ranged.worker.run({"limit": np.float32(3), "delta": np.float32(1)})
+        np.testing.assert_array_equal(answer["y"], [0, 1, 2])  # the worker serves after its failed warm-up
+    assert "'ranged' version 1: warm-up on zeros skipped" in caplog.text
+    async with make() as service:
+        assert not service.models["scaled"].settings.warmup
+        assert service.models["scaled"].worker._run_mode.mode == "deciding"
