@@ -93,7 +93,9 @@ class _WindowPool(Op):
         planes = shape[0] * shape[1]
         threads = threads_for(planes * math.prod(out) * kernel[0] * kernel[1])
         edges = np.linspace(0, planes, min(planes, 2 * threads) + 1).astype(int)
-        tiles = (list(strides) == kernel and not any(begin) and all(int(d) == 1 for d in dilations)
+        # (an axis with one output has no step to take: a whole-map window is one tile)
+        steps = [k if o == 1 else int(s) for s, k, o in zip(strides, kernel, out)]
+        tiles = (steps == kernel and not any(begin) and all(int(d) == 1 for d in dilations)
                  and all(o * k <= size for o, k, size in zip(out, kernel, shape[2:])))
         parts = [(int(p0), int(p1)) for p0, p1 in zip(edges[:-1], edges[1:])]
         if tiles:
