@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernel
+from . import inline, kernel
 from .activations import sigmoid1, tanh1
 
 
@@ -18,16 +18,22 @@ def lstm_cell(gates: np.ndarray, c: np.ndarray, h_new: np.ndarray, c_new: np.nda
     """``gates`` (B, 4H) in ONNX's order i, o, f, c (input projection, recurrence and biases
     summed); ``c`` (B, H) the cell state → ``c_new = σ(f)·c + σ(i)·tanh(g)`` and
     ``h_new = σ(o)·tanh(c_new)``."""
-    batch, hidden = c.shape
-    for b in range(batch):
-        g = gates[b]
-        for k in range(hidden):
-            i = sigmoid1(g[k])
-            o = sigmoid1(g[hidden + k])
-            f = sigmoid1(g[2 * hidden + k])
-            cell = f * c[b, k] + i * tanh1(g[3 * hidden + k])
-            c_new[b, k] = cell
-            h_new[b, k] = o * tanh1(cell)
+    for b in range(c.shape[0]):
+        _update(gates[b], c[b], c_new[b], h_new[b])
+
+
+@inline
+def _update(g: np.ndarray, c: np.ndarray, c_new: np.ndarray, h_new: np.ndarray) -> None:
+    """One batch row of the cell: ``g`` (4H) the summed gates, ``c`` the cell state (H) →
+    ``c_new``, ``h_new`` (either may be ``c``'s own row: each unit reads only its own value)."""
+    hidden = c.size
+    for k in range(hidden):
+        i = sigmoid1(g[k])
+        o = sigmoid1(g[hidden + k])
+        f = sigmoid1(g[2 * hidden + k])
+        cell = f * c[k] + i * tanh1(g[3 * hidden + k])
+        c_new[k] = cell
+        h_new[k] = o * tanh1(cell)
 
 
 @kernel
@@ -54,12 +60,5 @@ def lstm_forward(proj: np.ndarray, r_t: np.ndarray, h0: np.ndarray, c0: np.ndarr
                 for j in range(width):
                     g[j] += hk * row[j]
         for b in range(batch):
-            g = gates[b]
-            for k in range(hidden):
-                i = sigmoid1(g[k])
-                o = sigmoid1(g[hidden + k])
-                f = sigmoid1(g[2 * hidden + k])
-                cell = f * c[b, k] + i * tanh1(g[3 * hidden + k])
-                c[b, k] = cell
-                h[b, k] = o * tanh1(cell)
-                ys[t, b, k] = h[b, k]
+            _update(gates[b], c[b], c[b], h[b])
+            ys[t, b] = h[b]
