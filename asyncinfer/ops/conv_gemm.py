@@ -35,7 +35,7 @@ from .compiled.conv_blocks import DIRECT, EXACT, FLAT, conv_blocks, part_argumen
 from .compiled.im2col import im2col2d, im2col_flat
 from .conv_kernels import run_tasks, scratch
 from .epilogue import NO_ACTIVATION, Epilogue
-from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS, matmul
+from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS, matmul, vector_cuts
 from .windows import FlatWindows, flat_windows
 
 # Bytes of one block's im2col columns plus its GEMM results: within the 1-2 MiB L2 of a core.
@@ -61,6 +61,10 @@ def exact_im2col_pays(win: FlatWindows, positions: int, strides: Sequence[int]) 
             or (max(strides) > 1 and len(win.offsets) <= EXACT_IM2COL_MAX_STRIDED_TAPS))
 
 
+_NO_GEOMETRY = np.zeros(9, np.int64)  # conv_blocks' geometry and offsets where its mode reads none
+_NO_OFFSETS = np.zeros(1, np.int64)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """What `conv2d` derives from the shapes and the window geometry alone, worked out once per
@@ -68,6 +72,7 @@ class _Layout:
 
     pointwise: bool                  # a 1x1 conv at unit stride without pads: one GEMM, no im2col
     exact: tuple[int, ...] | None    # im2col2d's geometry, when the exact im2col pays
+    exact_array: np.ndarray          # the same as int64 (conv_blocks' argument), or zeros
     windows: FlatWindows | None      # else the flat windows (and their tap offsets)
     offsets: np.ndarray | None
     span: int                        # columns (virtual positions) per image
@@ -103,7 +108,9 @@ def _layout(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, stri
     macs = n * m * rows // group * positions
     width = _block_width(span, rows, m, itemsize, 2 // max(1, n))
     blocks = tuple((i, v0, min(span, v0 + width)) for i in range(n) for v0 in range(0, span, width))
-    return _Layout(pointwise, exact, windows, offsets, span, row_width, macs >= SPLIT_MIN_MACS, macs, blocks)
+    exact_array = _NO_GEOMETRY if exact is None else np.asarray(exact, np.int64)
+    return _Layout(pointwise, exact, exact_array, windows, offsets, span, row_width, macs >= SPLIT_MIN_MACS, macs,
+                   blocks)
 
 
 def _tuning() -> tuple:
@@ -181,10 +188,6 @@ def conv2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, group: int, st
     return y.reshape(n, m, ho, wo)
 
 
-_NO_GEOMETRY = np.zeros(9, np.int64)
-_NO_OFFSETS = np.zeros(1, np.int64)
-
-
 def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarray, out_width: int, layout: _Layout,
               epilogue: Epilogue) -> bool:
     """The conv into ``y`` (N, M, Ho·Wo; Wo = ``out_width``) on `compiled.conv_blocks`: shared
@@ -199,9 +202,9 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
     n, c = x.shape[:2]
     group, mg, k = weights.shape
     m, rows, span = group * mg, group * k, layout.span
-    geometry, offsets = _NO_GEOMETRY, _NO_OFFSETS
+    geometry, offsets = layout.exact_array, _NO_OFFSETS
     if layout.exact is not None:
-        mode, operand, geometry = EXACT, x, np.asarray(layout.exact, np.int64)
+        mode, operand = EXACT, x
     elif layout.windows is not None:
         mode, operand, offsets = FLAT, layout.windows.load(x).reshape(n, c, -1, 1), layout.offsets
     else:
@@ -212,7 +215,7 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
         cuts = [n * i // parts for i in range(parts + 1)]
         ranges = [(cuts[i], cuts[i + 1], 0, span, 0, m) for i in range(parts)]
     elif span >= parts * MIN_WIDTH:
-        cuts = [min(span, -(-span * i // parts) // 16 * 16) for i in range(parts)] + [span]
+        cuts = vector_cuts(span, parts)
         ranges = [(0, n, cuts[i], cuts[i + 1], 0, m) for i in range(parts)]
     elif group == 1 and m >= parts * MIN_BAND_ROWS:
         if mode != DIRECT:  # every band reads all columns: build them once
@@ -245,11 +248,8 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
             return True
     if layout.parallel and parallel.parts_available() > 1:
         return False  # (the team is busy: the pool's threads split it)
-    if parts > 1:  # (the team was busy: the whole conv here, as one part)
-        width = _block_width(span, rows, m, x.itemsize, 1)
-        cols_size, block_size = (rows * width if mode != DIRECT else 1), m * width
-        own = scratch((cols_size + block_size,), x.dtype, "conv_blocks")
-    run(0, n, 0, span, 0, m)
+    for part in ranges:  # (alone, or the team busy: every part here)
+        run(*part)
     return True
 
 

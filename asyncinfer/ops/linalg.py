@@ -125,15 +125,19 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray) -> bool:
     by_rows = m >= parts and (m >= n or n < parts * COLUMN_BAND_MIN)
     if not by_rows and n < parts * 16:
         return False
-    # column bands start on whole vectors of y
-    cuts = [m * i // parts for i in range(parts + 1)] if by_rows else \
-        [min(n, -(-n * i // parts) // 16 * 16) for i in range(parts)] + [n]
+    cuts = [m * i // parts for i in range(parts + 1)] if by_rows else vector_cuts(n, parts)
     bands = [(a[lo:hi], b, y[lo:hi]) if by_rows else (a, b[:, lo:hi], y[:, lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
     posted = [blas_call.gemm_arguments(pa.shape[0], pb.shape[1], k, pa.ctypes.data, pa.strides[0] // 4, pb.ctypes.data,
                                        pb.strides[0] // 4, py.ctypes.data, py.strides[0] // 4)
               for pa, pb, py in bands[1:]]
     own = bands[0]
     return team.try_run(posted, lambda: blas_call.gemm(*own, blas_call.SGEMM, blas_call.ILP64))
+
+
+def vector_cuts(n: int, parts: int) -> list[int]:
+    """Bounds of ``parts`` bands of ``n`` columns, each but the last starting on a whole vector
+    of 16 float32 values (a band's stores then stay aligned with the others')."""
+    return [min(n, -(-n * i // parts) // 16 * 16) for i in range(parts)] + [n]
 
 
 def _blas_rows(x: np.ndarray) -> bool:

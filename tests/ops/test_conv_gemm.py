@@ -90,6 +90,23 @@ def test_matches_reference_shared_with_the_spin_team(name, helpers, rng, monkeyp
     assert runs.shared == (0 if alone else 1)
 
 
+@pytest.mark.parametrize("name", ["3x3_stride2_asym", "dilated", "small_map_many_channels"])
+def test_with_the_team_busy_every_part_runs_here(name, rng, monkeypatch):
+    """Another caller holds the team: the parts cut for it (bands over prebuilt columns too) run
+    one after another on this thread, and the result is the reference's."""
+    monkeypatch.setattr(conv_gemm, "TEAM_MIN_MACS", 0)
+    monkeypatch.setattr(conv_gemm, "MIN_WIDTH", 4)
+    monkeypatch.setattr(conv_gemm, "MIN_BAND_ROWS", 4)
+    with spin_team_bound(2) as runs:
+        assert runs.team.claim() is not None  # (busy until released)
+        try:
+            got, want = _run_case(name, rng)
+        finally:
+            runs.team.release()
+    assert runs.shared == 0
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_small_maps_split_output_channels_into_bands(rng, monkeypatch):
     """Too few positions to share out (a 3x3 map): bands of output channels run on the threads."""
     monkeypatch.setattr(conv_gemm, "SPLIT_MIN_MACS", 0)
