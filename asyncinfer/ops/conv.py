@@ -22,7 +22,7 @@ from numpy.lib.stride_tricks import as_strided
 from .base import Op
 from .conv_gemm import conv2d as conv2d_gemm
 from .conv_gemm import exact_im2col_pays
-from .conv_kernels import depthwise2d, run_tasks, threads_for
+from .conv_kernels import KeepWeights, depthwise2d, keep_nothing, run_tasks, threads_for
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
 from .conv_winograd import conv2d_winograd, transform_weights, winograd_runs_on, winograd_tile
 from .epilogue import NO_ACTIVATION, Activations, Epilogue, apply_activations
@@ -131,7 +131,8 @@ class Conv(_ConvBase):
                 u = self.derived(f"winograd{tile}", {1: w}, lambda: transform_weights(w, tile))
                 if winograd_runs_on(x, u):
                     return conv2d_winograd(x, u, b, begin, out, epilogue)
-            return _conv2d(x, w, b, group, strides, dilations, begin, end, out, epilogue)
+            return _conv2d(x, w, b, group, strides, dilations, begin, end, out, epilogue,
+                           lambda name, work_out: self.derived(name, {1: w}, work_out))
         return epilogue.apply_inplace(self._convolve_nd(x, w, b, group, kernel, strides, dilations, begin, end, out))
 
     def _windows(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -194,10 +195,11 @@ class Conv(_ConvBase):
 
 def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, strides: Sequence[int],
             dilations: Sequence[int], begin: Sequence[int], end: Sequence[int], out: Sequence[int],
-            epilogue: Epilogue) -> np.ndarray:
-    """2-D: depthwise on its compiled loops (`conv_kernels`), any other as tiled GEMM (`conv_gemm`)."""
+            epilogue: Epilogue, keep: KeepWeights = keep_nothing) -> np.ndarray:
+    """2-D: depthwise on its compiled loops (`conv_kernels`; ``keep`` keeps its form of constant
+    weights), any other as tiled GEMM (`conv_gemm`)."""
     if w.shape[1] == 1 and group > 1:
-        return epilogue.apply_inplace(depthwise2d(x, w, b, strides, dilations, begin, out))
+        return epilogue.apply_inplace(depthwise2d(x, w, b, strides, dilations, begin, out, keep))
     return conv2d_gemm(x, w, b, group, strides, dilations, begin, end, out, epilogue)
 
 

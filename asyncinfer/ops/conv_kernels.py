@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from ..concurrency import parallel
-from .compiled.depthwise import depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2
+from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
+                                 vector_groups, window_extent)
+from .compiled.panels import VECTOR_BYTES
 from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, depthwise_range, range_arguments,
                                        scratch_floats)
 
@@ -84,25 +86,24 @@ def run_tasks(tasks: Sequence[Callable[[], None]], threads: int) -> None:
 
 def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, kernel_width: int) -> bool:
     """Whether `depthwise_rows_stride2` is the loop for a layer: stride 2 across, kernels of at most
-    3 columns, outputs of 24 columns or more (measured per layer shape, one thread, against the
-    channels-last loop: SSDlite's 64ch@160 3x3/2 1.72 -> 0.80 ms, EfficientNet's 96ch@112 1.10 ->
-    0.66, MobileNetV3's 16ch@112 0.19 -> 0.12 and 72ch@56 0.19 -> 0.14, 16 to 240 channels at 56
-    1.3-1.45x, 144ch@48 1.3x; at 20 columns and fewer, or with 5x5 kernels, it loses)."""
-    return width_stride == 2 and width_dilation == 1 and out_width >= 24 and kernel_width <= 3
+    3 columns, outputs of 64 columns or more. Measured per layer shape, one thread, against the
+    channels-last loop (register blocks): SSDlite's 64ch@160 3x3/2 (80 columns) 0.66 vs 0.73 ms;
+    at 56 columns and fewer the channels-last loop wins, 1.4-1.9x (EfficientNet's 96ch@112 0.54
+    -> 0.39 ms, 144ch@56 0.30 -> 0.16; MobileNetV3's 16ch@112 and 72ch@56 1.4-1.5x)."""
+    return width_stride == 2 and width_dilation == 1 and out_width >= 64 and kernel_width <= 3
 
 
 def flat_pays(height_stride: int, width_stride: int, out_height: int, out_width: int, reach_height: int,
               reach_width: int) -> bool:
-    """Whether `depthwise_flat` is the loop for a layer: unit strides, outputs of 12 columns or
-    more. Measured per layer shape on one core (AMD EPYC, AVX-512; bench/conv_shapes.py's
-    depthwise rows), against the loop the other rules chose: 1.1-3.6x faster at unit stride from
-    14x14 maps up (ConvNeXt's 7x7 on 96ch@56 2.69 -> 0.75 ms, EfficientNet's 5x5 on 240ch@28 0.66
-    -> 0.28, MobileNetV3's 3x3 on 88ch@28 at batch 32 9.8 -> 2.0), 0.8x on 7x7 maps (channels
-    last keeps those). Its strided form (phases per channel) lost to the stride-2 row loop and
-    channels last, so strided layers keep them. ``reach_*`` is the window's extent less one
-    (``(k − 1)·dilation``): a padded plane is at most 4x the output only while the window is no
-    larger than the map (a model's huge dilation would otherwise size a huge plane)."""
-    return (height_stride == 1 and width_stride == 1 and out_width >= 12 and reach_height <= out_height
+    """Whether `depthwise_flat` is the loop for a layer: unit strides, outputs of 20 columns or
+    more. Measured per layer shape on one core (AMD EPYC, AVX-512), against the channels-last
+    loop (register blocks): at 28 columns and more flat wins, 1.15-1.4x (MobileNetV3's 3x3 on
+    88ch@28, EfficientNet's on 144ch@56 and 32ch@112, ConvNeXt's 7x7 on 96ch@56); at 14 columns
+    channels last does, 1.2-1.5x (ShuffleNet's 3x3 on 272ch@14, MobileNetV3's 5x5 on 240ch@14),
+    and at 7 both are even. Strided layers keep the other loops. ``reach_*`` is the window's
+    extent less one (``(k − 1)·dilation``): a padded plane is at most 4x the output only while the
+    window is no larger than the map (a model's huge dilation would otherwise size a huge plane)."""
+    return (height_stride == 1 and width_stride == 1 and out_width >= 20 and reach_height <= out_height
             and reach_width <= out_width)
 
 
@@ -115,13 +116,37 @@ def channels_last_pays(multiplier: int, width_stride: int, out_width: int, kerne
     return multiplier == 1 and (width_stride > 1 or out_width < 56 or kernel_width > 5)
 
 
+#: How `depthwise2d` keeps a form of the weights between runs: ``keep(name, work_out)`` returns
+#: what ``work_out()`` returned the first time for ``name`` (`Op.derived` on the weights' input).
+KeepWeights = Callable[[str, Callable[[], np.ndarray]], np.ndarray]
+
+
+def keep_nothing(name: str, work_out: Callable[[], np.ndarray]) -> np.ndarray:
+    """The `KeepWeights` of weights that are no constant: worked out for this run alone."""
+    return work_out()
+
+
+def _taps(w: np.ndarray, loop: int, dtype: np.dtype) -> np.ndarray:
+    """The weights (M, 1, kh, kw) as ``loop`` reads them: (M, kh, kw), or for `CHANNELS_LAST`
+    (kh, kw, C) with C rounded up to whole blocks, zero past it (the register blocks read whole
+    vectors of channels)."""
+    m, _, kh, kw = w.shape
+    if loop != CHANNELS_LAST:
+        return np.ascontiguousarray(w.reshape(m, kh, kw), dtype=dtype)
+    taps = np.zeros((kh, kw, -(-m // CHANNEL_ALIGN) * CHANNEL_ALIGN), dtype)
+    taps[:, :, :m] = w.reshape(m, kh, kw).transpose(1, 2, 0)
+    return taps
+
+
 def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Sequence[int],
-                dilations: Sequence[int], begin: Sequence[int], out: Sequence[int]) -> np.ndarray:
+                dilations: Sequence[int], begin: Sequence[int], out: Sequence[int],
+                keep: KeepWeights = keep_nothing) -> np.ndarray:
     """2-D depthwise conv: ``x`` (N, C, H, W), ``w`` (C*mult, 1, kh, kw) → (N, C*mult, Ho, Wo).
 
     ``begin`` are the top/left pads and ``out`` the output size (from ``window_geometry``); the
     bottom/right pads need no value (windows past the image read nothing). Output channel
     ``c*mult + j`` reads input channel ``c``, as ONNX defines groups. Float32 or float64 operands.
+    ``keep`` keeps the weights' form for the loop between runs (a model's constant weights).
     """
     n, c, h, wd = x.shape
     m, _, kh, kw = w.shape
@@ -142,8 +167,8 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
         loop = ROWS
     else:
         loop = CHANNELS_LAST
+    taps = keep(f"depthwise-taps-{loop}", lambda: _taps(w, loop, x.dtype))
     if loop != CHANNELS_LAST:
-        taps = np.ascontiguousarray(w.reshape(m, kh, kw), dtype=x.dtype)
         if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, CHANNEL_ALIGN):
             return result
     if loop == FLAT:
@@ -170,19 +195,22 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
 
         run_tasks([functools.partial(rows, *part) for part in _blocks(m, threads, n)], threads)
         return result
-    taps = np.ascontiguousarray(w.reshape(c, kh, kw).transpose(1, 2, 0), dtype=x.dtype)
-    # channel blocks: SIMD-width multiples, small enough that a block's channels-last copy of
-    # the image stays in L2
-    block = max(CHANNEL_ALIGN, min(c, CHUNK_BYTES // (h * wd * x.itemsize)) // CHANNEL_ALIGN * CHANNEL_ALIGN)
+    hp, wp = window_extent(ho, kh, sh, dh), window_extent(wo, kw, sw, dw)
+    # channel blocks: SIMD-width multiples, small enough that a block's padded channels-last copy
+    # of the image stays in L2
+    block = max(CHANNEL_ALIGN, min(c, CHUNK_BYTES // (hp * wp * x.itemsize)) // CHANNEL_ALIGN * CHANNEL_ALIGN)
     if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, block):
         return result
     if 1 < threads and n < 2 * threads:  # too few images to share out: smaller channel blocks too
         block = min(block, -(-c // (2 * threads * n)) // CHANNEL_ALIGN * CHANNEL_ALIGN or CHANNEL_ALIGN)
 
+    lanes = VECTOR_BYTES // x.itemsize
+
     def channels(i: int, c0: int, c1: int) -> None:
-        buf = scratch((h, wd, c1 - c0), x.dtype, "nhwc")
-        acc = scratch((wo, c1 - c0), x.dtype, "acc")
-        depthwise_channels_last(x[i], taps, bias, result[i], buf, acc, c0, c1, *geometry)
+        groups = vector_groups(c1 - c0, x.itemsize)
+        padded = scratch((groups, hp, wp, lanes), x.dtype, "nhwc")
+        acc = scratch((groups, ho * wo + 1, lanes), x.dtype, "acc")
+        depthwise_channels_last(x[i], taps, bias, result[i], padded, acc, c0, c1, *geometry)
 
     run_tasks([functools.partial(channels, i, c0, min(c, c0 + block))
                for i in range(n) for c0 in range(0, c, block)], threads)
@@ -213,7 +241,7 @@ def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, resul
         cuts = [min(m, m * i // parts // step * step) for i in range(parts)] + [m]
         ranges = [(0, n, cuts[i], cuts[i + 1]) for i in range(parts)]
     kh, kw = (taps.shape[1], taps.shape[2]) if loop != CHANNELS_LAST else taps.shape[:2]
-    size = scratch_floats(loop, h, wd, ho, wo, kh, kw, geometry[2], geometry[3], block)
+    size = scratch_floats(loop, h, wd, ho, wo, kh, kw, *geometry[:4], block)
     own = scratch((size,), np.float32, "team_depthwise")
     helpers = team.scratch((parts - 1, size), np.float32)
     posted = [range_arguments(loop, x, taps, bias, result, *ranges[j], geometry, mult, block, helpers[j - 1])

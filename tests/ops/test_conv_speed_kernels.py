@@ -45,6 +45,10 @@ DEPTHWISE_CASES = {
     "narrow_2_columns": ((1, 3, 5, 2), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
     "one_column": ((1, 3, 6, 1), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
     "wide_pads": ((1, 2, 4, 5), 1, (3, 3), dict(pads=[2, 3, 2, 3], dilations=[1, 2])),
+    # channels last: several vector groups, the last one partial; rows of several vector tiles
+    "many_channels_wide": ((1, 37, 9, 35), 1, (3, 3), dict(strides=[1, 2], pads=[1, 1, 1, 1])),
+    # channels last: a map large enough to go in blocks of 16 channels (the last one of 4)
+    "channel_blocks": ((1, 20, 128, 128), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
 }
 PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads", "flat",
          "flat_threads")
@@ -164,17 +168,19 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
 
 DISPATCH_CASES = [
     ((1, 32, 56, 56), 3, 1, 1, "depthwise_flat"),           # unit stride: flat planes
-    ((1, 64, 14, 14), 5, 1, 1, "depthwise_flat"),           # 14 columns out
+    ((1, 16, 20, 20), 3, 1, 1, "depthwise_flat"),           # from 20 columns out
+    ((1, 64, 14, 14), 5, 1, 1, "depthwise_channels_last"),  # 14 columns out: channels last
     ((1, 16, 56, 56), 7, 1, 1, "depthwise_flat"),           # large kernel
     ((1, 8, 28, 28), 3, 1, 2, "depthwise_flat"),            # channel multiplier
     ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
     ((1, 8, 14, 14), 17, 1, 1, "depthwise_channels_last"),  # window larger than the map: no padded plane
     ((1, 32, 40, 40), 3, 2, 1, "depthwise_channels_last"),  # strided, 20 columns out
-    ((1, 32, 56, 56), 3, 2, 1, "depthwise_rows_stride2"),   # strided, 28 columns out, 3x3
-    ((1, 16, 112, 112), 3, 2, 1, "depthwise_rows_stride2"),  # strided, 56 columns out, 3x3
-    ((1, 8, 112, 112), 5, 2, 1, "depthwise_channels_last"),  # strided 5x5
+    ((1, 32, 56, 56), 3, 2, 1, "depthwise_channels_last"),  # strided, 28 columns out
+    ((1, 16, 112, 112), 3, 2, 1, "depthwise_channels_last"),  # strided, 56 columns out
+    ((1, 16, 160, 160), 3, 2, 1, "depthwise_rows_stride2"),  # strided, 80 columns out, 3x3
+    ((1, 8, 160, 160), 5, 2, 1, "depthwise_channels_last"),  # strided 5x5
     ((1, 8, 40, 40), 3, 2, 2, "depthwise_rows"),            # channel multiplier, 20 columns out
-    ((1, 8, 56, 56), 3, 2, 2, "depthwise_rows_stride2"),    # channel multiplier, 28 columns out
+    ((1, 8, 160, 160), 3, 2, 2, "depthwise_rows_stride2"),  # channel multiplier, 80 columns out
 ]
 
 

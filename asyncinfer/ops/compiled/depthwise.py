@@ -1,16 +1,18 @@
 """2-D depthwise convolution (one input channel per group) on NCHW tensors, four loops.
 
-The first three make no padded copy: a tap only visits the output columns whose input column lies
-inside the image (the others would read zero padding), and rows outside the image are skipped.
+The two row loops make no padded copy: a tap only visits the output columns whose input column
+lies inside the image (the others would read zero padding), and rows outside the image are
+skipped.
 
 - `depthwise_rows`: each output row is accumulated tap by tap; the inner loop runs along the row
   (SIMD over output columns). Best on wide maps at unit stride (little loop overhead per row).
 - `depthwise_rows_stride2`: the row loop at stride 2 across, on each input row's even and odd
   columns (`phases`), so that every tap still reads a contiguous run. Best on wide maps.
-- `depthwise_channels_last`: one image's channel block is first copied to channels-last scratch,
-  then each output pixel is accumulated tap by tap with the inner loop over channels (SIMD over
-  channels, ONNX Runtime's NCHWc idea); the result is written back to NCHW. Best with strides
-  (no strided loads) and small maps (long inner loops where rows are short).
+- `depthwise_channels_last`: one image's channel block is first copied, a vector of channels at
+  a time, into zero-padded channels-last scratch (ONNX Runtime's NCHWc layout), then runs of
+  output pixels are summed in registers over the whole window (`depthwise_block`), and the
+  result is written back to NCHW. Best with strides (no strided loads) and small maps (long vectors where
+  rows are short).
 - `depthwise_flat`: at unit stride, each channel is copied into a zero-padded plane, and every
   kernel row's taps add into the whole (virtual, padded-width) output in one contiguous pass:
   loops as long as the map, on any map width. Best at unit stride from about 14x14 up.
@@ -23,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import inline, kernel
+from .depthwise_block import output_row, transpose
+from .panels import VECTOR_BYTES
 from .phases import phase_tap, split_even_odd
 
 _U = np.uint64
@@ -94,47 +98,67 @@ def depthwise_rows(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
                                 row[_U(ow)] += weight * src[_U(ow * sw + shift)]
 
 
+@inline
+def window_extent(out: int, kernel: int, stride: int, dilation: int) -> int:
+    """Input rows (or columns) the windows of ``out`` outputs span, padding included: the height
+    (width) of `depthwise_channels_last`'s padded copy."""
+    return (out - 1) * stride + (kernel - 1) * dilation + 1
+
+
+@inline
+def vector_groups(channels: int, itemsize: int) -> int:
+    """Groups of one register vector that ``channels`` channels of ``itemsize`` bytes take."""
+    return -(-channels * itemsize // VECTOR_BYTES)
+
+
 @kernel
 def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray,
-                            scratch: np.ndarray, acc: np.ndarray, c0: int, c1: int,
+                            padded: np.ndarray, acc: np.ndarray, c0: int, c1: int,
                             sh: int, sw: int, dh: int, dw: int, top: int, left: int) -> None:
     """Channels ``c0:c1`` of one image (multiplier 1): ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
 
-    ``w`` is (kh, kw, C) and ``bias`` (C,); ``scratch`` is at least (H, W, c1 - c0) and ``acc``
-    (Wo, c1 - c0), both of ``x``'s dtype and C-contiguous.
+    The block's channels go by groups of one register vector (L lanes, `depthwise_block`): each
+    group's map is copied channels last into ``padded[g]`` (Hp, Wp, L; Hp and Wp the
+    `window_extent`), zero outside the image and past ``c1``; its output rows are summed in
+    registers into ``acc[g]`` (at least Ho·Wo + 1 rows of L; the last holds the bias), then
+    written back to NCHW. ``padded`` has at least ``⌈(c1 − c0) / L⌉`` groups. ``w`` is (kh, kw,
+    ≥ c0 + groups·L), zero past C; ``bias`` (C,). Scratch of ``x``'s dtype, C-contiguous.
     """
     _, h, wd = x.shape
     _, ho, wo = out.shape
-    kh, kw = w.shape[0], w.shape[1]
+    _, hp, wp, lanes = padded.shape
     cb = c1 - c0
-    for r in range(h):
-        for k in range(cb):
-            src = x[c0 + k, r]
-            for q in range(wd):
-                scratch[r, q, k] = src[q]
-    for oh in range(ho):
-        for ow in range(wo):
-            a = acc[ow]
-            for k in range(cb):
-                a[_U(k)] = bias[_U(c0 + k)]
-        for i in range(kh):
-            ih = oh * sh + i * dh - top
-            if ih < 0 or ih >= h:
-                continue
-            for j in range(kw):
-                wt = w[i, j, c0:c1]
-                shift = j * dw - left
-                lo = 0 if shift >= 0 else (sw - 1 - shift) // sw
-                hi = min(wo, (wd - 1 - shift) // sw + 1)
-                for ow in range(lo, hi):
-                    a = acc[ow]
-                    s = scratch[ih, ow * sw + shift]
-                    for k in range(cb):
-                        a[_U(k)] += wt[_U(k)] * s[_U(k)]
-        for k in range(cb):
-            dst = out[c0 + k, oh]
-            for ow in range(wo):
-                dst[_U(ow)] = acc[ow, k]
+    positions = ho * wo
+    lo = min(wp, left)  # the padded columns that hold the image: [lo, hi)
+    hi = max(lo, min(wp, left + wd))
+    taps = w[:, :, c0:]
+    flat = padded.reshape(-1)
+    row_floats = wp * lanes
+    for g in range(-(-cb // lanes)):
+        channels = min(lanes, cb - g * lanes)
+        plane = padded[g]
+        for r in range(hp):
+            ih = r - top
+            base = (g * hp + r) * row_floats
+            inside = 0 <= ih < h
+            for e in range(base + (hi * lanes if inside else 0), base + row_floats):  # right of the image
+                flat[_U(e)] = 0.0
+            if inside:
+                for e in range(base, base + lo * lanes):  # left of it
+                    flat[_U(e)] = 0.0
+                for q0 in range(lo, hi, lanes):
+                    transpose(x, ((c0 + g * lanes) * h + ih) * wd + q0 - left, h * wd, channels, min(lanes, hi - q0),
+                              padded, ((g * hp + r) * wp + q0) * lanes, lanes, lanes)
+        sums = acc[g]
+        start = sums[positions]
+        for k in range(lanes):
+            start[_U(k)] = bias[c0 + g * lanes + k] if k < channels else 0.0
+        for oh in range(ho):
+            output_row(plane, taps, start, sums[oh * wo:(oh + 1) * wo], oh * sh, g, sw, dh, dw)
+        for p0 in range(0, positions, lanes):
+            count = min(lanes, positions - p0)
+            transpose(acc, (g * acc.shape[1] + p0) * lanes, lanes, count, channels,
+                      out, (c0 + g * lanes) * positions + p0, positions, count)
 
 
 @kernel

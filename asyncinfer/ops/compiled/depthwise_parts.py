@@ -16,7 +16,9 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, address_as_pointer
 from . import kernel
-from .depthwise import depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2
+from .depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2, vector_groups,
+                        window_extent)
+from .panels import VECTOR_BYTES
 
 PART_KIND = 5
 
@@ -24,10 +26,11 @@ PART_KIND = 5
 FLAT, ROWS2, ROWS, CHANNELS_LAST = 0, 1, 2, 3
 
 
-def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int, dh: int, dw: int,
-                   block: int) -> int:
+def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int, sh: int, sw: int, dh: int,
+                   dw: int, block: int) -> int:
     """Values of scratch `depthwise_range` needs for ``loop`` on an (H, W) map to (Ho, Wo) with
-    a kh x kw kernel, dilations ``dh, dw``, channel blocks of ``block`` (channels last)."""
+    a kh x kw kernel, strides ``sh, sw``, dilations ``dh, dw``, channel blocks of ``block`` (channels
+    last; a multiple of the vector width)."""
     if loop == FLAT:
         wp = wo + (kw - 1) * dw
         positions = -(-ho * wp // 16) * 16
@@ -35,7 +38,7 @@ def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int
     if loop == ROWS2:
         return 2 * h * ((w + 1) // 2)
     if loop == CHANNELS_LAST:
-        return block * (h * w + wo)
+        return block * (window_extent(ho, kh, sh, dh) * window_extent(wo, kw, sw, dw) + ho * wo + 1)
     return 1
 
 
@@ -44,9 +47,10 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
                     m0: int, m1: int, sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int,
                     block: int, scratch: np.ndarray) -> None:
     """Images ``i0:i1``, output channels ``m0:m1`` of a 2-D depthwise conv of ``x`` (N, C, H, W)
-    into ``out`` (N, M, Ho, Wo) on ``loop``. ``taps`` is (M, kh, kw), or (kh, kw, C) for
-    `CHANNELS_LAST` (whose channels go ``block`` at a time); strides, dilations, pads and the
-    channel multiplier as in `depthwise`; ``scratch`` holds `scratch_floats` values."""
+    into ``out`` (N, M, Ho, Wo) on ``loop``. ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
+    (whose channels go ``block`` at a time) (kh, kw, C rounded up to ``CHANNEL_ALIGN``), zero
+    past C; strides, dilations, pads and the channel multiplier as in `depthwise`; ``scratch``
+    holds `scratch_floats` values."""
     n, c, h, w = x.shape
     ho, wo = out.shape[2], out.shape[3]
     if loop == FLAT:
@@ -63,13 +67,16 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
     elif loop == ROWS:
         depthwise_rows(x[i0:i1], taps, bias, out[i0:i1], m0, m1, sh, sw, dh, dw, top, left, multiplier)
     else:
+        hp, wp = window_extent(ho, taps.shape[0], sh, dh), window_extent(wo, taps.shape[1], sw, dw)
+        lanes = VECTOR_BYTES // x.itemsize
         for i in range(i0, i1):
             for c0 in range(m0, m1, block):
-                c1 = min(m1, c0 + block)
-                cb = c1 - c0
-                depthwise_channels_last(x[i], taps, bias, out[i], scratch[:h * w * cb].reshape(h, w, cb),
-                                        scratch[h * w * cb:h * w * cb + wo * cb].reshape(wo, cb), c0, c1,
-                                        sh, sw, dh, dw, top, left)
+                groups = vector_groups(min(m1, c0 + block) - c0, x.itemsize)
+                padded = groups * hp * wp * lanes
+                depthwise_channels_last(x[i], taps, bias, out[i], scratch[:padded].reshape(groups, hp, wp, lanes),
+                                        scratch[padded:padded + groups * (ho * wo + 1) * lanes].reshape(
+                                            groups, ho * wo + 1, lanes),
+                                        c0, min(m1, c0 + block), sh, sw, dh, dw, top, left)
 
 
 def range_arguments(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
