@@ -71,6 +71,21 @@ def address_as_pointer(typingctx: Any, address: Any, dtype: Any) -> Any:
 
 
 @numba.njit(inline="always")
+def _address(array: Any) -> int:
+    return np.int64(0) if array is None else np.int64(array.ctypes.data)
+
+
+@numba.njit(cache=True, nogil=True)
+def addresses(a: np.ndarray, b: Any = None, c: Any = None, d: Any = None, e: Any = None, f: Any = None,
+              g: Any = None, h: Any = None, i: Any = None, j: Any = None) -> tuple[int, ...]:
+    """The data addresses of up to 10 arrays, 0 for each left out (for the integers of a posted
+    part): one compiled call, about 0.2 µs an array, where each ``array.ctypes.data`` costs a
+    microsecond of Python. Take the first ones: ``x_at, y_at = addresses(x, y)[:2]``."""
+    return (_address(a), _address(b), _address(c), _address(d), _address(e), _address(f), _address(g),
+            _address(h), _address(i), _address(j))
+
+
+@numba.njit(inline="always")
 def next_post(control: np.ndarray, seen: int, rounds: int) -> int:
     """(serve loops) The next posted sequence number; ``seen`` when none came within ``rounds``
     rounds, -1 when the team stops."""

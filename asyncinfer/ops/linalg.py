@@ -126,11 +126,16 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray) -> bool:
     if not by_rows and n < parts * 16:
         return False
     cuts = [m * i // parts for i in range(parts + 1)] if by_rows else vector_cuts(n, parts)
-    bands = [(a[lo:hi], b, y[lo:hi]) if by_rows else (a, b[:, lo:hi], y[:, lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
-    posted = [blas_call.gemm_arguments(pa.shape[0], pb.shape[1], k, pa.ctypes.data, pa.strides[0] // 4, pb.ctypes.data,
-                                       pb.strides[0] // 4, py.ctypes.data, py.strides[0] // 4)
-              for pa, pb, py in bands[1:]]
-    own = bands[0]
+    a_at, b_at, y_at = spin_team.addresses(a, b, y)[:3]
+    lda, ldb, ldy = a.strides[0] // 4, b.strides[0] // 4, y.strides[0] // 4
+    if by_rows:  # band i: rows lo:hi of a and y
+        posted = [blas_call.gemm_arguments(hi - lo, n, k, a_at + lo * a.strides[0], lda, b_at, ldb,
+                                           y_at + lo * y.strides[0], ldy) for lo, hi in zip(cuts[1:], cuts[2:])]
+        own = (a[:cuts[1]], b, y[:cuts[1]])
+    else:  # columns lo:hi of b and y
+        posted = [blas_call.gemm_arguments(m, hi - lo, k, a_at, lda, b_at + lo * 4, ldb, y_at + lo * 4, ldy)
+                  for lo, hi in zip(cuts[1:], cuts[2:])]
+        own = (a, b[:, :cuts[1]], y[:, :cuts[1]])
     return team.try_run(posted, lambda: blas_call.gemm(*own, blas_call.SGEMM, blas_call.ILP64))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel, reduction
 from .normalization import softmax_row
 
@@ -130,7 +130,7 @@ def head_arguments(q: np.ndarray, k: np.ndarray, v: np.ndarray, numbers: np.ndar
     C-contiguous float32 ``q`` and ``y``, ``keep`` as C-contiguous bytes, C-contiguous float32
     ``bias``, ``numbers`` = float64 [scale, fill]; the caller keeps every array alive until the
     part is done."""
-    return [PART_KIND, *q.shape, k.shape[1], k.shape[2], v.shape[3], q.ctypes.data, y.ctypes.data,
-            k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3],
-            keep.ctypes.data, *keep.shape, bias.ctypes.data, *bias.shape, numbers.ctypes.data,
+    q_at, y_at, k_at, v_at, keep_at, bias_at, numbers_at = addresses(q, y, k, v, keep, bias, numbers)[:7]
+    return [PART_KIND, *q.shape, k.shape[1], k.shape[2], v.shape[3], q_at, y_at, k_at, *k.strides[:3], v_at,
+            *v.strides[:3], keep_at, *keep.shape, bias_at, *bias.shape, numbers_at,
             int(divides) | int(use_scale) << 1 | int(use_keep) << 2 | int(use_bias) << 3, h0, h1]

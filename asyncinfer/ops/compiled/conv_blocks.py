@@ -17,7 +17,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .blas_call import sgemm
 from .epilogue import store_rows
@@ -84,10 +84,9 @@ def part_arguments(x: np.ndarray, mode: int, geometry: np.ndarray, offsets: np.n
     `SpinTeam.try_run`): C-contiguous arrays (float32, int64 ``geometry`` and ``offsets``), the
     epilogue's ``a, b`` as float64 ``numbers``; the caller keeps every array alive until the part
     is done."""
-    return [PART_KIND, mode, *x.shape, geometry.ctypes.data, offsets.ctypes.data, offsets.size, *weights.shape,
-            x.ctypes.data, weights.ctypes.data, bias.ctypes.data, y.ctypes.data, y.shape[1], y.shape[2],
-            cols_buf.ctypes.data, cols_buf.size, block_buf.ctypes.data, block_buf.size, numbers.ctypes.data,
-            i0, i1, v0, v1, m0, m1, width, row_width, out_width, act, fn, int(ilp64)]
+    at = addresses(geometry, offsets, x, weights, bias, y, cols_buf, block_buf, numbers)
+    return [PART_KIND, mode, *x.shape, at[0], at[1], offsets.size, *weights.shape, *at[2:6], y.shape[1], y.shape[2],
+            at[6], cols_buf.size, at[7], block_buf.size, at[8], i0, i1, v0, v1, m0, m1, width, row_width, out_width, act, fn, int(ilp64)]
 
 
 @numba.njit(inline="always")

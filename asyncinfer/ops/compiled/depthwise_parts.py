@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2, vector_groups,
                         window_extent)
@@ -85,8 +85,9 @@ def range_arguments(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
     """The integers of a part `depthwise_part` runs as ``depthwise_range(...)`` (``geometry`` =
     sh, sw, dh, dw, top, left) on C-contiguous float32 arrays, for `SpinTeam.try_run`; the caller
     keeps every array alive until the part is done."""
-    return [PART_KIND, loop, *x.shape, *taps.shape, *out.shape[1:], x.ctypes.data, taps.ctypes.data, bias.ctypes.data,
-            out.ctypes.data, i0, i1, m0, m1, *geometry, multiplier, block, scratch.ctypes.data, scratch.size]
+    x_at, taps_at, bias_at, out_at, scratch_at = addresses(x, taps, bias, out, scratch)[:5]
+    return [PART_KIND, loop, *x.shape, *taps.shape, *out.shape[1:], x_at, taps_at, bias_at, out_at, i0, i1, m0, m1,
+            *geometry, multiplier, block, scratch_at, scratch.size]
 
 
 @numba.njit(inline="always")

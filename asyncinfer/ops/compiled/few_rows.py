@@ -23,7 +23,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, asleep, last_post, post, wait_done
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, addresses, asleep, last_post, post, wait_done
 from . import kernel
 from .panels import panel_product, panel_width
 
@@ -238,5 +238,5 @@ def post_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int
     panels)`` (for `SpinTeam.try_run`; C-contiguous float32 or float64 arrays, which the caller
     keeps alive until the part is done)."""
     m, k = a.shape
-    return [PART_KIND, m, k, b.shape[1], k0, k1, tile, int(a.dtype == np.float64),
-            a.ctypes.data, b.ctypes.data, y.ctypes.data, panels.ctypes.data, panels.shape[0]]
+    return [PART_KIND, m, k, b.shape[1], k0, k1, tile, int(a.dtype == np.float64), *addresses(a, b, y, panels)[:4],
+            panels.shape[0]]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .blas_call import sgemm
 from .epilogue import apply_rows
@@ -80,9 +80,9 @@ def band_arguments(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray
     """The integers of a part `band_part` runs as ``winograd_bands(...)`` on the same arguments
     (for `SpinTeam.try_run`): C-contiguous arrays, int64 ``bands``, the epilogue's ``a, b`` as
     float64 ``numbers``; the caller keeps every array alive until the part is done."""
-    return [PART_KIND, *x.shape, *u.shape, *y.shape[2:], x.ctypes.data, u.ctypes.data, bias.ctypes.data,
-            y.ctypes.data, bands.ctypes.data, bands.shape[0], b0, b1, top, left, tw, scratch.ctypes.data, scratch.size,
-            act, numbers.ctypes.data, fn, int(ilp64)]
+    at = addresses(x, u, bias, y, bands, scratch, numbers)
+    return [PART_KIND, *x.shape, *u.shape, *y.shape[2:], *at[:5], bands.shape[0], b0, b1, top, left, tw, at[5],
+            scratch.size, act, at[6], fn, int(ilp64)]
 
 
 @numba.njit(inline="always")
