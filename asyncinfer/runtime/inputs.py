@@ -107,9 +107,12 @@ def _input_future(info: TensorInfo, value: Any, bindings: dict[str, tuple[int, s
             array = np.asarray(value)
     except (TypeError, ValueError) as exc:
         raise InputError(f"input {info.name!r}: cannot make an array of {type(value).__name__}: {exc}") from None
-    limits.check_shape(array.shape, f"input {info.name!r} of shape {array.shape}")
-    native = array.dtype.newbyteorder("=")  # big-endian data ('>f4') is the same type, stored swapped
-    _check_dtype(info, native)
+    if array.ndim > limits.max_tensor_rank or array.size > limits.max_tensor_elements:  # (the message: only then)
+        limits.check_shape(array.shape, f"input {info.name!r} of shape {array.shape}")
+    # big-endian data ('>f4') is the same type, stored swapped
+    native = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
+    if native != info.dtype:
+        _check_dtype(info, native)
     _check_shape(info, array.shape, bindings)
     # A private copy in native byte order: the caller may reuse its buffer while the run is pending.
     return TaskFuture.completed([np.array(array, dtype=native, copy=True, order="C")], label=info.name)
@@ -160,12 +163,12 @@ def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, t
     """
     if info.shape is None:
         return
-    want = "(" + ", ".join("?" if d is None else str(d) for d in info.shape) + ")"
     if len(shape) != len(info.shape):
-        raise InputError(f"input {info.name!r} must have rank {len(info.shape)} {want}, got shape {tuple(shape)}")
+        raise InputError(f"input {info.name!r} must have rank {len(info.shape)} {_declared(info)}, "
+                         f"got shape {tuple(shape)}")
     for axis, (dim, size) in enumerate(zip(info.shape, shape)):
         if isinstance(dim, int) and dim != size:
-            raise InputError(f"input {info.name!r} must have shape {want}, got {tuple(shape)} "
+            raise InputError(f"input {info.name!r} must have shape {_declared(info)}, got {tuple(shape)} "
                              f"(axis {axis} is {size}, expected {dim})")
         if isinstance(dim, str) and dim:
             first = bindings.setdefault(dim, (size, info.name, axis))
@@ -174,3 +177,8 @@ def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, t
                 warnings.warn(f"input {info.name!r} axis {axis} and input {first[1]!r} axis {first[2]} share the "
                               f"dimension name {dim!r} but were given different sizes; running anyway, as ONNX "
                               "Runtime does", InputShapeWarning)
+
+
+def _declared(info: TensorInfo) -> str:
+    """The declared shape as errors show it: ``(N, 3, 224, 224)``, ``?`` for a dimension left open."""
+    return "(" + ", ".join("?" if d is None else str(d) for d in info.shape or ()) + ")"
