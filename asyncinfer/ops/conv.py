@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -22,6 +22,7 @@ from numpy.lib.stride_tricks import as_strided
 from .base import Op
 from .conv_gemm import conv2d as conv2d_gemm
 from .conv_gemm import exact_im2col_pays
+from .conv_gemm import small_conv as conv2d_small
 from .conv_kernels import KeepWeights, depthwise2d, keep_nothing, run_tasks, threads_for
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
 from .conv_winograd import conv2d_winograd, transform_weights, winograd_runs_on, winograd_tile
@@ -67,45 +68,58 @@ class Conv(_ConvBase):
 
     def check(self) -> None:
         super().check()
-        # The last run's case when it was a one-image float32 1x1 conv (see `_remember`).
-        self._pointwise: tuple | None = None
+        # The last case with a short way, and that way: (x shape, x dtype, w, b, activations, run)
+        # (see `_shortcut`); the last case without one, not looked for again each run.
+        self._known: tuple | None = None
+        self._plain: tuple | None = None
 
     def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,
             activations: Activations = ()) -> np.ndarray:
-        known = self._pointwise
-        if (known is not None and x.shape == known[0] and w is known[1] and b is known[2]
-                and activations is known[3] and x.dtype == np.float32 and x.flags.c_contiguous):
-            weights, bias, epilogue, planes, out_shape = known[4:]
-            y = matmul(weights, x.reshape(planes))
-            if bias is not None:
-                epilogue.apply(y, bias)
-            return y.reshape(out_shape)
+        case = (x.shape, x.dtype, w, b, activations)
+        known = self._known
+        if known is not None and _same_case(known, case):
+            return known[5](x)
         y = _ConvBase.run(self, x, w, b, activations=activations)
-        self._remember(x, w, b, activations)
+        if self._plain is None or not _same_case(self._plain, case):
+            short = self._shortcut(x, w, b, activations)
+            if short is None:
+                self._plain = case
+            else:
+                self._known = case + (short,)
         return y
 
-    def _remember(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activations: Activations) -> None:
-        """Keep this run's case when it was a 1x1 conv of one float32 image, stride 1, no padding,
-        one group, with its activations done by the epilogue: a squeeze-and-excitation block's
-        convs (MobileNetV3: 18 of them, on 1x1 maps) cost 20-50 µs of Python a call for a GEMV
-        of a few microseconds. The short way is `conv_gemm.conv2d`'s pointwise path (one GEMM,
-        then bias and activation in place), on the same operands, so the same bits."""
-        if (x.ndim != 4 or x.shape[0] != 1 or w.shape[2:] != (1, 1) or x.dtype != np.float32
-                or w.dtype != np.float32 or (b is not None and (b.dtype != np.float32 or b.shape != (w.shape[0],)))
-                or int(self.attr("group")) != 1 or not x.flags.c_contiguous):
-            return
-        _, strides, _, begin, end, out = self._windows(x.shape, w.shape)
-        if strides != (1, 1) or any(begin) or any(end) or out != x.shape[2:]:
-            return
+    def _shortcut(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+                  activations: Activations) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The short way to run this case again (the same input shape, the same weight, bias and
+        activations objects: a model's constants), with its activations done by the epilogue, or
+        None. Small convs cost 10-50 µs of Python a call for kernels of a few microseconds
+        (MobileNetV3's 18 squeeze-and-excitation 1x1 convs on 1x1 maps, a voice detector's 1-D
+        convs): the short way does only what the full one ends in, on the same operands, so the
+        same bits. Float32 only; one of two cases:
+
+        - a 1x1 conv of one image, stride 1, no padding, one group: one GEMM, then bias and
+          activation in place (`conv_gemm.conv2d`'s pointwise path);
+        - a 1-D or 2-D conv small enough to run whole on the calling thread in one compiled call
+          (`conv_gemm.small_conv`), unless it is depthwise or the full way took Winograd."""
+        if (x.ndim not in (3, 4) or w.ndim != x.ndim or x.dtype != np.float32 or w.dtype != np.float32
+                or (b is not None and (b.dtype != np.float32 or b.shape != (w.shape[0],)))):
+            return None
         epilogue = Epilogue.of(activations, np.dtype(np.float32))
-        if activations and epilogue is None:
-            return  # (activations applied after the conv: the full way)
-        epilogue = epilogue or NO_ACTIVATION
-        bias = (np.zeros(w.shape[0], np.float32) if b is None else np.ascontiguousarray(b)) \
-            if b is not None or epilogue != NO_ACTIVATION else None
-        m, c = w.shape[:2]
-        self._pointwise = (x.shape, w, b, activations, np.ascontiguousarray(w).reshape(m, c), bias, epilogue,
-                           (c, x.shape[2] * x.shape[3]), (1, m) + x.shape[2:])
+        if epilogue is None:  # (activations applied after the conv: the full way)
+            return None
+        group = int(self.attr("group"))
+        _, strides, dilations, begin, end, out = self._windows(x.shape, w.shape)
+        if math.prod(out) == 0 or x.shape[0] == 0 or x.shape[1] != w.shape[1] * group or w.shape[0] % group:
+            return None  # (nothing to compute, or operands that do not fit: the full way says so)
+        if w.shape[1] == 1 and group > 1:
+            return None  # (depthwise: its own compiled loops, the full way)
+        if x.ndim == 3:  # 1-D: a 2-D conv over a map one row high, as `convolve` runs it
+            short = _shortcut_2d(x.shape[:2] + (1, x.shape[2]), w[:, :, None], b, group, (1,) + strides,
+                                 (1,) + dilations, (0,) + begin, (0,) + end, (1,) + out, epilogue)
+            return None if short is None else lambda x1: short(x1[:, :, None]).reshape(x1.shape[0], w.shape[0], *out)
+        if self._winograd_tile(x, w):
+            return None
+        return _shortcut_2d(x.shape, w, b, group, strides, dilations, begin, end, out, epilogue)
 
     def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, epilogue: Epilogue) -> np.ndarray:
         group = int(self.attr("group"))
@@ -124,8 +138,7 @@ class Conv(_ConvBase):
                         (0,) + end, (1,) + out, epilogue)
             return y.reshape(n, m, *out)
         if nsp == 2:
-            tile = self.per_shape(("winograd", x.shape, w.shape, x.dtype), lambda: winograd_tile(
-                x.shape, w.shape, group, strides, dilations, begin, end, out, x.dtype))  # once per shape, not per run
+            tile = self._winograd_tile(x, w)
             if tile:
                 x = np.ascontiguousarray(x)
                 u = self.derived(f"winograd{tile}", {1: w}, lambda: transform_weights(w, tile))
@@ -134,6 +147,14 @@ class Conv(_ConvBase):
             return _conv2d(x, w, b, group, strides, dilations, begin, end, out, epilogue,
                            lambda name, work_out: self.derived(name, {1: w}, work_out))
         return epilogue.apply_inplace(self._convolve_nd(x, w, b, group, kernel, strides, dilations, begin, end, out))
+
+    def _winograd_tile(self, x: np.ndarray, w: np.ndarray) -> int:
+        """`conv_winograd.winograd_tile` of a 2-D conv of these operands (0: no Winograd), once per shape."""
+        def work_out() -> int:
+            _, strides, dilations, begin, end, out = self._windows(x.shape, w.shape)
+            return winograd_tile(x.shape, w.shape, int(self.attr("group")), strides, dilations, begin, end, out,
+                                 x.dtype)
+        return self.per_shape(("winograd", x.shape, w.shape, x.dtype), work_out)
 
     def _windows(self, x_shape: tuple[int, ...], w_shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """``kernel, strides, dilations, begin, end, out`` for these operand shapes (`per_shape`),
@@ -201,6 +222,35 @@ def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, stri
     if w.shape[1] == 1 and group > 1:
         return epilogue.apply_inplace(depthwise2d(x, w, b, strides, dilations, begin, out, keep))
     return conv2d_gemm(x, w, b, group, strides, dilations, begin, end, out, epilogue)
+
+
+def _same_case(known: tuple, case: tuple) -> bool:
+    """Whether ``case`` (x shape, x dtype, w, b, activations) is ``known``'s: equal shapes and
+    dtypes, the very same weight, bias and activations objects."""
+    return (case[0] == known[0] and case[1] == known[1] and case[2] is known[2] and case[3] is known[3]
+            and case[4] is known[4])
+
+
+def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, group: int,
+                 strides: tuple[int, ...], dilations: tuple[int, ...], begin: tuple[int, ...], end: tuple[int, ...],
+                 out: tuple[int, ...], epilogue: Epilogue) -> Callable[[np.ndarray], np.ndarray] | None:
+    """`Conv._shortcut` of a float32 2-D conv that takes `conv_gemm.conv2d` (not depthwise, not
+    Winograd): a 1x1 conv of one image, stride 1, no padding, one group as its pointwise path
+    does it (one GEMM, then bias and activation in place); else `conv_gemm.small_conv`."""
+    if (x_shape[0] == 1 and w.shape[2:] == (1, 1) and group == 1 and strides == (1, 1) and not any(begin)
+            and not any(end) and out == x_shape[2:]):
+        m, c = w.shape[:2]
+        weights, planes = np.ascontiguousarray(w).reshape(m, c), (c, x_shape[2] * x_shape[3])
+        bias = (np.zeros(m, np.float32) if b is None else np.ascontiguousarray(b)) \
+            if b is not None or epilogue != NO_ACTIVATION else None
+
+        def pointwise(x: np.ndarray) -> np.ndarray:
+            y = matmul(weights, np.ascontiguousarray(x).reshape(planes))
+            if bias is not None:
+                epilogue.apply(y, bias)
+            return y.reshape((1, m) + out)
+        return pointwise
+    return conv2d_small(x_shape, w, b, group, strides, dilations, begin, end, out, epilogue)
 
 
 def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], begin: Sequence[int],

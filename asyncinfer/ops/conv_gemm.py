@@ -202,13 +202,7 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
     n, c = x.shape[:2]
     group, mg, k = weights.shape
     m, rows, span = group * mg, group * k, layout.span
-    geometry, offsets = layout.exact_array, _NO_OFFSETS
-    if layout.exact is not None:
-        mode, operand = EXACT, x
-    elif layout.windows is not None:
-        mode, operand, offsets = FLAT, layout.windows.load(x).reshape(n, c, -1, 1), layout.offsets
-    else:
-        mode, operand = DIRECT, x.reshape(n, c, span, 1)
+    mode, operand, geometry, offsets = _operand(x, layout)
     team = parallel.team() if layout.macs >= TEAM_MIN_MACS else None
     parts = 1 if team is None else team.helpers + 1
     if parts == 1 or n >= parts:  # (image range, position range, channel range) per part
@@ -251,6 +245,48 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
     for part in ranges:  # (alone, or the team busy: every part here)
         run(*part)
     return True
+
+
+def _operand(x: np.ndarray, layout: _Layout) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """`conv_blocks`' mode, operand, geometry and tap offsets for ``x`` (C-contiguous) in ``layout``."""
+    n, c = x.shape[:2]
+    if layout.exact is not None:
+        return EXACT, x, layout.exact_array, _NO_OFFSETS
+    if layout.windows is not None:
+        return FLAT, layout.windows.load(x).reshape(n, c, -1, 1), layout.exact_array, layout.offsets
+    return DIRECT, x.reshape(n, c, layout.span, 1), layout.exact_array, _NO_OFFSETS
+
+
+def small_conv(x_shape: tuple[int, ...], w: np.ndarray, bias: np.ndarray | None, group: int,
+               strides: tuple[int, ...], dilations: tuple[int, ...], begin: tuple[int, ...], end: tuple[int, ...],
+               out: tuple[int, ...], epilogue: Epilogue) -> Callable[[np.ndarray], np.ndarray] | None:
+    """`conv2d` prepared once for a float32 conv that runs whole on its calling thread (under
+    `TEAM_MIN_MACS` multiply-adds, too small for the pool, not a 1x1 GEMM): ``run(x)`` for inputs
+    of ``x_shape`` is one `conv_blocks` call as `_compiled` makes it alone, so the same bits,
+    without the 10-15 µs of Python around it (a streaming model's tiny convs: several a call).
+    None for any other conv. ``w`` and ``bias`` are float32."""
+    if not blas_call.available():
+        return None
+    layout = _layout(x_shape, w.shape, group, strides, dilations, begin, end, out, 4, _tuning())
+    if layout.pointwise or layout.parallel or layout.macs >= TEAM_MIN_MACS:
+        return None
+    n, m, (ho, wo) = x_shape[0], w.shape[0], out
+    weights = np.ascontiguousarray(w).reshape(group, m // group, -1)
+    rows = group * weights.shape[2]
+    bias = np.zeros(m, np.float32) if bias is None else np.ascontiguousarray(bias)
+    width = _block_width(layout.span, rows, m, 4, 1)
+    cols_size = rows * width if layout.exact is not None or layout.windows is not None else 1
+    block_size = m * width
+    fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
+
+    def run(x: np.ndarray) -> np.ndarray:
+        mode, operand, geometry, offsets = _operand(np.ascontiguousarray(x), layout)
+        y = np.empty((n, m, ho * wo), np.float32)
+        own = scratch((cols_size + block_size,), np.float32, "conv_blocks")
+        conv_blocks(operand, mode, geometry, offsets, weights, bias, y, own[:cols_size], own[cols_size:], 0, n, 0,
+                    layout.span, 0, m, width, layout.row_width, wo, epilogue.kind, epilogue.a, epilogue.b, fn, ilp64)
+        return y.reshape(n, m, ho, wo)
+    return run
 
 
 Columns = Callable[[int, int, int, np.ndarray], np.ndarray]

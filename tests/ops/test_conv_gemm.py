@@ -257,9 +257,10 @@ def test_one_layer_fed_alternating_shapes_keeps_each_geometry(rng):
 @pytest.mark.parametrize("activation", [None, "Relu", "HardSigmoid", "Clip"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activation, bias, rng):
-    """A Conv remembers its last one-image float32 1x1 case (`Conv._remember`: squeeze-and-
+    """A Conv remembers its last one-image float32 1x1 case (`Conv._shortcut`: squeeze-and-
     excitation convs on 1x1 maps): the same operands and activations again take one GEMM, then
-    bias and activation in place, with the bits of the full way; other shapes take the full way."""
+    bias and activation in place, with the bits of the full way; other shapes take the full way
+    (two images: a 1x1 GEMM per image, no short way)."""
     op = make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)
     w, b = randn(rng, 24, 16, 1, 1), randn(rng, 24) if bias else None
     acts = [] if activation is None else [_activation(activation)]
@@ -267,7 +268,7 @@ def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activa
                          ((1, 16, 3, 3), True), ((2, 16, 3, 3), False), ((1, 16, 3, 3), True)]:
         x = randn(rng, *shape) * 3
         x.flat[::7] = np.nan
-        remembered = op._pointwise
+        remembered = op._known
         with np.errstate(all="ignore"):
             got = op(x, w, b, activations=acts)[0]
             full = make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)(x, w, b, activations=acts)[0]
@@ -279,4 +280,61 @@ def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activa
         np.testing.assert_array_equal(op(x, other, b, activations=acts)[0],
                                       make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)(x, other, b,
                                                                                             activations=acts)[0])
-    assert op._pointwise[1] is other
+    assert op._known[2] is other
+
+
+SMALL_CASES = {  # name: (x shape, w shape, attrs): small enough to run whole on the calling thread
+    "1d_pad": ((1, 12, 9), (8, 12, 3), dict(pads=[1, 1])),
+    "1d_stride_dilated": ((2, 6, 20), (5, 6, 3), dict(strides=[2], dilations=[2], pads=[0, 1])),
+    "1d_pointwise": ((1, 16, 1), (1, 16, 1), {}),
+    "1d_long_window": ((1, 1, 80), (10, 1, 32), dict(strides=[16])),
+    "2d_groups": ((1, 8, 6, 7), (6, 4, 3, 3), dict(group=2, pads=[1, 0, 1, 2])),
+    "2d_stride": ((1, 5, 9, 9), (7, 5, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
+    "2d_1x1_stride2": ((2, 9, 5, 5), (6, 9, 1, 1), dict(strides=[2, 2])),
+}
+
+
+@pytest.mark.parametrize("activation", [None, "Relu"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("name", sorted(SMALL_CASES))
+def test_a_repeated_small_conv_takes_the_short_way_with_the_bits_of_the_full_way(name, bias, activation, rng):
+    """A small float32 conv run again with the same weights, bias and activations (a model's
+    constants) takes `conv_gemm.small_conv`'s one compiled call (`Conv._shortcut`), with the bits
+    of the full way and the definition's values; a new input shape takes the full way first."""
+    x_shape, w_shape, attrs = SMALL_CASES[name]
+    attrs = dict(attrs, kernel_shape=list(w_shape[2:]))
+    op = make_op("Conv", attrs, n_inputs=3)
+    w, b = randn(rng, *w_shape), randn(rng, w_shape[0]) if bias else None
+    acts = [] if activation is None else [_activation(activation)]
+    other = x_shape[:-1] + (x_shape[-1] + 3,)
+    for shape in (x_shape, x_shape, other, other):
+        x = randn(rng, *shape)
+        before = op._known
+        got = op(x, w, b, activations=acts)[0]
+        short = before is not None and before[0] == shape
+        full = make_op("Conv", attrs, n_inputs=3)(x, w, b, activations=acts)[0]
+        np.testing.assert_array_equal(got, full)
+        expected = reference_run("Conv", [x, w] + ([b] if bias else []), attrs)[0]
+        if activation:
+            expected = np.maximum(expected, 0)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert short, "the last run, a case seen before, took the full way"
+    assert op._known is not None and op._known[0] == other
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs, why", [
+    ((1, 8, 6, 6), (8, 1, 3, 3), dict(group=8, pads=[1, 1, 1, 1]), "depthwise"),
+    ((1, 64, 24, 24), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1]), "Winograd"),
+    ((1, 8, 40, 40), (16, 8, 3, 3), dict(pads=[1, 1, 1, 1]), "large enough for the spinning helpers"),
+])
+def test_convs_with_their_own_way_have_no_short_way(x_shape, w_shape, attrs, why, rng):
+    op = make_op("Conv", dict(attrs, kernel_shape=list(w_shape[2:])), n_inputs=2)
+    x, w = randn(rng, *x_shape), randn(rng, *w_shape)
+    for _ in range(2):
+        op(x, w)
+    assert op._known is None, why
+    assert op._plain is not None and op._plain[0] == x_shape
+    x64 = x.astype(np.float64)
+    small = make_op("Conv", {"kernel_shape": [3]}, n_inputs=2)
+    small(x64[:, :, 0], w.astype(np.float64)[:, :1, :, 0].repeat(x_shape[1], 1))
+    assert small._known is None  # float64: the full way
