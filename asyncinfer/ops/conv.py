@@ -23,7 +23,8 @@ from .base import Op
 from .conv_gemm import conv2d as conv2d_gemm
 from .conv_gemm import exact_im2col_pays
 from .conv_gemm import small_conv as conv2d_small
-from .conv_kernels import KeepWeights, depthwise2d, keep_nothing, run_tasks, threads_for
+from .conv_kernels import (KeepWeights, depthwise2d, depthwise_plan, keep_nothing, run_depthwise, run_tasks,
+                           threads_for)
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
 from .conv_winograd import conv2d_winograd, transform_weights, winograd_runs_on, winograd_tile
 from .epilogue import NO_ACTIVATION, Activations, Epilogue, apply_activations
@@ -92,15 +93,21 @@ class Conv(_ConvBase):
                   activations: Activations) -> Callable[[np.ndarray], np.ndarray] | None:
         """The short way to run this case again (the same input shape, the same weight, bias and
         activations objects: a model's constants), with its activations done by the epilogue, or
-        None. Small convs cost 10-50 µs of Python a call for kernels of a few microseconds
-        (MobileNetV3's 18 squeeze-and-excitation 1x1 convs on 1x1 maps, a voice detector's 1-D
-        convs): the short way does only what the full one ends in, on the same operands, so the
-        same bits. Float32 only; one of two cases:
+        None. The full way costs 10-50 µs of Python a call, run cold after a kernel has streamed
+        through the caches, for kernels of a few to a few hundred microseconds (MobileNetV3's 18
+        squeeze-and-excitation 1x1 convs on 1x1 maps, a voice detector's 1-D convs, depthwise
+        layers): the short way does only what the full one ends in, on the same operands, so the
+        same bits. Float32 only, activations the epilogue does; 1-D convs as 2-D ones one row
+        high; the first that applies of:
 
+        - Winograd, where the full way takes it;
+        - a depthwise conv: its compiled loop as planned once (`conv_kernels.depthwise_plan`),
+          then the activation;
         - a 1x1 conv of one image, stride 1, no padding, one group: one GEMM, then bias and
           activation in place (`conv_gemm.conv2d`'s pointwise path);
-        - a 1-D or 2-D conv small enough to run whole on the calling thread in one compiled call
-          (`conv_gemm.small_conv`), unless it is depthwise or the full way took Winograd."""
+        - a conv small enough to run whole on the calling thread in one compiled call
+          (`conv_gemm.small_conv`);
+        - any other: `conv_gemm.conv2d` called straight away."""
         if (x.ndim not in (3, 4) or w.ndim != x.ndim or x.dtype != np.float32 or w.dtype != np.float32
                 or (b is not None and (b.dtype != np.float32 or b.shape != (w.shape[0],)))):
             return None
@@ -111,14 +118,24 @@ class Conv(_ConvBase):
         _, strides, dilations, begin, end, out = self._windows(x.shape, w.shape)
         if math.prod(out) == 0 or x.shape[0] == 0 or x.shape[1] != w.shape[1] * group or w.shape[0] % group:
             return None  # (nothing to compute, or operands that do not fit: the full way says so)
-        if w.shape[1] == 1 and group > 1:
-            return None  # (depthwise: its own compiled loops, the full way)
         if x.ndim == 3:  # 1-D: a 2-D conv over a map one row high, as `convolve` runs it
             short = _shortcut_2d(x.shape[:2] + (1, x.shape[2]), w[:, :, None], b, group, (1,) + strides,
                                  (1,) + dilations, (0,) + begin, (0,) + end, (1,) + out, epilogue)
             return None if short is None else lambda x1: short(x1[:, :, None]).reshape(x1.shape[0], w.shape[0], *out)
-        if self._winograd_tile(x, w):
-            return None
+        tile = 0 if w.shape[1] == 1 and group > 1 else self._winograd_tile(x, w)
+        if tile:
+            # the weights' transform the full way kept: none when they are no constant (then each
+            # run transforms its own, and there is no short way to take)
+            u = self.derived_constant(f"winograd{tile}", 1, w, lambda: transform_weights(w, tile), create=False)
+            if u is None:
+                return None
+
+            def winograd(x1: np.ndarray) -> np.ndarray:
+                x1 = np.ascontiguousarray(x1)
+                if winograd_runs_on(x1, u):
+                    return conv2d_winograd(x1, u, b, begin, out, epilogue)
+                return conv2d_gemm(x1, w, b, group, strides, dilations, begin, end, out, epilogue)
+            return winograd
         return _shortcut_2d(x.shape, w, b, group, strides, dilations, begin, end, out, epilogue)
 
     def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, epilogue: Epilogue) -> np.ndarray:
@@ -234,9 +251,13 @@ def _same_case(known: tuple, case: tuple) -> bool:
 def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, group: int,
                  strides: tuple[int, ...], dilations: tuple[int, ...], begin: tuple[int, ...], end: tuple[int, ...],
                  out: tuple[int, ...], epilogue: Epilogue) -> Callable[[np.ndarray], np.ndarray] | None:
-    """`Conv._shortcut` of a float32 2-D conv that takes `conv_gemm.conv2d` (not depthwise, not
-    Winograd): a 1x1 conv of one image, stride 1, no padding, one group as its pointwise path
-    does it (one GEMM, then bias and activation in place); else `conv_gemm.small_conv`."""
+    """`Conv._shortcut` of a float32 2-D conv (not one that took Winograd): a depthwise one as
+    `conv_kernels.run_depthwise` runs its plan, then the activation; a 1x1 conv of one image,
+    stride 1, no padding, one group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM,
+    then bias and activation in place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
+    if w.shape[1] == 1 and group > 1:
+        plan = depthwise_plan(x_shape, np.dtype(np.float32), w, b, strides, dilations, begin, out)
+        return lambda x: epilogue.apply_inplace(run_depthwise(plan, x))
     if (x_shape[0] == 1 and w.shape[2:] == (1, 1) and group == 1 and strides == (1, 1) and not any(begin)
             and not any(end) and out == x_shape[2:]):
         m, c = w.shape[:2]
@@ -250,7 +271,10 @@ def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, 
                 epilogue.apply(y, bias)
             return y.reshape((1, m) + out)
         return pointwise
-    return conv2d_small(x_shape, w, b, group, strides, dilations, begin, end, out, epilogue)
+    small = conv2d_small(x_shape, w, b, group, strides, dilations, begin, end, out, epilogue)
+    if small is not None:
+        return small
+    return lambda x: conv2d_gemm(x, w, b, group, strides, dilations, begin, end, out, epilogue)
 
 
 def _exact_columns(x: np.ndarray, kernel: Sequence[int], strides: Sequence[int], begin: Sequence[int],

@@ -20,14 +20,15 @@ import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from ..concurrency import parallel
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
-from .compiled.panels import VECTOR_BYTES
 from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, depthwise_range, range_arguments,
                                        scratch_floats)
+from .compiled.panels import VECTOR_BYTES
 
 # From this many multiply-adds on (about 1.5 ms on one core), a kernel's images or output rows are
 # shared out between threads (see run_tasks). Below it, waking a helper thread (100-300 µs on the
@@ -138,6 +139,54 @@ def _taps(w: np.ndarray, loop: int, dtype: np.dtype) -> np.ndarray:
     return taps
 
 
+@dataclass(frozen=True)
+class DepthwisePlan:
+    """What `depthwise2d` works out from the operands' shapes, weights and bias before it runs
+    (`depthwise_plan`): the loop, the weights and bias as it reads them, the geometry. Kept by a
+    Conv that runs the same case again (`Conv._shortcut`), which then starts at `run_depthwise`."""
+
+    x_shape: tuple[int, ...]          # (N, C, H, W)
+    out: tuple[int, int]              # (Ho, Wo)
+    kernel: tuple[int, int]           # (kh, kw)
+    loop: int                         # FLAT, ROWS2, ROWS or CHANNELS_LAST (`compiled.depthwise_parts`)
+    taps: np.ndarray                  # the weights as ``loop`` reads them (`_taps`)
+    bias: np.ndarray                  # (M,), the operands' dtype
+    geometry: tuple[int, ...]         # sh, sw, dh, dw, top, left
+    multiplier: int
+    block: int                        # channels a block (channels last), else CHANNEL_ALIGN
+
+
+def depthwise_plan(x_shape: tuple[int, ...], dtype: np.dtype, w: np.ndarray, bias: np.ndarray | None,
+                   strides: Sequence[int], dilations: Sequence[int], begin: Sequence[int], out: Sequence[int],
+                   keep: KeepWeights = keep_nothing) -> DepthwisePlan:
+    """The `DepthwisePlan` of a 2-D depthwise conv of an ``x_shape`` input of ``dtype`` (float32
+    or float64) by ``w`` (C*mult, 1, kh, kw), as `depthwise2d` takes them; ``keep`` keeps the
+    weights' form for the loop between runs (a model's constant weights)."""
+    n, c, h, wd = x_shape
+    m, _, kh, kw = w.shape
+    ho, wo = (int(o) for o in out)
+    geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
+    sh, sw, dh, dw = geometry[:4]
+    if flat_pays(sh, sw, ho, wo, (kh - 1) * dh, (kw - 1) * dw):
+        loop = FLAT
+    elif stride2_rows_pay(sw, dw, wo, kw):
+        loop = ROWS2
+    elif not channels_last_pays(m // c, sw, wo, kw):
+        loop = ROWS
+    else:
+        loop = CHANNELS_LAST
+    taps = keep(f"depthwise-taps-{loop}", lambda: _taps(w, loop, dtype))
+    bias = np.zeros(m, dtype) if bias is None else np.ascontiguousarray(bias, dtype=dtype)
+    block = CHANNEL_ALIGN
+    if loop == CHANNELS_LAST:
+        # channel blocks: SIMD-width multiples, small enough that a block's padded channels-last
+        # copy of the image stays in L2
+        area = window_extent(ho, kh, sh, dh) * window_extent(wo, kw, sw, dw)
+        block = max(CHANNEL_ALIGN, min(c, CHUNK_BYTES // (area * np.dtype(dtype).itemsize)) // CHANNEL_ALIGN
+                    * CHANNEL_ALIGN)
+    return DepthwisePlan(tuple(x_shape), (ho, wo), (kh, kw), loop, taps, bias, geometry, m // c, block)
+
+
 def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: Sequence[int],
                 dilations: Sequence[int], begin: Sequence[int], out: Sequence[int],
                 keep: KeepWeights = keep_nothing) -> np.ndarray:
@@ -148,29 +197,25 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
     ``c*mult + j`` reads input channel ``c``, as ONNX defines groups. Float32 or float64 operands.
     ``keep`` keeps the weights' form for the loop between runs (a model's constant weights).
     """
-    n, c, h, wd = x.shape
-    m, _, kh, kw = w.shape
-    mult = m // c
-    ho, wo = out
-    x = np.ascontiguousarray(x)
-    bias = np.zeros(m, x.dtype) if bias is None else np.ascontiguousarray(bias, dtype=x.dtype)
-    result = np.empty((n, m, ho, wo), dtype=x.dtype)
-    geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
+    return run_depthwise(depthwise_plan(x.shape, x.dtype, w, bias, strides, dilations, begin, out, keep), x)
+
+
+def run_depthwise(plan: DepthwisePlan, x: np.ndarray) -> np.ndarray:
+    """The conv of ``plan`` on ``x`` (of the plan's shape and dtype): on the CPU backend's
+    spinning helpers when they are free and it has `TEAM_MIN_MACS` multiply-adds, else on the
+    pool's threads (`run_tasks`) from `PARALLEL_MIN_MACS`, else here."""
+    n, c, h, wd = plan.x_shape
+    m = plan.bias.shape[0]
+    ho, wo = plan.out
+    kh, kw = plan.kernel
+    loop, taps, bias, geometry, mult = plan.loop, plan.taps, plan.bias, plan.geometry, plan.multiplier
     sh, sw, dh, dw, top, left = geometry
+    x = np.ascontiguousarray(x)
+    result = np.empty((n, m, ho, wo), dtype=x.dtype)
     macs = n * m * ho * wo * kh * kw
+    if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, plan.block):
+        return result
     threads = threads_for(macs)
-    if flat_pays(sh, sw, ho, wo, (kh - 1) * dh, (kw - 1) * dw):
-        loop = FLAT
-    elif stride2_rows_pay(sw, dw, wo, kw):
-        loop = ROWS2
-    elif not channels_last_pays(mult, sw, wo, kw):
-        loop = ROWS
-    else:
-        loop = CHANNELS_LAST
-    taps = keep(f"depthwise-taps-{loop}", lambda: _taps(w, loop, x.dtype))
-    if loop != CHANNELS_LAST:
-        if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, CHANNEL_ALIGN):
-            return result
     if loop == FLAT:
         row_width = wo + (kw - 1) * dw
         positions = -(-ho * row_width // 16) * 16  # virtual positions, whole SIMD vectors
@@ -195,15 +240,10 @@ def depthwise2d(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, strides: 
 
         run_tasks([functools.partial(rows, *part) for part in _blocks(m, threads, n)], threads)
         return result
-    hp, wp = window_extent(ho, kh, sh, dh), window_extent(wo, kw, sw, dw)
-    # channel blocks: SIMD-width multiples, small enough that a block's padded channels-last copy
-    # of the image stays in L2
-    block = max(CHANNEL_ALIGN, min(c, CHUNK_BYTES // (hp * wp * x.itemsize)) // CHANNEL_ALIGN * CHANNEL_ALIGN)
-    if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, block):
-        return result
+    block = plan.block
     if 1 < threads and n < 2 * threads:  # too few images to share out: smaller channel blocks too
         block = min(block, -(-c // (2 * threads * n)) // CHANNEL_ALIGN * CHANNEL_ALIGN or CHANNEL_ALIGN)
-
+    hp, wp = window_extent(ho, kh, sh, dh), window_extent(wo, kw, sw, dw)
     lanes = VECTOR_BYTES // x.itemsize
 
     def channels(i: int, c0: int, c1: int) -> None:

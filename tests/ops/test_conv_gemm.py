@@ -259,13 +259,14 @@ def test_one_layer_fed_alternating_shapes_keeps_each_geometry(rng):
 def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activation, bias, rng):
     """A Conv remembers its last one-image float32 1x1 case (`Conv._shortcut`: squeeze-and-
     excitation convs on 1x1 maps): the same operands and activations again take one GEMM, then
-    bias and activation in place, with the bits of the full way; other shapes take the full way
-    (two images: a 1x1 GEMM per image, no short way)."""
+    bias and activation in place, with the bits of the full way; a new shape takes the full way
+    first (and is remembered in turn: two images, a GEMM each, by `conv_gemm.conv2d`)."""
     op = make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)
     w, b = randn(rng, 24, 16, 1, 1), randn(rng, 24) if bias else None
     acts = [] if activation is None else [_activation(activation)]
     for shape, short in [((1, 16, 1, 1), False), ((1, 16, 1, 1), True), ((1, 16, 3, 3), False),
-                         ((1, 16, 3, 3), True), ((2, 16, 3, 3), False), ((1, 16, 3, 3), True)]:
+                         ((1, 16, 3, 3), True), ((2, 16, 3, 3), False), ((2, 16, 3, 3), True),
+                         ((1, 16, 3, 3), False)]:
         x = randn(rng, *shape) * 3
         x.flat[::7] = np.nan
         remembered = op._known
@@ -283,7 +284,7 @@ def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activa
     assert op._known[2] is other
 
 
-SMALL_CASES = {  # name: (x shape, w shape, attrs): small enough to run whole on the calling thread
+SMALL_CASES = {  # name: (x shape, w shape, attrs): with a short way (`Conv._shortcut`)
     "1d_pad": ((1, 12, 9), (8, 12, 3), dict(pads=[1, 1])),
     "1d_stride_dilated": ((2, 6, 20), (5, 6, 3), dict(strides=[2], dilations=[2], pads=[0, 1])),
     "1d_pointwise": ((1, 16, 1), (1, 16, 1), {}),
@@ -291,6 +292,12 @@ SMALL_CASES = {  # name: (x shape, w shape, attrs): small enough to run whole on
     "2d_groups": ((1, 8, 6, 7), (6, 4, 3, 3), dict(group=2, pads=[1, 0, 1, 2])),
     "2d_stride": ((1, 5, 9, 9), (7, 5, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1])),
     "2d_1x1_stride2": ((2, 9, 5, 5), (6, 9, 1, 1), dict(strides=[2, 2])),
+    # depthwise, whatever its size: its loop as planned once
+    "2d_depthwise": ((1, 24, 9, 9), (24, 1, 3, 3), dict(group=24, pads=[1, 1, 1, 1])),
+    "2d_depthwise_5x5_stride2": ((2, 20, 11, 11), (20, 1, 5, 5), dict(group=20, strides=[2, 2], pads=[2, 2, 2, 2])),
+    "2d_depthwise_multiplier": ((1, 4, 8, 8), (8, 1, 3, 3), dict(group=4, pads=[1, 1, 1, 1])),
+    "2d_depthwise_wide": ((1, 16, 6, 60), (16, 1, 3, 3), dict(group=16, pads=[1, 1, 1, 1])),
+    "1d_depthwise": ((1, 8, 30), (8, 1, 5), dict(group=8, pads=[2, 2])),
 }
 
 
@@ -299,8 +306,9 @@ SMALL_CASES = {  # name: (x shape, w shape, attrs): small enough to run whole on
 @pytest.mark.parametrize("name", sorted(SMALL_CASES))
 def test_a_repeated_small_conv_takes_the_short_way_with_the_bits_of_the_full_way(name, bias, activation, rng):
     """A small float32 conv run again with the same weights, bias and activations (a model's
-    constants) takes `conv_gemm.small_conv`'s one compiled call (`Conv._shortcut`), with the bits
-    of the full way and the definition's values; a new input shape takes the full way first."""
+    constants) takes `conv_gemm.small_conv`'s one compiled call, a depthwise one its planned loop
+    (`Conv._shortcut`), with the bits of the full way and the definition's values; a new input
+    shape takes the full way first."""
     x_shape, w_shape, attrs = SMALL_CASES[name]
     attrs = dict(attrs, kernel_shape=list(w_shape[2:]))
     op = make_op("Conv", attrs, n_inputs=3)
@@ -322,19 +330,27 @@ def test_a_repeated_small_conv_takes_the_short_way_with_the_bits_of_the_full_way
     assert op._known is not None and op._known[0] == other
 
 
-@pytest.mark.parametrize("x_shape, w_shape, attrs, why", [
-    ((1, 8, 6, 6), (8, 1, 3, 3), dict(group=8, pads=[1, 1, 1, 1]), "depthwise"),
-    ((1, 64, 24, 24), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1]), "Winograd"),
-    ((1, 8, 40, 40), (16, 8, 3, 3), dict(pads=[1, 1, 1, 1]), "large enough for the spinning helpers"),
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((1, 64, 24, 24), (64, 64, 3, 3), dict(pads=[1, 1, 1, 1])),  # Winograd
+    ((1, 8, 40, 40), (16, 8, 3, 3), dict(pads=[1, 1, 1, 1])),  # large enough for the spinning helpers
+    ((2, 16, 12, 12), (24, 16, 1, 1), {}),  # two images, 1x1: one GEMM per image
 ])
-def test_convs_with_their_own_way_have_no_short_way(x_shape, w_shape, attrs, why, rng):
-    op = make_op("Conv", dict(attrs, kernel_shape=list(w_shape[2:])), n_inputs=2)
-    x, w = randn(rng, *x_shape), randn(rng, *w_shape)
+def test_larger_convs_take_the_full_ways_kernel_straight_away(x_shape, w_shape, attrs, rng):
+    """Past the small cases, the short way calls the kernel the full way ends in (Winograd, the
+    tiled conv) with the same operands: the same bits."""
+    attrs = dict(attrs, kernel_shape=list(w_shape[2:]))
+    op = make_op("Conv", attrs, n_inputs=3)
+    w, b = randn(rng, *w_shape), randn(rng, w_shape[0])
+    op.bind_constants({1: w, 2: b})  # as a plan does: Winograd's transform is kept for constant weights
+    for _ in range(3):
+        x = randn(rng, *x_shape)
+        np.testing.assert_array_equal(op(x, w, b)[0], make_op("Conv", attrs, n_inputs=3)(x, w, b)[0])
+    assert op._known is not None and op._known[0] == x_shape
+
+
+def test_float64_convs_have_no_short_way(rng):
+    op = make_op("Conv", {"kernel_shape": [3]}, n_inputs=2)
+    x, w = randn(rng, 1, 4, 9).astype(np.float64), randn(rng, 5, 4, 3).astype(np.float64)
     for _ in range(2):
         op(x, w)
-    assert op._known is None, why
-    assert op._plain is not None and op._plain[0] == x_shape
-    x64 = x.astype(np.float64)
-    small = make_op("Conv", {"kernel_shape": [3]}, n_inputs=2)
-    small(x64[:, :, 0], w.astype(np.float64)[:, :1, :, 0].repeat(x_shape[1], 1))
-    assert small._known is None  # float64: the full way
+    assert op._known is None and op._plain is not None and op._plain[0] == x.shape

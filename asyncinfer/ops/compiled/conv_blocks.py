@@ -86,7 +86,8 @@ def part_arguments(x: np.ndarray, mode: int, geometry: np.ndarray, offsets: np.n
     is done."""
     at = addresses(geometry, offsets, x, weights, bias, y, cols_buf, block_buf, numbers)
     return [PART_KIND, mode, *x.shape, at[0], at[1], offsets.size, *weights.shape, *at[2:6], y.shape[1], y.shape[2],
-            at[6], cols_buf.size, at[7], block_buf.size, at[8], i0, i1, v0, v1, m0, m1, width, row_width, out_width, act, fn, int(ilp64)]
+            at[6], cols_buf.size, at[7], block_buf.size, at[8], i0, i1, v0, v1, m0, m1, width, row_width, out_width,
+            act, fn, int(ilp64)]
 
 
 @numba.njit(inline="always")

@@ -11,11 +11,10 @@ skipped.
 - `depthwise_channels_last`: one image's channel block is first copied, a vector of channels at
   a time, into zero-padded channels-last scratch (ONNX Runtime's NCHWc layout), then runs of
   output pixels are summed in registers over the whole window (`depthwise_block`), and the
-  result is written back to NCHW. Best with strides (no strided loads) and small maps (long vectors where
-  rows are short).
+  result is written back to NCHW. Best with strides (no strided loads) and on small maps.
 - `depthwise_flat`: at unit stride, each channel is copied into a zero-padded plane, and every
   kernel row's taps add into the whole (virtual, padded-width) output in one contiguous pass:
-  loops as long as the map, on any map width. Best at unit stride from about 14x14 up.
+  loops as long as the map, on any map width. Best at unit stride from about 20 columns up.
 
 Indices are cast to unsigned where the loop makes them non-negative: numba then emits no
 negative-index wraparound test, which would stop the loop vectorising.

@@ -93,7 +93,8 @@ def _register_block(outputs: int) -> Any:
     """An intrinsic ``block(padded, taps, start, acc, row, ow0, vector, sw, dh, dw)``: for ``r <
     outputs`` and the ``L`` lanes ``v``,
 
-        acc[ow0 + r, v] = start[v] + Σ_i Σ_j taps[i, j, vector·L + v] · padded[row + i·dh, (ow0 + r)·sw + j·dw, v]
+        acc[ow0 + r, v] = start[v]
+                          + Σ_i Σ_j taps[i, j, vector·L + v] · padded[row + i·dh, (ow0 + r)·sw + j·dw, v]
 
     where ``padded`` is one group's (Hp, Wp, L) map, zero outside the image, ``taps`` (kh, kw,
     channels), ``start`` (L,) and ``acc`` (Wo, L), all with unit stride along channels."""
