@@ -136,7 +136,8 @@ class Conv(_ConvBase):
                     return conv2d_winograd(x1, u, b, begin, out, epilogue)
                 return conv2d_gemm(x1, w, b, group, strides, dilations, begin, end, out, epilogue)
             return winograd
-        return _shortcut_2d(x.shape, w, b, group, strides, dilations, begin, end, out, epilogue)
+        return _shortcut_2d(x.shape, w, b, group, strides, dilations, begin, end, out, epilogue,
+                            lambda name, work_out: self.derived(name, {1: w}, work_out))
 
     def convolve(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, epilogue: Epilogue) -> np.ndarray:
         group = int(self.attr("group"))
@@ -250,13 +251,15 @@ def _same_case(known: tuple, case: tuple) -> bool:
 
 def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, group: int,
                  strides: tuple[int, ...], dilations: tuple[int, ...], begin: tuple[int, ...], end: tuple[int, ...],
-                 out: tuple[int, ...], epilogue: Epilogue) -> Callable[[np.ndarray], np.ndarray] | None:
+                 out: tuple[int, ...], epilogue: Epilogue,
+                 keep: KeepWeights = keep_nothing) -> Callable[[np.ndarray], np.ndarray] | None:
     """`Conv._shortcut` of a float32 2-D conv (not one that took Winograd): a depthwise one as
-    `conv_kernels.run_depthwise` runs its plan, then the activation; a 1x1 conv of one image,
+    `conv_kernels.run_depthwise` runs its plan (its taps from ``keep``: those the full way kept),
+    then the activation; a 1x1 conv of one image,
     stride 1, no padding, one group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM,
     then bias and activation in place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
     if w.shape[1] == 1 and group > 1:
-        plan = depthwise_plan(x_shape, np.dtype(np.float32), w, b, strides, dilations, begin, out)
+        plan = depthwise_plan(x_shape, np.dtype(np.float32), w, b, strides, dilations, begin, out, keep)
         return lambda x: epilogue.apply_inplace(run_depthwise(plan, x))
     if (x_shape[0] == 1 and w.shape[2:] == (1, 1) and group == 1 and strides == (1, 1) and not any(begin)
             and not any(end) and out == x_shape[2:]):
