@@ -51,6 +51,13 @@ def team() -> SpinTeam | None:
     return None if crowded is not None and crowded() else getattr(_local, "team", None)
 
 
+def team_size() -> int:
+    """This thread and its spinning helpers, free or not (1: it has none): how many parts to plan
+    a kernel in once for every later run (`team` says whether they may be taken now)."""
+    team = getattr(_local, "team", None)
+    return 1 if team is None else team.helpers + 1
+
+
 def parts_available() -> int:
     """How many parts a kernel on this thread may split into (1: run it whole)."""
     return getattr(_local, "width", 1)

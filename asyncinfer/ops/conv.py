@@ -23,6 +23,7 @@ from .base import Op
 from .conv_gemm import conv2d as conv2d_gemm
 from .conv_gemm import exact_im2col_pays
 from .conv_gemm import small_conv as conv2d_small
+from .conv_pointwise import pointwise_plan, run_pointwise, takes_pointwise
 from .conv_kernels import (KeepWeights, depthwise2d, depthwise_plan, keep_nothing, run_depthwise, run_tasks,
                            threads_for)
 from .conv_kernels import scratch as _scratch  # per-thread im2col buffers (warm pages)
@@ -103,8 +104,10 @@ class Conv(_ConvBase):
         - Winograd, where the full way takes it;
         - a depthwise conv: its compiled loop as planned once (`conv_kernels.depthwise_plan`),
           then the activation;
-        - a 1x1 conv of one image, stride 1, no padding, one group: one GEMM, then bias and
-          activation in place (`conv_gemm.conv2d`'s pointwise path);
+        - a float32 1x1 conv without padding on a map of some size: the panel GEMM as planned
+          once (`conv_pointwise`);
+        - a smaller 1x1 conv of one image, stride 1, no padding, one group: one GEMM, then bias
+          and activation in place (`conv_gemm.conv2d`'s pointwise path);
         - a conv small enough to run whole on the calling thread in one compiled call
           (`conv_gemm.small_conv`);
         - any other: `conv_gemm.conv2d` called straight away."""
@@ -235,10 +238,13 @@ class Conv(_ConvBase):
 def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, strides: Sequence[int],
             dilations: Sequence[int], begin: Sequence[int], end: Sequence[int], out: Sequence[int],
             epilogue: Epilogue, keep: KeepWeights = keep_nothing) -> np.ndarray:
-    """2-D: depthwise on its compiled loops (`conv_kernels`; ``keep`` keeps its form of constant
-    weights), any other as tiled GEMM (`conv_gemm`)."""
+    """2-D: depthwise on its compiled loops (`conv_kernels`), float32 1x1 on the panel GEMM
+    (`conv_pointwise`; ``keep`` keeps either's form of constant weights), any other as tiled
+    GEMM (`conv_gemm`)."""
     if w.shape[1] == 1 and group > 1:
         return epilogue.apply_inplace(depthwise2d(x, w, b, strides, dilations, begin, out, keep))
+    if takes_pointwise(x.shape, w.shape, group, tuple(begin), tuple(end), tuple(out), x.dtype):
+        return run_pointwise(pointwise_plan(x.shape, w, b, group, tuple(strides), tuple(out), epilogue, keep), x)
     return conv2d_gemm(x, w, b, group, strides, dilations, begin, end, out, epilogue)
 
 
@@ -255,12 +261,16 @@ def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, 
                  keep: KeepWeights = keep_nothing) -> Callable[[np.ndarray], np.ndarray] | None:
     """`Conv._shortcut` of a float32 2-D conv (not one that took Winograd): a depthwise one as
     `conv_kernels.run_depthwise` runs its plan (its taps from ``keep``: those the full way kept),
-    then the activation; a 1x1 conv of one image,
-    stride 1, no padding, one group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM,
-    then bias and activation in place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
+    then the activation; a 1x1 conv the panel GEMM takes, as planned once
+    (`conv_pointwise.pointwise_plan`); a smaller 1x1 conv of one image, stride 1, no padding, one
+    group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM, then bias and activation in
+    place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
     if w.shape[1] == 1 and group > 1:
         plan = depthwise_plan(x_shape, np.dtype(np.float32), w, b, strides, dilations, begin, out, keep)
         return lambda x: epilogue.apply_inplace(run_depthwise(plan, x))
+    if takes_pointwise(x_shape, w.shape, group, begin, end, out, np.dtype(np.float32)):
+        planned = pointwise_plan(x_shape, w, b, group, strides, out, epilogue, keep)
+        return lambda x: run_pointwise(planned, x)
     if (x_shape[0] == 1 and w.shape[2:] == (1, 1) and group == 1 and strides == (1, 1) and not any(begin)
             and not any(end) and out == x_shape[2:]):
         m, c = w.shape[:2]

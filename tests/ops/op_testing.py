@@ -92,6 +92,29 @@ def compare_with_ort(op_type: str, inputs: list, attrs: dict | None = None, opse
     return got
 
 
+# The activations a kernel's epilogue applies (`ops.epilogue.Epilogue.of`): (attributes, extra inputs)
+EPILOGUE_ACTIVATIONS = {
+    "Relu": ({}, []),
+    "Clip": ({}, [np.array(-0.5, np.float32), np.array(0.75, np.float32)]),
+    "Clip_low_only": ({}, [np.array(0.0, np.float32), None]),
+    "LeakyRelu": ({"alpha": 0.07}, []),
+    "HardSigmoid": ({"alpha": 0.3, "beta": 0.4}, []),
+    "HardSwish": ({}, []),
+    "Sigmoid": ({}, []),
+    "Swish": ({"alpha": 1.0}, []),
+    "Swish_alpha": ({"alpha": 1.702}, []),
+}
+
+
+def activation_op(name: str) -> tuple:
+    """The op of `EPILOGUE_ACTIVATIONS`' ``name`` and its extra inputs, as a fused activation's pair."""
+    attrs, extras = EPILOGUE_ACTIVATIONS[name]
+    op_type = name.split("_")[0]
+    layer = Layer("act", op_type, ["y"] + [f"e{i}" if e is not None else "" for i, e in enumerate(extras)], ["z"],
+                  attrs=attrs, version={"HardSwish": 14, "Swish": 24}.get(op_type, 13))
+    return ops.create(layer), extras
+
+
 def randn(rng, *shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
 

@@ -15,12 +15,19 @@ import pytest
 from asyncinfer import ops
 from asyncinfer.concurrency import parallel
 from asyncinfer.model.ir import Layer
-from asyncinfer.ops import conv_gemm
+from asyncinfer.ops import conv_gemm, conv_pointwise
 from asyncinfer.ops.epilogue import Epilogue
 
-from .op_testing import make_op, randn, reference_run, spin_team_bound
+from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, randn, reference_run, spin_team_bound
 
 _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-gemm")
+
+
+@pytest.fixture(autouse=True)
+def _one_by_one_on_the_tiled_conv(monkeypatch):
+    """Float32 1x1 convs run on `conv_pointwise` (tests/ops/test_conv_pointwise.py): here they stay
+    on the tiled conv's pointwise path, which float64 and padded 1x1 convs still take."""
+    monkeypatch.setattr(conv_pointwise, "MIN_POSITIONS", 1 << 40)
 
 # name: (x shape, output channels, kernel, attrs)
 CASES = {
@@ -124,28 +131,7 @@ def test_small_maps_split_output_channels_into_bands(rng, monkeypatch):
     assert len(bands) > 1 and sum(bands) == 96
 
 
-ACTIVATIONS = {
-    "Relu": ({}, []),
-    "Clip": ({}, [np.array(-0.5, np.float32), np.array(0.75, np.float32)]),
-    "Clip_low_only": ({}, [np.array(0.0, np.float32), None]),
-    "LeakyRelu": ({"alpha": 0.07}, []),
-    "HardSigmoid": ({"alpha": 0.3, "beta": 0.4}, []),
-    "HardSwish": ({}, []),
-    "Sigmoid": ({}, []),
-    "Swish": ({"alpha": 1.0}, []),
-    "Swish_alpha": ({"alpha": 1.702}, []),
-}
-
-
-def _activation(name: str) -> tuple:
-    attrs, extras = ACTIVATIONS[name]
-    op_type = name.split("_")[0]
-    layer = Layer("act", op_type, ["y"] + [f"e{i}" if e is not None else "" for i, e in enumerate(extras)], ["z"],
-                  attrs=attrs, version={"HardSwish": 14, "Swish": 24}.get(op_type, 13))
-    return ops.create(layer), extras
-
-
-@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
 @pytest.mark.parametrize("name", ["3x3_pad", "dilated", "3x3_stride2_asym", "1x1_direct"])
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng):
     """Bias and activation applied as the blocks are stored equal the conv followed by the
@@ -157,7 +143,7 @@ def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, 
     w = randn(rng, m, shape[1], *kernel)
     b = randn(rng, m)
     conv = make_op("Conv", dict(attrs, kernel_shape=list(kernel)), n_inputs=3)
-    act, extras = _activation(activation)
+    act, extras = activation_op(activation)
     assert Epilogue.of([(act, extras)], np.dtype(np.float32)) is not None
     with np.errstate(all="ignore"):  # as on the pool's threads: NaN and inf are values in ONNX
         fused = conv(x, w, b, activations=[(act, extras)])[0]
@@ -171,7 +157,7 @@ def test_activations_without_an_epilogue_still_apply(rng):
     x, w, b = randn(rng, 1, 3, 8, 8), randn(rng, 4, 3, 3, 3), randn(rng, 4)
     conv = make_op("Conv", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1]), n_inputs=3)
     tanh = ops.create(Layer("t", "Tanh", ["y"], ["z"], version=13))
-    relu, _ = _activation("Relu")
+    relu, _ = activation_op("Relu")
     chain = [(tanh, []), (relu, [])]
     assert Epilogue.of(chain, np.dtype(np.float32)) is None
     np.testing.assert_array_equal(conv(x, w, b, activations=chain)[0],
@@ -187,7 +173,7 @@ def test_float16_conv_with_fused_activation_rounds_once(rng):
     """Narrow floats: multiplied, biased and activated in float32, rounded once to float16."""
     x, w, b = (randn(rng, *s).astype(np.float16) for s in ((1, 4, 9, 9), (6, 4, 3, 3), (6,)))
     conv = make_op("Conv", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1]), n_inputs=3)
-    act, extras = _activation("HardSwish")
+    act, extras = activation_op("HardSwish")
     got = conv(x, w, b, activations=[(act, extras)])[0]
     assert got.dtype == np.float16
     y32 = reference_run("Conv", [x.astype(np.float32), w.astype(np.float32), b.astype(np.float32)],
@@ -263,7 +249,7 @@ def test_a_repeated_pointwise_conv_takes_the_short_way_with_the_same_bits(activa
     first (and is remembered in turn: two images, a GEMM each, by `conv_gemm.conv2d`)."""
     op = make_op("Conv", {"kernel_shape": [1, 1]}, n_inputs=3)
     w, b = randn(rng, 24, 16, 1, 1), randn(rng, 24) if bias else None
-    acts = [] if activation is None else [_activation(activation)]
+    acts = [] if activation is None else [activation_op(activation)]
     for shape, short in [((1, 16, 1, 1), False), ((1, 16, 1, 1), True), ((1, 16, 3, 3), False),
                          ((1, 16, 3, 3), True), ((2, 16, 3, 3), False), ((2, 16, 3, 3), True),
                          ((1, 16, 3, 3), False)]:
@@ -313,7 +299,7 @@ def test_a_repeated_small_conv_takes_the_short_way_with_the_bits_of_the_full_way
     attrs = dict(attrs, kernel_shape=list(w_shape[2:]))
     op = make_op("Conv", attrs, n_inputs=3)
     w, b = randn(rng, *w_shape), randn(rng, w_shape[0]) if bias else None
-    acts = [] if activation is None else [_activation(activation)]
+    acts = [] if activation is None else [activation_op(activation)]
     other = x_shape[:-1] + (x_shape[-1] + 3,)
     for shape in (x_shape, x_shape, other, other):
         x = randn(rng, *shape)

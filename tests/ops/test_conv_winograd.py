@@ -13,8 +13,7 @@ from asyncinfer.concurrency import parallel
 from asyncinfer.ops import conv_winograd
 from asyncinfer.ops.epilogue import Epilogue
 
-from .op_testing import make_op, randn, reference_run, spin_team_bound
-from .test_conv_gemm import _activation
+from .op_testing import activation_op, make_op, randn, reference_run, spin_team_bound
 
 _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-winograd")
 
@@ -108,7 +107,7 @@ def test_agrees_with_the_gemm_conv(rng, monkeypatch):
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, rng):
     inputs, attrs = _operands("same_pads", rng)
     conv = make_op("Conv", attrs, n_inputs=3)
-    act, extras = _activation(activation)
+    act, extras = activation_op(activation)
     assert Epilogue.of([(act, extras)], np.dtype(np.float32)) is not None
     fused = conv(*inputs, activations=[(act, extras)])[0]
     separate = act(conv(*inputs)[0], *extras)[0]

@@ -22,6 +22,7 @@ vector width.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -94,23 +95,32 @@ def no_panels(dtype: Any) -> np.ndarray:
 _NO_PANELS = {np.dtype(t): np.empty((0, 0, panel_width(t)), t) for t in (np.float32, np.float64)}
 
 
-def _register_block(rows: int) -> Any:
-    """An intrinsic ``block(columns, panels, y, r0, p, k0, k1)``: ``y[r0:r0 + rows, p*W:(p+1)*W] =
-    a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]`` where ``columns`` is a's block of K transposed
-    (``columns[k - k0, r] = a[r, k]``, so a step's values of a are on one cache line). The block of
-    y is held in vector registers (allocas that LLVM promotes) while k runs, and the next panel's
-    same rows are prefetched as this one's are used (a panel's rows are one sequential run, but a
-    split along K leaves a gap between panels that the hardware prefetcher does not cross)."""
+def _register_block(rows: int, column_bias: bool = False) -> Any:
+    """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
+    ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
+    ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
+    continuing each sum where the earlier one left it, so the bits are those of one pass), where
+    ``columns`` is a's block of K transposed (``columns[k - k0, r] = a[r, k]``, so a step's values
+    of a are on one cache line). The block of y is held in vector registers (allocas that LLVM
+    promotes) while k runs, and the next panel's same rows are prefetched as this one's are used
+    (a panel's rows are one sequential run, but a split along K leaves a gap between panels that
+    the hardware prefetcher does not cross).
+
+    ``column_bias``: each of the block's columns has its own bias, ``bias[p·W + j]``, read whole
+    vectors at a time (``bias`` padded to whole panels): the panels are a 1x1 conv's output
+    channels and a's rows its positions (`pointwise.small_map_conv`)."""
 
     @intrinsic
-    def block(typingctx: Any, columns: Any, panels: Any, y: Any, r0: Any, p: Any, k0: Any, k1: Any) -> Any:
-        signature = types.void(columns, panels, y, r0, p, k0, k1)
+    def block(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any, c0: Any,
+              finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
+        signature = types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             i64, i32 = ir.IntType(64), ir.IntType(32)
             a_arr, panel_arr, y_arr = (context.make_array(t)(context, builder, v)
-                                       for t, v in zip(sig.args[:3], args[:3]))
-            r0_, p_, k0_, k1_ = (context.cast(builder, v, t, types.int64) for v, t in zip(args[3:], sig.args[3:]))
+                                       for t, v in zip((sig.args[0], sig.args[1], sig.args[5]),
+                                                       (args[0], args[1], args[5])))
+            p_, k0_, k1_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6, 7))
             element = context.get_value_type(sig.args[0].dtype)
             size = context.get_abi_sizeof(element)
             lanes = VECTOR_BYTES // size
@@ -129,11 +139,18 @@ def _register_block(rows: int) -> Any:
             y_stride = builder.extract_value(y_arr.strides, 0)
             panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
             a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
-            y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride),
-                                                  builder.mul(p_, const(PANEL_VECTORS * VECTOR_BYTES))))
+            y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride), builder.mul(c0_, const(size))))
             panel = at(panel_arr.data, builder.mul(p_, panel_stride))
+
+            def y_vector(r: int, v: int) -> Any:
+                return builder.bitcast(at(y_block, builder.add(builder.mul(const(r), y_stride), const(v * VECTOR_BYTES))),
+                                       vector.as_pointer())
             zero = ir.Constant(vector, [0.0] * lanes)
-            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(PANEL_VECTORS)] for _ in range(rows)]
+            finish = context.cast(builder, args[8], sig.args[8], types.int64)
+            adding = builder.icmp_unsigned("!=", builder.and_(finish, const(ADD_TO_Y)), const(0))
+            sums = [[cgutils.alloca_once_value(builder, builder.select(adding, builder.load(y_vector(r, v), align=size),
+                                                                       zero))
+                     for v in range(PANEL_VECTORS)] for r in range(rows)]
             undefined = ir.Constant(vector, ir.Undefined)
             broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
             with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
@@ -153,11 +170,11 @@ def _register_block(rows: int) -> Any:
                         # contract, like the kernels' own code: the same FMA (or not) as every few-row sum
                         product = builder.fmul(spread, columns[v], flags=("contract",))
                         builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)), sums[r][v])
-            for r in range(rows):
-                y_row = at(y_block, builder.mul(const(r), y_stride))
-                for v in range(PANEL_VECTORS):
-                    builder.store(builder.load(sums[r][v]),
-                                  builder.bitcast(at(y_row, const(v * VECTOR_BYTES)), vector.as_pointer()), align=size)
+            values = [[builder.load(v) for v in row] for row in sums]
+            if column_bias:
+                _store_column_biased(context, builder, sig, args, values, y_vector, p_)
+            else:
+                _store_finished(context, builder, sig, args, values, y_vector, r0_)
             return context.get_dummy_value()
 
         return signature, codegen
@@ -165,7 +182,108 @@ def _register_block(rows: int) -> Any:
     return block
 
 
+#: What a register block does to its sums before it stores them (``finish``): nothing, or add the
+#: row's bias, then nothing more, Relu, Clip to [lo, hi], or LeakyRelu of slope lo. Each as the
+#: scalar loops of `compiled.epilogue` do it (the same comparisons, NaN and -0 kept alike), so
+#: the same bits as the standalone op.
+RAW, BIAS, BIAS_RELU, BIAS_CLIP, BIAS_LEAKY_RELU = range(5)
+#: Set in a register block's ``finish``: its sums start from y's values (a later block of K).
+ADD_TO_Y = 8
+
+
+class _Finisher:
+    """What `_store_finished` and `_store_column_biased` share: the ``finish`` code (``args[8]``, one
+    of `RAW`...), the ``bias`` array (``args[9]``), the bounds ``lo``, ``hi`` (``args[10:12]``) as
+    vectors, and each finish's activation on a vector."""
+
+    def __init__(self, context: Any, builder: Any, sig: Any, args: Any, vector: Any):
+        self.builder = builder
+        self.code = builder.and_(context.cast(builder, args[8], sig.args[8], types.int64),
+                                 ir.Constant(ir.IntType(64), ADD_TO_Y - 1))
+        self.bias = context.make_array(sig.args[9])(context, builder, args[9])
+        self.vector = vector
+        i32 = ir.IntType(32)
+        self._undefined = ir.Constant(vector, ir.Undefined)
+        self._broadcast = ir.Constant(ir.VectorType(i32, vector.count), [0] * vector.count)
+        zero = ir.Constant(vector, [0.0] * vector.count)
+        lo, hi = (self.spread(context.cast(builder, args[i], sig.args[i], sig.args[9].dtype)) for i in (10, 11))
+
+        def select(condition: str, a: Any, b: Any, then: Any, otherwise: Any) -> Any:
+            return builder.select(builder.fcmp_ordered(condition, a, b), then, otherwise)
+
+        self.activations: dict[int, Callable[[Any], Any]] = {
+            BIAS: lambda v: v,
+            BIAS_RELU: lambda v: select("<", v, zero, zero, v),
+            BIAS_CLIP: lambda v: (lambda low: select(">", low, hi, hi, low))(select("<", v, lo, lo, v)),
+            BIAS_LEAKY_RELU: lambda v: select(">=", v, zero, v, builder.fmul(lo, v)),
+        }
+
+    def spread(self, value: Any) -> Any:
+        """``value`` in every lane."""
+        return self.builder.shuffle_vector(
+            self.builder.insert_element(self._undefined, value, ir.Constant(ir.IntType(32), 0)), self._undefined,
+            self._broadcast)
+
+    def cases(self, store: Callable[[Callable[[Any], Any] | None], None]) -> None:
+        """Branch on the finish code once: ``store(None)`` for `RAW`, ``store(activation)`` (after
+        the bias) for each other code."""
+        builder = self.builder
+        done = builder.append_basic_block("finished")
+        raw = builder.append_basic_block("raw")
+        switch = builder.switch(self.code, raw)
+        builder.position_at_end(raw)
+        store(None)
+        builder.branch(done)
+        for code, activation in self.activations.items():
+            case = builder.append_basic_block(f"finish{code}")
+            switch.add_case(ir.Constant(self.code.type, code), case)
+            builder.position_at_end(case)
+            store(activation)
+            builder.branch(done)
+        builder.position_at_end(done)
+
+
+def _store_finished(context: Any, builder: Any, sig: Any, args: Any, sums: list[list[Any]],
+                    y_vector: Callable[[int, int], Any], r0: Any) -> None:
+    """Store the block's ``sums`` (rows x vectors) through `y_vector(r, v)`, finished as the
+    `_Finisher` says with the block's rows of ``bias``: one branch per block, outside the sum's loop."""
+    finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
+
+    def store(activation: Callable[[Any], Any] | None) -> None:
+        for r, row in enumerate(sums):
+            if activation is not None:
+                b = finisher.spread(builder.load(builder.gep(finisher.bias.data,
+                                                             [builder.add(r0, ir.Constant(r0.type, r))])))
+            for v, value in enumerate(row):
+                builder.store(value if activation is None else activation(builder.fadd(value, b)), y_vector(r, v),
+                              align=4)
+    finisher.cases(store)
+
+
+def _store_column_biased(context: Any, builder: Any, sig: Any, args: Any, sums: list[list[Any]],
+                         y_vector: Callable[[int, int], Any], p: Any) -> None:
+    """`_store_finished` with a bias per column of the block: ``bias[p·W + j]`` (whole vectors of
+    ``bias``, which is padded to whole panels)."""
+    finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
+    lanes = finisher.vector.count
+    size = context.get_abi_sizeof(finisher.vector.element)
+    width = len(sums[0]) * lanes
+
+    def store(activation: Callable[[Any], Any] | None) -> None:
+        for v in range(len(sums[0])):
+            if activation is not None:
+                offset = builder.add(builder.mul(p, ir.Constant(p.type, width)), ir.Constant(p.type, v * lanes))
+                at = builder.gep(finisher.bias.data, [offset])
+                b = builder.load(builder.bitcast(at, finisher.vector.as_pointer()), align=size)
+            for r, row in enumerate(sums):
+                builder.store(row[v] if activation is None else activation(builder.fadd(row[v], b)), y_vector(r, v),
+                              align=size)
+    finisher.cases(store)
+
+
 _block8, _block4, _block2, _block1 = (_register_block(rows) for rows in (8, 4, 2, 1))
+#: The same blocks with a bias per column (`_register_block`).
+_by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True) for rows in (8, 4, 2, 1))
 
 
 @kernel
@@ -174,6 +292,7 @@ def panel_product(a: np.ndarray, panels: np.ndarray, y: np.ndarray, k0: int, k1:
     every block of rows of a panel in turn, so the panel streams from memory once and the other
     blocks find it in L2. ``a`` and ``y`` have contiguous rows."""
     m = a.shape[0]
+    width = panels.shape[2]
     columns = np.empty((k1 - k0, m), a.dtype)
     for kk in range(k1 - k0):
         for r in range(m):
@@ -182,13 +301,13 @@ def panel_product(a: np.ndarray, panels: np.ndarray, y: np.ndarray, k0: int, k1:
         r = 0
         if BLOCK_ROWS == 8:
             while r + 8 <= m:
-                _block8(columns, panels, y, r, p, k0, k1)
+                _block8(columns, panels, p, k0, k1, y, r, p * width, RAW, y[0], 0.0, 0.0)
                 r += 8
         while r + 4 <= m:
-            _block4(columns, panels, y, r, p, k0, k1)
+            _block4(columns, panels, p, k0, k1, y, r, p * width, RAW, y[0], 0.0, 0.0)
             r += 4
         if r + 2 <= m:
-            _block2(columns, panels, y, r, p, k0, k1)
+            _block2(columns, panels, p, k0, k1, y, r, p * width, RAW, y[0], 0.0, 0.0)
             r += 2
         if r < m:
-            _block1(columns, panels, y, r, p, k0, k1)
+            _block1(columns, panels, p, k0, k1, y, r, p * width, RAW, y[0], 0.0, 0.0)

@@ -24,6 +24,9 @@ from .depthwise_parts import depthwise_part
 from .winograd_bands import PART_KIND as WINOGRAD
 from .winograd_bands import band_part
 from .few_rows import few_rows_part
+from .pointwise import PART_KIND as POINTWISE
+from .pointwise import SMALL_MAP_PART_KIND as SMALL_MAP
+from .pointwise import pointwise_part, small_map_part
 
 
 @kernel
@@ -45,6 +48,10 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             band_part(control)
         elif control[KIND] == DEPTHWISE:
             depthwise_part(control)
+        elif control[KIND] == POINTWISE:
+            pointwise_part(control)
+        elif control[KIND] == SMALL_MAP:
+            small_map_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)

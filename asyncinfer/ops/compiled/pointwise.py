@@ -1,0 +1,329 @@
+"""1x1 convs as register-blocked GEMMs of their own: ``y = act(W @ x + bias)`` per image and group.
+
+A 1x1 conv of an image is one GEMM, ``(M, C) @ (C, H·W)``. BLAS does it at about 95 GF/s a core
+here, then a second pass over the output adds the bias and the activation. ONNX Runtime's convs
+run at about 105 a core with both done as the results leave the registers. Two kernels on the
+register blocks of `panels` do the same:
+
+`pointwise_conv` (maps of some size): the input's columns are packed into panels of
+`panel_width` positions (one image's part at a time, the cost of a copy of it), the constant
+weights are kept transposed (``wt`` = Wᵀ per group, (G, C/G, M/G)), and each block of
+``BLOCK_ROWS`` output channels by one panel is summed in vector registers over C, then biased,
+activated and stored while it is in L1. Cache blocking: C in blocks of `DEPTH` (a panel's block,
+16 KiB, stays in L1 while every block of channels runs over it), channels in blocks of
+`CHANNELS` (their weights' block of C stays in L2). A later block of C adds to the sums the
+earlier ones stored (`panels._more8`...), so each value is summed from zero along C one
+multiply-add after another, whatever the blocking: the same bits for any split between threads.
+Strided 1x1 convs (ResNet's downsampling shortcut) pack the positions they read.
+
+`small_map_conv` (deep inputs on small maps): the other way round, positions are the blocks'
+rows, read in place from the input, and the weights are packed once into panels of output
+channels (`pack_weights`); each block is stored transposed. No position is padded (a 7x7 map is
+49 rows), at the cost of scalar stores that only a deep sum pays for.
+
+The activations the blocks apply in registers (`panels.BIAS_RELU`...) are those of
+`compiled.epilogue`'s loops, with the same comparisons; the others run in those loops on the
+block just stored, while it is in L1: the same bits as the standalone op either way.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from . import kernel
+from .epilogue import CLIP, LEAKY_RELU, NONE, RELU, _apply_run
+from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_LEAKY_RELU, BIAS_RELU, BLOCK_ROWS, RAW, _block1, _block2, _block4,
+                     _block8, _by_column1, _by_column2, _by_column4, _by_column8, panel_width)
+
+#: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
+PART_KIND, SMALL_MAP_PART_KIND = 6, 7
+
+#: Input channels (GEMM depth) per block: a float32 panel block of 128 x 32 is 16 KiB.
+DEPTH = 128
+#: Output channels per block: their weights for one block of depth, 256 KiB at most.
+CHANNELS = 512
+
+_WIDTH = panel_width(np.float32)
+
+
+@kernel
+def _pack(x: np.ndarray, panels: np.ndarray, v0: int, v1: int, in_width: int, out_width: int, sh: int,
+          sw: int) -> None:
+    """Pack output positions ``v0:v1`` of the 1x1 conv's input ``x`` (C, H·W) into ``panels``
+    (at least ceil((v1 - v0) / W) of them, (count, C, W)); position ``v`` reads input row ``v //
+    out_width · sh``, column ``v % out_width · sw``. A last partial panel is padded with zeros."""
+    width = panels.shape[2]
+    count = (v1 - v0 + width - 1) // width
+    offsets = np.empty(width, np.int64)
+    contiguous = sh == 1 and sw == 1 and in_width == out_width
+    for p in range(count):
+        s = v0 + p * width
+        n = min(width, v1 - s)
+        target = panels[p]
+        if contiguous:
+            for c in range(x.shape[0]):
+                row, source = target[c], x[c, s:s + n]
+                for j in range(n):
+                    row[j] = source[j]
+                for j in range(n, width):
+                    row[j] = 0.0
+            continue
+        for j in range(n):
+            v = s + j
+            oh = v // out_width
+            offsets[j] = oh * sh * in_width + (v - oh * out_width) * sw
+        for c in range(x.shape[0]):
+            row, source = target[c], x[c]
+            for j in range(n):
+                row[j] = source[offsets[j]]
+            for j in range(n, width):
+                row[j] = 0.0
+
+
+@kernel(contract=False)
+def _finish(y: np.ndarray, r0: int, r1: int, c0: int, c1: int, bias: np.ndarray, act: int, av: float,
+            bv: float) -> None:
+    """The activations the register blocks do not (`finishing`: HardSwish, Sigmoid...) on
+    ``y[r0:r1, c0:c1]`` with ``bias[r]`` per row, the block just stored, while it is in L1."""
+    for r in range(r0, r1):
+        _apply_run(y[r, c0:c1], bias[r], act, av, bv)
+
+
+@numba.njit(inline="always")
+def finishing(act: int) -> int:
+    """The register blocks' ``finish`` (`panels.RAW`...) doing epilogue ``act``: RAW where `_finish`
+    does it after the store."""
+    if act == NONE:
+        return BIAS
+    if act == RELU:
+        return BIAS_RELU
+    if act == CLIP:
+        return BIAS_CLIP
+    if act == LEAKY_RELU:
+        return BIAS_LEAKY_RELU
+    return RAW
+
+
+@kernel(contract=False)
+def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: int, y: np.ndarray, c0: int,
+                    m0: int, m1: int, last: bool, bias: np.ndarray, act: int, av: float, bv: float) -> None:
+    """Channels ``m0:m1`` of panel ``p`` over depth ``k0:k1`` (``cols`` = wt[k0:k1]), into ``y``'s
+    columns ``c0:c0 + W``, adding to what earlier blocks of depth stored; ``last``: the last block
+    of depth, so finish each block of channels (in registers, or after the store where
+    `finishing` says RAW)."""
+    finish = finishing(act) if last else RAW
+    after = last and finish == RAW
+    if k0 > 0:
+        finish |= ADD_TO_Y
+    r = m0
+    while r < m1:
+        rows = m1 - r
+        if rows >= BLOCK_ROWS:
+            rows = BLOCK_ROWS
+            if BLOCK_ROWS == 8:
+                _block8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            else:
+                _block4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+        elif rows >= 4:
+            rows = 4
+            _block4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+        elif rows >= 2:
+            rows = 2
+            _block2(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+        else:
+            _block1(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+        if after:
+            _finish(y, r, r + rows, c0, c0 + panels.shape[2], bias, act, av, bv)
+        r += rows
+
+
+@kernel(contract=False)
+def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, panels: np.ndarray,
+                   tail: np.ndarray, i0: int, i1: int, v0: int, v1: int, m0: int, m1: int, in_width: int,
+                   out_width: int, sh: int, sw: int, act: int, a: float, b: float) -> None:
+    """Output positions ``v0:v1`` of channels ``m0:m1`` of images ``i0:i1`` of a 1x1 conv of G
+    groups: ``y[i, m, v] = act(wt[g, :, m - g·Mg] @ x[i, g·Cg:(g + 1)·Cg, src(v)] + bias[m])``
+    with ``g = m // Mg``, float32. ``wt`` is each group's weights transposed (G, Cg, Mg),
+    C-contiguous; ``x`` (N, C, H·W) and ``y`` (N, M, Ho·Wo) have contiguous rows; strides ``sh``,
+    ``sw`` and the input and output widths say which input position each output one reads (see
+    `_pack`). ``panels`` holds at least ceil((v1 - v0) / W) panels (count, Cg, W), ``tail`` (M, W)
+    takes the last partial panel's results before their copy out. ``act``, ``a``, ``b``: the
+    epilogue (`compiled.epilogue`)."""
+    groups, c, mg = wt.shape
+    width = panels.shape[2]
+    count = (v1 - v0 + width - 1) // width
+    s = v0 + (count - 1) * width
+    partial = count > 0 and s + width > v1
+    av, bv = np.float32(a), np.float32(b)
+    for i in range(i0, i1):
+        for g in range(groups):
+            lo, hi = max(m0, g * mg) - g * mg, min(m1, (g + 1) * mg) - g * mg  # the group's channels, in it
+            if lo >= hi:
+                continue
+            _pack(x[i, g * c:(g + 1) * c], panels, v0, v1, in_width, out_width, sh, sw)
+            out, rest, weights = y[i, g * mg:(g + 1) * mg], tail[g * mg:(g + 1) * mg], wt[g]
+            group_bias = bias[g * mg:(g + 1) * mg]
+            for b0 in range(lo, hi, CHANNELS):
+                b1 = min(hi, b0 + CHANNELS)
+                for k0 in range(0, c, DEPTH):
+                    k1 = min(c, k0 + DEPTH)
+                    cols = weights[k0:k1]
+                    for p in range(count):
+                        whole = p < count - 1 or not partial
+                        target = out if whole else rest  # (the partial panel: through the tail)
+                        _channel_blocks(cols, panels, p, k0, k1, target, v0 + p * width if whole else 0, b0, b1,
+                                        k1 == c, group_bias, act, av, bv)
+            if partial:
+                for r in range(lo, hi):
+                    row, source = out[r], rest[r]
+                    for j in range(v1 - s):
+                        row[s + j] = source[j]
+
+
+def part_arguments(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, panels: np.ndarray,
+                   tail: np.ndarray, numbers: np.ndarray, i0: int, i1: int, v0: int, v1: int, m0: int, m1: int,
+                   in_width: int, out_width: int, sh: int, sw: int, act: int) -> list[int]:
+    """The integers of a part `pointwise_part` runs as ``pointwise_conv(...)`` on the same
+    arguments (for `SpinTeam.try_run`): C-contiguous float32 arrays, the epilogue's ``a, b`` as
+    float64 ``numbers``; the caller keeps every array alive until the part is done."""
+    at = addresses(wt, x, y, bias, panels, tail, numbers)[:7]
+    return [PART_KIND, *wt.shape, *x.shape, y.shape[2], panels.shape[0], *at, i0, i1, v0, v1, m0, m1, in_width, out_width,
+            sh, sw, act]
+
+
+@numba.njit(inline="always")
+def pointwise_part(control: np.ndarray) -> None:
+    """Run the `pointwise_conv` part posted in a spin team's ``control`` row (`part_arguments`):
+    the helper's side (`team_parts.serve_parts`)."""
+    at = ARGS
+    groups, c, mg, n, xc, xs, ys, count = (control[at], control[at + 1], control[at + 2], control[at + 3],
+                                           control[at + 4], control[at + 5], control[at + 6], control[at + 7])
+    m = groups * mg
+    p = at + 8
+    wt = numba.carray(address_as_pointer(control[p], np.float32), (groups, c, mg))
+    x = numba.carray(address_as_pointer(control[p + 1], np.float32), (n, xc, xs))
+    y = numba.carray(address_as_pointer(control[p + 2], np.float32), (n, m, ys))
+    bias = numba.carray(address_as_pointer(control[p + 3], np.float32), (m,))
+    panels = numba.carray(address_as_pointer(control[p + 4], np.float32), (count, c, _WIDTH))
+    tail = numba.carray(address_as_pointer(control[p + 5], np.float32), (m, _WIDTH))
+    numbers = numba.carray(address_as_pointer(control[p + 6], np.float64), (2,))
+    q = p + 7
+    pointwise_conv(wt, x, y, bias, panels, tail, control[q], control[q + 1], control[q + 2], control[q + 3],
+                   control[q + 4], control[q + 5], control[q + 6], control[q + 7], control[q + 8], control[q + 9],
+                   control[q + 10], numbers[0], numbers[1])
+
+
+def pack_weights(wt: np.ndarray) -> np.ndarray:
+    """Each group's transposed weights ``wt`` (G, Cg, Mg) in panels of its output channels, (G, P,
+    Cg, W), zero past Mg: the constant operand of `small_map_conv`."""
+    groups, c, mg = wt.shape
+    width = _WIDTH
+    count = -(-mg // width)
+    panels = np.zeros((groups, count, c, width), np.float32)
+    for p in range(count):
+        part = wt[:, :, p * width:(p + 1) * width]
+        panels[:, p, :, :part.shape[2]] = part
+    return panels
+
+
+@numba.njit(inline="always")
+def _gather(x: np.ndarray, columns: np.ndarray, in_width: int, out_width: int, sh: int, sw: int) -> None:
+    """``columns[c, v]`` = the input position output position ``v`` of a strided 1x1 conv reads."""
+    for c in range(x.shape[0]):
+        source, target = x[c], columns[c]
+        for v in range(columns.shape[1]):
+            oh = v // out_width
+            target[v] = source[oh * sh * in_width + (v - oh * out_width) * sw]
+
+
+@kernel(contract=False)
+def _store_block(block: np.ndarray, y: np.ndarray, r0: int, rows: int, c0: int, bias: np.ndarray, act: int,
+                 av: float, bv: float) -> None:
+    """Store the first ``rows`` rows of a finished ``block`` (positions x a panel of channels)
+    transposed, ``y[c0 + j, r0 + r] = block[r, j]``, for the channels y has; then the activations
+    the register blocks do not (`finishing` RAW), on the positions just stored."""
+    channels = min(block.shape[1], y.shape[0] - c0)
+    for j in range(channels):
+        row = y[c0 + j]
+        for r in range(rows):
+            row[r0 + r] = block[r, j]
+    if finishing(act) == RAW:
+        _finish(y, c0, c0 + channels, r0, r0 + rows, bias, act, av, bv)
+
+
+@kernel(contract=False)
+def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, columns: np.ndarray,
+                   i0: int, i1: int, q0: int, q1: int, in_width: int, out_width: int, sh: int, sw: int, act: int,
+                   a: float, b: float) -> None:
+    """Panels ``q0:q1`` of output channels (counted through the groups: panel ``q`` is group ``q //
+    P``'s panel ``q % P``) of images ``i0:i1`` of a 1x1 conv on a small map, float32: the
+    positions are the register blocks' rows, read in place from the input, and the weights the
+    packed panels (`pack_weights`, (G, P, Cg, W)), so no position is computed in vain; each block
+    is finished into a small buffer and stored transposed into ``y`` (N, M, Ho·Wo). ``bias`` is
+    (G, P·W), zero past each group's channels; ``columns`` (Cg, Ho·Wo) takes a strided conv's
+    gathered input."""
+    groups, count, c, width = panels.shape
+    mg = y.shape[1] // groups
+    positions = y.shape[2]
+    strided = sh != 1 or sw != 1 or in_width != out_width
+    av, bv = np.float32(a), np.float32(b)
+    finish = finishing(act)
+    block = np.empty((8, width), np.float32)
+    for i in range(i0, i1):
+        gathered = -1
+        for q in range(q0, q1):
+            g, p = q // count, q % count
+            source = x[i, g * c:(g + 1) * c]
+            if strided:
+                if gathered != g:
+                    _gather(source, columns, in_width, out_width, sh, sw)
+                    gathered = g
+                source = columns
+            out, group_bias, weights = y[i, g * mg:(g + 1) * mg], bias[g], panels[g]
+            r = 0
+            while r < positions:
+                rows = positions - r
+                if rows >= 8:
+                    rows = 8
+                    _by_column8(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                elif rows >= 4:
+                    rows = 4
+                    _by_column4(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                elif rows >= 2:
+                    rows = 2
+                    _by_column2(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                else:
+                    _by_column1(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                _store_block(block, out, r, rows, p * width, group_bias, act, av, bv)
+                r += rows
+
+
+def small_map_arguments(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, columns: np.ndarray,
+                        numbers: np.ndarray, i0: int, i1: int, q0: int, q1: int, in_width: int, out_width: int,
+                        sh: int, sw: int, act: int) -> list[int]:
+    """The integers of a part `small_map_part` runs as ``small_map_conv(...)`` on the same
+    arguments (as `part_arguments`)."""
+    at = addresses(panels, x, y, bias, columns, numbers)[:6]
+    return [SMALL_MAP_PART_KIND, *panels.shape[:3], *x.shape, y.shape[1], y.shape[2], columns.shape[1], *at, i0, i1,
+            q0, q1, in_width, out_width, sh, sw, act]
+
+
+@numba.njit(inline="always")
+def small_map_part(control: np.ndarray) -> None:
+    """Run the `small_map_conv` part posted in a spin team's ``control`` row (`small_map_arguments`)."""
+    at = ARGS
+    groups, count, c, n, xc, xs, m, ys, span = (control[at], control[at + 1], control[at + 2], control[at + 3],
+                                                control[at + 4], control[at + 5], control[at + 6], control[at + 7],
+                                                control[at + 8])
+    p = at + 9
+    panels = numba.carray(address_as_pointer(control[p], np.float32), (groups, count, c, _WIDTH))
+    x = numba.carray(address_as_pointer(control[p + 1], np.float32), (n, xc, xs))
+    y = numba.carray(address_as_pointer(control[p + 2], np.float32), (n, m, ys))
+    bias = numba.carray(address_as_pointer(control[p + 3], np.float32), (groups, count * _WIDTH))
+    columns = numba.carray(address_as_pointer(control[p + 4], np.float32), (c, span))
+    numbers = numba.carray(address_as_pointer(control[p + 5], np.float64), (2,))
+    q = p + 6
+    small_map_conv(panels, x, y, bias, columns, control[q], control[q + 1], control[q + 2], control[q + 3],
+                   control[q + 4], control[q + 5], control[q + 6], control[q + 7], control[q + 8], numbers[0],
+                   numbers[1])

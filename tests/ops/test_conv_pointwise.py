@@ -1,0 +1,197 @@
+"""1x1 convs on the panel GEMM (asyncinfer/ops/conv_pointwise.py, compiled/pointwise.py, the
+register blocks of compiled/panels.py).
+
+Checked against onnx's reference implementation across the ways the kernel cuts its work
+(partial last panel, leftover channel rows of 4, 2 and 1, depth in several blocks, channels in
+several blocks, strides, several images) and the ways a plan shares it (images, panels of
+positions, bands of channels, on one and two helpers, the team busy); fused activations against
+the standalone ops bit for bit; and the bits the same however the work is split.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from asyncinfer.ops import conv, conv_pointwise
+from asyncinfer.ops.compiled import pointwise
+from asyncinfer.ops.epilogue import NO_ACTIVATION, Epilogue
+
+from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, randn, reference_run, spin_team_bound
+
+# name: (x shape, output channels, strides, group)
+CASES = {
+    "partial_panel": ((1, 5, 7, 9), 60, (1, 1), 1),        # 63 positions: one whole panel and a partial one
+    "leftover_rows": ((1, 6, 10, 20), 15, (1, 1), 1),      # 15 channels: blocks of 8 (or 4), 4, 2, 1
+    "deep": ((1, 300, 8, 16), 50, (1, 1), 1),              # depth in three blocks (DEPTH 128)
+    "many_channels": ((1, 4, 5, 8), 1100, (1, 1), 1),      # channels in three blocks (CHANNELS 512)
+    "strided": ((1, 7, 25, 37), 60, (2, 3), 1),
+    "images": ((3, 6, 10, 10), 20, (1, 1), 1),
+    "wide_map": ((1, 16, 40, 41), 24, (1, 1), 1),          # 1640 positions: panels to share out
+    "grouped": ((1, 12, 7, 9), 54, (1, 1), 3),             # bands of channels across the groups' edges
+    "grouped_wide": ((2, 8, 20, 21), 36, (2, 1), 4),       # ShuffleNet's grouped 1x1s, strided, two images
+}
+
+
+@pytest.fixture(autouse=True, params=["panels", "small_map"])
+def kernel(request, monkeypatch):
+    """Every case on both kernels: `pointwise_conv` (positions in panels) on maps of any size,
+    whatever panel padding they waste, and `small_map_conv` (channels in panels) at any depth."""
+    monkeypatch.setattr(conv_pointwise, "MAX_WASTE", 1e9)
+    monkeypatch.setattr(conv_pointwise, "MIN_POSITIONS", 1)
+    small = request.param == "small_map"
+    monkeypatch.setattr(conv_pointwise, "SMALL_MAP_DEPTH", 1 if small else 1 << 40)
+    monkeypatch.setattr(conv_pointwise, "SMALL_MAP", 1 << 40)
+    return request.param
+
+
+def _operands(name: str, rng):
+    shape, m, strides, group = CASES[name]
+    return (randn(rng, *shape), randn(rng, m, shape[1] // group, 1, 1), randn(rng, m),
+            dict(kernel_shape=[1, 1], strides=list(strides), group=group))
+
+
+def _plan(x, w, b, attrs, epilogue=NO_ACTIVATION):
+    strides = tuple(attrs["strides"])
+    out = tuple((size - 1) // s + 1 for size, s in zip(x.shape[2:], strides))
+    return conv_pointwise.pointwise_plan(x.shape, w, b, attrs["group"], strides, out, epilogue)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_alone(name, kernel, rng, monkeypatch):
+    x, w, b, attrs = _operands(name, rng)
+    planned = []
+    real = conv_pointwise.pointwise_plan
+    monkeypatch.setattr(conv, "pointwise_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    got = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    assert planned  # (the full way took the panel GEMM)
+    assert _plan(x, w, b, attrs).small_map == (kernel == "small_map")
+    want = reference_run("Conv", [x, w, b], attrs)[0]
+    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_shared_with_the_spin_team_gives_the_same_bits(name, helpers, kernel, rng, monkeypatch):
+    """This thread and each helper take a part (images, whole panels, or bands of channels): the
+    reference's result, and the very bits of the conv run whole on one thread."""
+    monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands(name, rng)
+    alone = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
+    with spin_team_bound(helpers) as runs:
+        plan = _plan(x, w, b, attrs)
+        shared = conv_pointwise.run_pointwise(plan, x)
+    # (a single panel of channels is one part: small_map_conv on 15 or 20 channels)
+    assert runs.shared == (len(plan.parts) > 1) and (len(plan.parts) > 1 or kernel == "small_map")
+    np.testing.assert_array_equal(shared, alone)
+    np.testing.assert_allclose(shared, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_parts_are_images_then_panels_then_channel_bands(kernel, rng, monkeypatch):
+    monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
+    width = pointwise.panel_width(np.float32)
+    with spin_team_bound(1):
+        x, w, b, attrs = _operands("images", rng)
+        assert [part[:2] for part in _plan(x, w, b, attrs).parts] == [(0, 1), (1, 3)]
+        if kernel == "small_map":  # panels of channels, through the groups
+            x, w, b, attrs = _operands("grouped", rng)  # 3 groups of 18 channels
+            total = 3 * -(-18 // width)
+            assert [part[2:] for part in _plan(x, w, b, attrs).parts] == [(0, total // 2), (total // 2, total)]
+            return
+        x, w, b, attrs = _operands("wide_map", rng)
+        cuts = [part[2:4] for part in _plan(x, w, b, attrs).parts]
+        assert cuts[0][0] == 0 and cuts[0][1] == cuts[1][0] and cuts[1][1] == 1640 and cuts[0][1] % width == 0
+        assert cuts[0][1] >= 1640 - cuts[0][1]  # (the partial panel goes with the fewer panels)
+        x, w, b, attrs = _operands("many_channels", rng)
+        bands = [part[4:] for part in _plan(x, w, b, attrs).parts]
+        assert bands[0][0] == 0 and bands[0][1] == bands[1][0] and bands[1][1] == 1100
+        assert bands[0][1] % conv_pointwise.BLOCK_ROWS == 0
+
+
+def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
+    monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands("many_channels", rng)
+    with spin_team_bound(1) as runs:
+        plan = _plan(x, w, b, attrs)
+        assert runs.team.claim() is not None  # (busy until released)
+        try:
+            got = conv_pointwise.run_pointwise(plan, x)
+        finally:
+            runs.team.release()
+    assert len(plan.parts) == 2 and runs.shared == 0
+    np.testing.assert_array_equal(got, conv_pointwise.run_pointwise(dataclasses.replace(plan, team=False), x))
+    np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("name", ["partial_panel", "deep", "leftover_rows", "grouped"])
+def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng):
+    """Bias and activation in the register blocks (Relu, Clip, LeakyRelu) or after the store (the
+    others) equal the conv followed by the activation op, bit for bit, NaN and infinities included."""
+    x, w, b, attrs = _operands(name, rng)
+    x = x * 3
+    x.flat[::17] = np.nan
+    x.flat[5::29] = np.inf
+    x.flat[7::31] = -np.inf
+    conv = make_op("Conv", attrs, n_inputs=3)
+    act, extras = activation_op(activation)
+    assert Epilogue.of([(act, extras)], np.dtype(np.float32)) is not None
+    with np.errstate(all="ignore"):  # as on the pool's threads: NaN and inf are values in ONNX
+        fused = conv(x, w, b, activations=[(act, extras)])[0]
+        separate = act(conv(x, w, b)[0], *extras)[0]
+        again = conv(x, w, b, activations=[(act, extras)])[0]  # (the conv's short way, planned once)
+    np.testing.assert_array_equal(fused, separate)
+    np.testing.assert_array_equal(again, fused)
+    assert np.isnan(fused).any()
+
+
+def test_negative_zero_and_nan_pass_relu_as_in_the_op(rng):
+    """Relu in the register block keeps -0 and NaN as ``np.maximum(v, 0)``'s compiled twin does."""
+    x = np.zeros((1, 2, 8, 8), np.float32)
+    x[0, 0] = -0.0
+    x[0, 1, 0, 0] = np.nan
+    w = np.ones((3, 2, 1, 1), np.float32)
+    w[1, 0] = -1.0
+    b = np.array([-0.0, 0.0, -0.0], np.float32)
+    conv = make_op("Conv", dict(kernel_shape=[1, 1]), n_inputs=3)
+    act, extras = activation_op("Relu")
+    fused = conv(x, w, b, activations=[(act, extras)])[0]
+    np.testing.assert_array_equal(np.signbit(fused), np.signbit(act(conv(x, w, b)[0])[0]))
+    assert np.isnan(fused[0, :, 0, 0]).all()
+
+
+def test_float64_padded_and_depthwise_1x1_convs_take_other_ways(rng):
+    x, w, b = randn(rng, 1, 4, 8, 8), randn(rng, 6, 4, 1, 1), randn(rng, 6)
+    assert not conv_pointwise.takes_pointwise(x.shape, w.shape, 1, (0, 0), (0, 0), (8, 8), np.dtype(np.float64))
+    assert not conv_pointwise.takes_pointwise(x.shape, w.shape, 1, (1, 0), (0, 0), (9, 8), np.dtype(np.float32))
+    assert not conv_pointwise.takes_pointwise(x.shape, (4, 1, 1, 1), 4, (0, 0), (0, 0), (8, 8), np.dtype(np.float32))
+    attrs = dict(kernel_shape=[1, 1], pads=[1, 0, 0, 0])
+    got = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+    x64, w64, b64 = (a.astype(np.float64) for a in (x, w, b))
+    got = make_op("Conv", dict(kernel_shape=[1, 1]), n_inputs=3)(x64, w64, b64)[0]
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, reference_run("Conv", [x64, w64, b64], dict(kernel_shape=[1, 1]))[0], rtol=1e-12)
+
+
+def test_which_kernel_takes_a_1x1_conv(monkeypatch):
+    """With the module's thresholds: deep inputs on small maps go to `small_map_conv`, maps whose
+    padding to whole panels wastes little to `pointwise_conv`, the rest (a 1x1 map, a 1x17 map of
+    a shallow input) to BLAS."""
+    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 16), ("SMALL_MAP_DEPTH", 256), ("SMALL_MAP", 1024)):
+        monkeypatch.setattr(conv_pointwise, name, value)
+    f32 = np.dtype(np.float32)
+
+    def kind(c: int, size: int, width: int | None = None) -> str | None:
+        out = (size, size if width is None else width)
+        x_shape, w_shape = (1, c, *out), (8, c, 1, 1)
+        if not conv_pointwise.takes_pointwise(x_shape, w_shape, 1, (0, 0), (0, 0), out, f32):
+            return None
+        return "small_map" if conv_pointwise._small_map(c, out[0] * out[1]) else "panels"
+    assert kind(8, 28) == "panels" and kind(8, 7) == "panels"  # (7x7: 64 columns for 49 positions)
+    assert kind(256, 14) == "small_map" and kind(1024, 7) == "small_map" and kind(512, 28) == "small_map"
+    assert kind(256, 56) == "panels"
+    assert kind(8, 1, 17) is None and kind(256, 1, 17) == "small_map"  # (17 positions: 32 columns)
+    assert kind(8, 1) is None and kind(512, 1) is None
