@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from .base import Op
-from .compiled.pool import pool2d, pool2d_columns_first, pool_tiles
+from ..concurrency import parallel
+from .compiled.pool import COLUMNS_FIRST, ROWS_FIRST, TILES, part_arguments, pool_range
 from .compiled.rows import row_means
-from .conv_kernels import run_tasks, threads_for
+from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
                       window_geometry)
 from .registry import register
@@ -73,37 +75,58 @@ class _WindowPool(Op):
         return np.ascontiguousarray(y), begin, end, out
 
     def _compiled_2d(self, x: np.ndarray) -> np.ndarray:
-        """2-D float max (sum) pool on a compiled loop, planes shared out between threads when large."""
+        """2-D float max (sum) pool on a compiled loop, planes shared out when large: with the
+        CPU backend's spinning helpers (float32, from `TEAM_MIN_MACS` window taps: SqueezeNet's
+        and ResNet's 3x3/2 pools), else between the pool's threads."""
         n, c, h, w = x.shape
-        out, threads, calls = self.per_shape(x.shape, lambda: self._plan_2d(x.shape, x.dtype))
-        y = np.empty((n * c, *out), dtype=x.dtype)
+        plan = self.per_shape((x.shape, x.dtype), lambda: self._plan_2d(x.shape, x.dtype))
+        y = np.empty((n * c, *plan.out), dtype=x.dtype)
         if y.size == 0:
-            return y.reshape(n, c, *out)
+            return y.reshape(n, c, *plan.out)
         planes = np.ascontiguousarray(x).reshape(n * c, h, w)
-        run_tasks([functools.partial(kernel, planes, y, *args) for kernel, args in calls], threads)
-        return y.reshape(n, c, *out)
+        if not (plan.team and self._on_team(plan, planes, y)):
+            run_tasks([functools.partial(pool_range, plan.loop, planes, y, p0, p1, *plan.geometry, plan.lowest[0],
+                                         self.summing) for p0, p1 in plan.parts], plan.threads)
+        return y.reshape(n, c, *plan.out)
 
-    def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[list[int], int, list[tuple]]:
-        """For one input shape: the output size, the threads to use and the kernel calls
-        (kernel, arguments after ``x, y``), one per part of the planes."""
+    def _on_team(self, plan: "_Plan2d", planes: np.ndarray, y: np.ndarray) -> bool:
+        """The planes in one share per sharer, this thread's and each spinning helper's; False,
+        having done nothing, when no team is free."""
+        team = parallel.team()
+        if team is None:
+            return False
+        count = team.helpers + 1
+        cuts = [len(planes) * i // count for i in range(count + 1)]
+        posted = [part_arguments(plan.loop, planes, y, cuts[i], cuts[i + 1], plan.geometry, plan.lowest, self.summing)
+                  for i in range(1, count)]
+        return team.try_run(posted, lambda: pool_range(plan.loop, planes, y, cuts[0], cuts[1], *plan.geometry,
+                                                       plan.lowest[0], self.summing))
+
+    def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> "_Plan2d":
+        """For one input shape: the output size, the loop and its geometry, the parts of the
+        planes for the pool's threads, and whether to offer them to the spinning helpers."""
         kernel = [int(k) for k in self.attr("kernel_shape")]
         strides, dilations, pads = spatial_attrs(self, 2, kernel)
         begin, _, out = window_geometry(shape[2:], kernel, strides, dilations, pads,
                                         self.attr("auto_pad"), bool(self.attr("ceil_mode", 0)))
         planes = shape[0] * shape[1]
-        threads = threads_for(planes * math.prod(out) * kernel[0] * kernel[1])
+        work = planes * math.prod(out) * kernel[0] * kernel[1]
+        threads = threads_for(work)
         edges = np.linspace(0, planes, min(planes, 2 * threads) + 1).astype(int)
+        parts = tuple((int(p0), int(p1)) for p0, p1 in zip(edges[:-1], edges[1:]))
         # (an axis with one output has no step to take: a whole-map window is one tile)
         steps = [k if o == 1 else int(s) for s, k, o in zip(strides, kernel, out)]
         tiles = (steps == kernel and not any(begin) and all(int(d) == 1 for d in dilations)
                  and all(o * k <= size for o, k, size in zip(out, kernel, shape[2:])))
-        parts = [(int(p0), int(p1)) for p0, p1 in zip(edges[:-1], edges[1:])]
+        lowest = np.array([0.0 if self.summing else float(_lowest(dtype))], np.float64)
         if tiles:
-            return out, threads, [(pool_tiles, (*part, *kernel, self.summing)) for part in parts]
-        geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]), int(begin[1]),
-                    0.0 if self.summing else float(_lowest(dtype)), self.summing)
-        loop = pool2d_columns_first if int(strides[0]) > 1 else pool2d
-        return out, threads, [(loop, (*part, *geometry)) for part in parts]
+            loop, geometry = TILES, (*kernel, *kernel, 1, 1, 0, 0)
+        else:
+            loop = COLUMNS_FIRST if int(strides[0]) > 1 else ROWS_FIRST
+            geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]),
+                        int(begin[1]))
+        team = dtype == np.float32 and planes > 1 and work >= TEAM_MIN_MACS
+        return _Plan2d(tuple(int(o) for o in out), loop, geometry, lowest, parts, threads, team)
 
     def tap_sum(self, x: np.ndarray, win: FlatWindows, fn=None) -> np.ndarray:
         """Sum over each window of ``fn(x)`` (zero padding), still on the virtual output grid."""
@@ -112,6 +135,19 @@ class _WindowPool(Op):
         for i in range(1, len(win.offsets)):
             acc += win.tap(buf, i)
         return acc
+
+
+@dataclass(frozen=True)
+class _Plan2d:
+    """`_WindowPool._compiled_2d` for one input shape (see `_plan_2d`)."""
+
+    out: tuple[int, int]
+    loop: int                      # `compiled.pool`'s ROWS_FIRST, COLUMNS_FIRST or TILES
+    geometry: tuple[int, ...]      # kh, kw, sh, sw, dh, dw, top, left
+    lowest: np.ndarray             # (1,) float64: what a window wholly in the padding gives
+    parts: tuple[tuple[int, int], ...]  # planes, for the pool's threads
+    threads: int
+    team: bool
 
 
 def _lowest(dtype: np.dtype):

@@ -11,8 +11,9 @@ import pytest
 
 from asyncinfer.concurrency import parallel
 from asyncinfer.ops import conv_kernels, pool
+from asyncinfer.ops.compiled import pool as compiled_pool
 
-from .op_testing import make_op, randn, reference_run
+from .op_testing import make_op, randn, reference_run, spin_team_bound
 
 CASES = {
     "3x3_s2_pad1_resnet": ((1, 4, 15, 14), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
@@ -73,12 +74,11 @@ def test_average_pool_matches_reference(name, dtype, include_pad, rng, monkeypat
 
 
 def _spy_on_loops(monkeypatch, calls: list) -> None:
-    monkeypatch.setattr(pool, "pool2d", lambda *a: calls.append("rows") or _rows(*a))
-    monkeypatch.setattr(pool, "pool2d_columns_first", lambda *a: calls.append("columns") or _columns(*a))
-    monkeypatch.setattr(pool, "pool_tiles", lambda *a: calls.append("tiles") or _tiles(*a))
+    names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles"}
+    monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
 
 
-_rows, _columns, _tiles = pool.pool2d, pool.pool2d_columns_first, pool.pool_tiles
+_pool_range = pool.pool_range
 
 
 def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
@@ -107,3 +107,44 @@ def test_tiles_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
         (got,) = op(x)
     np.testing.assert_array_equal(got, op.separable_reduce(x, np.maximum, -np.inf)[0])
     assert np.isnan(got[0, 1, 1, 1]) and np.isnan(got[1, 5, 3, 3]) and np.isnan(got).sum() == 2
+
+
+@pytest.mark.parametrize("op_type, attrs", [
+    ("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2])),                       # SqueezeNet's: columns first
+    ("MaxPool", dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),    # rows first
+    ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2])),                       # tiles
+    ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+])
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_planes_shared_with_the_spin_team_give_the_same_bits(op_type, attrs, helpers, rng):
+    """Float32 pools of enough window taps give each sharer a share of the planes: the bits of
+    the pool on one thread, NaN included."""
+    x = randn(rng, 2, 8, 80, 80)  # (from 100 k window taps: every case here)
+    x[1, 3, 4, 4] = np.nan
+    op = make_op(op_type, attrs, version=19 if op_type == "AveragePool" else 12)
+    alone = op(x)[0]
+    with spin_team_bound(helpers) as runs:
+        shared = make_op(op_type, attrs, version=19 if op_type == "AveragePool" else 12)(x)[0]
+    assert runs.shared == 1
+    np.testing.assert_array_equal(shared, alone)  # (the loops themselves are checked against the reference above)
+    assert np.isnan(shared).any()
+
+
+def test_pool_with_the_team_busy_runs_here(rng):
+    x = randn(rng, 1, 8, 30, 30)
+    op = make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)
+    with spin_team_bound(1) as runs:
+        assert runs.team.claim() is not None  # (busy until released)
+        try:
+            got = op(x)[0]
+        finally:
+            runs.team.release()
+    assert runs.shared == 0
+    np.testing.assert_array_equal(got, op.separable_reduce(x, np.maximum, -np.inf)[0])
+
+
+def test_float64_and_tiny_pools_stay_off_the_team(rng):
+    with spin_team_bound(1) as runs:
+        make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)(randn(rng, 1, 8, 30, 30, dtype=np.float64))
+        make_op("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2]), version=12)(randn(rng, 1, 2, 4, 4))
+    assert runs.shared == 0

@@ -17,10 +17,17 @@ per-row set-up: 3-7x faster than the separable loop from 8x8 to 112x112 maps (12
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import inline, kernel
 from .phases import phase_tap, split_even_odd
+
+#: The kind of a spin-team part that is a `pool_range`.
+PART_KIND = 8
+#: The loops: `pool2d` (rows first), `pool2d_columns_first`, `pool_tiles`.
+ROWS_FIRST, COLUMNS_FIRST, TILES = 0, 1, 2
 
 _U = np.uint64
 
@@ -159,3 +166,42 @@ def pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: i
                 hi = min(wo, (wd - 1 - shift) // sw + 1)
                 for ow in range(lo, hi):
                     dst[_U(ow)] = _combine(dst[_U(ow)], down_columns[_U(ow * sw + shift)], summing)
+
+
+@kernel
+def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+               dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """Planes ``p0:p1`` on ``loop`` (`ROWS_FIRST`, `COLUMNS_FIRST`, `TILES`; the arguments as
+    those loops take them, `TILES` reading only ``kh, kw, summing``): one call, for the calling
+    thread's share and a spinning helper's (`pool_part`)."""
+    if loop == TILES:
+        pool_tiles(x, out, p0, p1, kh, kw, summing)
+    elif loop == COLUMNS_FIRST:
+        pool2d_columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
+    else:
+        pool2d(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
+
+
+def part_arguments(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, geometry: tuple[int, ...],
+                   lowest: np.ndarray, summing: bool) -> list[int]:
+    """The integers of a part `pool_part` runs as ``pool_range(loop, x, out, p0, p1, *geometry,
+    lowest[0], summing)`` on C-contiguous float32 ``x`` (P, H, W) and ``out`` (P, Ho, Wo)
+    (``geometry`` = kh, kw, sh, sw, dh, dw, top, left; ``lowest`` a float64 array of one), for
+    `SpinTeam.try_run`; the caller keeps every array alive until the part is done."""
+    x_at, out_at, lowest_at = addresses(x, out, lowest)[:3]
+    return [PART_KIND, loop, *x.shape, *out.shape[1:], x_at, out_at, lowest_at, p0, p1, *geometry, int(summing)]
+
+
+@numba.njit(inline="always")
+def pool_part(control: np.ndarray) -> None:
+    """Run the `pool_range` part posted in a spin team's ``control`` row (`part_arguments`): the
+    helper's side (`team_parts.serve_parts`)."""
+    at = ARGS
+    planes = control[at + 1]
+    x = numba.carray(address_as_pointer(control[at + 6], np.float32), (planes, control[at + 2], control[at + 3]))
+    out = numba.carray(address_as_pointer(control[at + 7], np.float32), (planes, control[at + 4], control[at + 5]))
+    lowest = numba.carray(address_as_pointer(control[at + 8], np.float64), (1,))
+    p = at + 9
+    pool_range(control[at], x, out, control[p], control[p + 1], control[p + 2], control[p + 3], control[p + 4],
+               control[p + 5], control[p + 6], control[p + 7], control[p + 8], control[p + 9], lowest[0],
+               control[p + 10] != 0)

@@ -25,6 +25,8 @@ from .winograd_bands import PART_KIND as WINOGRAD
 from .winograd_bands import band_part
 from .few_rows import few_rows_part
 from .pointwise import PART_KIND as POINTWISE
+from .pool import PART_KIND as POOL
+from .pool import pool_part
 from .pointwise import SMALL_MAP_PART_KIND as SMALL_MAP
 from .pointwise import pointwise_part, small_map_part
 
@@ -52,6 +54,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             pointwise_part(control)
         elif control[KIND] == SMALL_MAP:
             small_map_part(control)
+        elif control[KIND] == POOL:
+            pool_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)
