@@ -94,9 +94,11 @@ def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None
     span = ho * wo
     width = panel_width(np.float32)
     small = _small_map(cg, span)
-    transposed = np.ascontiguousarray(w.reshape(group, mg, cg).transpose(0, 2, 1), dtype=np.float32)
-    weights = keep("pointwise_panels", lambda: pack_weights(transposed)) if small else \
-        keep("pointwise", lambda: transposed)
+
+    def transposed() -> np.ndarray:
+        return np.ascontiguousarray(w.reshape(group, mg, cg).transpose(0, 2, 1), dtype=np.float32)
+    weights = keep("pointwise_panels", lambda: pack_weights(transposed())) if small else \
+        keep("pointwise", transposed)
     bias = np.zeros(m, np.float32) if b is None else np.ascontiguousarray(b, dtype=np.float32)
     team = n * m * cg * span >= TEAM_MIN_MACS
     count = parallel.team_size() if team else 1
