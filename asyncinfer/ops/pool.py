@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Op
 from ..concurrency import parallel
+from .base import Op
 from .compiled.pool import COLUMNS_FIRST, ROWS_FIRST, TILES, part_arguments, pool_range
 from .compiled.rows import row_means
 from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for

@@ -34,7 +34,7 @@ from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .epilogue import CLIP, LEAKY_RELU, NONE, RELU, _apply_run
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_LEAKY_RELU, BIAS_RELU, BLOCK_ROWS, RAW, _block1, _block2, _block4,
-                     _block8, _by_column1, _by_column2, _by_column4, _by_column8, panel_width)
+                     _block8, _by_column1, _by_column2, _by_column4, _by_column8, pack_panels, panel_width)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -216,15 +216,15 @@ def pointwise_part(control: np.ndarray) -> None:
 
 def pack_weights(wt: np.ndarray) -> np.ndarray:
     """Each group's transposed weights ``wt`` (G, Cg, Mg) in panels of its output channels, (G, P,
-    Cg, W), zero past Mg: the constant operand of `small_map_conv`."""
+    Cg, W), zero past Mg: the constant operand of `small_map_conv` (`panels.pack_panels` of each
+    group's weights padded to whole panels)."""
     groups, c, mg = wt.shape
-    width = _WIDTH
-    count = -(-mg // width)
-    panels = np.zeros((groups, count, c, width), np.float32)
-    for p in range(count):
-        part = wt[:, :, p * width:(p + 1) * width]
-        panels[:, p, :, :part.shape[2]] = part
-    return panels
+    padded = np.zeros((c, -(-mg // _WIDTH) * _WIDTH), np.float32)
+    packed = []
+    for g in range(groups):
+        padded[:, :mg] = wt[g]
+        packed.append(pack_panels(padded))
+    return np.stack(packed)
 
 
 @numba.njit(inline="always")
