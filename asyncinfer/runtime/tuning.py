@@ -124,3 +124,92 @@ class RunModeTuner:
         """The clean timings so far, in seconds, by mode."""
         with self._lock:
             return {"serial": list(self._times[True]), "parallel": list(self._times[False])}
+
+
+#: An awaited run that takes at most this long on one thread runs on the event loop's thread
+#: (`QuickRuns`); ``ASYNCINFER_QUICK_RUN_US`` sets it in µs, 0 turns quick runs off.
+QUICK_RUN_S = 1e-3
+#: Runs of a signature left on the pool after a run on the loop's thread took too long, before
+#: the next try there; doubled for each miss in a row (up to `MAX_BACKOFF` doublings).
+BACKOFF_RUNS = 16
+MAX_BACKOFF = 8
+#: Signatures remembered (the oldest is forgotten first).
+MAX_QUICK_SIGNATURES = 64
+
+
+def quick_run_limit() -> float:
+    """`QUICK_RUN_S`, or ``ASYNCINFER_QUICK_RUN_US`` when set (in µs; 0: no quick runs)."""
+    value = os.environ.get("ASYNCINFER_QUICK_RUN_US", "").strip()
+    try:
+        return max(0.0, float(value)) * 1e-6 if value else QUICK_RUN_S
+    except ValueError:
+        return QUICK_RUN_S
+
+
+@dataclass
+class _QuickState:
+    here: bool = False  # the next run of this signature runs on the loop's thread
+    confirmed: bool = False  # a run there took at most the limit since `here` was last set
+    wait: int = 0  # quick-enough runs on the pool still to go before the next try there
+    misses: int = 0  # runs there in a row that took too long
+
+
+class QuickRuns:
+    """Which of a worker's awaited runs take their steps on the event loop's own thread.
+
+    An awaited run normally goes to a pool thread, and its completion comes back to the loop:
+    two thread wake-ups and GIL hand-offs, 80-250 µs on a small VM (ONNX Runtime's session run
+    through ``loop.run_in_executor`` pays the same there: 160-230 µs for a one-``Add`` model). For
+    a model of small layers that is most of the run, and the hand-off buys the loop nothing: small
+    layers hold the GIL (NumPy on small arrays, the per-layer dispatch), so the loop could not
+    run meanwhile anyway. So a quick run takes its steps on the loop's thread, as
+    ``run_blocking`` does on its caller's (`CPUBackend.submit_here`), and its caller has the
+    outputs without a hand-off.
+
+    Quick is measured, per input signature (and ``outputs=`` choice): after an awaited run on the
+    pool took at most twice the `limit` from call to outputs (hand-offs included), the next run
+    of that signature tries the loop's thread; it stays there while its runs take at most `limit`.
+    A run there that takes longer sends the signature back to the pool for `BACKOFF_RUNS` runs,
+    twice as many after each miss in a row. The loop is thus never held much longer than `limit`
+    by one run: at most twice it, once, by the first try. Runs wait for the worker's serial or
+    parallel choice (`RunModeTuner`) before any tries the loop's thread.
+    """
+
+    def __init__(self, limit: float | None = None):
+        self.limit = quick_run_limit() if limit is None else limit
+        self._states: dict[tuple, _QuickState] = {}
+        self._lock = threading.Lock()
+
+    def here(self, key: tuple | None) -> bool:
+        """Whether the run of ``key`` (None: not a candidate) takes its steps on the loop's thread."""
+        if key is None or not self.limit:
+            return False
+        state = self._states.get(key)
+        return state is not None and state.here
+
+    def settled(self) -> bool:
+        """Whether the runs seen know where they run: False while some signature's next run
+        would be its first try on the loop's thread (`Worker.warmup` runs until True)."""
+        with self._lock:
+            return all(state.confirmed or not state.here for state in self._states.values())
+
+    def ran(self, key: tuple | None, here: bool, seconds: float) -> None:
+        """A run of ``key`` succeeded in ``seconds`` from call to outputs (``here``: on the loop's thread)."""
+        if key is None or not self.limit:
+            return
+        with self._lock:
+            state = self._states.get(key)
+            if state is None:
+                if len(self._states) >= MAX_QUICK_SIGNATURES:
+                    del self._states[next(iter(self._states))]
+                state = self._states[key] = _QuickState()
+            if here:
+                if seconds <= self.limit:
+                    state.misses, state.confirmed = 0, True
+                else:
+                    state.here = state.confirmed = False
+                    state.misses = min(state.misses + 1, MAX_BACKOFF)
+                    state.wait = BACKOFF_RUNS << (state.misses - 1)
+            elif seconds <= 2 * self.limit:
+                state.wait = max(0, state.wait - 1)
+                state.here = not state.wait

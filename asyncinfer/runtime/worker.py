@@ -21,10 +21,10 @@ from .generation import GenerationEngine, GenerationStats, TextStream, Tokenizer
 from .generation.text import stop_strings
 from .inputs import bind_inputs, example_inputs
 from .outputs import OutputPlans
-from .specialise import ShapePlans
+from .specialise import ShapePlans, signature
 from .plan import Placement, Plan
 from .profiling import Profile, RunRecorder
-from .tuning import RunModeTuner, mode_requested
+from .tuning import QuickRuns, RunModeTuner, mode_requested
 
 
 #: How long ``warmup()`` keeps running the model, after its first run, for the worker to choose
@@ -88,6 +88,8 @@ class Worker:
         # serial or parallel runs, chosen by timing both (runtime/tuning.py); device backends'
         # runs stay parallel (their steps are queued on the device, not run by the pool)
         self._run_mode = RunModeTuner(mode_requested() if isinstance(self._backend, CPUBackend) else "parallel")
+        # awaited runs quick enough to take their steps on the loop's thread (runtime/tuning.py)
+        self._quick_runs = QuickRuns() if isinstance(self._backend, CPUBackend) else None
         self._profiles: tuple[Profile, ...] = ()  # attached by profile(): every run records into them
         self._latest: Execution | None = None
         self._owned_runs: weakref.WeakSet[Execution] = weakref.WeakSet()
@@ -231,15 +233,40 @@ class Worker:
         With ``outputs=[names]``, the values of those names, in that order (any value of the
         graph: see `schedule()`); ``profile`` records the run's steps in a `Profile`.
         Cancelling the awaiting task skips the layers that have not started.
+
+        On the cpu backend, a run whose inputs' shapes measured at most 1 ms takes its steps on
+        the loop's thread after yielding to it once: cheaper for the loop than handing it to a
+        pool thread and back (see "How a model runs"; ``ASYNCINFER_QUICK_RUN_US``).
         """
         with self._run_mode.timed() as trial:
+            start = time.perf_counter()
             execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
-            execution.submit_all()
+            quick = self._quick_key(execution, outputs)
+            here = quick is not None and not self._run_mode.deciding and self._quick_runs.here(quick)  # type: ignore[union-attr]
+            if here:  # no hand-off to the pool and back (see tuning.QuickRuns)
+                await anyio.lowlevel.checkpoint()  # the loop's other tasks go first, as if it were handed off
+                start = time.perf_counter()  # (the run's own time: not the other tasks')
+                self._backend.submit_here(execution.submit_all)
+            else:
+                execution.submit_all()
             try:
-                return await execution.read_outputs()
+                arrays = await execution.read_outputs()
             except BaseException:
                 execution.cancel()
                 raise
+            if quick is not None and profile is None and not self._profiles:  # (a profile's runs are slower)
+                self._quick_runs.ran(quick, here, time.perf_counter() - start)  # type: ignore[union-attr]
+            return arrays
+
+    def _quick_key(self, execution: Execution, outputs: Sequence[str] | None) -> tuple | None:
+        """What the quick-run choice of ``execution`` goes by (its input signature and
+        ``outputs``), or None if it is no candidate (not on the cpu backend, or an input still
+        pending)."""
+        if self._quick_runs is None:
+            return None
+        plan = execution.plan
+        key = signature({name: execution.futures[i] for name, i in plan.input_sources.items()})  # type: ignore[misc]
+        return None if key is None else (None if outputs is None else tuple(outputs), key)
 
     def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,
                      **named: Any) -> dict[str, np.ndarray]:
@@ -273,6 +300,10 @@ class Worker:
         start = time.perf_counter()
         await self.run(*inputs, **named)
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
+            await self.run(*inputs, **named)
+        for _ in range(2):  # a quick model's first run on the loop's thread (tuning.QuickRuns)
+            if self._quick_runs is None or self._quick_runs.settled():
+                break
             await self.run(*inputs, **named)
 
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:

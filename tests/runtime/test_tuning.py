@@ -107,3 +107,107 @@ def test_a_device_worker_runs_in_parallel_untuned(digits_model):
         assert worker._run_mode.mode == "parallel"
         worker.warmup_blocking()
         assert not worker.schedule(np.zeros((1, 1, 8, 8), np.float32)).serial
+
+
+# -- quick runs on the loop's thread ------------------------------------------------------------------
+KEY = (None, (("x", (1, 4), np.dtype(np.float32)),))
+
+
+def test_a_signature_tries_the_loop_thread_after_a_quick_enough_run_on_the_pool():
+    quick = tuning.QuickRuns(limit=1e-3)
+    assert not quick.here(KEY) and quick.settled()
+    quick.ran(KEY, False, 0.003)  # hand-offs included, still too slow to try
+    assert not quick.here(KEY) and quick.settled()
+    quick.ran(KEY, False, 0.0015)  # within twice the limit: the next run tries
+    assert quick.here(KEY) and not quick.settled()
+    quick.ran(KEY, True, 0.0004)
+    assert quick.here(KEY) and quick.settled()
+    assert not quick.here(None) and not tuning.QuickRuns(limit=0).here(KEY)
+
+
+def test_a_slow_run_on_the_loop_thread_backs_off_longer_each_miss_in_a_row():
+    quick = tuning.QuickRuns(limit=1e-3)
+    quick.ran(KEY, False, 0.0005)
+    for miss in range(1, 4):
+        assert quick.here(KEY)
+        quick.ran(KEY, True, 0.0011)  # over the limit: back to the pool
+        waits = 0
+        while not quick.here(KEY):
+            quick.ran(KEY, False, 0.0005)
+            waits += 1
+        assert waits == tuning.BACKOFF_RUNS << (miss - 1)
+    quick.ran(KEY, True, 0.0009)  # a quick run there forgives the misses
+    quick.ran(KEY, True, 0.002)
+    waits = 0
+    while not quick.here(KEY):
+        quick.ran(KEY, False, 0.0005)
+        waits += 1
+    assert waits == tuning.BACKOFF_RUNS
+
+
+def test_quick_signatures_are_bounded():
+    quick = tuning.QuickRuns(limit=1e-3)
+    for i in range(tuning.MAX_QUICK_SIGNATURES + 5):
+        quick.ran((None, i), False, 0.0005)
+    assert len(quick._states) == tuning.MAX_QUICK_SIGNATURES and quick.here((None, 5 + tuning.MAX_QUICK_SIGNATURES - 1))
+    assert not quick.here((None, 0))  # the oldest, forgotten
+
+
+@pytest.mark.parametrize("value,limit", [("", tuning.QUICK_RUN_S), ("250", 250e-6), ("0", 0.0), ("x", tuning.QUICK_RUN_S)])
+def test_the_quick_run_limit_comes_from_the_environment(monkeypatch, value, limit):
+    monkeypatch.setenv("ASYNCINFER_QUICK_RUN_US", value)
+    assert tuning.quick_run_limit() == pytest.approx(limit)
+
+
+def _run_threads(profile: ai.Profile) -> set[str]:
+    return {record.thread_name for record in profile.records}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("limit_us,on_loop", [("100000", True), ("0", False)])
+async def test_a_quick_model_runs_on_the_loop_thread_after_warmup(monkeypatch, digits_model, digits_samples,
+                                                                  limit_us, on_loop):
+    import threading
+
+    monkeypatch.setenv("ASYNCINFER_QUICK_RUN_US", limit_us)
+    images = digits_samples[0][:2]
+    with ai.Worker(digits_model, "cpu") as reference:
+        want = reference.run_blocking(images)
+    async with ai.Worker(digits_model, "cpu") as worker:
+        await worker.warmup(images)
+        assert worker._quick_runs.settled()
+        profile = ai.Profile()
+        got = await worker.run(images, profile=profile)
+        loop_thread = threading.current_thread().name
+        assert (_run_threads(profile) == {loop_thread}) is on_loop
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value)
+
+
+@pytest.mark.anyio
+async def test_quick_runs_let_the_loops_other_tasks_run_and_fail_like_any_run(monkeypatch, digits_model,
+                                                                               digits_samples):
+    import anyio
+
+    monkeypatch.setenv("ASYNCINFER_QUICK_RUN_US", "100000")
+    images = digits_samples[0][:1]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with ai.Worker(digits_model, "cpu") as worker:
+        await worker.warmup(images)
+        async with anyio.create_task_group() as group:
+            group.start_soon(ticker)
+            for _ in range(20):  # each run yields to the loop once, though none waits for a thread
+                await worker.run(images)
+            group.cancel_scope.cancel()
+        assert ticks >= 19
+        with pytest.raises(ai.InputError):
+            await worker.run(images[:, :, :4])  # a wrong shape: refused before anything runs
+        np.testing.assert_array_equal((await worker.run(images))[worker.model.outputs[0].name],
+                                      worker.run_blocking(images)[worker.model.outputs[0].name])
