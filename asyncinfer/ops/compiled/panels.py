@@ -145,14 +145,7 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
             def y_vector(r: int, v: int) -> Any:
                 return builder.bitcast(at(y_block, builder.add(builder.mul(const(r), y_stride), const(v * VECTOR_BYTES))),
                                        vector.as_pointer())
-            zero = ir.Constant(vector, [0.0] * lanes)
-            finish = context.cast(builder, args[8], sig.args[8], types.int64)
-            adding = builder.icmp_unsigned("!=", builder.and_(finish, const(ADD_TO_Y)), const(0))
-            sums = [[cgutils.alloca_once_value(builder, builder.select(adding, builder.load(y_vector(r, v), align=size),
-                                                                       zero))
-                     for v in range(PANEL_VECTORS)] for r in range(rows)]
-            undefined = ir.Constant(vector, ir.Undefined)
-            broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+            sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
             with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
                 row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
                 ahead = at(row, panel_stride)  # (a prefetch never faults, past the last panel too)
@@ -161,15 +154,7 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
                                             ir.Constant(i32, 1)])
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                         align=size) for v in range(PANEL_VECTORS)]
-                step = at(a_rows, builder.mul(loop.index, a_step))
-                for r in range(rows):
-                    value = builder.load(builder.bitcast(at(step, const(r * size)), element.as_pointer()), align=size)
-                    spread = builder.shuffle_vector(
-                        builder.insert_element(undefined, value, ir.Constant(i32, 0)), undefined, broadcast)
-                    for v in range(PANEL_VECTORS):
-                        # contract, like the kernels' own code: the same FMA (or not) as every few-row sum
-                        product = builder.fmul(spread, columns[v], flags=("contract",))
-                        builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)), sums[r][v])
+                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)), columns)
             values = [[builder.load(v) for v in row] for row in sums]
             if column_bias:
                 _store_column_biased(context, builder, sig, args, values, y_vector, p_)
@@ -180,6 +165,38 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
         return signature, codegen
 
     return block
+
+
+def initial_sums(context: Any, builder: Any, sig: Any, args: Any, y_vector: Callable[[int, int], Any], rows: int,
+                 vectors: int, vector: Any) -> list[list[Any]]:
+    """A register block's sums (rows x vectors, allocas that LLVM promotes to registers): zero,
+    or y's values where the ``finish`` code (``args[8]``) has `ADD_TO_Y`."""
+    size = context.get_abi_sizeof(vector.element)
+    finish = context.cast(builder, args[8], sig.args[8], types.int64)
+    adding = builder.icmp_unsigned("!=", builder.and_(finish, ir.Constant(ir.IntType(64), ADD_TO_Y)),
+                                   ir.Constant(ir.IntType(64), 0))
+    zero = ir.Constant(vector, [0.0] * vector.count)
+    return [[cgutils.alloca_once_value(builder, builder.select(adding, builder.load(y_vector(r, v), align=size), zero))
+             for v in range(vectors)] for r in range(rows)]
+
+
+def multiply_add(builder: Any, sums: list[list[Any]], step: Any, columns: list[Any]) -> None:
+    """One step of a register block: ``sums[r][v] += step[r] · columns[v]``, ``step`` a byte
+    pointer to the step's value of each row (one broadcast each)."""
+    vector = columns[0].type
+    element, lanes, i32 = vector.element, vector.count, ir.IntType(32)
+    size = {ir.FloatType: 4, ir.DoubleType: 8}[type(element)]
+    undefined = ir.Constant(vector, ir.Undefined)
+    broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+    for r, row in enumerate(sums):
+        at = builder.gep(step, [ir.Constant(ir.IntType(64), r * size)])
+        value = builder.load(builder.bitcast(at, element.as_pointer()), align=size)
+        spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)), undefined,
+                                        broadcast)
+        for v, column in enumerate(columns):
+            # contract, like the kernels' own code: the same FMA (or not) as every few-row sum
+            product = builder.fmul(spread, column, flags=("contract",))
+            builder.store(builder.fadd(builder.load(row[v]), product, flags=("contract",)), row[v])
 
 
 #: What a register block does to its sums before it stores them (``finish``): nothing, or add the

@@ -4,8 +4,9 @@ A `concurrency.spin_team.SpinTeam` helper runs a compiled serve loop that never 
 Python between parts; this one runs the parts of the kernels that split across the team: a
 few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attention`), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
-images or channels (`depthwise_parts`) and a band of a GEMM (`blas_call`), told apart by the
-kind each poster writes (`PART_KIND` of each module).
+images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
+(`pool`), a stem conv's output rows (`direct`) and a band of a GEMM (`blas_call`), told apart by
+the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from .blas_call import PART_KIND as GEMM
 from .blas_call import gemm_part
 from .conv_blocks import PART_KIND as CONV
 from .conv_blocks import conv_part
+from .direct import PART_KIND as DIRECT
+from .direct import direct_part
 from .depthwise_parts import PART_KIND as DEPTHWISE
 from .depthwise_parts import depthwise_part
 from .winograd_bands import PART_KIND as WINOGRAD
@@ -56,6 +59,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             small_map_part(control)
         elif control[KIND] == POOL:
             pool_part(control)
+        elif control[KIND] == DIRECT:
+            direct_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)

@@ -1,0 +1,231 @@
+"""Convs of a few input channels (network stems) summed straight from the input, no im2col.
+
+A network's first conv reads the image: 3 channels, a 3x3 to 7x7 window, stride 2 (ResNet's
+7x7/2 3 -> 64, MobileNet's and EfficientNet's 3x3/2 3 -> 16 or 32), or a 4x4/4 patchify
+(ConvNeXt). As a GEMM its depth is only ``3·kh·kw`` (27 to 147) and its im2col copies the image
+that many times over, strided: on the 2-core VM these layers took 2.8-3.5x ONNX Runtime's time,
+most of it in the im2col.
+
+Here a register block (`panels.multiply_add`) holds ``BLOCK_ROWS`` output channels x
+two vectors of positions of one output row and sums them over every tap of the window. A tap's
+values for those positions are ``stride`` apart in one input row, so each tap loads ``stride``
+times the vectors and keeps every ``stride``-th lane (LLVM shuffles), reading the input in place.
+The input is first copied into a zero-padded image (`conv_direct.run_direct`), so no tap reads
+out of bounds and no block needs a test. The weights are kept transposed (``columns[t, m]``, tap ``t``
+= ``(c, ky, kx)``), so a tap's weights of a block are one cache line.
+
+Each value is summed from zero along the taps in ``(c, ky, kx)`` order, one multiply-add after
+another (FMA where the CPU has it): the same bits for any split of the rows between threads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from . import kernel
+from .panels import BLOCK_ROWS, VECTOR_BYTES, _store_finished, initial_sums, multiply_add
+from .pointwise import _finish, finishing
+
+#: The kind of spin-team part that is a `direct_conv` range.
+PART_KIND = 9
+#: Strides the blocks load (every ``stride``-th lane of ``stride`` vectors).
+STRIDES = (1, 2, 4)
+#: Float32 lanes of one vector.
+LANES = VECTOR_BYTES // 4
+
+
+def _strided(builder: Any, loaded: list[Any], stride: int, lanes: int) -> list[Any]:
+    """Every ``stride``-th lane of the vectors ``loaded`` (in order), as ``len(loaded) // stride``
+    vectors: lanes picked from pairs of vectors, then the pieces joined pairwise."""
+    if stride == 1:
+        return loaded
+    i32 = ir.IntType(32)
+    picks = 2 * lanes // stride
+    pieces = [builder.shuffle_vector(loaded[i], loaded[i + 1], ir.Constant(ir.VectorType(i32, picks),
+                                                                            [j * stride for j in range(picks)]))
+              for i in range(0, len(loaded), 2)]
+    while pieces[0].type.count < lanes:
+        width = 2 * pieces[0].type.count
+        pieces = [builder.shuffle_vector(pieces[i], pieces[i + 1], ir.Constant(ir.VectorType(i32, width),
+                                                                                list(range(width))))
+                  for i in range(0, len(pieces), 2)]
+    return pieces
+
+
+def _direct_block(rows: int, vectors: int, stride: int) -> Any:
+    """An intrinsic ``block(columns, image, offsets, start, taps, y, r0, c0, finish, bias, lo, hi)``:
+    ``y[r0 + r, c0 + j] = Σ_t columns[t, r0 + r] · image.flat[offsets[t] + start + j·stride]`` for
+    ``r < rows`` and ``j`` < ``vectors`` vectors of lanes, summed over ``t < taps`` in registers,
+    then finished as ``finish`` says (`panels.RAW`, `panels.BIAS`...: `panels._store_finished`).
+    ``image`` is read through its data pointer (a zero-padded image)."""
+
+    @intrinsic
+    def block(typingctx: Any, columns: Any, image: Any, offsets: Any, start: Any, taps: Any, y: Any, r0: Any,
+              c0: Any, finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
+        signature = types.void(columns, image, offsets, start, taps, y, r0, c0, finish, bias, lo, hi)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            i64 = ir.IntType(64)
+            a_arr, image_arr, offsets_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
+                                                    for i in (0, 1, 2, 5))
+            start_, taps_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 4, 6, 7))
+            element = context.get_value_type(sig.args[0].dtype)
+            size = context.get_abi_sizeof(element)
+            vector = ir.VectorType(element, VECTOR_BYTES // size)
+            byte_ptr = ir.IntType(8).as_pointer()
+
+            def at(base: Any, offset: Any) -> Any:
+                return builder.gep(builder.bitcast(base, byte_ptr), [offset])
+
+            def const(value: int) -> Any:
+                return ir.Constant(i64, value)
+
+            a_step, y_stride = builder.extract_value(a_arr.strides, 0), builder.extract_value(y_arr.strides, 0)
+            a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
+            y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride), builder.mul(c0_, const(size))))
+            origin = at(image_arr.data, builder.mul(start_, const(size)))
+
+            def y_vector(r: int, v: int) -> Any:
+                return builder.bitcast(at(y_block, builder.add(builder.mul(const(r), y_stride), const(v * VECTOR_BYTES))),
+                                       vector.as_pointer())
+            sums = initial_sums(context, builder, sig, args, y_vector, rows, vectors, vector)
+            with cgutils.for_range(builder, taps_) as loop:
+                offset = builder.load(builder.gep(offsets_arr.data, [loop.index]))
+                row = at(origin, builder.mul(offset, const(size)))
+                loaded = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
+                                       align=size) for v in range(vectors * stride)]
+                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)),
+                             _strided(builder, loaded, stride, vector.count))
+            _store_finished(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums], y_vector, r0_)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return block
+
+
+# (vectors, stride) -> the block of `BLOCK_ROWS` channels
+_w1, _n1, _w2, _n2, _w4, _n4 = (_direct_block(BLOCK_ROWS, vectors, stride) for stride in STRIDES for vectors in (2, 1))
+
+
+@numba.njit(inline="always")
+def _block(wide: bool, stride: int, columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int,
+           y: np.ndarray, c0: int, finish: int, bias: np.ndarray, av: Any, bv: Any) -> None:
+    """The block of `BLOCK_ROWS` channels x two vectors (``wide``) or one, at ``stride``."""
+    taps = offsets.shape[0]
+    if stride == 1:
+        if wide:
+            _w1(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+        else:
+            _n1(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+    elif stride == 2:
+        if wide:
+            _w2(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+        else:
+            _n2(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+    elif wide:
+        _w4(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+    else:
+        _n4(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+
+
+@kernel(contract=False)
+def _channel_blocks(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int, stride: int,
+                    wide: bool, y: np.ndarray, c0: int, bias: np.ndarray, act: int, av: Any, bv: Any,
+                    spare: np.ndarray) -> None:
+    """Every channel of ``y`` (M or more rows) for one block of positions (two vectors wide or
+    one) at column ``c0``, finished; the last channels short of a block through ``spare``
+    (`BLOCK_ROWS`, two vectors), then copied. ``columns`` and ``bias`` are padded to whole blocks."""
+    m = y.shape[0]
+    finish = finishing(act)
+    width = (2 if wide else 1) * LANES
+    for r in range(0, m, BLOCK_ROWS):
+        whole = r + BLOCK_ROWS <= m
+        target, at = (y[r:], c0) if whole else (spare, 0)
+        _block(wide, stride, columns[:, r:], image, offsets, start, target, at, finish, bias[r:], av, bv)
+        if finish == 0:  # (`panels.RAW`: an activation the blocks do not do, after the store)
+            _finish(target, 0, min(BLOCK_ROWS, m - r), at, at + width, bias[r:], act, av, bv)
+        if not whole:
+            for k in range(m - r):
+                row, source = y[r + k], spare[k]
+                for j in range(width):
+                    row[c0 + j] = source[j]
+
+
+@kernel(contract=False)
+def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,
+                tail: np.ndarray, spare: np.ndarray, q0: int, q1: int, out_height: int, out_width: int, stride: int,
+                act: int, a: float, b: float) -> None:
+    """Output rows ``q0:q1`` (counted through the images: row ``q`` is image ``q // Ho``'s row
+    ``q % Ho``) of the conv of the padded images ``padded`` (N, C, Hp, Wp) with the weights
+    ``columns`` (taps, M), ``columns[t, m]`` = tap ``t``'s weight of channel ``m``, tap ``t``
+    reading ``padded[i, c].flat[offsets[t] + oy·stride·Wp + ox·stride]``: ``y`` (N, M, Ho·Wo) =
+    act(sums + ``bias``); ``columns`` and ``bias`` are padded with zeros to whole blocks of
+    `BLOCK_ROWS` channels. ``tail`` (M padded so, LANES) takes a row's last positions short of a
+    vector before their copy out, ``spare`` (`BLOCK_ROWS`, 2·LANES) the last channels short of a
+    block. ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`)."""
+    av, bv = np.float32(a), np.float32(b)
+    wp = padded.shape[3]
+    plane = padded.shape[1] * padded.shape[2] * wp
+    flat = padded.reshape(padded.shape[0] * plane)
+    m = y.shape[1]
+    for q in range(q0, q1):
+        i, oy = q // out_height, q % out_height
+        image, out = flat[i * plane:(i + 1) * plane], y[i]
+        row = oy * stride * wp
+        c0 = oy * out_width
+        ox = 0
+        while ox + 2 * LANES <= out_width:
+            _channel_blocks(columns, image, offsets, row + ox * stride, stride, True, out, c0 + ox, bias, act, av, bv,
+                            spare)
+            ox += 2 * LANES
+        if ox + LANES <= out_width:
+            _channel_blocks(columns, image, offsets, row + ox * stride, stride, False, out, c0 + ox, bias, act, av, bv,
+                            spare)
+            ox += LANES
+        if ox < out_width:  # the last few positions: a vector's worth into the tail, then copied
+            _channel_blocks(columns, image, offsets, row + ox * stride, stride, False, tail, 0, bias, act, av, bv,
+                            spare)
+            for r in range(m):
+                target, source = out[r], tail[r]
+                for j in range(out_width - ox):
+                    target[c0 + ox + j] = source[j]
+
+
+def part_arguments(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,
+                   tail: np.ndarray, spare: np.ndarray, numbers: np.ndarray, q0: int, q1: int, out_height: int,
+                   out_width: int, stride: int, act: int) -> list[int]:
+    """The integers of a part `direct_part` runs as ``direct_conv(...)`` on the same arguments (for
+    `SpinTeam.try_run`): C-contiguous arrays, the epilogue's ``a, b`` as float64 ``numbers``; the
+    caller keeps every array alive until the part is done."""
+    at = addresses(columns, padded, offsets, y, bias, tail, spare, numbers)[:8]
+    return [PART_KIND, *columns.shape, *padded.shape, y.shape[1], y.shape[2], *at, q0, q1, out_height, out_width,
+            stride, act]
+
+
+@numba.njit(inline="always")
+def direct_part(control: np.ndarray) -> None:
+    """Run the `direct_conv` part posted in a spin team's ``control`` row (`part_arguments`): the
+    helper's side (`team_parts.serve_parts`)."""
+    at = ARGS
+    taps, mp, n, c, hp, wp, m, span = (control[at], control[at + 1], control[at + 2], control[at + 3],
+                                       control[at + 4], control[at + 5], control[at + 6], control[at + 7])
+    p = at + 8
+    columns = numba.carray(address_as_pointer(control[p], np.float32), (taps, mp))
+    padded = numba.carray(address_as_pointer(control[p + 1], np.float32), (n, c, hp, wp))
+    offsets = numba.carray(address_as_pointer(control[p + 2], np.int64), (taps,))
+    y = numba.carray(address_as_pointer(control[p + 3], np.float32), (n, m, span))
+    bias = numba.carray(address_as_pointer(control[p + 4], np.float32), (mp,))
+    tail = numba.carray(address_as_pointer(control[p + 5], np.float32), (mp, LANES))
+    spare = numba.carray(address_as_pointer(control[p + 6], np.float32), (BLOCK_ROWS, 2 * LANES))
+    numbers = numba.carray(address_as_pointer(control[p + 7], np.float64), (2,))
+    q = p + 8
+    direct_conv(columns, padded, offsets, y, bias, tail, spare, control[q], control[q + 1], control[q + 2],
+                control[q + 3], control[q + 4], control[q + 5], numbers[0], numbers[1])

@@ -1,0 +1,154 @@
+"""Convs of a few input channels (network stems) on the direct kernel (asyncinfer/ops/conv_direct.py,
+compiled/direct.py).
+
+Checked against onnx's reference implementation across the ways the kernel cuts its work (rows
+of two vectors, one vector and a last partial one; output channels in whole blocks and a last
+partial one; strides 1, 2 and 4; asymmetric padding; several images) and the ways a plan shares
+it (output rows through the images, on one and two helpers, the team busy); fused activations
+against the standalone ops bit for bit; and which convs take it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from asyncinfer.ops import conv, conv_direct
+from asyncinfer.ops.compiled.direct import LANES
+
+from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, randn, reference_run, spin_team_bound
+
+# name: (x shape, output channels, kernel, strides, pads)
+CASES = {
+    "mobilenet_stem": ((1, 3, 40, 70), 16, 3, 2, [1, 1, 1, 1]),   # rows of 35: two vectors, a partial one (AVX-512)
+    "resnet_stem": ((1, 3, 30, 100), 64, 7, 2, [3, 3, 3, 3]),
+    "patchify": ((1, 3, 32, 136), 24, 4, 4, [0, 0, 0, 0]),       # ConvNeXt's 4x4/4
+    "leftover_channels": ((1, 3, 17, 45), 13, 3, 2, [1, 1, 1, 1]),  # 13: a block and a partial one
+    "one_channel": ((1, 1, 9, 50), 5, 3, 1, [1, 1, 1, 1]),
+    "four_channels_5x5": ((1, 4, 11, 70), 9, 5, 1, [2, 2, 2, 2]),
+    "asymmetric_pads": ((1, 3, 21, 66), 32, 3, 2, [0, 1, 2, 0]),
+    "images": ((3, 3, 12, 2 * LANES + 7), 8, 3, 1, [1, 1, 1, 1]),
+}
+
+
+def _operands(name: str, rng):
+    shape, m, k, s, pads = CASES[name]
+    return (randn(rng, *shape), randn(rng, m, shape[1], k, k), randn(rng, m),
+            dict(kernel_shape=[k, k], strides=[s, s], pads=pads))
+
+
+def _plan(x, w, b, attrs, epilogue=None):
+    from asyncinfer.ops.epilogue import NO_ACTIVATION
+
+    k, s, pads = attrs["kernel_shape"][0], attrs["strides"][0], attrs["pads"]
+    out = tuple((x.shape[2 + i] + pads[i] + pads[i + 2] - k) // s + 1 for i in range(2))
+    return conv_direct.direct_plan(x.shape, w, b, (s, s), (pads[0], pads[1]), out, epilogue or NO_ACTIVATION)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_alone(name, rng, monkeypatch):
+    x, w, b, attrs = _operands(name, rng)
+    planned = []
+    real = conv_direct.direct_plan
+    monkeypatch.setattr(conv, "direct_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    op = make_op("Conv", attrs, n_inputs=3)
+    got = op(x, w, b)[0]
+    assert planned  # (the full way took the direct kernel)
+    want = reference_run("Conv", [x, w, b], attrs)[0]
+    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(op(x, w, b)[0], got)  # the short way, planned once: the same bits
+    no_bias = make_op("Conv", attrs, n_inputs=2)(x, w)[0]
+    np.testing.assert_allclose(no_bias, reference_run("Conv", [x, w], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_shared_with_the_spin_team_gives_the_same_bits(name, helpers, rng, monkeypatch):
+    """This thread and each helper take a range of output rows: the very bits of the conv run
+    whole on one thread."""
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands(name, rng)
+    alone = conv_direct.run_direct(_plan(x, w, b, attrs), x)
+    with spin_team_bound(helpers) as runs:
+        plan = _plan(x, w, b, attrs)
+        shared = conv_direct.run_direct(plan, x)
+    assert len(plan.parts) == helpers + 1 and runs.shared
+    rows = [part for part in plan.parts]
+    assert rows[0][0] == 0 and rows[-1][1] == x.shape[0] * plan.y_shape[2]
+    assert all(a[1] == b_[0] for a, b_ in zip(rows, rows[1:]))
+    np.testing.assert_array_equal(shared, alone)
+
+
+def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands("resnet_stem", rng)
+    with spin_team_bound(1) as runs:
+        plan = _plan(x, w, b, attrs)
+        assert runs.team.claim() is not None  # (busy until released)
+        try:
+            got = conv_direct.run_direct(plan, x)
+        finally:
+            runs.team.release()
+    assert len(plan.parts) == 2 and runs.shared == 0
+    np.testing.assert_array_equal(got, conv_direct.run_direct(dataclasses.replace(plan, team=False), x))
+
+
+@pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("name", ["mobilenet_stem", "leftover_channels"])
+def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng):
+    """Bias and activation in the register blocks (Relu, Clip, LeakyRelu) or after the store (the
+    others) equal the conv followed by the activation op, bit for bit, NaN and infinities included."""
+    x, w, b, attrs = _operands(name, rng)
+    x = x * 3
+    x.flat[::17] = np.nan
+    x.flat[5::29] = np.inf
+    x.flat[7::31] = -np.inf
+    conv_op = make_op("Conv", attrs, n_inputs=3)
+    act, extras = activation_op(activation)
+    with np.errstate(all="ignore"):  # as on the pool's threads: NaN and inf are values in ONNX
+        fused = conv_op(x, w, b, activations=[(act, extras)])[0]
+        separate = act(conv_op(x, w, b)[0], *extras)[0]
+        again = conv_op(x, w, b, activations=[(act, extras)])[0]  # (the conv's short way, planned once)
+    np.testing.assert_array_equal(fused, separate)
+    np.testing.assert_array_equal(again, fused)
+    assert np.isnan(fused).any()
+
+
+def test_which_convs_take_the_direct_kernel():
+    f32 = np.dtype(np.float32)
+    stem = ((1, 3, 224, 224), (16, 3, 3, 3), 1, (2, 2), (1, 1), (112, 112))
+    assert conv_direct.takes_direct(*stem, f32)
+    assert not conv_direct.takes_direct(*stem, np.dtype(np.float64))
+    x, w, group, strides, dilations, out = stem
+    assert not conv_direct.takes_direct((1, 5, 224, 224), (16, 5, 3, 3), group, strides, dilations, out, f32)
+    assert not conv_direct.takes_direct(x, (3, 1, 3, 3), 3, strides, dilations, out, f32)  # depthwise
+    assert not conv_direct.takes_direct(x, (16, 3, 1, 1), group, strides, dilations, out, f32)  # 1x1
+    assert not conv_direct.takes_direct(x, w, group, (3, 3), dilations, out, f32)
+    assert not conv_direct.takes_direct(x, w, group, (2, 1), dilations, out, f32)
+    assert not conv_direct.takes_direct(x, w, group, strides, (2, 2), out, f32)
+    assert not conv_direct.takes_direct(x, w, group, strides, dilations, (112, LANES - 1), f32)
+    # a shallow window with many outputs keeps the GEMM way; a deep one does not
+    assert not conv_direct.takes_direct(x, (64, 3, 3, 3), group, strides, dilations, out, f32)
+    assert conv_direct.takes_direct(x, (64, 3, 7, 7), group, strides, dilations, out, f32)
+
+
+def test_a_dilated_or_strided_by_3_stem_takes_the_gemm_way(rng):
+    x, w, b = randn(rng, 1, 3, 20, 40), randn(rng, 8, 3, 3, 3), randn(rng, 8)
+    for attrs in (dict(kernel_shape=[3, 3], strides=[3, 3]), dict(kernel_shape=[3, 3], dilations=[2, 2])):
+        got = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+        np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_1d_conv_of_few_channels_runs_as_a_map_one_row_high(rng, monkeypatch):
+    x, w, b = randn(rng, 2, 2, 3 * LANES + 5), randn(rng, 6, 2, 5), randn(rng, 6)
+    attrs = dict(kernel_shape=[5], pads=[2, 2])
+    planned = []
+    real = conv_direct.direct_plan
+    monkeypatch.setattr(conv, "direct_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    op = make_op("Conv", attrs, n_inputs=3)
+    got = op(x, w, b)[0]
+    assert planned
+    np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(op(x, w, b)[0], got)
