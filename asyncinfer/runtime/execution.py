@@ -132,7 +132,9 @@ class _SegmentJob:
         self.segment = segment
 
     def run(self) -> None:
-        # The loop of Execution._arguments + dispatch, unrolled for speed: it runs per layer.
+        # The loop of Execution._arguments + dispatch + `backends.base.run_kernel`, unrolled for
+        # speed: it runs per layer (a decode step runs ~350 of them), and a step of an unprofiled
+        # run whose inputs are all there is computed here, without a `_StepDone` of its own.
         execution = self._execution
         futures = execution.futures
         done_type = execution._done_type
@@ -143,19 +145,28 @@ class _SegmentJob:
             except TypeError:  # a failed input has no value: let the general path report it
                 execution._arguments(node)
                 continue
-            compute = node.backend.inline_compute if inline else None
-            if compute is not None and not execution._cancelled and not node.step.op.cancellable:
-                for a in args:
-                    if a is RELEASED:
-                        break
-                else:
-                    _run_inline(execution, node, args, compute)
-                    continue
-            done = done_type(execution, node)
+            compute = node.inline if inline else None
+            released = False
             for a in args:
                 if a is RELEASED:
-                    done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
+                    released = True
                     break
+            if compute is not None and not released and not execution._cancelled:
+                step = node.step
+                try:
+                    outputs = compute(step, args)
+                    if len(outputs) < step.n_outputs:
+                        raise ValueError(f"kernel returned {len(outputs)} outputs for {step.n_outputs}")
+                except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
+                    _StepDone(execution, node).fail(kernel_error(step, exc, args))
+                    continue
+                if node.release:
+                    execution._release_inputs(node)
+                futures[node.index].set_result(outputs)  # type: ignore[union-attr]
+                continue
+            done = done_type(execution, node)
+            if released:
+                done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
             else:
                 node.backend.run_now(node.step, args, done)  # run_kernel: skipped if cancelled
 
@@ -170,22 +181,6 @@ class _SegmentJob:
     def fail(self, error: BaseException) -> None:
         for node in self.segment.nodes:
             _StepDone(self._execution, node).fail(error)
-
-
-def _run_inline(execution: "Execution", node: Node, args: list, compute: Callable[[Step, list], list]) -> None:
-    """`backends.base.run_kernel` for a step of an unprofiled job whose run is not cancelled and
-    whose inputs are all there, without a `_StepDone` per step (a decode step runs ~350 of them)."""
-    step = node.step
-    try:
-        outputs = compute(step, args)
-        if len(outputs) < step.n_outputs:
-            raise ValueError(f"kernel returned {len(outputs)} outputs for {step.n_outputs}")
-    except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
-        _StepDone(execution, node).fail(kernel_error(step, exc, args))
-        return
-    if node.release:
-        execution._release_inputs(node)
-    execution.futures[node.index].set_result(outputs)  # type: ignore[union-attr]
 
 
 class _ProfiledSegmentJob(_SegmentJob):

@@ -133,6 +133,9 @@ QUICK_RUN_S = 1e-3
 #: the next try there; doubled for each miss in a row (up to `MAX_BACKOFF` doublings).
 BACKOFF_RUNS = 16
 MAX_BACKOFF = 8
+#: Runs on the loop's thread in a row over the limit (each within twice it) that send a signature
+#: back to the pool.
+SLOW_RUNS = 3
 #: Signatures remembered (the oldest is forgotten first).
 MAX_QUICK_SIGNATURES = 64
 
@@ -151,7 +154,8 @@ class _QuickState:
     here: bool = False  # the next run of this signature runs on the loop's thread
     confirmed: bool = False  # a run there took at most the limit since `here` was last set
     wait: int = 0  # quick-enough runs on the pool still to go before the next try there
-    misses: int = 0  # runs there in a row that took too long
+    slow: int = 0  # runs there in a row over the limit
+    misses: int = 0  # times in a row its runs there were too slow
 
 
 class QuickRuns:
@@ -168,11 +172,12 @@ class QuickRuns:
 
     Quick is measured, per input signature (and ``outputs=`` choice): after an awaited run on the
     pool took at most twice the `limit` from call to outputs (hand-offs included), the next run
-    of that signature tries the loop's thread; it stays there while its runs take at most `limit`.
-    A run there that takes longer sends the signature back to the pool for `BACKOFF_RUNS` runs,
-    twice as many after each miss in a row. The loop is thus never held much longer than `limit`
-    by one run: at most twice it, once, by the first try. Runs wait for the worker's serial or
-    parallel choice (`RunModeTuner`) before any tries the loop's thread.
+    of that signature tries the loop's thread, and stays there if it took at most `limit`. Later
+    runs there may take up to twice the `limit` now and then (another thread's burst of work,
+    ONNX Runtime's threads spinning in the same process); `SLOW_RUNS` in a row over the limit, or
+    one over twice it, send the signature back to the pool for `BACKOFF_RUNS` runs, twice as many
+    after each miss in a row. So one run holds the loop for at most twice the `limit`. Runs wait
+    for the worker's serial or parallel choice (`RunModeTuner`) before any tries the loop's thread.
     """
 
     def __init__(self, limit: float | None = None):
@@ -205,11 +210,15 @@ class QuickRuns:
                 state = self._states[key] = _QuickState()
             if here:
                 if seconds <= self.limit:
-                    state.misses, state.confirmed = 0, True
-                else:
-                    state.here = state.confirmed = False
-                    state.misses = min(state.misses + 1, MAX_BACKOFF)
-                    state.wait = BACKOFF_RUNS << (state.misses - 1)
+                    state.misses, state.slow, state.confirmed = 0, 0, True
+                    return
+                state.slow += 1
+                if state.confirmed and seconds <= 2 * self.limit and state.slow < SLOW_RUNS:
+                    return  # (a slow run now and then: stay)
+                state.here = state.confirmed = False
+                state.slow = 0
+                state.misses = min(state.misses + 1, MAX_BACKOFF)
+                state.wait = BACKOFF_RUNS << (state.misses - 1)
             elif seconds <= 2 * self.limit:
                 state.wait = max(0, state.wait - 1)
                 state.here = not state.wait

@@ -137,12 +137,26 @@ def test_a_slow_run_on_the_loop_thread_backs_off_longer_each_miss_in_a_row():
             waits += 1
         assert waits == tuning.BACKOFF_RUNS << (miss - 1)
     quick.ran(KEY, True, 0.0009)  # a quick run there forgives the misses
-    quick.ran(KEY, True, 0.002)
+    quick.ran(KEY, True, 0.0021)  # over twice the limit: back at once
     waits = 0
     while not quick.here(KEY):
         quick.ran(KEY, False, 0.0005)
         waits += 1
     assert waits == tuning.BACKOFF_RUNS
+
+
+def test_a_confirmed_signature_stays_through_a_few_slow_runs():
+    quick = tuning.QuickRuns(limit=1e-3)
+    quick.ran(KEY, False, 0.0005)
+    quick.ran(KEY, True, 0.0005)  # confirmed
+    for _ in range(3):
+        for _ in range(tuning.SLOW_RUNS - 1):
+            quick.ran(KEY, True, 0.0015)  # over the limit, within twice it: stays
+            assert quick.here(KEY)
+        quick.ran(KEY, True, 0.0008)  # (a quick one in between starts the count again)
+    for _ in range(tuning.SLOW_RUNS):
+        quick.ran(KEY, True, 0.0015)
+    assert not quick.here(KEY)
 
 
 def test_quick_signatures_are_bounded():
