@@ -8,8 +8,9 @@ and replaces it by the ONNX op that defines the same function (``Gelu`` 20, ``La
 five to nine, one task, fewer passes over memory, and an activation that ``fuse_activations``
 can then run in place inside the MatMul or Conv before it. Every backend implements the fused ops.
 The attention of exported decoders (scores, scale, masks, softmax, values: seven layers) becomes
-``MaskedAttention`` of asyncinfer's own domain (``ops/fused.py``); a backend without its kernel
-runs the seven layers it keeps (``Layer.expansion``). Layout layers that only serve a GEMM or
+``MaskedAttention`` of asyncinfer's own domain (``ops/fused.py``), and a CNN's
+squeeze-and-excitation block (pool, two convs, Mul) ``SqueezeExcite``; a backend without such a
+kernel runs the layers it keeps (``Layer.expansion``). Layout layers that only serve a GEMM or
 split attention heads go into one layer with it (``ReshapedGemm``, ``ReshapeTranspose``: passes
 run late by ``optimize``, after the activations are fused).
 
@@ -38,6 +39,7 @@ GELU, LAYER_NORM, RMS_NORM, SWISH = ("Gelu", 20), ("LayerNormalization", 17), ("
 MASKED_ATTENTION, ROTARY_HALF = ("MaskedAttention", 1), ("RotaryHalfEmbedding", 1)  # in FUSED_DOMAIN
 RESHAPED_GEMM, RESHAPE_TRANSPOSE = ("ReshapedGemm", 1), ("ReshapeTranspose", 1)  # in FUSED_DOMAIN
 SPLIT_HEADS = ("SplitHeads", 1)  # in FUSED_DOMAIN
+SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -649,6 +651,72 @@ def _reshape_after(g: _Graph, gemm: Layer) -> Layer | None:
             or reshape.inputs[0] != gemm.outputs[0]):
         return None
     return reshape
+
+
+def fuse_squeeze_excite(model: Model) -> int:
+    """``Mul(x, act2(Conv(act1(Conv(GlobalAveragePool(x))))))`` → ``SqueezeExcite``
+    (``ops/fused.py``): the squeeze-and-excitation block of MobileNetV3 (Relu, HardSigmoid) and
+    EfficientNet (Swish, Sigmoid). Runs after ``fuse_activations``: the convs' activations stay
+    with them in the expansion, which backends without the fused kernel run. The convs are 1x1
+    of one group with constant float32 weights and biases, and activations without extra inputs;
+    the pool, the convs' results and the gate have no reader outside the block."""
+    g, count = _Graph(model), 0
+    for mul in list(model.layers):
+        if mul.op_type != "Mul" or mul.domain or mul.fused or id(mul) in g.removed or len(mul.inputs) != 2:
+            continue
+        match = _squeeze_excite(g, mul)
+        if match is None:
+            continue
+        pattern, inputs = match
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``mul``
+        fused = Layer(name=mul.name, op_type=SQUEEZE_EXCITE[0], inputs=inputs, outputs=[mul.outputs[0]],
+                      domain=FUSED_DOMAIN, version=SQUEEZE_EXCITE[1], expansion=expansion)
+        g.replace(pattern, mul, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _squeeze_excite(g: _Graph, mul: Layer) -> tuple[list[Layer], list[str]] | None:
+    """The block's layers (pool, convs, ``mul``) and the fused layer's inputs, or None."""
+    for x, gate in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+        excite = _one_pixel_conv(g, gate)
+        squeeze = None if excite is None else _one_pixel_conv(g, excite.inputs[0])
+        pool = None if squeeze is None else g.producers.get(squeeze.inputs[0])
+        if (pool is None or id(pool) in g.removed or pool.op_type != "GlobalAveragePool" or pool.domain
+                or pool.fused or pool.inputs[0] != x or not g.private(pool.outputs[0]) or g.rank(x) != 4):
+            continue
+        w1, w2 = g.model.constants[squeeze.inputs[1]], g.model.constants[excite.inputs[1]]  # type: ignore[union-attr]
+        if w1.shape[1] != w2.shape[0] or w2.shape[1] != w1.shape[0]:
+            continue
+        bias = lambda conv: conv.inputs[2] if len(conv.inputs) > 2 else ""  # noqa: E731
+        return ([pool, squeeze, excite, mul],  # type: ignore[list-item]
+                [x, squeeze.inputs[1], bias(squeeze), excite.inputs[1], bias(excite)])  # type: ignore[union-attr]
+    return None
+
+
+def _one_pixel_conv(g: _Graph, name: str) -> Layer | None:
+    """The 1x1 Conv making ``name``, when the block owns its result and it is one `SqueezeExcite`
+    runs: one group, unit strides and dilations, no padding, constant float32 weights and bias,
+    fused activations that take no extra input."""
+    conv = g.producers.get(name)
+    if (conv is None or id(conv) in g.removed or conv.op_type != "Conv" or conv.domain or not g.private(name)
+            or len(conv.inputs) < 2 or len([o for o in conv.outputs if o]) != 1
+            or any(len(f.inputs) != 1 for f in conv.fused)):
+        return None
+    constants = g.model.constants
+    w = constants.get(conv.inputs[1])
+    b = conv.inputs[2] if len(conv.inputs) > 2 else ""
+    if (not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.ndim != 4 or w.shape[2:] != (1, 1)
+            or (b and not (isinstance(constants.get(b), np.ndarray) and constants[b].dtype == np.float32
+                           and constants[b].shape == (w.shape[0],)))):
+        return None
+    attrs = conv.attrs
+    if (int(attrs.get("group", 1)) != 1 or attrs.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+            or any(int(v) != 1 for key in ("strides", "dilations") for v in attrs.get(key, ()))
+            or any(int(v) != 0 for v in attrs.get("pads", ())) or list(attrs.get("kernel_shape", [1, 1])) != [1, 1]):
+        return None
+    return conv
 
 
 def fuse_reshape_transposes(model: Model) -> int:

@@ -308,13 +308,18 @@ class LpPool(_WindowPool):
 @register("GlobalAveragePool", versions=(1, 22))
 class GlobalAveragePool(Op):
     def run(self, x: np.ndarray) -> np.ndarray:
-        if x.dtype in (np.float32, np.float64) and x.ndim > 2 and x.size:
-            # one vectorised pass per (image, channel) plane (NumPy's multi-axis mean: 2-3x slower)
-            planes = np.ascontiguousarray(x).reshape(x.shape[0] * x.shape[1], -1)
-            out = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), x.dtype)
-            row_means(planes, out.reshape(-1))
-            return out
-        return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=x.dtype)
+        return global_average(x)
+
+
+def global_average(x: np.ndarray) -> np.ndarray:
+    """``GlobalAveragePool(x)``: the mean of each (image, channel) plane, kept as ``(N, C, 1…)``."""
+    if x.dtype in (np.float32, np.float64) and x.ndim > 2 and x.size:
+        # one vectorised pass per (image, channel) plane (NumPy's multi-axis mean: 2-3x slower)
+        planes = np.ascontiguousarray(x).reshape(x.shape[0] * x.shape[1], -1)
+        out = np.empty(x.shape[:2] + (1,) * (x.ndim - 2), x.dtype)
+        row_means(planes, out.reshape(-1))
+        return out
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=x.dtype)
 
 
 @register("GlobalMaxPool", versions=(1, 22))

@@ -744,3 +744,100 @@ def test_repeated_projections_take_the_short_way_with_the_same_bits():
     with ai.Worker(fused, "cpu") as fast, ai.Worker(plain, "cpu") as slow:
         for x in xs:
             np.testing.assert_array_equal(fast.run_blocking(x)["y"], slow.run_blocking(x)["y"])
+
+
+# -- squeeze-and-excitation ----------------------------------------------------------------------
+SE_C, SE_R = 24, 8
+
+
+def _se_model(style: str = "mobilenet", *, gate_first: bool = False, pool_read_elsewhere: bool = False,
+              group: int = 1, clip_bounds: bool = False, batch: int | str = 1) -> onnx.ModelProto:
+    """x → depthwise-ish Conv → SE block (GlobalAveragePool, 1x1 Conv + act1, 1x1 Conv + act2,
+    Mul) → y: MobileNetV3's (Relu, HardSigmoid) or EfficientNet's (SiLU spelled x·Sigmoid(x),
+    Sigmoid)."""
+    rng = np.random.default_rng(3)
+    consts = [_const("w0", rng.standard_normal((SE_C, 3, 3, 3)) * 0.3), _const("b0", rng.standard_normal(SE_C)),
+              _const("w1", rng.standard_normal((SE_R, SE_C // group, 1, 1)) * 0.3), _const("b1", rng.standard_normal(SE_R)),
+              _const("w2", rng.standard_normal((SE_C, SE_R, 1, 1)) * 0.3), _const("b2", rng.standard_normal(SE_C)),
+              _const("lo", 0.0), _const("hi", 6.0)]
+    nodes = [helper.make_node("Conv", ["x", "w0", "b0"], ["f"], pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["f"], ["p"]),
+             helper.make_node("Conv", ["p", "w1", "b1"], ["s1"], group=group)]
+    if clip_bounds:
+        nodes.append(helper.make_node("Clip", ["s1", "lo", "hi"], ["a1"]))
+    elif style == "mobilenet":
+        nodes.append(helper.make_node("Relu", ["s1"], ["a1"]))
+    else:
+        nodes += [helper.make_node("Sigmoid", ["s1"], ["g1"]), helper.make_node("Mul", ["s1", "g1"], ["a1"])]
+    nodes.append(helper.make_node("Conv", ["a1", "w2", "b2"], ["s2"]))
+    nodes.append(helper.make_node("HardSigmoid", ["s2"], ["gate"], alpha=1 / 6, beta=0.5) if style == "mobilenet"
+                 else helper.make_node("Sigmoid", ["s2"], ["gate"]))
+    nodes.append(helper.make_node("Mul", ["gate", "f"] if gate_first else ["f", "gate"], ["y"]))
+    outputs = [tensor_info("y", [batch, SE_C, 9, 11])]
+    if pool_read_elsewhere:
+        outputs.append(tensor_info("p", [batch, SE_C, 1, 1]))
+    return make_model(nodes, [tensor_info("x", [batch, 3, 9, 11])], outputs, consts)
+
+
+def _se_run(proto: onnx.ModelProto, x: np.ndarray, fused: bool = True, backend: str = "cpu") -> tuple[ai.Model, np.ndarray]:
+    from asyncinfer.loader import optimize
+
+    passes = list(optimize.PASSES)
+    if not fused:
+        optimize.PASSES[:] = [p for p in passes if p[0] != "fuse_squeeze_excite"]
+    try:
+        model = ai.load_model(proto)
+    finally:
+        optimize.PASSES[:] = passes
+    with ai.Worker(model, backend) as worker:
+        return model, worker.run_blocking(x)["y"]
+
+
+@pytest.mark.parametrize("style", ["mobilenet", "efficientnet"])
+@pytest.mark.parametrize("gate_first", [False, True])
+def test_squeeze_excite_fuses_and_gives_the_unfused_bits(style, gate_first):
+    proto = _se_model(style, gate_first=gate_first)
+    x = RNG.standard_normal((1, 3, 9, 11)).astype(np.float32)
+    model, got = _se_run(proto, x)
+    assert model.optimizations["fuse_squeeze_excite"] == 1
+    fused = [l for l in model.layers if l.op_type == "SqueezeExcite"]
+    assert len(fused) == 1 and [l.op_type for l in fused[0].expansion] == ["GlobalAveragePool", "Conv", "Conv", "Mul"]
+    assert not any(l.op_type == "GlobalAveragePool" for l in model.layers)
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    unfused_model, unfused = _se_run(proto, x, fused=False)
+    assert "fuse_squeeze_excite" not in unfused_model.optimizations  # (the pass left out)
+    np.testing.assert_array_equal(got, unfused)  # one image: each step as the layer it replaces
+
+
+def test_squeeze_excite_of_a_batch_matches_the_definition():
+    proto = _se_model("efficientnet", batch="N")
+    x = RNG.standard_normal((5, 3, 9, 11)).astype(np.float32)
+    model, got = _se_run(proto, x)
+    assert model.optimizations["fuse_squeeze_excite"] == 1
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, _se_run(proto, x, fused=False)[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("variant", [dict(pool_read_elsewhere=True), dict(group=2), dict(clip_bounds=True)])
+def test_squeeze_excite_that_is_not_exactly_the_block_is_left_alone(variant):
+    proto = _se_model(**variant)
+    x = RNG.standard_normal((1, 3, 9, 11)).astype(np.float32)
+    model, got = _se_run(proto, x)
+    assert model.optimizations["fuse_squeeze_excite"] == 0
+    assert any(l.op_type == "GlobalAveragePool" for l in model.layers)
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_squeeze_excite_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """gpu_pixel has no SqueezeExcite kernel: its plan takes the expansion (pool, convs, Mul)."""
+    require_pixel()
+    proto = _se_model()
+    x = RNG.standard_normal((1, 3, 9, 11)).astype(np.float32)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_squeeze_excite"] == 1
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(x)["y"]
+    assert not placement.fallback, placement.fallback
+    assert set(placement.layers.values()) == {"gpu_pixel"}
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=2e-4, atol=2e-4)
