@@ -40,6 +40,7 @@ MASKED_ATTENTION, ROTARY_HALF = ("MaskedAttention", 1), ("RotaryHalfEmbedding", 
 RESHAPED_GEMM, RESHAPE_TRANSPOSE = ("ReshapedGemm", 1), ("ReshapeTranspose", 1)  # in FUSED_DOMAIN
 SPLIT_HEADS = ("SplitHeads", 1)  # in FUSED_DOMAIN
 SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
+MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -651,6 +652,35 @@ def _reshape_after(g: _Graph, gemm: Layer) -> Layer | None:
             or reshape.inputs[0] != gemm.outputs[0]):
         return None
     return reshape
+
+
+def fuse_matmul_bias(model: Model) -> int:
+    """``Add(MatMul(A, W), bias)`` → ``MatMulBias`` (``ops/fused.py``), ``W`` a 2-D float32 constant
+    and ``bias`` a float32 constant row of its width: ``nn.Linear`` on 3-D inputs as exporters
+    write it. Runs after ``fuse_activations``: the Add's activations (``Add+Gelu``) go with the
+    fused layer, a MatMul with its own is no candidate. The product has no other reader; the
+    layers stay as the expansion for backends without the fused kernel."""
+    g, count = _Graph(model), 0
+    constants = model.constants
+    for add in list(model.layers):
+        if add.op_type != "Add" or add.domain or id(add) in g.removed or len(add.inputs) != 2:
+            continue
+        for product, bias in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])):
+            matmul = g.op(product, "MatMul")
+            w = None if matmul is None else constants.get(matmul.inputs[1])
+            b = constants.get(bias)
+            if (matmul is None or not g.private(product) or not isinstance(w, np.ndarray) or w.ndim != 2
+                    or w.dtype != np.float32 or not isinstance(b, np.ndarray) or b.dtype != np.float32
+                    or b.shape != (w.shape[1],) or g.rank(matmul.inputs[0]) in (None, 0, 1)):
+                continue
+            fused = Layer(name=add.name, op_type=MATMUL_BIAS[0], inputs=[matmul.inputs[0], matmul.inputs[1], bias],
+                          outputs=[add.outputs[0]], domain=FUSED_DOMAIN, version=MATMUL_BIAS[1],
+                          fused=list(add.fused), expansion=[replace(matmul), replace(add)])
+            g.replace([matmul, add], add, fused)
+            count += 1
+            break
+    g.commit()
+    return count
 
 
 def fuse_squeeze_excite(model: Model) -> int:

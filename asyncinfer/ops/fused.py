@@ -16,7 +16,7 @@ from .cache_append import concat_growing
 from .compiled.attention import attention_heads, head_arguments, masked_attention
 from .compiled.normalization import softmax_rows
 from .epilogue import NO_ACTIVATION, Activations, Epilogue, apply_activations
-from .linalg import Gemm, constant_panels, matmul
+from .linalg import Gemm, MatMul, constant_panels, matmul
 from .pool import global_average
 from .registry import create, register
 from .shape import (int_list, normalize_axis, op_error, reshape_dims, reshape_to, split_indices, split_views,
@@ -517,3 +517,19 @@ class SqueezeExcite(Op):
         if b is not None:
             y += b.reshape(-1, 1)
         return apply_activations(y, activations, ())
+
+
+@register("MatMulBias", versions=(1,), domain=FUSED_DOMAIN)
+class MatMulBias(MatMul):
+    """``MatMul(A, B) + bias``, ``B`` a 2-D weight and ``bias`` a row of its width: a transformer's
+    projections as exporters write them (``nn.Linear`` on 3-D inputs: BERT, GPT-2), two layers of
+    which the second only adds a row. The product is `MatMul`'s; the row is added in place (by the
+    few-row kernel as it ends, or right after BLAS) instead of into a new array, so the result has
+    the two layers' bits, and the layer's fused activations (``Add+Gelu``) run on it after.
+    """
+
+    def run(self, a: np.ndarray, b: np.ndarray, bias: np.ndarray) -> np.ndarray:  # type: ignore[override]
+        if (a.dtype == b.dtype == bias.dtype == np.float32 and b.ndim == 2 and a.ndim >= 2
+                and bias.shape == (b.shape[1],) and a.shape[-1] == b.shape[0]):
+            return matmul(a, b, bias, constant_panels(self, a, b, 1))
+        return np.add(MatMul.run(self, a, b), bias)

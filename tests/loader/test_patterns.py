@@ -841,3 +841,72 @@ def test_squeeze_excite_on_gpu_pixel_runs_the_layers_it_replaced_there():
     assert not placement.fallback, placement.fallback
     assert set(placement.layers.values()) == {"gpu_pixel"}
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=2e-4, atol=2e-4)
+
+
+# -- MatMul + bias row ---------------------------------------------------------------------------
+def _linear_model(*, bias_first: bool = False, gelu: bool = False, bias_shape: tuple[int, ...] = (12,),
+                  product_read_elsewhere: bool = False, bias_input: bool = False) -> onnx.ModelProto:
+    """``y = [Gelu](x @ W + b)``, x (2, 5, 16): ``nn.Linear`` on a 3-D input as exported."""
+    rng = np.random.default_rng(5)
+    consts = [_const("w", rng.standard_normal((C, 12)) * 0.3)]
+    inputs = [tensor_info("x", [2, 5, C])]
+    if bias_input:
+        inputs.append(tensor_info("b", list(bias_shape)))
+    else:
+        consts.append(_const("b", rng.standard_normal(bias_shape)))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]),
+             helper.make_node("Add", ["b", "p"] if bias_first else ["p", "b"], ["s" if gelu else "y"])]
+    if gelu:
+        nodes.append(helper.make_node("Gelu", ["s"], ["y"], domain=""))
+    outputs = [tensor_info("y", None)] + ([tensor_info("p", None)] if product_read_elsewhere else [])
+    return make_model(nodes, inputs, outputs, consts, opset=20 if gelu else 17)
+
+
+def _linear_run(proto: onnx.ModelProto, feeds: dict, fused: bool = True, backend: str = "cpu") -> tuple[ai.Model, np.ndarray]:
+    from asyncinfer.loader import optimize
+
+    passes = list(optimize.PASSES)
+    if not fused:
+        optimize.PASSES[:] = [p for p in passes if p[0] != "fuse_matmul_bias"]
+    try:
+        model = ai.load_model(proto)
+    finally:
+        optimize.PASSES[:] = passes
+    with ai.Worker(model, backend) as worker:
+        return model, worker.run_blocking(feeds)["y"]
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_matmul_and_bias_row_fuse_with_the_unfused_bits(bias_first, gelu):
+    proto = _linear_model(bias_first=bias_first, gelu=gelu)
+    feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32)}
+    model, got = _linear_run(proto, feeds)
+    assert model.optimizations["fuse_matmul_bias"] == 1
+    assert [l.kind for l in model.layers] == ["MatMulBias+Gelu" if gelu else "MatMulBias"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["MatMul", "Add"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got, _linear_run(proto, feeds, fused=False)[1])
+
+
+@pytest.mark.parametrize("variant", [dict(bias_shape=(1, 12)), dict(product_read_elsewhere=True),
+                                     dict(bias_input=True)])
+def test_matmul_and_add_that_are_not_a_bias_row_are_left_alone(variant):
+    proto = _linear_model(**variant)
+    feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32)}
+    if variant.get("bias_input"):
+        feeds["b"] = RNG.standard_normal(12).astype(np.float32)
+    model, got = _linear_run(proto, feeds)
+    assert model.optimizations["fuse_matmul_bias"] == 0
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_matmul_bias_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    require_pixel()
+    proto = _linear_model()
+    feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32)}
+    model, got = _linear_run(proto, feeds, backend="gpu_pixel")
+    assert model.optimizations["fuse_matmul_bias"] == 1
+    with ai.Worker(model, "gpu_pixel") as worker:
+        assert not worker.placement.fallback and set(worker.placement.layers.values()) == {"gpu_pixel"}
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
