@@ -779,18 +779,20 @@ def _se_model(style: str = "mobilenet", *, gate_first: bool = False, pool_read_e
     return make_model(nodes, [tensor_info("x", [batch, 3, 9, 11])], outputs, consts)
 
 
-def _se_run(proto: onnx.ModelProto, x: np.ndarray, fused: bool = True, backend: str = "cpu") -> tuple[ai.Model, np.ndarray]:
+def _load_and_run(proto: onnx.ModelProto, feeds: dict, *, without: str | None = None,
+                  backend: str = "cpu") -> tuple[ai.Model, np.ndarray]:
+    """Load ``proto`` (with the optimizer pass ``without`` left out) and run it on ``backend``:
+    the model and its output ``y``."""
     from asyncinfer.loader import optimize
 
     passes = list(optimize.PASSES)
-    if not fused:
-        optimize.PASSES[:] = [p for p in passes if p[0] != "fuse_squeeze_excite"]
+    optimize.PASSES[:] = [p for p in passes if p[0] != without]
     try:
         model = ai.load_model(proto)
     finally:
         optimize.PASSES[:] = passes
     with ai.Worker(model, backend) as worker:
-        return model, worker.run_blocking(x)["y"]
+        return model, worker.run_blocking(feeds)["y"]
 
 
 @pytest.mark.parametrize("style", ["mobilenet", "efficientnet"])
@@ -798,13 +800,13 @@ def _se_run(proto: onnx.ModelProto, x: np.ndarray, fused: bool = True, backend: 
 def test_squeeze_excite_fuses_and_gives_the_unfused_bits(style, gate_first):
     proto = _se_model(style, gate_first=gate_first)
     x = RNG.standard_normal((1, 3, 9, 11)).astype(np.float32)
-    model, got = _se_run(proto, x)
+    model, got = _load_and_run(proto, {"x": x})
     assert model.optimizations["fuse_squeeze_excite"] == 1
     fused = [l for l in model.layers if l.op_type == "SqueezeExcite"]
     assert len(fused) == 1 and [l.op_type for l in fused[0].expansion] == ["GlobalAveragePool", "Conv", "Conv", "Mul"]
     assert not any(l.op_type == "GlobalAveragePool" for l in model.layers)
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
-    unfused_model, unfused = _se_run(proto, x, fused=False)
+    unfused_model, unfused = _load_and_run(proto, {"x": x}, without="fuse_squeeze_excite")
     assert "fuse_squeeze_excite" not in unfused_model.optimizations  # (the pass left out)
     np.testing.assert_array_equal(got, unfused)  # one image: each step as the layer it replaces
 
@@ -812,17 +814,18 @@ def test_squeeze_excite_fuses_and_gives_the_unfused_bits(style, gate_first):
 def test_squeeze_excite_of_a_batch_matches_the_definition():
     proto = _se_model("efficientnet", batch="N")
     x = RNG.standard_normal((5, 3, 9, 11)).astype(np.float32)
-    model, got = _se_run(proto, x)
+    model, got = _load_and_run(proto, {"x": x})
     assert model.optimizations["fuse_squeeze_excite"] == 1
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, _se_run(proto, x, fused=False)[1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, _load_and_run(proto, {"x": x}, without="fuse_squeeze_excite")[1], rtol=1e-6,
+                               atol=1e-7)
 
 
 @pytest.mark.parametrize("variant", [dict(pool_read_elsewhere=True), dict(group=2), dict(clip_bounds=True)])
 def test_squeeze_excite_that_is_not_exactly_the_block_is_left_alone(variant):
     proto = _se_model(**variant)
     x = RNG.standard_normal((1, 3, 9, 11)).astype(np.float32)
-    model, got = _se_run(proto, x)
+    model, got = _load_and_run(proto, {"x": x})
     assert model.optimizations["fuse_squeeze_excite"] == 0
     assert any(l.op_type == "GlobalAveragePool" for l in model.layers)
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
@@ -862,31 +865,17 @@ def _linear_model(*, bias_first: bool = False, gelu: bool = False, bias_shape: t
     return make_model(nodes, inputs, outputs, consts, opset=20 if gelu else 17)
 
 
-def _linear_run(proto: onnx.ModelProto, feeds: dict, fused: bool = True, backend: str = "cpu") -> tuple[ai.Model, np.ndarray]:
-    from asyncinfer.loader import optimize
-
-    passes = list(optimize.PASSES)
-    if not fused:
-        optimize.PASSES[:] = [p for p in passes if p[0] != "fuse_matmul_bias"]
-    try:
-        model = ai.load_model(proto)
-    finally:
-        optimize.PASSES[:] = passes
-    with ai.Worker(model, backend) as worker:
-        return model, worker.run_blocking(feeds)["y"]
-
-
 @pytest.mark.parametrize("bias_first", [False, True])
 @pytest.mark.parametrize("gelu", [False, True])
 def test_matmul_and_bias_row_fuse_with_the_unfused_bits(bias_first, gelu):
     proto = _linear_model(bias_first=bias_first, gelu=gelu)
     feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32)}
-    model, got = _linear_run(proto, feeds)
+    model, got = _load_and_run(proto, feeds)
     assert model.optimizations["fuse_matmul_bias"] == 1
     assert [l.kind for l in model.layers] == ["MatMulBias+Gelu" if gelu else "MatMulBias"]
     assert [l.op_type for l in model.layers[0].expansion] == ["MatMul", "Add"]
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got, _linear_run(proto, feeds, fused=False)[1])
+    np.testing.assert_array_equal(got, _load_and_run(proto, feeds, without="fuse_matmul_bias")[1])
 
 
 @pytest.mark.parametrize("variant", [dict(bias_shape=(1, 12)), dict(product_read_elsewhere=True),
@@ -896,7 +885,7 @@ def test_matmul_and_add_that_are_not_a_bias_row_are_left_alone(variant):
     feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32)}
     if variant.get("bias_input"):
         feeds["b"] = RNG.standard_normal(12).astype(np.float32)
-    model, got = _linear_run(proto, feeds)
+    model, got = _load_and_run(proto, feeds)
     assert model.optimizations["fuse_matmul_bias"] == 0
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
 
@@ -905,7 +894,7 @@ def test_matmul_bias_on_gpu_pixel_runs_the_layers_it_replaced_there():
     require_pixel()
     proto = _linear_model()
     feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32)}
-    model, got = _linear_run(proto, feeds, backend="gpu_pixel")
+    model, got = _load_and_run(proto, feeds, backend="gpu_pixel")
     assert model.optimizations["fuse_matmul_bias"] == 1
     with ai.Worker(model, "gpu_pixel") as worker:
         assert not worker.placement.fallback and set(worker.placement.layers.values()) == {"gpu_pixel"}

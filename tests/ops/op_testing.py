@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import onnx
@@ -161,6 +162,33 @@ class TeamRuns:
             self.shared += ran
             return ran
         self.team.try_run = counted
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        """Within the block, the team is claimed by another poster: kernels find it busy."""
+        assert self.team.claim() is not None
+        try:
+            yield
+        finally:
+            self.team.release()
+
+
+def assert_fused_activation_bits(conv: Any, x: np.ndarray, w: np.ndarray, b: np.ndarray, activation: str) -> None:
+    """The conv op ``conv`` with ``activation`` fused (run twice: the full way, then the short way
+    planned once) gives the very bits of the conv followed by the activation op, on ``x`` with
+    NaN and infinities strewn in (as on the pool's threads, they are values, not warnings)."""
+    x = x * 3
+    x.flat[::17] = np.nan
+    x.flat[5::29] = np.inf
+    x.flat[7::31] = -np.inf
+    act, extras = activation_op(activation)
+    with np.errstate(all="ignore"):
+        fused = conv(x, w, b, activations=[(act, extras)])[0]
+        separate = act(conv(x, w, b)[0], *extras)[0]
+        again = conv(x, w, b, activations=[(act, extras)])[0]
+    np.testing.assert_array_equal(fused, separate)
+    np.testing.assert_array_equal(again, fused)
+    assert np.isnan(fused).any()
 
 
 @contextmanager

@@ -17,7 +17,7 @@ import pytest
 from asyncinfer.ops import conv, conv_direct
 from asyncinfer.ops.compiled.direct import LANES
 
-from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, randn, reference_run, spin_team_bound
+from .op_testing import EPILOGUE_ACTIVATIONS, assert_fused_activation_bits, make_op, randn, reference_run, spin_team_bound
 
 # name: (x shape, output channels, kernel, strides, pads)
 CASES = {
@@ -84,13 +84,9 @@ def test_shared_with_the_spin_team_gives_the_same_bits(name, helpers, rng, monke
 def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
     monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
     x, w, b, attrs = _operands("resnet_stem", rng)
-    with spin_team_bound(1) as runs:
+    with spin_team_bound(1) as runs, runs.busy():
         plan = _plan(x, w, b, attrs)
-        assert runs.team.claim() is not None  # (busy until released)
-        try:
-            got = conv_direct.run_direct(plan, x)
-        finally:
-            runs.team.release()
+        got = conv_direct.run_direct(plan, x)
     assert len(plan.parts) == 2 and runs.shared == 0
     np.testing.assert_array_equal(got, conv_direct.run_direct(dataclasses.replace(plan, team=False), x))
 
@@ -101,19 +97,7 @@ def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, 
     """Bias and activation in the register blocks (Relu, Clip, LeakyRelu) or after the store (the
     others) equal the conv followed by the activation op, bit for bit, NaN and infinities included."""
     x, w, b, attrs = _operands(name, rng)
-    x = x * 3
-    x.flat[::17] = np.nan
-    x.flat[5::29] = np.inf
-    x.flat[7::31] = -np.inf
-    conv_op = make_op("Conv", attrs, n_inputs=3)
-    act, extras = activation_op(activation)
-    with np.errstate(all="ignore"):  # as on the pool's threads: NaN and inf are values in ONNX
-        fused = conv_op(x, w, b, activations=[(act, extras)])[0]
-        separate = act(conv_op(x, w, b)[0], *extras)[0]
-        again = conv_op(x, w, b, activations=[(act, extras)])[0]  # (the conv's short way, planned once)
-    np.testing.assert_array_equal(fused, separate)
-    np.testing.assert_array_equal(again, fused)
-    assert np.isnan(fused).any()
+    assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
 
 
 def test_which_convs_take_the_direct_kernel():

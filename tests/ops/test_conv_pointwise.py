@@ -18,7 +18,8 @@ from asyncinfer.ops import conv, conv_pointwise
 from asyncinfer.ops.compiled import pointwise
 from asyncinfer.ops.epilogue import NO_ACTIVATION, Epilogue
 
-from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, randn, reference_run, spin_team_bound
+from .op_testing import (EPILOGUE_ACTIVATIONS, activation_op, assert_fused_activation_bits, make_op, randn, reference_run,
+                         spin_team_bound)
 
 # name: (x shape, output channels, strides, group)
 CASES = {
@@ -113,13 +114,9 @@ def test_parts_are_images_then_panels_then_channel_bands(kernel, rng, monkeypatc
 def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
     monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
     x, w, b, attrs = _operands("many_channels", rng)
-    with spin_team_bound(1) as runs:
+    with spin_team_bound(1) as runs, runs.busy():
         plan = _plan(x, w, b, attrs)
-        assert runs.team.claim() is not None  # (busy until released)
-        try:
-            got = conv_pointwise.run_pointwise(plan, x)
-        finally:
-            runs.team.release()
+        got = conv_pointwise.run_pointwise(plan, x)
     assert len(plan.parts) == 2 and runs.shared == 0
     np.testing.assert_array_equal(got, conv_pointwise.run_pointwise(dataclasses.replace(plan, team=False), x))
     np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
@@ -131,20 +128,9 @@ def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, 
     """Bias and activation in the register blocks (Relu, Clip, LeakyRelu) or after the store (the
     others) equal the conv followed by the activation op, bit for bit, NaN and infinities included."""
     x, w, b, attrs = _operands(name, rng)
-    x = x * 3
-    x.flat[::17] = np.nan
-    x.flat[5::29] = np.inf
-    x.flat[7::31] = -np.inf
-    conv = make_op("Conv", attrs, n_inputs=3)
     act, extras = activation_op(activation)
     assert Epilogue.of([(act, extras)], np.dtype(np.float32)) is not None
-    with np.errstate(all="ignore"):  # as on the pool's threads: NaN and inf are values in ONNX
-        fused = conv(x, w, b, activations=[(act, extras)])[0]
-        separate = act(conv(x, w, b)[0], *extras)[0]
-        again = conv(x, w, b, activations=[(act, extras)])[0]  # (the conv's short way, planned once)
-    np.testing.assert_array_equal(fused, separate)
-    np.testing.assert_array_equal(again, fused)
-    assert np.isnan(fused).any()
+    assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
 
 
 def test_negative_zero_and_nan_pass_relu_as_in_the_op(rng):
