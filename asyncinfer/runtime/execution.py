@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..backends.base import HOST, Step, StepKind, kernel_error
+from ..backends.base import HOST, StepKind, kernel_error
 from ..concurrency.bridge import wait_done
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError, DisposedError, ExecutionError
