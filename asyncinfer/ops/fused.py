@@ -15,7 +15,7 @@ from .base import Op
 from .cache_append import concat_growing
 from .compiled.attention import attention_heads, head_arguments, masked_attention
 from .compiled.normalization import softmax_rows
-from .epilogue import NO_ACTIVATION, Activations, Epilogue, apply_activations
+from .epilogue import NO_ACTIVATION, Epilogue, apply_activations
 from .linalg import Gemm, MatMul, constant_panels, matmul
 from .pool import global_average
 from .registry import create, register
@@ -495,6 +495,8 @@ class SqueezeExcite(Op):
         if len(convs) != 2 or len(self.layer.inputs) != 5:
             self.unsupported("a SqueezeExcite layer is made by the loader from a pool, two convs and a Mul")
         self.activations = [tuple((create(f, self.limits), []) for f in conv.fused) for conv in convs]
+        # each conv's float32 bias-and-activation epilogue, made once (None: applied after)
+        self.epilogues = [Epilogue.of(activations, np.dtype(np.float32)) for activations in self.activations]
 
     def run(self, x: np.ndarray, w1: np.ndarray, b1: np.ndarray | None, w2: np.ndarray,
             b2: np.ndarray | None) -> np.ndarray:
@@ -502,14 +504,14 @@ class SqueezeExcite(Op):
             raise op_error(self, f"input of shape {x.shape} does not fit weights of shapes {w1.shape} and {w2.shape}")
         n, c = x.shape[:2]
         pooled = global_average(x).reshape(n, c).T  # (C, N): the pooled images as columns
-        gate = self._conv(self._conv(pooled, w1, b1, self.activations[0]), w2, b2, self.activations[1])
+        gate = self._conv(self._conv(pooled, w1, b1, 0), w2, b2, 1)
         return np.multiply(x, gate.T.reshape(n, c, 1, 1).astype(x.dtype, copy=False))
 
-    @staticmethod
-    def _conv(columns: np.ndarray, w: np.ndarray, b: np.ndarray | None, activations: Activations) -> np.ndarray:
-        """``act(W · columns + b)`` for columns ``(C, N)``: a 1x1 conv of N one-pixel images."""
+    def _conv(self, columns: np.ndarray, w: np.ndarray, b: np.ndarray | None, which: int) -> np.ndarray:
+        """``act(W · columns + b)`` for columns ``(C, N)``: conv ``which`` (0 or 1) of N one-pixel images."""
         y = np.matmul(w.reshape(w.shape[0], -1), np.ascontiguousarray(columns))
-        epilogue = Epilogue.of(activations, y.dtype)
+        activations = self.activations[which]
+        epilogue = self.epilogues[which] if y.dtype == np.float32 else None
         if epilogue is not None:  # (as the conv's way: no pass at all for neither bias nor activation)
             if b is not None or epilogue != NO_ACTIVATION:
                 epilogue.apply(y, np.zeros(y.shape[0], y.dtype) if b is None else np.ascontiguousarray(b, y.dtype))
