@@ -105,6 +105,8 @@ class Conv(_ConvBase):
         - Winograd, where the full way takes it;
         - a depthwise conv: its compiled loop as planned once (`conv_kernels.depthwise_plan`),
           then the activation;
+        - a float32 stem (a few input channels): the direct kernel as planned once
+          (`conv_direct`);
         - a float32 1x1 conv without padding on a map of some size: the panel GEMM as planned
           once (`conv_pointwise`);
         - a smaller 1x1 conv of one image, stride 1, no padding, one group: one GEMM, then bias
@@ -239,9 +241,9 @@ class Conv(_ConvBase):
 def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, strides: Sequence[int],
             dilations: Sequence[int], begin: Sequence[int], end: Sequence[int], out: Sequence[int],
             epilogue: Epilogue, keep: KeepWeights = keep_nothing) -> np.ndarray:
-    """2-D: depthwise on its compiled loops (`conv_kernels`), float32 1x1 on the panel GEMM
-    (`conv_pointwise`; ``keep`` keeps either's form of constant weights), any other as tiled
-    GEMM (`conv_gemm`)."""
+    """2-D: depthwise on its compiled loops (`conv_kernels`), a float32 stem on the direct kernel
+    (`conv_direct`), float32 1x1 on the panel GEMM (`conv_pointwise`; ``keep`` keeps each one's
+    form of constant weights), any other as tiled GEMM (`conv_gemm`)."""
     if w.shape[1] == 1 and group > 1:
         return epilogue.apply_inplace(depthwise2d(x, w, b, strides, dilations, begin, out, keep))
     if takes_direct(x.shape, w.shape, group, tuple(strides), tuple(dilations), tuple(out), x.dtype):
@@ -264,7 +266,8 @@ def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, 
                  keep: KeepWeights = keep_nothing) -> Callable[[np.ndarray], np.ndarray] | None:
     """`Conv._shortcut` of a float32 2-D conv (not one that took Winograd): a depthwise one as
     `conv_kernels.run_depthwise` runs its plan (its taps from ``keep``: those the full way kept),
-    then the activation; a 1x1 conv the panel GEMM takes, as planned once
+    then the activation; a stem the direct kernel takes, as planned once
+    (`conv_direct.direct_plan`); a 1x1 conv the panel GEMM takes, as planned once
     (`conv_pointwise.pointwise_plan`); a smaller 1x1 conv of one image, stride 1, no padding, one
     group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM, then bias and activation in
     place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
