@@ -116,10 +116,6 @@ class Backend(ABC):
     #: (`submit_job` and `run_now`); the runtime then schedules paths of light layers
     #: as one job, instead of one dispatch per layer.
     runs_jobs: bool = False
-    #: A backend that runs jobs may name the function computing a step's outputs on the job's
-    #: thread (``compute(step, args) -> outputs``, raising on failure): the runtime then runs a
-    #: job's plain steps through it directly, without the `StepDone` calls of `run_now`.
-    inline_compute: Callable[[Step, list], list] | None = None
 
     @abstractmethod
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Any:
@@ -139,6 +135,13 @@ class Backend(ABC):
     def run_now(self, step: Step, args: list, done: StepDone) -> None:
         """Run ``step`` synchronously on the calling thread, from inside a job this backend runs."""
         raise NotImplementedError(f"the {self.name} backend does not run jobs")
+
+    def inline_compute(self, step: Step) -> Callable[[list], list] | None:
+        """For a backend that runs jobs: the function computing ``step``'s outputs from its
+        inputs on the job's thread (raising on failure), or None. The runtime then runs a job's
+        plain steps through it directly, without the `StepDone` calls of `run_now`. Asked once
+        per step when a plan is built."""
+        return None
 
     def job_may_hold(self, kernel: Any) -> bool:
         """Whether a job (see `runs_jobs`) may run ``kernel`` with `run_now`, or the kernel needs a

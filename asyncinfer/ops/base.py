@@ -156,3 +156,16 @@ class Op:
     def __call__(self, *inputs: np.ndarray | None, **options: Any) -> tuple[np.ndarray | None, ...]:
         out = self.run(*inputs, **options)
         return out if isinstance(out, tuple) else (out,)
+
+    def bound_run(self) -> Callable[[list], list]:
+        """`run` as one callable from the list of inputs to the list of outputs: what a job
+        calls for each of its layers (no fused activations). An op whose ``run`` does per-call
+        work that its attributes settle once (an opset test, keyword arguments) may return a
+        leaner callable computing the very same outputs: it runs for every layer of every run."""
+        run = self.run
+
+        def outputs(args: list) -> list:
+            out = run(*args)
+            return list(out) if isinstance(out, tuple) else [out]
+
+        return outputs

@@ -539,6 +539,22 @@ class BinaryOp(_TableOp):
         # (most results are already arrays of A's type: no conversion call, on every layer of a run)
         return out if type(out) is np.ndarray and out.dtype == a.dtype else np.asarray(out).astype(a.dtype, copy=False)
 
+    def bound_run(self) -> Callable[[list], list]:
+        # `run` without its opset test and keyword call: half the time of a small Add (0.6 of
+        # 1.2 µs), and chains of small element-wise layers are common (decoders, streaming models)
+        if self.version < 7 or self.spec.to_bool or self.values:
+            return super().bound_run()
+        fn = self.spec.fn
+
+        def outputs(args: list) -> list:
+            a = args[0]
+            out = fn(np, a, args[1])
+            if type(out) is not np.ndarray or out.dtype != a.dtype:
+                out = np.asarray(out).astype(a.dtype, copy=False)
+            return [out]
+
+        return outputs
+
 
 class VariadicOp(_TableOp):
     """The CPU op of a variadic `Binary` entry: ``fn`` folded over the inputs (with

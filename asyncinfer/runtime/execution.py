@@ -154,14 +154,19 @@ class _SegmentJob:
             if compute is not None and not released and not execution._cancelled:
                 step = node.step
                 try:
-                    outputs = compute(step, args)
+                    outputs = compute(args)
                     if len(outputs) < step.n_outputs:
                         raise ValueError(f"kernel returned {len(outputs)} outputs for {step.n_outputs}")
                 except Exception as exc:  # noqa: BLE001 - any kernel failure becomes an ExecutionError
                     _StepDone(execution, node).fail(kernel_error(step, exc, args))
                     continue
-                if node.release:
-                    execution._release_inputs(node)
+                if node.release:  # (`_release_inputs`, its lock-free half here: it runs per layer)
+                    for ref in node.release_sole:
+                        values = futures[ref[0]].peek()  # type: ignore[union-attr]
+                        if values is not None:
+                            values[ref[1]] = RELEASED
+                    if node.release_shared:
+                        execution._release_shared(node)
                 futures[node.index].set_result(outputs)  # type: ignore[union-attr]
                 continue
             done = done_type(execution, node)
@@ -225,6 +230,7 @@ class Execution:
         self._missing = [0] * n_steps
         self._readers = dict(plan.reader_counts)
         self._lock = threading.Lock()
+        self._futures_lock = threading.Lock()  # the lock this run's layer futures share
         self._cancelled = False
         self._submitted = 0
         self._outputs: dict[str, Tensor] = {}
@@ -289,7 +295,7 @@ class Execution:
         self._submitted = len(self.plan.nodes)
 
     def _submit(self, node: Node) -> None:
-        fut = TaskFuture(label=node.layer.name)
+        fut = TaskFuture(node.layer.name, self._futures_lock)
         self.futures[node.index] = fut
         self._submitted += 1
         pending = [d for d in (self.futures[s] for s in node.sources) if not d.done()]  # type: ignore[union-attr]
@@ -301,9 +307,9 @@ class Execution:
             dep.add_done_callback(lambda _f, node=node: self._input_done(node))  # type: ignore[union-attr]
 
     def _submit_segment(self, segment: Segment) -> None:
-        futures = self.futures
+        futures, lock = self.futures, self._futures_lock
         for index, label in segment.labels:
-            futures[index] = TaskFuture(label)
+            futures[index] = TaskFuture(label, lock)
         self._submitted += len(segment.nodes)
         job = self._job_type(self, segment)
         pending = [d for d in [futures[s] for s in segment.sources] if not d.done()]  # type: ignore[union-attr]
@@ -365,8 +371,12 @@ class Execution:
             values = self.futures[ref[0]].peek()  # type: ignore[union-attr]
             if values is not None:
                 values[ref[1]] = RELEASED
-        if not node.release_shared:
-            return
+        if node.release_shared:
+            self._release_shared(node)
+
+    def _release_shared(self, node: Node) -> None:
+        """Count down the readers of the values ``node`` shares with other steps; release those
+        it read last."""
         with self._lock:
             for ref in node.release_shared:
                 left = self._readers[ref] - 1

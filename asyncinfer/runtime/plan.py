@@ -45,15 +45,16 @@ class Node:
     release_shared: list[Ref] = field(default_factory=list)
     index: int = field(init=False)     # (copies of the step's: read for every step of every run)
     layer: Layer = field(init=False)
-    #: What a job of an unprofiled run calls for this step instead of dispatching it with a
-    #: completion (`Backend.inline_compute`): None where the backend has none, for transfers, and
-    #: for kernels that need their completion's cancellation check (`Op.cancellable`).
-    inline: Callable[[Step, list], list] | None = field(init=False)
+    #: What a job of an unprofiled run calls for this step (inputs -> outputs) instead of
+    #: dispatching it with a completion (`Backend.inline_compute`): None where the backend has
+    #: none, for transfers, and for kernels that need their completion's cancellation check
+    #: (`Op.cancellable`).
+    inline: Callable[[list], list] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.index, self.layer = self.step.index, self.step.layer
         op = self.step.op
-        self.inline = self.backend.inline_compute if op is not None and not op.cancellable else None
+        self.inline = self.backend.inline_compute(self.step) if op is not None and not op.cancellable else None
 
 
 @dataclass(eq=False)

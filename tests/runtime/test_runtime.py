@@ -13,6 +13,24 @@ import asyncinfer as ai
 from conftest import BARRIERS, TEST_DOMAIN, LoopTicker, make_model, shape_arithmetic_model, tensor_info
 
 
+def _record_layer_threads(monkeypatch, record) -> None:
+    """Call ``record(step)`` on the thread that computes each CPU layer, whether a job runs it
+    inline or it is dispatched alone (patched before the worker is made: plans bind both)."""
+    import asyncinfer.backends.cpu.backend as cpu_backend
+
+    compute = cpu_backend._compute
+    monkeypatch.setattr(cpu_backend, "_compute", lambda step, args: record(step) or compute(step, args))
+    inline_compute = cpu_backend.CPUBackend.inline_compute
+
+    def recorded(backend, step):
+        inline = inline_compute(backend, step)
+        if step.activations:  # computed by `_compute`, which records it
+            return inline
+        return lambda args: record(step) or inline(args)
+
+    monkeypatch.setattr(cpu_backend.CPUBackend, "inline_compute", recorded)
+
+
 def test_schedule_returns_before_the_work_is_done(gated_model):
     model, gate = gated_model
     with ai.Worker(model, "cpu") as worker:
@@ -23,6 +41,27 @@ def test_schedule_returns_before_the_work_is_done(gated_model):
         gate.set()
         np.testing.assert_array_equal(y.readback_and_clone().numpy(), np.full((2, 3), 2, np.float32))
         assert execution.done()
+
+
+def test_futures_sharing_a_lock_complete_each_other_from_callbacks_and_waiters():
+    """A run's layer futures share one lock: a callback of one completing another, a callback
+    added to a done future, and a thread blocked in `result` all proceed (nothing holds the lock
+    while it calls out, so sharing cannot deadlock)."""
+    from asyncinfer.concurrency.future import TaskFuture
+
+    lock = threading.Lock()
+    first, second, third = (TaskFuture(name, lock) for name in ("first", "second", "third"))
+    first.add_done_callback(lambda f: second.set_result([f.result()[0] + 1]))
+    second.add_done_callback(lambda f: third.add_done_callback(lambda _: None) or third.set_result([0]))
+    seen: list = []
+    waiter = threading.Thread(target=lambda: seen.append(second.result(timeout=5)), daemon=True)
+    completer = threading.Thread(target=first.set_result, args=([1],), daemon=True)  # a deadlock: it stays alive
+    waiter.start()
+    completer.start()
+    completer.join(5)
+    waiter.join(5)
+    assert not completer.is_alive() and seen == [[2]]
+    assert third.result(timeout=0) == [0] and not lock.locked()
 
 
 def test_each_layer_is_a_future_completing_in_dependency_order(add_chain_model):
@@ -56,22 +95,17 @@ def test_independent_layers_run_in_parallel():
 def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch):
     """ASYNCINFER_CPU_LANES=1: every layer runs on one lane thread; a large GEMM still uses the
     other core through a helper thread, and the results are the same."""
-    import asyncinfer.backends.cpu.backend as cpu_backend
     from asyncinfer.ops import linalg
 
     monkeypatch.setenv("ASYNCINFER_CPU_LANES", "1")
     monkeypatch.setattr(linalg, "SPLIT_MIN_MACS", 0)
     lane_threads, part_threads = set(), set()
-    compute, run_parts = cpu_backend._compute, linalg.parallel.run_parts
-
-    def spy_compute(step, args):
-        lane_threads.add(threading.current_thread().name)
-        return compute(step, args)
+    run_parts = linalg.parallel.run_parts
 
     def spy_parts(count, part):
         return run_parts(count, lambda i: part_threads.add(threading.current_thread().name) or part(i))
 
-    monkeypatch.setattr(cpu_backend, "_compute", spy_compute)
+    _record_layer_threads(monkeypatch, lambda step: lane_threads.add(threading.current_thread().name))
     monkeypatch.setattr(linalg.parallel, "run_parts", spy_parts)
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="left"),
@@ -109,17 +143,11 @@ def test_a_serial_run_keeps_the_branches_a_layer_makes_ready_on_its_thread(monke
     makes ready run after it on its thread, each path as one job, not handed to the other lane.
     (The root waits until the whole run is scheduled: a job found ready while the scheduling
     thread still walks the plan goes to the pool from there.)"""
-    import asyncinfer.backends.cpu.backend as cpu_backend
     from asyncinfer.runtime.execution import Execution
 
     threads: dict[str, set[str]] = {}
-    compute = cpu_backend._compute
-
-    def spy_compute(step, args):
-        threads.setdefault(step.layer.name, set()).add(threading.current_thread().name)
-        return compute(step, args)
-
-    monkeypatch.setattr(cpu_backend, "_compute", spy_compute)
+    _record_layer_threads(monkeypatch, lambda step: threads.setdefault(step.layer.name, set()).add(
+        threading.current_thread().name))
     gate = helper.make_node("Rendezvous", ["x"], ["g"], domain=TEST_DOMAIN, barrier="scheduled", name="gate")
     model = _branching_model([gate], "g", length=3)  # three paths of three layers each, all fed by the root
     x = np.linspace(-2, 2, 8).astype(np.float32)
@@ -600,12 +628,8 @@ def test_a_thread_that_cannot_start_fails_the_run_and_the_worker_recovers(add_ch
 def test_a_blocking_run_runs_its_first_work_on_the_calling_thread(add_chain_model, monkeypatch):
     """run_blocking waits anyway: its thread runs the job it made ready (no hand-off to the pool
     and back); awaited and scheduled runs still run on the pool; one lane keeps its layers."""
-    import asyncinfer.backends.cpu.backend as cpu_backend
-
     threads: list[str] = []
-    compute = cpu_backend._compute
-    monkeypatch.setattr(cpu_backend, "_compute", lambda step, args: threads.append(
-        threading.current_thread().name) or compute(step, args))
+    _record_layer_threads(monkeypatch, lambda step: threads.append(threading.current_thread().name))
     x = np.zeros((1, 4), np.float32)
     with ai.Worker(ai.load_model(add_chain_model(3)), threads=2) as worker:
         np.testing.assert_array_equal(worker.run_blocking(x)["y"], np.full((1, 4), 3, np.float32))

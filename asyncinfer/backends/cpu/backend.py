@@ -26,6 +26,7 @@ current one. Light kernels still run beside them.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import deque
@@ -68,7 +69,6 @@ class CPUBackend(Backend):
 
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads or os.cpu_count() or 1)
-        self.inline_compute = _compute  # a job's layers: `run_now` without its StepDone calls
         self.lanes = min(self.threads, lanes_requested() or self.threads)
         tune_allocator()
         self._blas_single = blas.acquire()
@@ -161,6 +161,11 @@ class CPUBackend(Backend):
     def job_may_hold(self, kernel: Op) -> bool:
         # Every kernel but the GEMM-based ones while they go through the lane (`_uses_lane`).
         return not (kernel.multithreaded and self._uses_lane)
+
+    def inline_compute(self, step: Step) -> Callable[[list], list]:
+        if step.activations:
+            return functools.partial(_compute, step)
+        return step.kernel.bound_run()  # the kernel is the op (`prepare`)
 
     def run_now(self, step: Step, args: list, done: StepDone) -> None:
         # Jobs hold no kernel that needs the lane (`job_may_hold`).
