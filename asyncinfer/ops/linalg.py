@@ -61,27 +61,23 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
     if _takes_few_rows(a, b):
         return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype),
                          no_panels(a.dtype) if panels is None else panels)
-    if bias is not None:
-        y = matmul(a, b)
-        y += bias
-        return y
     parts = parallel.parts_available()
     if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
-        return np.matmul(a, b)
+        return _plus(np.matmul(a, b), bias)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     count = math.prod(batch)
     if b.shape[-2] != k:
-        return np.matmul(a, b)
+        return _plus(np.matmul(a, b), bias)
     macs = count * m * k * n
     if macs < min(TEAM_MIN_MACS, SPLIT_MIN_MACS):
-        return np.matmul(a, b)
+        return _plus(np.matmul(a, b), bias)
     y = np.empty((*batch, m, n), dtype=a.dtype)
     if (macs >= TEAM_MIN_MACS and count == 1 and a.dtype == np.float32
-            and _on_team(a.reshape(m, k), b.reshape(k, n), y.reshape(m, n))):
+            and _on_team(a.reshape(m, k), b.reshape(k, n), y.reshape(m, n), bias)):
         return y
     if macs < SPLIT_MIN_MACS:
-        return np.matmul(a, b)
+        return _plus(np.matmul(a, b), bias)
     if count >= parts:  # whole batch entries per part
         a3 = np.broadcast_to(a, (*batch, m, k)).reshape(count, m, k)
         b3 = np.broadcast_to(b, (*batch, k, n)).reshape(count, k, n)
@@ -89,7 +85,7 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
         bounds = np.linspace(0, count, parts + 1).astype(int)
         parallel.run_parts(parts, lambda i: np.matmul(a3[bounds[i]:bounds[i + 1]], b3[bounds[i]:bounds[i + 1]],
                                                       out=y3[bounds[i]:bounds[i + 1]]))
-        return y
+        return _plus(y, bias)
     # one batch entry (or a few): bands of rows or of columns, whichever keeps each part's
     # private operand the smaller one. BLAS packs the whole other operand in every part: with rows
     # split, each part packs all of B; a conv's B (im2col, K x positions) is far larger than its
@@ -109,13 +105,27 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
                 np.matmul(a3[j], b3[j, :, lo:hi], out=y3[j, :, lo:hi])
 
     parallel.run_parts(parts, band)
+    return _plus(y, bias)
+
+
+def _plus(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``y += bias`` (a row of y's width) where there is one; ``y``. Float32 rows take the
+    compiled loop (the same additions, so the same bits)."""
+    if bias is None:
+        return y
+    if (y.dtype == bias.dtype == np.float32 and y.ndim == 2 and bias.shape == (y.shape[1],)
+            and y.flags.c_contiguous and bias.flags.c_contiguous):
+        blas_call.add_bias(y, bias)
+    else:
+        y += bias
     return y
 
 
-def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray) -> bool:
-    """``y = a @ b`` (2-D float32) in bands, this thread and the CPU backend's spinning helpers
-    taking one each (rows or columns as `matmul` splits them); False, having done nothing, when
-    there is no free team or no compiled sgemm (`compiled.blas_call`)."""
+def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray | None = None) -> bool:
+    """``y = a @ b`` (2-D float32), then ``y += bias`` if given, in bands, this thread and the CPU
+    backend's spinning helpers taking one each (rows or columns as `matmul` splits them; each
+    adds the bias to its band while it is in cache); False, having done nothing, when there is
+    no free team or no compiled sgemm (`compiled.blas_call`)."""
     team = parallel.team()
     if team is None or not blas_call.available() or not (_blas_rows(a) and _blas_rows(b)):
         return False
@@ -125,18 +135,22 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray) -> bool:
     by_rows = m >= parts and (m >= n or n < parts * COLUMN_BAND_MIN)
     if not by_rows and n < parts * 16:
         return False
+    if bias is not None:
+        bias = np.ascontiguousarray(bias, np.float32).reshape(n)
     cuts = [m * i // parts for i in range(parts + 1)] if by_rows else vector_cuts(n, parts)
-    a_at, b_at, y_at = spin_team.addresses(a, b, y)[:3]
+    a_at, b_at, y_at, bias_at = spin_team.addresses(a, b, y, bias)[:4]
     lda, ldb, ldy = a.strides[0] // 4, b.strides[0] // 4, y.strides[0] // 4
     if by_rows:  # band i: rows lo:hi of a and y
         posted = [blas_call.gemm_arguments(hi - lo, n, k, a_at + lo * a.strides[0], lda, b_at, ldb,
-                                           y_at + lo * y.strides[0], ldy) for lo, hi in zip(cuts[1:], cuts[2:])]
-        own = (a[:cuts[1]], b, y[:cuts[1]])
-    else:  # columns lo:hi of b and y
-        posted = [blas_call.gemm_arguments(m, hi - lo, k, a_at, lda, b_at + lo * 4, ldb, y_at + lo * 4, ldy)
-                  for lo, hi in zip(cuts[1:], cuts[2:])]
-        own = (a, b[:, :cuts[1]], y[:, :cuts[1]])
-    return team.try_run(posted, lambda: blas_call.gemm(*own, blas_call.SGEMM, blas_call.ILP64))
+                                           y_at + lo * y.strides[0], ldy, bias_at) for lo, hi in zip(cuts[1:], cuts[2:])]
+        own = (a[:cuts[1]], b, y[:cuts[1]], bias)
+    else:  # columns lo:hi of b, y and the bias
+        posted = [blas_call.gemm_arguments(m, hi - lo, k, a_at, lda, b_at + lo * 4, ldb, y_at + lo * 4, ldy,
+                                           bias_at and bias_at + lo * 4) for lo, hi in zip(cuts[1:], cuts[2:])]
+        own = (a, b[:, :cuts[1]], y[:, :cuts[1]], None if bias is None else bias[:cuts[1]])
+    if bias is None:
+        return team.try_run(posted, lambda: blas_call.gemm(*own[:3], blas_call.SGEMM, blas_call.ILP64))
+    return team.try_run(posted, lambda: blas_call.gemm_bias(*own, blas_call.SGEMM, blas_call.ILP64))
 
 
 def vector_cuts(n: int, parts: int) -> list[int]:

@@ -64,3 +64,36 @@ def test_operands_blas_cannot_read_in_place_keep_numpy(rng, monkeypatch):
         for x, y in [(b.T, a.T), (row, b), (a.astype(np.float64), b.astype(np.float64))]:
             np.testing.assert_allclose(linalg.matmul(x, y), np.matmul(x, y), rtol=1e-5, atol=1e-5)
     assert runs.shared == 0
+
+
+@needs_sgemm
+@pytest.mark.parametrize("m, k, n, split", [(96, 40, 50, "rows"), (10, 40, 300, "columns"), (33, 17, 70, "columns")])
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_a_shared_gemm_adds_the_bias_row_in_each_band(m, k, n, split, helpers, rng, monkeypatch):
+    """``matmul(a, b, bias)`` on the team: each sharer adds its columns of the bias to its band,
+    the float32 additions of ``y += bias`` after the product, so the very bits of the unshared
+    way; the rows past a band's columns are left alone."""
+    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
+    monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 1 << 40)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    with spin_team_bound(helpers) as runs:
+        got = linalg.matmul(a, b, bias)
+        expected = linalg.matmul(a, b)  # the same bands without the bias
+    assert runs.shared == 2
+    expected += bias
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_allclose(got, a @ b + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compiled_bias_row_equals_numpys_broadcast_add(rng):
+    """`blas_call.add_bias` (float32 rows, strided), as `linalg._plus` uses it: the same bits as
+    ``y += bias``, nothing written past the view's columns."""
+    wide = rng.standard_normal((37, 70)).astype(np.float32)
+    y = wide[:, :65]
+    bias = rng.standard_normal(65).astype(np.float32)
+    expected, tail = y + bias, wide[:, 65:].copy()
+    blas_call.add_bias(y, bias)
+    np.testing.assert_array_equal(y, expected)
+    np.testing.assert_array_equal(wide[:, 65:], tail)
