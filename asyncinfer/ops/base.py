@@ -103,6 +103,10 @@ class Op:
         when it builds the layer's step."""
         self._constants = dict(constants)
 
+    def bound_constant(self, index: int) -> np.ndarray | None:
+        """The model's constant every run passes as input ``index`` (`bind_constants`), or None."""
+        return self._constants.get(index)
+
     def derived(self, name: str, inputs: Mapping[int, np.ndarray | None], work_out: Callable[[], T]) -> T:
         """``work_out()``, a form of some inputs (``inputs``: index → the value this run passed)
         that a kernel would otherwise rebuild every run (int8 weights shifted by their zero point

@@ -7,7 +7,8 @@ The small helpers at the top (axis normalisation, reading integer lists from val
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -94,6 +95,35 @@ class Size(Op):
         return np.array(np.size(data), dtype=np.int64)
 
 
+def bound_by_shape(op: Op, plan_of: Callable[[tuple[int, ...]], Any],
+                   apply: Callable[[np.ndarray, Any], np.ndarray]) -> Callable[[list], list]:
+    """`Op.bound_run` of a shape op whose result is ``apply(data, plan_of(data.shape))`` once its
+    other inputs are known: when each of them is the model's constant (or left out), the plan
+    (a reshape target, a slice index) is worked out once per input shape and kept
+    (`Op.per_shape`), not parsed from those inputs every run. A run whose operands are others
+    (or whose data is no array), and any error, takes ``op.run``: its result, or its message."""
+    names = op.layer.inputs
+    bound = tuple((i, op.bound_constant(i)) for i in range(1, len(names)) if names[i])
+    if any(value is None for _, value in bound):
+        return Op.bound_run(op)
+    run, per_shape = op.run, op.per_shape
+
+    def outputs(args: list) -> list:
+        data = args[0]
+        if type(data) is not np.ndarray:
+            return [run(*args)]
+        for i, value in bound:
+            if args[i] is not value:
+                return [run(*args)]
+        shape = data.shape
+        try:
+            return [apply(data, per_shape(("bound", shape), lambda: plan_of(shape)))]
+        except Exception:  # noqa: BLE001 - `run` raises the op's own error for these operands
+            return [run(*args)]
+
+    return outputs
+
+
 # -- reshaping ------------------------------------------------------------------------------------
 @register("Reshape", versions=(1, 5, 13, 14, 19, 21, 23, 24, 25))
 class Reshape(Op):
@@ -105,6 +135,13 @@ class Reshape(Op):
         if dims is None:
             raise op_error(self, "no target shape")
         return reshape_to(self, data, dims, bool(self.attr("allowzero", 0)))
+
+    def bound_run(self) -> Callable[[list], list]:
+        target = self.bound_constant(1)
+        if self.version < 5 or target is None:
+            return super().bound_run()
+        dims, allowzero = int_list(target), bool(self.attr("allowzero", 0))
+        return bound_by_shape(self, lambda shape: tuple(reshape_dims(shape, dims, allowzero)), _reshaped)
 
 
 def reshape_to(op: Op, data: Array, dims: list[int], allowzero: bool) -> Array:
@@ -134,6 +171,15 @@ class Flatten(Op):
             raise op_error(self, f"axis {self.attr('axis')} is out of range for rank {data.ndim}")
         return data.reshape(math.prod(data.shape[:axis]), math.prod(data.shape[axis:]))
 
+    def bound_run(self) -> Callable[[list], list]:
+        def plan_of(shape: tuple[int, ...]) -> tuple[int, int]:
+            axis = self.attr("axis")
+            axis = axis + len(shape) if axis < 0 else axis
+            if not 0 <= axis <= len(shape):
+                raise op_error(self, f"axis {self.attr('axis')} is out of range for rank {len(shape)}")
+            return math.prod(shape[:axis]), math.prod(shape[axis:])
+        return bound_by_shape(self, plan_of, _reshaped)
+
 
 @register("Squeeze", versions=(1, 11, 13, 21, 23, 24, 25))
 class Squeeze(Op):
@@ -141,13 +187,21 @@ class Squeeze(Op):
 
     def run(self, data: Array, axes: MaybeArray = None) -> Array:
         data = np.asarray(data)
+        return data.reshape(self.dims(data.shape, axes))
+
+    def dims(self, shape: tuple[int, ...], axes: MaybeArray = None) -> list[int]:
+        """The output shape for an input of ``shape``."""
         axes = input_or_attr(self, axes, "axes", since=13)
         if axes is None:
-            return data.reshape([d for d in data.shape if d != 1])
-        axes = normalize_axes(self, axes, data.ndim)
-        if any(data.shape[a] != 1 for a in axes):
-            raise op_error(self, f"cannot squeeze axes {axes} of shape {data.shape}: size is not 1")
-        return data.reshape([d for i, d in enumerate(data.shape) if i not in axes])
+            return [d for d in shape if d != 1]
+        axes = normalize_axes(self, axes, len(shape))
+        if any(shape[a] != 1 for a in axes):
+            raise op_error(self, f"cannot squeeze axes {axes} of shape {shape}: size is not 1")
+        return [d for i, d in enumerate(shape) if i not in axes]
+
+    def bound_run(self) -> Callable[[list], list]:
+        axes = self.bound_constant(1)
+        return bound_by_shape(self, lambda shape: tuple(self.dims(shape, axes)), _reshaped)
 
 
 @register("Unsqueeze", versions=(1, 11, 13, 21, 23, 24, 25))
@@ -156,13 +210,21 @@ class Unsqueeze(Op):
 
     def run(self, data: Array, axes: MaybeArray = None) -> Array:
         data = np.asarray(data)
+        return data.reshape(self.dims(data.shape, axes))
+
+    def dims(self, shape: tuple[int, ...], axes: MaybeArray = None) -> list[int]:
+        """The output shape for an input of ``shape``."""
         axes = input_or_attr(self, axes, "axes", since=13)
         if axes is None:
             raise op_error(self, "no axes")
-        out_rank = data.ndim + len(axes)
+        out_rank = len(shape) + len(axes)
         inserted = set(normalize_axes(self, axes, out_rank))
-        dims = iter(data.shape)
-        return data.reshape([1 if i in inserted else next(dims) for i in range(out_rank)])
+        dims = iter(shape)
+        return [1 if i in inserted else next(dims) for i in range(out_rank)]
+
+    def bound_run(self) -> Callable[[list], list]:
+        axes = self.bound_constant(1)
+        return bound_by_shape(self, lambda shape: tuple(self.dims(shape, axes)), _reshaped)
 
 
 @register("Expand", versions=(8, 13))
@@ -184,6 +246,15 @@ class Expand(Op):
 class Transpose(Op):
     def run(self, data: Array) -> Array:
         return transpose_by(self, np.asarray(data), self.attr("perm", None))
+
+    def bound_run(self) -> Callable[[list], list]:
+        def plan_of(shape: tuple[int, ...]) -> tuple[int, ...]:
+            perm = self.attr("perm", None)
+            if perm is None:
+                return tuple(range(len(shape) - 1, -1, -1))
+            transpose_by(self, np.empty((1,) * len(shape), np.uint8), perm)  # (checks it)
+            return tuple(int(p) % len(shape) for p in perm)
+        return bound_by_shape(self, plan_of, _transposed)
 
 
 def transpose_by(op: Op, data: Array, perm: Sequence[int] | None) -> Array:
@@ -259,6 +330,12 @@ class Slice(Op):
         data = np.asarray(data)
         return data[self.index(data.shape, starts, ends, axes, steps)]
 
+    def bound_run(self) -> Callable[[list], list]:
+        if self.version < 10:
+            return super().bound_run()
+        operands = [self.bound_constant(i) for i in range(1, 5)]
+        return bound_by_shape(self, lambda shape: self.index(shape, *operands), _take)
+
     def index(self, shape: tuple[int, ...], starts: MaybeArray = None, ends: MaybeArray = None,
               axes: MaybeArray = None, steps: MaybeArray = None) -> tuple[slice, ...]:
         """The Python slices, one per axis of ``shape``, that this Slice takes (device backends
@@ -276,6 +353,18 @@ class Slice(Op):
                 raise op_error(self, "step 0")
             index[axis] = _onnx_slice(start, end, step, shape[axis])
         return tuple(index)
+
+
+def _take(data: Array, index: tuple[slice, ...]) -> Array:
+    return data[index]
+
+
+def _reshaped(data: Array, dims: tuple[int, ...]) -> Array:
+    return data.reshape(dims)
+
+
+def _transposed(data: Array, perm: tuple[int, ...]) -> Array:
+    return data.transpose(perm)
 
 
 def _onnx_slice(start: int, end: int, step: int, dim: int) -> slice:
@@ -326,23 +415,45 @@ class Pad(Op):
         """Pad ``data`` with the array module ``xp`` (NumPy here, CuPy on gpu_compute); ``pads``,
         ``constant_value`` and ``axes`` are host values."""
         widths, constant_value = self.widths(data.ndim, pads, constant_value, axes)
-        # Negative pads crop: apply them first as a slice, then pad with the positive ones.
-        data = data[tuple(slice(max(-b, 0), data.shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))]
-        widths = [(max(b, 0), max(e, 0)) for b, e in widths]
-        self.check_allocation([s + b + e for s, (b, e) in zip(data.shape, widths)])
+        return self.padded(xp, data, widths, constant_value)
+
+    def bound_run(self) -> Callable[[list], list]:
+        if self.version < 11:
+            return super().bound_run()
+        operands = [self.bound_constant(i) for i in range(1, 4)]
         mode = self.attr("mode")
-        if mode != "constant":
-            if any((b or e) and data.shape[i] == 0 for i, (b, e) in enumerate(widths)):
-                raise op_error(self, f"mode {mode!r} cannot pad an empty axis")
-            out = _pad_by_copies(xp, data, widths, mode)
-            return xp.pad(data, widths, mode=mode) if out is None else out
-        if constant_value is None:
-            fill = "" if data.dtype == object else 0
-        else:
-            fill = np.asarray(constant_value).reshape(-1)[0]
-        out = xp.full(tuple(s + b + e for s, (b, e) in zip(data.shape, widths)), fill, dtype=data.dtype)
-        out[tuple(slice(b, b + s) for s, (b, _) in zip(data.shape, widths))] = data
-        return out
+
+        def apply(data: Array, plan: PadPlan) -> Array:
+            if plan.fill is _NUMPY_PAD:
+                return np.pad(data[plan.crop], plan.widths, mode=mode)
+            return _pad_by_plan(data, plan)
+        return bound_by_shape(self, lambda shape: self.copy_plan(shape, *self.widths(len(shape), *operands)), apply)
+
+    def padded(self, xp: Any, data: Any, widths: list[list[int]], constant_value: MaybeArray) -> Any:
+        """``data`` padded by ``widths`` (`widths`: negative ones crop) with ``constant_value``."""
+        plan = self.copy_plan(data.shape, widths, constant_value)
+        if plan.fill is _NUMPY_PAD:  # wider than one reflection or wrap
+            return xp.pad(data[plan.crop], plan.widths, mode=self.attr("mode"))
+        return _pad_by_plan(data, plan, xp)
+
+    def copy_plan(self, shape: tuple[int, ...], widths: list[list[int]], constant_value: MaybeArray) -> "PadPlan":
+        """How an input of ``shape`` is padded: the crop of negative pads, the output, and the
+        copies that fill the border (see `PadPlan`); errors name the layer."""
+        # Negative pads crop: apply them first as a slice, then pad with the positive ones.
+        crop = tuple(slice(max(-b, 0), shape[i] - max(-e, 0)) for i, (b, e) in enumerate(widths))
+        inner = tuple(len(range(*c.indices(n))) for c, n in zip(crop, shape))
+        widths = [(max(b, 0), max(e, 0)) for b, e in widths]
+        out = tuple(s + b + e for s, (b, e) in zip(inner, widths))
+        self.check_allocation(out)
+        centre = tuple(slice(b, b + s) for s, (b, _) in zip(inner, widths))
+        mode = self.attr("mode")
+        if mode == "constant":
+            fill = None if constant_value is None else np.asarray(constant_value).reshape(-1)[0]
+            return PadPlan(crop, widths, out, centre, fill, None)
+        if any((b or e) and inner[i] == 0 for i, (b, e) in enumerate(widths)):
+            raise op_error(self, f"mode {mode!r} cannot pad an empty axis")
+        copies = _border_copies(inner, widths, mode)
+        return PadPlan(crop, widths, out, centre, _NUMPY_PAD if copies is None else None, copies)
 
     def widths(self, rank: int, pads: MaybeArray = None, constant_value: MaybeArray = None,
                axes: MaybeArray = None) -> tuple[list[list[int]], MaybeArray]:
@@ -364,32 +475,66 @@ class Pad(Op):
         return widths, constant_value
 
 
-def _pad_by_copies(xp: Any, data: Any, widths: list[tuple[int, int]], mode: str) -> Any:
-    """``xp.pad(data, widths, mode)`` for ``reflect``, ``edge`` and ``wrap`` as a few slice copies
-    into one new array (None where a pad is wider than its axis allows one reflection or wrap:
-    `numpy.pad` repeats those). ``numpy.pad`` gets there through dozens of Python-level calls: 13 µs
-    on a 512-sample audio frame, against 4 here. Axis by axis, each pad copies from the centre
-    of that axis, whose other axes are already complete (earlier axes) or will be completed after."""
+#: `PadPlan.fill` of a reflect or wrap pad wider than its axis allows once: `numpy.pad` repeats it.
+_NUMPY_PAD = object()
+
+
+@dataclass(frozen=True)
+class PadPlan:
+    """`Pad.copy_plan`: ``crop`` (the slice negative pads take), ``widths`` (the positive pads),
+    the ``out`` shape, where the data goes in it (``centre``), and either ``fill`` (constant mode:
+    the value, None for the dtype's zero) or ``copies``: ``(to, from)`` index pairs within the
+    output, in order, that make a reflect, edge or wrap border out of the centre."""
+
+    crop: tuple[slice, ...]
+    widths: list[tuple[int, int]]
+    out: tuple[int, ...]
+    centre: tuple[slice, ...]
+    fill: Any
+    copies: list[tuple[tuple[slice, ...], tuple[slice, ...]]] | None
+
+
+def _border_copies(inner: tuple[int, ...], widths: list[tuple[int, int]],
+                   mode: str) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]] | None:
+    """The copies within the output that pad a centre of shape ``inner`` by ``widths`` in
+    ``mode`` (``reflect``, ``edge``, ``wrap``) as `numpy.pad` does, or None where a pad is wider
+    than its axis allows one reflection or wrap (`numpy.pad` repeats those). ``numpy.pad`` gets
+    there through dozens of Python-level calls: 13 µs on a 512-sample audio frame; these few
+    slice copies, worked out once per input shape (`Pad.bound_run`), take 2. Axis by axis, each
+    pad copies from the centre of its axis, whose other axes are already complete (earlier axes)
+    or will be completed after."""
     limit = {"reflect": 1, "edge": 0, "wrap": 0}[mode]
-    if any(max(b, e) > data.shape[i] - limit for i, (b, e) in enumerate(widths) if b or e):
+    if any(max(b, e) > inner[i] - limit for i, (b, e) in enumerate(widths) if b or e):
         return None
-    out = xp.empty(tuple(s + b + e for s, (b, e) in zip(data.shape, widths)), dtype=data.dtype)
-    out[tuple(slice(b, b + s) for s, (b, _) in zip(data.shape, widths))] = data
+    copies = []
     for axis, (b, e) in enumerate(widths):
         if not (b or e):
             continue
-        n, lead = data.shape[axis], (slice(None),) * axis  # slices of this axis, whole others
-        front, back = out[(*lead, slice(0, b))], out[(*lead, slice(b + n, None))]
-        centre = out[(*lead, slice(b, b + n))]
+        n, lead = inner[axis], (slice(None),) * axis  # slices of this axis, whole others
+        front, back = (*lead, slice(0, b)), (*lead, slice(b + n, None))
         if mode == "reflect":  # mirrored about the edge values, which are not repeated
-            front[...] = centre[(*lead, slice(b, 0, -1))]
-            back[...] = centre[(*lead, slice(n - 2, n - 2 - e if n - 2 - e >= 0 else None, -1))]
+            stop = b + n - 2 - e
+            sources = slice(2 * b, b, -1), slice(b + n - 2, stop if stop >= 0 else None, -1)
         elif mode == "edge":
-            front[...] = centre[(*lead, slice(0, 1))]
-            back[...] = centre[(*lead, slice(n - 1, n))]
+            sources = slice(b, b + 1), slice(b + n - 1, b + n)
         else:  # wrap
-            front[...] = centre[(*lead, slice(n - b, n))]
-            back[...] = centre[(*lead, slice(0, e))]
+            sources = slice(n, b + n), slice(b, b + e)
+        copies += [(front, (*lead, sources[0])), (back, (*lead, sources[1]))]
+    return copies
+
+
+def _pad_by_plan(data: Any, plan: PadPlan, xp: Any = np) -> Any:
+    """``data`` padded as `Pad.copy_plan` worked out (not for `_NUMPY_PAD` plans)."""
+    data = data[plan.crop]
+    if plan.copies is None:
+        fill = ("" if data.dtype == object else 0) if plan.fill is None else plan.fill
+        out = xp.full(plan.out, fill, dtype=data.dtype)
+        out[plan.centre] = data
+        return out
+    out = xp.empty(plan.out, dtype=data.dtype)
+    out[plan.centre] = data
+    for to, source in plan.copies:
+        out[to] = out[source]
     return out
 
 

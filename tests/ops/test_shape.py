@@ -168,7 +168,7 @@ def test_gathernd_negative_index_and_range_int() -> None:
 @pytest.mark.parametrize("mode", ["reflect", "edge", "wrap"])
 @pytest.mark.parametrize("shape", [(5,), (3, 4), (2, 3, 4), (1, 1, 3, 3)])
 def test_pad_modes_match_the_definition_on_random_pads(mode, shape):
-    """Pads that fit one reflection or wrap are slice copies (`_pad_by_copies`), wider ones go to
+    """Pads that fit one reflection or wrap are slice copies (`shape._border_copies`), wider ones go to
     numpy.pad: both must give the definition, negative pads cropping first."""
     rng = np.random.default_rng(len(shape) * 7 + len(mode))
     op = make("Pad", 19, mode=mode)

@@ -1,0 +1,89 @@
+"""`Op.bound_run`: what a job calls per layer. Shape ops whose other inputs are the model's
+constants keep their plan per input shape (`shape.bound_by_shape`); element-wise binary ops skip
+their per-run opset test. Each must give `run`'s result, fall back to `run` for operands other than
+the bound constants, and fail with `run`'s own error."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncinfer import ops
+from asyncinfer.errors import ExecutionError
+from asyncinfer.model.ir import Layer
+
+
+def bound_op(op_type: str, version: int, constants: list, **attrs) -> ops.Op:
+    """An op whose inputs after the first are ``constants`` (None: left out), bound as the
+    plan binds a model's constants."""
+    names = ["x"] + ["" if c is None else f"c{i}" for i, c in enumerate(constants, start=1)]
+    while names and names[-1] == "":
+        names.pop()
+    layer = Layer(name=f"{op_type.lower()}0", op_type=op_type, inputs=names, outputs=["y"], attrs=attrs,
+                  version=version)
+    op = ops.create(layer)
+    op.bind_constants({i: c for i, c in enumerate(constants, start=1) if c is not None})
+    return op
+
+
+def i64(*values: int) -> np.ndarray:
+    return np.array(values, np.int64)
+
+
+CASES = [
+    ("Reshape", 14, [i64(0, -1, 2)], {}, [(3, 4, 2), (1, 6, 4)]),
+    ("Reshape", 14, [i64(2, 0, 0)], {"allowzero": 1}, [(2, 0, 0)]),
+    ("Flatten", 13, [], {"axis": -2}, [(2, 3, 4), (5, 1, 2, 2)]),
+    ("Squeeze", 13, [i64(0, -1)], {}, [(1, 3, 1), (1, 5, 2, 1)]),
+    ("Squeeze", 13, [None], {}, [(1, 3, 1)]),
+    ("Unsqueeze", 13, [i64(0, -1)], {}, [(3,), (2, 5)]),
+    ("Unsqueeze", 11, [], {"axes": [1]}, [(3, 4)]),
+    ("Transpose", 13, [], {"perm": [2, 0, -2]}, [(2, 3, 4), (1, 5, 2)]),
+    ("Transpose", 13, [], {}, [(2, 3, 4), (6,)]),
+    ("Slice", 13, [i64(1, -3), i64(100, -1), i64(0, 2), i64(1, 2)], {}, [(4, 5, 6), (3, 2, 9)]),
+    ("Slice", 13, [i64(-1), i64(-100), i64(1), i64(-2)], {}, [(2, 7), (3, 1)]),
+    ("Slice", 13, [i64(0), i64(2), None, None], {}, [(5, 3)]),
+    ("Pad", 19, [i64(1, 2, 0, 3)], {"mode": "reflect"}, [(4, 5), (3, 6)]),
+    ("Pad", 19, [i64(2, -1), None, i64(-1)], {"mode": "edge"}, [(3, 4), (2, 2)]),
+    ("Pad", 19, [i64(1, 1, 2, 0), np.array(7.5, np.float32)], {"mode": "constant"}, [(2, 3), (1, 1)]),
+    ("Pad", 19, [i64(0, 3, 0, 3)], {"mode": "wrap"}, [(2, 2)]),  # wider than one wrap: numpy.pad
+    ("Add", 14, [np.array([0.5, -1, 2], np.float32)], {}, [(2, 3), (3,)]),
+]
+
+
+@pytest.mark.parametrize("op_type, version, constants, attrs, shapes", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_bound_run_gives_runs_result(op_type, version, constants, attrs, shapes, rng):
+    """The same values and shape as `run` for every input shape, twice each (the second from the
+    kept plan), and for operands equal to the constants but not them (`run` then)."""
+    op = bound_op(op_type, version, constants, **attrs)
+    bound = op.bound_run()
+    for shape in shapes:
+        x = rng.standard_normal(shape).astype(np.float32)
+        expected = op.run(x, *constants)
+        for _ in range(2):
+            (got,) = bound([x, *constants])
+            assert got.shape == expected.shape and got.dtype == expected.dtype
+            np.testing.assert_array_equal(got, expected)
+        copies = [None if c is None else c.copy() for c in constants]
+        np.testing.assert_array_equal(bound([x, *copies])[0], expected)
+
+
+@pytest.mark.parametrize("op_type, version, constants, attrs, shape", [
+    ("Reshape", 14, [i64(4, -1)], {}, (3, 3)),
+    ("Squeeze", 13, [i64(1)], {}, (2, 3)),
+    ("Unsqueeze", 13, [i64(5)], {}, (2,)),
+    ("Transpose", 13, [], {"perm": [0, 0]}, (2, 2)),
+    ("Slice", 13, [i64(0), i64(1), i64(3)], {}, (2, 2)),
+    ("Pad", 19, [i64(0, 1)], {"mode": "reflect"}, (3, 0)),
+])
+def test_a_bound_run_fails_with_runs_own_error(op_type, version, constants, attrs, shape):
+    """Operands that do not fit the data: the error `run` raises, naming the layer, never a raw
+    NumPy one."""
+    op = bound_op(op_type, version, constants, **attrs)
+    bound = op.bound_run()
+    x = np.zeros(shape, np.float32)
+    with pytest.raises(ExecutionError) as from_run:
+        op.run(x, *constants)
+    with pytest.raises(ExecutionError) as from_bound:
+        bound([x, *constants])
+    assert str(from_bound.value) == str(from_run.value) and op.layer.name in str(from_bound.value)
