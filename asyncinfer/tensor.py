@@ -19,6 +19,7 @@ from .errors import AsyncInferError, DisposedError, ExecutionError
 from .model.ir import Dim
 from .concurrency.bridge import loop_dispatcher, wait_done
 from .concurrency.future import TaskFuture
+from .concurrency.holding_gil import copy_array
 
 ReadbackCallback = Callable[[bool], Any]
 
@@ -62,6 +63,8 @@ def _copy_value(value):
         return None
     if isinstance(value, list):
         return [_copy_value(v) for v in value]
+    if type(value) is np.ndarray and value.flags.c_contiguous:
+        return copy_array(value)  # (on an event loop's thread: see concurrency/holding_gil.py)
     return np.array(value, copy=True)
 
 

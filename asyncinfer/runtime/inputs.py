@@ -20,6 +20,7 @@ from ..limits import Limits
 from ..model.ir import Model, TensorInfo
 from ..tensor import Tensor
 from ..concurrency.future import TaskFuture
+from ..concurrency.holding_gil import copy_array
 
 
 class InputShapeWarning(UserWarning):
@@ -114,8 +115,9 @@ def _input_future(info: TensorInfo, value: Any, bindings: dict[str, tuple[int, s
     if native != info.dtype:
         _check_dtype(info, native)
     _check_shape(info, array.shape, bindings)
-    # A private copy in native byte order: the caller may reuse its buffer while the run is pending.
-    return TaskFuture.completed([np.array(array, dtype=native, copy=True, order="C")], label=info.name)
+    # A private copy in native byte order: the caller may reuse its buffer while the run is pending
+    # (made keeping the GIL: on an event loop's thread, see concurrency/holding_gil.py).
+    return TaskFuture.completed([copy_array(array, native)], label=info.name)
 
 
 def _sequence_or_optional(info: TensorInfo, value: Any) -> Any:
