@@ -107,8 +107,10 @@ def bound_by_shape(op: Op, plan_of: Callable[[tuple[int, ...]], Any],
     if any(value is None for _, value in bound):
         return Op.bound_run(op)
     run, per_shape = op.run, op.per_shape
+    recent: tuple[Any, Any] = (None, None)  # the last shape and its plan: no lookup while it repeats
 
     def outputs(args: list) -> list:
+        nonlocal recent
         data = args[0]
         if type(data) is not np.ndarray:
             return [run(*args)]
@@ -117,7 +119,12 @@ def bound_by_shape(op: Op, plan_of: Callable[[tuple[int, ...]], Any],
                 return [run(*args)]
         shape = data.shape
         try:
-            return [apply(data, per_shape(("bound", shape), lambda: plan_of(shape)))]
+            known = recent  # (one read: another thread may replace it meanwhile, whole)
+            if known[0] == shape:
+                return [apply(data, known[1])]
+            plan = per_shape(("bound", shape), lambda: plan_of(shape))
+            recent = (shape, plan)
+            return [apply(data, plan)]
         except Exception:  # noqa: BLE001 - `run` raises the op's own error for these operands
             return [run(*args)]
 
