@@ -143,6 +143,11 @@ class Backend(ABC):
         per step when a plan is built."""
         return None
 
+    def job_finishing(self) -> None:
+        """(Called on the thread that runs a job, before it completes its last layer's future.)
+        The job's computing is over: a waiter that future wakes may schedule the next run before
+        this thread has left the job. By default nothing."""
+
     def job_may_hold(self, kernel: Any) -> bool:
         """Whether a job (see `runs_jobs`) may run ``kernel`` with `run_now`, or the kernel needs a
         dispatch of its own. By default only kernels that do not use every core themselves."""

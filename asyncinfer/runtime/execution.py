@@ -139,6 +139,7 @@ class _SegmentJob:
         futures = execution.futures
         done_type = execution._done_type
         inline = done_type is _StepDone
+        last = self.segment.nodes[-1]
         for node in self.segment.nodes:
             try:
                 args = [None if r is None else futures[r[0]].peek()[r[1]] for r in node.inputs]  # type: ignore[union-attr,index]
@@ -167,6 +168,8 @@ class _SegmentJob:
                             values[ref[1]] = RELEASED
                     if node.release_shared:
                         execution._release_shared(node)
+                if node is last:
+                    node.backend.job_finishing()
                 futures[node.index].set_result(outputs)  # type: ignore[union-attr]
                 continue
             done = done_type(execution, node)

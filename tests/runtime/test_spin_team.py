@@ -252,3 +252,45 @@ def test_kernels_leave_the_team_alone_while_another_pool_thread_works():
         assert backend._working == 0
     finally:
         backend.close()
+
+
+def test_a_job_that_is_finishing_no_longer_crowds_the_next():
+    """A job's thread stops counting as working once the job says it is finishing (before its last
+    layer's future wakes a waiter): the next run, started meanwhile on the other lane, still gets
+    the team, though the first thread has not left its job yet."""
+    from asyncinfer.backends.cpu.backend import CPUBackend
+
+    backend = CPUBackend(threads=2)
+    try:
+        if backend._team is None:
+            pytest.skip("BLAS is not pinned to one thread here (ASYNCINFER_BLAS_THREADS or no threadpoolctl): "
+                        "the backend keeps no team")
+        seen: list[bool] = []
+        finished = threading.Event()
+        next_looked = threading.Event()
+
+        class Finishing:
+            serial = False
+
+            def run(self) -> None:
+                backend.job_finishing()
+                backend.job_finishing()  # (twice: counted out once)
+                finished.set()
+                next_looked.wait(timeout=10)  # still inside its job
+
+        class Next:
+            serial = False
+
+            def run(self) -> None:
+                seen.append(parallel.team() is not None)
+                next_looked.set()
+
+        backend._submit(Finishing())
+        assert finished.wait(timeout=10)
+        backend._submit(Next())
+        assert next_looked.wait(timeout=10)
+        backend.close()
+        assert seen == [True]
+        assert backend._working == 0
+    finally:
+        backend.close()
