@@ -54,15 +54,15 @@ class CPUTensorData(TensorData):
         self.array = array
 
     def download(self) -> np.ndarray:
-        return _copy_value(self.array)
+        return copy_value(self.array)
 
 
-def _copy_value(value):
+def copy_value(value):
     """A caller-owned copy of a value: an array, a sequence of arrays, or None (an empty optional)."""
     if value is None:
         return None
     if isinstance(value, list):
-        return [_copy_value(v) for v in value]
+        return [copy_value(v) for v in value]
     if type(value) is np.ndarray and value.flags.c_contiguous:
         return copy_array(value)  # (on an event loop's thread: see concurrency/holding_gil.py)
     return np.array(value, copy=True)

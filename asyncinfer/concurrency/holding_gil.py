@@ -17,6 +17,9 @@ import numpy as np
 
 #: Largest copy made holding the GIL (a few hundred microseconds at memory speed).
 HOLD_GIL_MAX_BYTES = 4 << 20
+#: Most elements NumPy copies without letting go of the GIL (its threshold for releasing it is a
+#: loop of over 500): such a copy goes to NumPy, 0.3 µs where the compiled call takes 1.5-2.
+NUMPY_KEEPS_GIL_ELEMENTS = 500
 _PLAIN_KINDS = frozenset("biufc")
 
 
@@ -29,8 +32,10 @@ def _copy_bytes(destination: np.ndarray, source: np.ndarray) -> None:
 def copy_array(array: np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
     """A C-ordered copy of ``array`` as ``dtype`` (default its own): a numeric array already of
     that type, in C order and at most `HOLD_GIL_MAX_BYTES`, is copied without letting go of the
-    GIL; anything else by NumPy."""
+    GIL; anything else by NumPy (which keeps it too for `NUMPY_KEEPS_GIL_ELEMENTS` or fewer)."""
     dtype = array.dtype if dtype is None else np.dtype(dtype)
+    if array.size <= NUMPY_KEEPS_GIL_ELEMENTS:
+        return np.array(array, dtype=dtype, copy=True, order="C")
     if (array.dtype == dtype and dtype.kind in _PLAIN_KINDS and array.flags.c_contiguous
             and 0 < array.nbytes <= HOLD_GIL_MAX_BYTES):
         copy = np.empty(array.shape, dtype)

@@ -13,7 +13,7 @@ from ..backends.base import HOST, StepKind, kernel_error
 from ..concurrency.bridge import wait_done
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError, DisposedError, ExecutionError
-from ..tensor import Tensor, reraise
+from ..tensor import Tensor, copy_value, reraise
 from .plan import Node, Plan, Segment
 from .profiling import RunRecorder
 
@@ -482,10 +482,28 @@ class Execution:
     async def read_outputs(self) -> dict[str, np.ndarray]:
         """Await every output and its download to the host (never blocks the loop); caller-owned
         NumPy arrays by name. Raises the first failure."""
-        tensors = [self._tensor(name, None) for name in self.plan.output_names]
-        for tensor in self.last_first(tensors):
-            await wait_done(tensor._readback_future())
-        return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
+        plan = self.plan
+        on_host = plan.host_outputs()
+        if len(on_host) < len(plan.output_names):  # some on a device: downloaded through tensors
+            tensors = [self._tensor(name, None) for name in plan.output_names]
+            for tensor in self.last_first(tensors):
+                await wait_done(tensor._readback_future())
+            return {t.name: t._storage_now(t._readback_future()).download() for t in tensors}
+        # In host memory: each output is its step's value (what a tensor's readback would give)
+        futures = self.futures
+        for name, ref in on_host:
+            future = futures[ref[0]]
+            if future is None:
+                raise AsyncInferError(f"output {name!r} is not scheduled yet (schedule_iterable not finished)")
+            if not future.done():
+                await wait_done(future)
+        arrays = {}
+        for name, ref in on_host:
+            future = futures[ref[0]]
+            if future.failed():
+                raise reraise(future.exception(), name)
+            arrays[name] = copy_value(future.peek()[ref[1]])
+        return {name: arrays[name] for name in plan.output_names}
 
     def read_outputs_blocking(self) -> dict[str, np.ndarray]:
         """Blocking twin of [`read_outputs`][asyncinfer.Execution.read_outputs]: the outputs as caller-owned NumPy

@@ -198,6 +198,7 @@ class Plan:
         # are never released (like constants), so no run writes into them.
         self.precomputed_futures: list[tuple[int, TaskFuture]] = []
         self._futures_template: list[TaskFuture | None] | None = None  # see `run_futures`
+        self._host_outputs: list[tuple[str, Ref]] | None = None         # see `host_outputs`
         self._plan_releases()
         self.segments = self._plan_segments()
         self.placement = Placement(placement, len(transfer_names), fallback_layers, transfer_names,
@@ -284,11 +285,22 @@ class Plan:
         planned again; layers, kernels and device constants are shared."""
         plan = copy.copy(self)
         plan.__dict__.update(changes)
-        plan._futures_template = plan._serial_variant = None
+        plan._futures_template = plan._serial_variant = plan._host_outputs = None
         plan.nodes = [replace(node, release=[]) for node in self.nodes]
         plan._plan_releases()
         plan.segments = plan._plan_segments()
         return plan
+
+    def host_outputs(self) -> list[tuple[str, Ref]]:
+        """The outputs a run returns that are in host memory when their step is done (not on a
+        device), as ``(name, ref)``, the one whose step comes last first: the order to wait for
+        them in, so that the waiter usually wakes once. Worked out once."""
+        outputs = self._host_outputs
+        if outputs is None:
+            on_host = [(name, ref) for name, ref in zip(self.output_names, self.output_refs)
+                       if ref[0] >= len(self.nodes) or self.nodes[ref[0]].backend.device == HOST]
+            outputs = self._host_outputs = sorted(on_host, key=lambda item: -item[1][0])
+        return outputs
 
     def run_futures(self) -> list[TaskFuture | None]:
         """A new run's list of futures (one per source: steps, inputs, constants): None for the

@@ -25,7 +25,7 @@ def test_what_the_compiled_copy_does_not_take_numpy_copies(rng, monkeypatch):
     `HOLD_GIL_MAX_BYTES`: NumPy's copy, C-ordered, of the requested type."""
     taken, compiled = [], holding_gil._copy_bytes
     monkeypatch.setattr(holding_gil, "_copy_bytes", lambda *a: taken.append(a) or compiled(*a))
-    x = rng.standard_normal((4, 6)).astype(np.float32)
+    x = rng.standard_normal((40, 60)).astype(np.float32)  # (over NUMPY_KEEPS_GIL_ELEMENTS)
     cases = [(x.T, None), (x[:, ::2], None), (x, np.float64), (x.astype(">f4"), np.dtype("<f4")),
              (np.array(["a", "bc"]), None), (np.zeros((0, 3), np.float32), None)]
     for source, dtype in cases:
@@ -38,4 +38,16 @@ def test_what_the_compiled_copy_does_not_take_numpy_copies(rng, monkeypatch):
     assert not taken
     monkeypatch.setattr(holding_gil, "HOLD_GIL_MAX_BYTES", x.nbytes)
     np.testing.assert_array_equal(copy_array(x), x)
+    assert len(taken) == 1
+
+
+def test_a_copy_numpy_makes_holding_the_gil_is_left_to_numpy(rng, monkeypatch):
+    """Up to `NUMPY_KEEPS_GIL_ELEMENTS` elements NumPy keeps the GIL itself, and its call is cheaper."""
+    taken, compiled = [], holding_gil._copy_bytes
+    monkeypatch.setattr(holding_gil, "_copy_bytes", lambda *a: taken.append(a) or compiled(*a))
+    limit = holding_gil.NUMPY_KEEPS_GIL_ELEMENTS
+    small, large = rng.standard_normal(limit).astype(np.float32), rng.standard_normal(limit + 1).astype(np.float32)
+    np.testing.assert_array_equal(copy_array(small), small)
+    assert not taken
+    np.testing.assert_array_equal(copy_array(large), large)
     assert len(taken) == 1
