@@ -45,6 +45,8 @@ from .base import Op
 from .compiled import activations as compiled_activations
 from .elementwise import compute_dtype, float_kernel
 from .elementwise import erf as host_erf
+from .epilogue import Activations, apply_activations
+from .fused_add import fused_add
 from .registry import register
 from .shape import op_error
 
@@ -530,7 +532,13 @@ class BinaryOp(_TableOp):
         axis = axis % a.ndim if a.ndim else 0
         return b.reshape(b.shape + (1,) * (a.ndim - axis - b.ndim))
 
-    def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def run(self, a: np.ndarray, b: np.ndarray, *, activations: Activations = ()) -> np.ndarray:
+        if self.takes_activations:  # (Add) in one compiled pass where it can, else then the activations
+            out = fused_add(a, b, activations) if self.version >= 7 else None
+            if out is not None:
+                return out
+            if activations:
+                return apply_activations(self.run(a, b), activations, (a, b))
         if self.version < 7:
             b = self._legacy_align(a, b)
         out = self.spec.fn(np, a, b, **self.values)
@@ -562,12 +570,22 @@ class VariadicOp(_TableOp):
 
     spec: ClassVar[Binary]
 
-    def run(self, *xs: np.ndarray) -> np.ndarray:
+    def run(self, *xs: np.ndarray, activations: Activations = ()) -> np.ndarray:
+        if self.takes_activations:  # (Sum) of two in one compiled pass where it can, else then the activations
+            out = fused_add(xs[0], xs[1], activations) if len(xs) == 2 else None
+            if out is not None:
+                return out
+            if activations:
+                return apply_activations(self.run(*xs), activations, xs)
         dtype = xs[0].dtype
         out = functools.reduce(lambda a, b: self.spec.fn(np, a, b), xs)
         if self.spec.name == "Mean":
             out = np.divide(out, np.asarray(len(xs), dtype))
         return np.asarray(out).astype(dtype, copy=False)
+
+
+#: The binary entries whose CPU op takes its layer's fused activations (`fused_add.fused_add`).
+FUSED_ADDS = frozenset({"Add", "Sum"})
 
 
 def op_class(spec: _Entry) -> type[_TableOp]:
@@ -579,6 +597,7 @@ def op_class(spec: _Entry) -> type[_TableOp]:
         base = VariadicOp if spec.variadic else BinaryOp  # type: ignore[union-attr]
         kind = "of any number of inputs" if spec.variadic else "element-wise with broadcasting"  # type: ignore
     return type(spec.name, (base,), {"spec": spec, "elementwise_unary": getattr(spec, "activation", False),
+                                     "takes_activations": spec.name in FUSED_ADDS,
                                      "__doc__": f"ONNX {spec.name} ({kind}), generated from the element-wise "
                                                 f"table of {__name__}.", "__module__": __name__})
 

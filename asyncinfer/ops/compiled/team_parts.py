@@ -5,7 +5,8 @@ Python between parts; this one runs the parts of the kernels that split across t
 few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attention`), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
-(`pool`), a stem conv's output rows (`direct`) and a band of a GEMM (`blas_call`), told apart by
+(`pool`), a stem conv's output rows (`direct`), a band of a GEMM (`blas_call`) and a range of a
+sum (`sums`), told apart by
 the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
@@ -32,6 +33,8 @@ from .pool import PART_KIND as POOL
 from .pool import pool_part
 from .pointwise import SMALL_MAP_PART_KIND as SMALL_MAP
 from .pointwise import pointwise_part, small_map_part
+from .sums import PART_KIND as SUM
+from .sums import add_part
 
 
 @kernel
@@ -61,6 +64,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             pool_part(control)
         elif control[KIND] == DIRECT:
             direct_part(control)
+        elif control[KIND] == SUM:
+            add_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)
