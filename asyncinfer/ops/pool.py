@@ -217,6 +217,8 @@ class AveragePool(_WindowPool):
     summing = True
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim == 4 and self.per_shape(("whole", x.shape), lambda: self._whole_map(x.shape)):
+            return global_average(x)  # (ResNet's and ShuffleNet's last pool: 7x7 on a 7x7 map)
         if x.ndim == 4 and x.dtype in (np.float32, np.float64):
             total = self._compiled_2d(x)
             begin, end, out = self.per_shape(("geometry", x.shape), lambda: self._geometry(x.shape))
@@ -237,6 +239,15 @@ class AveragePool(_WindowPool):
             return total
         total /= counts
         return total
+
+    def _whole_map(self, shape: tuple[int, ...]) -> bool:
+        """Whether the one window is the whole map (no pads, no dilation): a plane's mean, one
+        pass (`global_average`) where the separable sum made two over a map too small for them."""
+        kernel = [int(k) for k in self.attr("kernel_shape")]
+        _, dilations, _ = spatial_attrs(self, len(shape) - 2, kernel)
+        begin, end, out = self._geometry(shape)
+        return (kernel == list(shape[2:]) and not any(begin) and not any(end) and all(d == 1 for d in dilations)
+                and all(o == 1 for o in out))
 
     def _geometry(self, shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]]:
         """``begin, end, out`` of the windows over an input of ``shape``."""

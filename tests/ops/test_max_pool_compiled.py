@@ -73,6 +73,32 @@ def test_average_pool_matches_reference(name, dtype, include_pad, rng, monkeypat
     np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
 
 
+WHOLE_MAP_CASES = {
+    "7x7_on_7x7": ((1, 6, 7, 7), dict(kernel_shape=[7, 7])),
+    "strided_on_5x3": ((2, 3, 5, 3), dict(kernel_shape=[5, 3], strides=[2, 2], count_include_pad=1)),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(WHOLE_MAP_CASES))
+def test_an_average_pool_over_the_whole_map_is_the_planes_mean(name, dtype, rng, monkeypatch):
+    """One window over the whole map (ResNet's last pool) is each plane's mean, no loop of windows;
+    with pads it keeps the loops."""
+    shape, attrs = WHOLE_MAP_CASES[name]
+    x = randn(rng, *shape, dtype=dtype)
+    calls = []
+    _spy_on_loops(monkeypatch, calls)
+    (got,) = make_op("AveragePool", attrs, version=19)(x)
+    (want,) = reference_run("AveragePool", [x], attrs, opset=19)
+    assert not calls
+    assert got.dtype == dtype and got.shape == want.shape == shape[:2] + (1, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
+    padded = dict(attrs, pads=[1, 1, 1, 1])
+    (got,) = make_op("AveragePool", padded, version=19)(x)
+    assert calls
+    np.testing.assert_allclose(got, reference_run("AveragePool", [x], padded, opset=19)[0], rtol=1e-5, atol=1e-7)
+
+
 def _spy_on_loops(monkeypatch, calls: list) -> None:
     names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles"}
     monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
