@@ -14,6 +14,8 @@ from onnx import TensorProto, helper
 
 from .base import Op
 from .compiled.normalization import layer_norm_rows, rms_norm_rows
+from .epilogue import Activations, apply_activations
+from .one_pass import fused_affine
 from .registry import register
 from .shape import op_error
 
@@ -69,23 +71,42 @@ class BatchNormalization(Op):
         if extra and not self.training:
             self.unsupported("running_mean/running_var outputs with training_mode=0")
 
-    def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
-            var: np.ndarray) -> np.ndarray | tuple[np.ndarray, ...]:
+    takes_activations = True  # (a float32 map's in one compiled pass: `one_pass.fused_affine`)
+
+    def run(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray, var: np.ndarray, *,
+            activations: Activations = ()) -> np.ndarray | tuple[np.ndarray, ...]:
         if self.training:
-            return self._train(x, scale, bias, mean, var)
-        return self._affine(x, scale, bias, mean, var)
+            y, *running = self._train(x, scale, bias, mean, var)
+            return (apply_activations(y, activations, (x,)) if activations else y, *running)
+        # the model's constant statistics fold once (in x's type, as the affine map applies them)
+        a, b = self.derived(f"folded-{x.dtype}", {1: scale, 2: bias, 3: mean, 4: var},
+                            lambda: tuple(v.astype(x.dtype) for v in self._folded(scale, bias, mean, var)))
+        y = fused_affine(x, a, b, activations)
+        if y is None:
+            y = self._apply(x, a, b)
+            if activations:
+                y = apply_activations(y, activations, (x,))
+        return y
+
+    def _folded(self, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
+                var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The per-channel ``a, b`` of ``x · a + b``, in float32 at least (tiny vectors)."""
+        eps = float(self.attr("epsilon"))
+        work = np.promote_types(np.result_type(scale, var), np.float32)
+        a = scale.astype(work) / np.sqrt(var.astype(work) + work.type(eps))
+        return a, bias.astype(work) - mean.astype(work) * a
+
+    @staticmethod
+    def _apply(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        shape = _channel_shape(x)
+        y = x * a.reshape(shape)
+        y += b.reshape(shape)
+        return y
 
     def _affine(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
                 var: np.ndarray) -> np.ndarray:
-        eps = float(self.attr("epsilon"))
-        # fold in float32 at least (these are tiny per-channel vectors)
-        work = np.promote_types(np.result_type(scale, var), np.float32)
-        a = scale.astype(work) / np.sqrt(var.astype(work) + work.type(eps))
-        b = bias.astype(work) - mean.astype(work) * a
-        shape = _channel_shape(x)
-        y = x * a.astype(x.dtype).reshape(shape)
-        y += b.astype(x.dtype).reshape(shape)
-        return y
+        a, b = self._folded(scale, bias, mean, var)
+        return self._apply(x, a.astype(x.dtype), b.astype(x.dtype))
 
     def _train(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
                var: np.ndarray) -> tuple[np.ndarray, ...]:

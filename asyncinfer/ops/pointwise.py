@@ -46,7 +46,7 @@ from .compiled import activations as compiled_activations
 from .elementwise import compute_dtype, float_kernel
 from .elementwise import erf as host_erf
 from .epilogue import Activations, apply_activations
-from .fused_add import fused_add
+from .one_pass import fused_add
 from .registry import register
 from .shape import op_error
 
@@ -584,7 +584,7 @@ class VariadicOp(_TableOp):
         return np.asarray(out).astype(dtype, copy=False)
 
 
-#: The binary entries whose CPU op takes its layer's fused activations (`fused_add.fused_add`).
+#: The binary entries whose CPU op takes its layer's fused activations (`one_pass.fused_add`).
 FUSED_ADDS = frozenset({"Add", "Sum"})
 
 

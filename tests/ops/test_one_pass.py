@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncinfer.ops import fused_add as fused_add_module
-from asyncinfer.ops.fused_add import TEAM_MIN_VALUES, fused_add
+from asyncinfer.ops import one_pass as fused_add_module
+from asyncinfer.ops.one_pass import TEAM_MIN_VALUES, fused_add
 
 from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, reference_run, spin_team_bound
 
@@ -105,3 +105,75 @@ def test_sum_of_three_and_old_add_take_numpy(rng):
     old_add = make_op("Add", {"broadcast": 1, "axis": 1}, version=6, n_inputs=2)
     bias = np.array([1.0, -1.0, 0.5], np.float32)
     np.testing.assert_array_equal(old_add(a, bias, activations=[relu])[0], np.maximum(a + bias, 0))
+
+
+# -- BatchNormalization: act(x · scale[c] + shift[c]) -------------------------------------------------
+def _bn_operands(rng, shape):
+    c = shape[1]
+    stats = [rng.standard_normal(c).astype(np.float32), rng.standard_normal(c).astype(np.float32),
+             rng.standard_normal(c).astype(np.float32), (rng.random(c) + 0.5).astype(np.float32)]
+    return _strewn(rng, shape), stats
+
+
+@pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
+def test_batch_norm_with_its_activation_gives_the_bits_of_the_two_ops(activation, rng):
+    x, stats = _bn_operands(rng, (2, 5, 6, 7))
+    bn = make_op("BatchNormalization", {"epsilon": 1e-3}, version=15, n_inputs=5)
+    act, extras = activation_op(activation)
+    with np.errstate(all="ignore"):
+        fused = bn(x, *stats, activations=[(act, extras)])[0]
+        separate = act(bn(x, *stats)[0], *extras)[0]
+    np.testing.assert_array_equal(fused, separate)
+    np.testing.assert_array_equal(np.signbit(fused), np.signbit(separate))
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 5, 5), (2, 3, 17), (3, 2)])
+def test_batch_norm_with_relu_matches_the_onnx_reference(shape, rng):
+    """A map (compiled pass), a 1-D map and a (N, C) input (NumPy's broadcast)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    _, stats = _bn_operands(rng, shape)
+    bn = make_op("BatchNormalization", {"epsilon": 1e-3}, version=15, n_inputs=5)
+    got = bn(x, *stats, activations=[activation_op("Relu")])[0]
+    expected = reference_run("Relu", [reference_run("BatchNormalization", [x, *stats], {"epsilon": 1e-3},
+                                                    opset=15)[0]])[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_batch_norm_shared_with_the_spin_team_gives_the_same_bits(helpers, rng):
+    x, stats = _bn_operands(rng, (1, 7, 96, 100))  # (over TEAM_MIN_VALUES; planes in parts of 2-4)
+    bn = make_op("BatchNormalization", {"epsilon": 1e-5}, version=15, n_inputs=5)
+    relu = [activation_op("Relu")]
+    with np.errstate(all="ignore"):
+        alone = bn(x, *stats, activations=relu)[0]
+        with spin_team_bound(helpers) as runs:
+            shared = bn(x, *stats, activations=relu)[0]
+    assert runs.shared == 1
+    np.testing.assert_array_equal(shared, alone)
+
+
+def test_batch_norm_outside_the_compiled_pass_is_unchanged(rng):
+    """float64 maps, views out of order and planes under MIN_PLANE take NumPy's way, then the
+    activations; the training mode applies them to its first output only."""
+    from asyncinfer.ops.one_pass import MIN_PLANE, fused_affine
+
+    x, stats = _bn_operands(rng, (1, 3, 4, 4))
+    relu = [activation_op("Relu")]
+    assert fused_affine(x, *stats[:2], relu) is not None
+    assert fused_affine(x.astype(np.float64), *stats[:2], relu) is None
+    assert fused_affine(x.transpose(0, 1, 3, 2), *stats[:2], relu) is None
+    assert fused_affine(x[:, :, :1, :MIN_PLANE - 1], *stats[:2], relu) is None
+    bn = make_op("BatchNormalization", {"epsilon": 1e-3}, version=15, n_inputs=5)
+    x64 = x.astype(np.float64)
+    stats64 = [s.astype(np.float64) for s in stats]
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(bn(x64, *stats64, activations=relu)[0],
+                                      np.maximum(bn(x64, *stats64)[0], 0))
+    training = make_op("BatchNormalization", {"epsilon": 1e-3, "training_mode": 1}, version=15, n_inputs=5,
+                       n_outputs=3)
+    y = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    fused = training(y, *stats, activations=relu)
+    plain = training(y, *stats)
+    np.testing.assert_array_equal(fused[0], np.maximum(plain[0], 0))
+    for got, want in zip(fused[1:], plain[1:]):
+        np.testing.assert_array_equal(got, want)
