@@ -3,7 +3,9 @@
 - `fused_add`: ``act(a + b)``, the CPU ops ``Add`` and ``Sum`` of two float32 maps of one shape
   (a residual connection and its ReLU);
 - `fused_affine`: ``act(x · scale[c] + shift[c])``, an inference-mode ``BatchNormalization`` of a
-  float32 map (DenseNet's BN + ReLU before each conv).
+  float32 map (DenseNet's BN + ReLU before each conv);
+- `activated`: ``act(x)``, a standalone activation layer of a float32 map (ShuffleNet's ReLU after
+  a Concat).
 
 As NumPy passes these were two or three trips through the map, on one thread. Large ones are
 shared with the CPU backend's spinning helpers: ranges of the flat arrays, or of channel planes.
@@ -11,10 +13,14 @@ Measured in ResNet-50 and DenseNet-121 on the 2-core VM: see docs/benchmarks.md.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ..concurrency import parallel
-from .compiled.one_pass import add_range, affine_arguments, affine_rows, part_arguments
+from ..concurrency.spin_team import SpinTeam
+from .compiled.one_pass import (activate_arguments, activate_range, add_range, affine_arguments, affine_rows,
+                                part_arguments)
 from .epilogue import Activations, Epilogue
 
 #: From this many values a pass is offered to the spinning helpers (about 10 µs on one core:
@@ -43,15 +49,42 @@ def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations) -> np.ndar
     out = np.empty(a.shape, np.float32)
     x, y, z = a.reshape(-1), b.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
+    numbers = np.array([av, bv], np.float64)
+    _flat_ranges(n, team, lambda lo, hi: part_arguments(x, y, z, lo, hi, kind, numbers),
+                 lambda lo, hi: add_range(x, y, z, lo, hi, kind, av, bv))
+    return out
+
+
+def activated(x: np.ndarray, activation: Activations) -> np.ndarray | None:
+    """A fresh ``act(x)`` (``activation``: one standalone activation op, as a fused one's pair), or
+    None when this is no case for the compiled pass: other than a C-contiguous float32 array, or
+    an activation the epilogue lacks."""
+    if type(x) is not np.ndarray or x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
+        return None
+    epilogue = Epilogue.of(activation, x.dtype)
+    if epilogue is None:
+        return None
+    n = x.size
+    out = np.empty(x.shape, np.float32)
+    src, dst = x.reshape(-1), out.reshape(-1)
+    kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
+    numbers = np.array([av, bv], np.float64)
+    _flat_ranges(n, parallel.team() if n >= TEAM_MIN_VALUES else None,
+                 lambda lo, hi: activate_arguments(src, dst, lo, hi, kind, numbers),
+                 lambda lo, hi: activate_range(src, dst, lo, hi, kind, av, bv))
+    return out
+
+
+def _flat_ranges(n: int, team: SpinTeam | None, post: Callable[[int, int], list[int]],
+                 own: Callable[[int, int], None]) -> None:
+    """Run ``[0, n)`` as ``own(lo, hi)`` here, in ranges shared with ``team``'s helpers (each
+    range posted as ``post(lo, hi)``) when there is one and it is free."""
     if team is not None:
         count = team.helpers + 1
         cuts = [0] + [n * i // count // ALIGN * ALIGN for i in range(1, count)] + [n]
-        numbers = np.array([av, bv], np.float64)
-        posted = [part_arguments(x, y, z, cuts[i], cuts[i + 1], kind, numbers) for i in range(1, count)]
-        if team.try_run(posted, lambda: add_range(x, y, z, cuts[0], cuts[1], kind, av, bv)):
-            return out
-    add_range(x, y, z, 0, n, kind, av, bv)
-    return out
+        if team.try_run([post(cuts[i], cuts[i + 1]) for i in range(1, count)], lambda: own(cuts[0], cuts[1])):
+            return
+    own(0, n)
 
 
 #: Fewest values a channel plane needs for `fused_affine` (a row loop over shorter planes is

@@ -46,7 +46,7 @@ from .compiled import activations as compiled_activations
 from .elementwise import compute_dtype, float_kernel
 from .elementwise import erf as host_erf
 from .epilogue import Activations, apply_activations
-from .one_pass import fused_add
+from .one_pass import activated, fused_add
 from .registry import register
 from .shape import op_error
 
@@ -500,6 +500,10 @@ class UnaryOp(_TableOp):
     def run(self, x: np.ndarray) -> np.ndarray:
         if self.spec.to_bool:
             return np.asarray(self.spec.fn(np, x, **self.values), dtype=bool)
+        if self.spec.activation:  # one compiled pass where the epilogue has this activation
+            out = activated(x, ((self, ()),))
+            if out is not None:
+                return out
         if self.spec.inplace is not None and x.dtype.kind == "f" and x.dtype.itemsize >= 4:
             # The in-place form on a copy: fewer temporaries, and the very bits of the fused form.
             return self.spec.inplace(np, np.array(x, copy=True), **self.values)

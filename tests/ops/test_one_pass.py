@@ -177,3 +177,52 @@ def test_batch_norm_outside_the_compiled_pass_is_unchanged(rng):
     np.testing.assert_array_equal(fused[0], np.maximum(plain[0], 0))
     for got, want in zip(fused[1:], plain[1:]):
         np.testing.assert_array_equal(got, want)
+
+
+# -- standalone activations: act(x) -------------------------------------------------------------------
+UNARY_ACTIVATIONS = sorted(name for name in EPILOGUE_ACTIVATIONS if not name.startswith("Clip"))
+
+
+def _numpy_way(op, x):
+    """The op's NumPy form (what it ran before the compiled pass): its in-place function on a
+    copy, or its function."""
+    if op.spec.inplace is None:
+        return op.spec.fn(np, x, **op.values)
+    return op.spec.inplace(np, np.array(x, copy=True), **op.values)
+
+
+@pytest.mark.parametrize("activation", UNARY_ACTIVATIONS)
+def test_a_standalone_activation_gives_the_bits_of_its_numpy_form(activation, rng):
+    x = _strewn(rng, (3, 4, 11, 13))
+    op, _ = activation_op(activation)
+    with np.errstate(all="ignore"):
+        got = op(x)[0]
+        expected = _numpy_way(op, x)
+    assert got.dtype == np.float32 and got.shape == x.shape and not np.shares_memory(got, x)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(expected))
+
+
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_a_standalone_activation_shared_with_the_spin_team_gives_the_same_bits(helpers, rng):
+    x = _strewn(rng, (TEAM_MIN_VALUES * 2 + 5,))
+    op, _ = activation_op("HardSwish")
+    with np.errstate(all="ignore"):
+        alone = op(x)[0]
+        with spin_team_bound(helpers) as runs:
+            shared = op(x)[0]
+    assert runs.shared == 1
+    np.testing.assert_array_equal(shared, alone)
+
+
+def test_standalone_activations_outside_the_compiled_pass(rng):
+    """float64 and views out of order keep NumPy's way."""
+    from asyncinfer.ops.one_pass import activated
+
+    x = rng.standard_normal((5, 6)).astype(np.float32)
+    relu = activation_op("Relu")
+    assert activated(x.astype(np.float64), [relu]) is None
+    assert activated(x.T, [relu]) is None
+    assert activated(x, [activation_op("Relu")] * 2) is None
+    np.testing.assert_array_equal(relu[0](x.T)[0], np.maximum(x.T, 0))
+    np.testing.assert_array_equal(relu[0](x.astype(np.float64))[0], np.maximum(x.astype(np.float64), 0))

@@ -4,6 +4,8 @@
   to its input and (ResNet, ShuffleNet) applies a ReLU: as NumPy passes, ``np.add`` read two maps
   and wrote a third, then the activation read and wrote it again. ResNet-50's 256 x 56 x 56 ones
   (3.2 MB each) took 0.6 ms apiece, a tenth of the model.
+- `activate_range`: ``act(x)``, a standalone activation layer (ShuffleNet's ReLU after a
+  Concat): NumPy copied the map, then applied the activation in place.
 - `affine_rows`: ``act(x · scale[c] + shift[c])`` over channel planes, an inference-mode
   BatchNormalization that no conv before it could take (DenseNet's pre-activation BN + ReLU on
   concatenated features): as NumPy passes, a multiply, an add and the activation, three trips
@@ -25,8 +27,8 @@ from . import inline, kernel
 from .activations import hard_sigmoid1, hard_swish1, sigmoid1, swish1
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, RELU, SIGMOID, SWISH
 
-#: The kinds of spin-team part that are an `add_range` and an `affine_rows`.
-ADD_PART_KIND, AFFINE_PART_KIND = 10, 11
+#: The kinds of spin-team part that are an `add_range`, an `affine_rows` and an `activate_range`.
+ADD_PART_KIND, AFFINE_PART_KIND, ACTIVATE_PART_KIND = 10, 11, 12
 
 _U = np.uint64
 
@@ -110,6 +112,24 @@ def add_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, a
         _activate_run(z, act, af, bf)
 
 
+@kernel(contract=False)
+def activate_range(x: np.ndarray, out: np.ndarray, lo: int, hi: int, act: int, av: float, bv: float) -> None:
+    """``out[j] = act(x[j])`` for ``j`` in ``[lo, hi)`` of the flat float32 arrays: Relu in one
+    loop, the others `CHUNK` values at a time, copied and then activated."""
+    if act == RELU:
+        src, dst = x[lo:hi], out[lo:hi]
+        for j in range(dst.size):
+            dst[_U(j)] = _relu(src[_U(j)])
+        return
+    af, bf = np.float32(av), np.float32(bv)
+    for c0 in range(lo, hi, CHUNK):
+        c1 = min(hi, c0 + CHUNK)
+        src, dst = x[c0:c1], out[c0:c1]
+        for j in range(dst.size):
+            dst[_U(j)] = src[_U(j)]
+        _activate_run(dst, act, af, bf)
+
+
 def part_arguments(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, act: int,
                    numbers: np.ndarray) -> list[int]:
     """The integers of a part `add_part` runs as ``add_range(a, b, out, lo, hi, act, *numbers)``
@@ -150,3 +170,21 @@ def affine_part(control: np.ndarray) -> None:
     out = numba.carray(address_as_pointer(control[at + 6], np.float32), (rows, width))
     numbers = numba.carray(address_as_pointer(control[at + 7], np.float64), (2,))
     affine_rows(x, scale, shift, out, control[at + 8], control[at + 9], control[at + 10], numbers[0], numbers[1])
+
+
+def activate_arguments(x: np.ndarray, out: np.ndarray, lo: int, hi: int, act: int, numbers: np.ndarray) -> list[int]:
+    """The integers of a part `activate_part` runs as ``activate_range(x, out, lo, hi, act,
+    *numbers)`` on flat float32 arrays, for `SpinTeam.try_run`; the caller keeps every array
+    alive until the part is done."""
+    return [ACTIVATE_PART_KIND, x.size, *addresses(x, out, numbers)[:3], lo, hi, act]
+
+
+@numba.njit(inline="always")
+def activate_part(control: np.ndarray) -> None:
+    """Run the `activate_range` part posted in a spin team's ``control`` row (`activate_arguments`)."""
+    at = ARGS
+    n = control[at]
+    x = numba.carray(address_as_pointer(control[at + 1], np.float32), (n,))
+    out = numba.carray(address_as_pointer(control[at + 2], np.float32), (n,))
+    numbers = numba.carray(address_as_pointer(control[at + 3], np.float64), (2,))
+    activate_range(x, out, control[at + 4], control[at + 5], control[at + 6], numbers[0], numbers[1])

@@ -6,7 +6,7 @@ few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attent
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
 (`pool`), a stem conv's output rows (`direct`), a band of a GEMM (`blas_call`) and a range of a
-sum or channel affine map (`one_pass`), told apart by
+sum, activation or channel affine map (`one_pass`), told apart by
 the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
@@ -34,8 +34,9 @@ from .pool import pool_part
 from .pointwise import SMALL_MAP_PART_KIND as SMALL_MAP
 from .pointwise import pointwise_part, small_map_part
 from .one_pass import ADD_PART_KIND as SUM
+from .one_pass import ACTIVATE_PART_KIND as ACTIVATE
 from .one_pass import AFFINE_PART_KIND as AFFINE
-from .one_pass import add_part, affine_part
+from .one_pass import activate_part, add_part, affine_part
 
 
 @kernel
@@ -69,6 +70,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             add_part(control)
         elif control[KIND] == AFFINE:
             affine_part(control)
+        elif control[KIND] == ACTIVATE:
+            activate_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)
