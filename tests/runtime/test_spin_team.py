@@ -215,9 +215,9 @@ def test_a_crowded_pool_offers_no_team():
         team.close()
 
 
-def test_kernels_leave_the_team_alone_while_another_pool_thread_works():
-    """On a CPU backend's pool, work running alone sees the team; two pieces of work at the same
-    time (concurrent requests) see none: each has a core, which a helper would only share."""
+@pytest.fixture
+def backend_with_team():
+    """A 2-thread CPU backend keeping a spin team (closed after the test)."""
     from asyncinfer.backends.cpu.backend import CPUBackend
 
     backend = CPUBackend(threads=2)
@@ -225,72 +225,71 @@ def test_kernels_leave_the_team_alone_while_another_pool_thread_works():
         if backend._team is None:
             pytest.skip("BLAS is not pinned to one thread here (ASYNCINFER_BLAS_THREADS or no threadpoolctl): "
                         "the backend keeps no team")
-        seen: list[bool] = []
-        done = threading.Semaphore(0)
-
-        class Job:
-            serial = False
-
-            def __init__(self, barrier: threading.Barrier | None):
-                self.barrier = barrier
-
-            def run(self) -> None:
-                if self.barrier is not None:
-                    self.barrier.wait(timeout=10)
-                seen.append(parallel.team() is not None)
-                if self.barrier is not None:
-                    self.barrier.wait(timeout=10)  # both looked before either leaves
-                done.release()
-
-        backend._submit(Job(None))
-        assert done.acquire(timeout=10)
-        together = threading.Barrier(2)
-        backend._submit(Job(together))
-        backend._submit(Job(together))
-        assert done.acquire(timeout=10) and done.acquire(timeout=10)
-        assert seen == [True, False, False]
-        assert backend._working == 0
+        yield backend
     finally:
         backend.close()
 
 
-def test_a_job_that_is_finishing_no_longer_crowds_the_next():
+def test_kernels_leave_the_team_alone_while_another_pool_thread_works(backend_with_team):
+    """On a CPU backend's pool, work running alone sees the team; two pieces of work at the same
+    time (concurrent requests) see none: each has a core, which a helper would only share."""
+    backend = backend_with_team
+    seen: list[bool] = []
+    done = threading.Semaphore(0)
+
+    class Job:
+        serial = False
+
+        def __init__(self, barrier: threading.Barrier | None):
+            self.barrier = barrier
+
+        def run(self) -> None:
+            if self.barrier is not None:
+                self.barrier.wait(timeout=10)
+            seen.append(parallel.team() is not None)
+            if self.barrier is not None:
+                self.barrier.wait(timeout=10)  # both looked before either leaves
+            done.release()
+
+    backend._submit(Job(None))
+    assert done.acquire(timeout=10)
+    together = threading.Barrier(2)
+    backend._submit(Job(together))
+    backend._submit(Job(together))
+    assert done.acquire(timeout=10) and done.acquire(timeout=10)
+    assert seen == [True, False, False]
+    assert backend._working == 0
+
+
+def test_a_job_that_is_finishing_no_longer_crowds_the_next(backend_with_team):
     """A job's thread stops counting as working once the job says it is finishing (before its last
     layer's future wakes a waiter): the next run, started meanwhile on the other lane, still gets
     the team, though the first thread has not left its job yet."""
-    from asyncinfer.backends.cpu.backend import CPUBackend
+    backend = backend_with_team
+    seen: list[bool] = []
+    finished = threading.Event()
+    next_looked = threading.Event()
 
-    backend = CPUBackend(threads=2)
-    try:
-        if backend._team is None:
-            pytest.skip("BLAS is not pinned to one thread here (ASYNCINFER_BLAS_THREADS or no threadpoolctl): "
-                        "the backend keeps no team")
-        seen: list[bool] = []
-        finished = threading.Event()
-        next_looked = threading.Event()
+    class Finishing:
+        serial = False
 
-        class Finishing:
-            serial = False
+        def run(self) -> None:
+            backend.job_finishing()
+            backend.job_finishing()  # (twice: counted out once)
+            finished.set()
+            next_looked.wait(timeout=10)  # still inside its job
 
-            def run(self) -> None:
-                backend.job_finishing()
-                backend.job_finishing()  # (twice: counted out once)
-                finished.set()
-                next_looked.wait(timeout=10)  # still inside its job
+    class Next:
+        serial = False
 
-        class Next:
-            serial = False
+        def run(self) -> None:
+            seen.append(parallel.team() is not None)
+            next_looked.set()
 
-            def run(self) -> None:
-                seen.append(parallel.team() is not None)
-                next_looked.set()
-
-        backend._submit(Finishing())
-        assert finished.wait(timeout=10)
-        backend._submit(Next())
-        assert next_looked.wait(timeout=10)
-        backend.close()
-        assert seen == [True]
-        assert backend._working == 0
-    finally:
-        backend.close()
+    backend._submit(Finishing())
+    assert finished.wait(timeout=10)
+    backend._submit(Next())
+    assert next_looked.wait(timeout=10)
+    backend.close()  # (waits for both jobs)
+    assert seen == [True]
+    assert backend._working == 0
