@@ -50,39 +50,39 @@ def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations) -> np.ndar
     x, y, z = a.reshape(-1), b.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
     numbers = np.array([av, bv], np.float64)
-    _flat_ranges(n, team, lambda lo, hi: part_arguments(x, y, z, lo, hi, kind, numbers),
-                 lambda lo, hi: add_range(x, y, z, lo, hi, kind, av, bv))
+    _in_ranges(n, team, ALIGN, lambda lo, hi: part_arguments(x, y, z, lo, hi, kind, numbers),
+               lambda lo, hi: add_range(x, y, z, lo, hi, kind, av, bv))
     return out
 
 
-def activated(x: np.ndarray, activation: Activations) -> np.ndarray | None:
-    """A fresh ``act(x)`` (``activation``: one standalone activation op, as a fused one's pair), or
-    None when this is no case for the compiled pass: other than a C-contiguous float32 array, or
-    an activation the epilogue lacks."""
-    if type(x) is not np.ndarray or x.dtype != np.float32 or not x.flags.c_contiguous or not x.size:
-        return None
-    epilogue = Epilogue.of(activation, x.dtype)
-    if epilogue is None:
+def activated(x: np.ndarray, epilogue: Epilogue | None) -> np.ndarray | None:
+    """A fresh ``act(x)`` (``epilogue``: a standalone activation op's, `Epilogue.of` the op alone),
+    or None when this is no case for the compiled pass: other than a C-contiguous float32 array,
+    or an activation the epilogue lacks (None)."""
+    if (epilogue is None or type(x) is not np.ndarray or x.dtype != np.float32 or not x.flags.c_contiguous
+            or not x.size):
         return None
     n = x.size
     out = np.empty(x.shape, np.float32)
     src, dst = x.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
     numbers = np.array([av, bv], np.float64)
-    _flat_ranges(n, parallel.team() if n >= TEAM_MIN_VALUES else None,
-                 lambda lo, hi: activate_arguments(src, dst, lo, hi, kind, numbers),
-                 lambda lo, hi: activate_range(src, dst, lo, hi, kind, av, bv))
+    _in_ranges(n, parallel.team() if n >= TEAM_MIN_VALUES else None, ALIGN,
+               lambda lo, hi: activate_arguments(src, dst, lo, hi, kind, numbers),
+               lambda lo, hi: activate_range(src, dst, lo, hi, kind, av, bv))
     return out
 
 
-def _flat_ranges(n: int, team: SpinTeam | None, post: Callable[[int, int], list[int]],
-                 own: Callable[[int, int], None]) -> None:
-    """Run ``[0, n)`` as ``own(lo, hi)`` here, in ranges shared with ``team``'s helpers (each
-    range posted as ``post(lo, hi)``) when there is one and it is free."""
-    if team is not None:
-        count = team.helpers + 1
-        cuts = [0] + [n * i // count // ALIGN * ALIGN for i in range(1, count)] + [n]
-        if team.try_run([post(cuts[i], cuts[i + 1]) for i in range(1, count)], lambda: own(cuts[0], cuts[1])):
+def _in_ranges(n: int, team: SpinTeam | None, align: int, post: Callable[[int, int], list[int]],
+               own: Callable[[int, int], None]) -> None:
+    """Run ``[0, n)`` as ``own(lo, hi)`` here, in ranges (starting on multiples of ``align``)
+    shared with ``team``'s helpers, each posted as ``post(lo, hi)``, when there is a team, it
+    is free and ``n`` makes a range for each."""
+    count = 1 if team is None else min(team.helpers + 1, n // align)
+    if count > 1:
+        cuts = [0] + [n * i // count // align * align for i in range(1, count)] + [n]
+        if team.try_run([post(cuts[i], cuts[i + 1]) for i in range(1, count)],  # type: ignore[union-attr]
+                        lambda: own(cuts[0], cuts[1])):
             return
     own(0, n)
 
@@ -109,14 +109,8 @@ def fused_affine(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activation
     rows = x.shape[0] * x.shape[1]
     planes, results = x.reshape(rows, width), out.reshape(rows, width)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
-    team = parallel.team() if x.size >= TEAM_MIN_VALUES and rows > 1 else None
-    if team is not None:
-        count = min(team.helpers + 1, rows)
-        cuts = [rows * i // count for i in range(count + 1)]
-        numbers = np.array([av, bv], np.float64)
-        posted = [affine_arguments(planes, scale, shift, results, cuts[i], cuts[i + 1], kind, numbers)
-                  for i in range(1, count)]
-        if team.try_run(posted, lambda: affine_rows(planes, scale, shift, results, cuts[0], cuts[1], kind, av, bv)):
-            return out
-    affine_rows(planes, scale, shift, results, 0, rows, kind, av, bv)
+    numbers = np.array([av, bv], np.float64)
+    _in_ranges(rows, parallel.team() if x.size >= TEAM_MIN_VALUES else None, 1,
+               lambda r0, r1: affine_arguments(planes, scale, shift, results, r0, r1, kind, numbers),
+               lambda r0, r1: affine_rows(planes, scale, shift, results, r0, r1, kind, av, bv))
     return out

@@ -45,7 +45,7 @@ from .base import Op
 from .compiled import activations as compiled_activations
 from .elementwise import compute_dtype, float_kernel
 from .elementwise import erf as host_erf
-from .epilogue import Activations, apply_activations
+from .epilogue import Activations, Epilogue, apply_activations
 from .one_pass import activated, fused_add
 from .registry import register
 from .shape import op_error
@@ -493,17 +493,22 @@ class _TableOp(Op):
 
 
 class UnaryOp(_TableOp):
-    """The CPU op of a `Unary` entry: its function on NumPy (narrow floats in float32)."""
+    """The CPU op of a `Unary` entry: its function on NumPy (narrow floats in float32), a
+    float32 activation in one compiled pass (`one_pass.activated`)."""
 
     spec: ClassVar[Unary]
+
+    def check(self) -> None:
+        super().check()
+        # the epilogue doing this op alone (None: not an activation it has)
+        self.epilogue = Epilogue.of(((self, ()),), np.dtype(np.float32)) if self.spec.activation else None
 
     def run(self, x: np.ndarray) -> np.ndarray:
         if self.spec.to_bool:
             return np.asarray(self.spec.fn(np, x, **self.values), dtype=bool)
-        if self.spec.activation:  # one compiled pass where the epilogue has this activation
-            out = activated(x, ((self, ()),))
-            if out is not None:
-                return out
+        out = activated(x, self.epilogue)  # one compiled pass where the epilogue has this activation
+        if out is not None:
+            return out
         if self.spec.inplace is not None and x.dtype.kind == "f" and x.dtype.itemsize >= 4:
             # The in-place form on a copy: fewer temporaries, and the very bits of the fused form.
             return self.spec.inplace(np, np.array(x, copy=True), **self.values)

@@ -221,8 +221,11 @@ def test_standalone_activations_outside_the_compiled_pass(rng):
 
     x = rng.standard_normal((5, 6)).astype(np.float32)
     relu = activation_op("Relu")
-    assert activated(x.astype(np.float64), [relu]) is None
-    assert activated(x.T, [relu]) is None
-    assert activated(x, [activation_op("Relu")] * 2) is None
+    epilogue = relu[0].epilogue
+    assert epilogue is not None and activated(x, epilogue) is not None
+    assert activated(x.astype(np.float64), epilogue) is None
+    assert activated(x.T, epilogue) is None
+    assert activated(x, None) is None
+    assert make_op("Elu").epilogue is None  # (an activation the epilogue lacks: NumPy's way)
     np.testing.assert_array_equal(relu[0](x.T)[0], np.maximum(x.T, 0))
     np.testing.assert_array_equal(relu[0](x.astype(np.float64))[0], np.maximum(x.astype(np.float64), 0))
