@@ -78,9 +78,9 @@ class BatchNormalization(Op):
         if self.training:
             y, *running = self._train(x, scale, bias, mean, var)
             return (apply_activations(y, activations, (x,)) if activations else y, *running)
-        # the model's constant statistics fold once (in x's type, as the affine map applies them)
+        # the model's constant statistics fold once
         a, b = self.derived(f"folded-{x.dtype}", {1: scale, 2: bias, 3: mean, 4: var},
-                            lambda: tuple(v.astype(x.dtype) for v in self._folded(scale, bias, mean, var)))
+                            lambda: self._folded(x.dtype, scale, bias, mean, var))
         y = fused_affine(x, a, b, activations)
         if y is None:
             y = self._apply(x, a, b)
@@ -88,13 +88,14 @@ class BatchNormalization(Op):
                 y = apply_activations(y, activations, (x,))
         return y
 
-    def _folded(self, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
+    def _folded(self, dtype: np.dtype, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
                 var: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The per-channel ``a, b`` of ``x · a + b``, in float32 at least (tiny vectors)."""
+        """The per-channel ``a, b`` of ``x · a + b``, worked out in float32 at least (tiny vectors),
+        as ``dtype`` (x's: the affine map applies them in it)."""
         eps = float(self.attr("epsilon"))
         work = np.promote_types(np.result_type(scale, var), np.float32)
         a = scale.astype(work) / np.sqrt(var.astype(work) + work.type(eps))
-        return a, bias.astype(work) - mean.astype(work) * a
+        return a.astype(dtype), (bias.astype(work) - mean.astype(work) * a).astype(dtype)
 
     @staticmethod
     def _apply(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -103,11 +104,6 @@ class BatchNormalization(Op):
         y += b.reshape(shape)
         return y
 
-    def _affine(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
-                var: np.ndarray) -> np.ndarray:
-        a, b = self._folded(scale, bias, mean, var)
-        return self._apply(x, a.astype(x.dtype), b.astype(x.dtype))
-
     def _train(self, x: np.ndarray, scale: np.ndarray, bias: np.ndarray, mean: np.ndarray,
                var: np.ndarray) -> tuple[np.ndarray, ...]:
         if x.ndim < 2:
@@ -115,7 +111,7 @@ class BatchNormalization(Op):
         work = np.promote_types(x.dtype, np.float32)
         axes = (0,) + tuple(range(2, x.ndim))
         batch_mean, batch_var = _stats(x, axes, work)
-        y = self._affine(x, scale, bias, batch_mean.reshape(-1), batch_var.reshape(-1))
+        y = self._apply(x, *self._folded(x.dtype, scale, bias, batch_mean.reshape(-1), batch_var.reshape(-1)))
         momentum = work.type(self.attr("momentum"))
         running = [(stat.astype(work) * momentum + batch.reshape(-1) * (work.type(1) - momentum)).astype(stat.dtype)
                    for stat, batch in ((mean, batch_mean), (var, batch_var))]

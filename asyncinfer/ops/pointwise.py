@@ -491,6 +491,20 @@ class _TableOp(Op):
                 self.unsupported(f"{name}={self.attr(name)!r}")
         self.values = self.spec.values(self)  # parsed once per layer; run only reads them
 
+    def _add_activated(self, operands: tuple[np.ndarray, ...], pair: bool, activations: Activations) -> np.ndarray:
+        """(``Add``, ``Sum``: `FUSED_ADDS`) The sum of ``operands`` and then ``activations``: in one
+        compiled pass when they are a ``pair`` it takes (`one_pass.fused_add`), else the op's NumPy
+        way followed by the activations."""
+        out = fused_add(operands[0], operands[1], activations) if pair else None
+        if out is not None:
+            return out
+        out = self._plain(*operands)
+        return apply_activations(out, activations, operands) if activations else out
+
+    def _plain(self, *operands: np.ndarray) -> np.ndarray:
+        """The op's NumPy way (binary ops)."""
+        raise NotImplementedError
+
 
 class UnaryOp(_TableOp):
     """The CPU op of a `Unary` entry: its function on NumPy (narrow floats in float32), a
@@ -542,12 +556,11 @@ class BinaryOp(_TableOp):
         return b.reshape(b.shape + (1,) * (a.ndim - axis - b.ndim))
 
     def run(self, a: np.ndarray, b: np.ndarray, *, activations: Activations = ()) -> np.ndarray:
-        if self.takes_activations:  # (Add) in one compiled pass where it can, else then the activations
-            out = fused_add(a, b, activations) if self.version >= 7 else None
-            if out is not None:
-                return out
-            if activations:
-                return apply_activations(self.run(a, b), activations, (a, b))
+        if self.takes_activations:  # (Add)
+            return self._add_activated((a, b), self.version >= 7, activations)
+        return self._plain(a, b)
+
+    def _plain(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:  # type: ignore[override]
         if self.version < 7:
             b = self._legacy_align(a, b)
         out = self.spec.fn(np, a, b, **self.values)
@@ -580,12 +593,11 @@ class VariadicOp(_TableOp):
     spec: ClassVar[Binary]
 
     def run(self, *xs: np.ndarray, activations: Activations = ()) -> np.ndarray:
-        if self.takes_activations:  # (Sum) of two in one compiled pass where it can, else then the activations
-            out = fused_add(xs[0], xs[1], activations) if len(xs) == 2 else None
-            if out is not None:
-                return out
-            if activations:
-                return apply_activations(self.run(*xs), activations, xs)
+        if self.takes_activations:  # (Sum)
+            return self._add_activated(xs, len(xs) == 2, activations)
+        return self._plain(*xs)
+
+    def _plain(self, *xs: np.ndarray) -> np.ndarray:
         dtype = xs[0].dtype
         out = functools.reduce(lambda a, b: self.spec.fn(np, a, b), xs)
         if self.spec.name == "Mean":
