@@ -14,16 +14,15 @@ reported per model; a disagreement never stops the run, it is flagged in the tab
     python3 bench/real_models.py [--models resnet18 bert_tiny] [--repeats 20] [--warmup 2] [--budget 20]
                                  [--threads N] [--profile] [--no-write]
 
-``--profile`` adds, per model, where the time goes: asyncinfer's kernel time per op type (each
-CPU kernel call timed) next to ORT's own profiler per op type, and the heaviest layers with their
-input shapes.
+``--profile`` adds, per model, where the time goes: asyncinfer's layer time per op type (its own
+`asyncinfer.Profile`) next to ORT's own profiler per op type, and asyncinfer's heaviest layers
+with their output shapes.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
-import contextlib
 import functools
 import gc
 import json
@@ -32,7 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -208,35 +207,23 @@ def measure_model(name: str, **kwargs: Any) -> dict[str, Any]:
 
 
 # -- profiles ---------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _timed_cpu_kernels(records: list[tuple[str, str, str, list, float]]) -> Iterator[None]:
-    """Time every kernel the CPU backend runs: (op family, kind with fused activations, layer name,
-    input shapes, seconds) appended to ``records``. A bench-only hook around the backend's compute
-    function (asyncinfer has no public profiler yet); restored on exit."""
-    from asyncinfer.backends.cpu import backend as cpu_backend
-
-    compute = cpu_backend._compute
-
-    def timed(step: Any, args: list) -> list:
-        start = time.perf_counter()
-        try:
-            return compute(step, args)
-        finally:
-            op = step.layer.op_type
-            records.append((_FAMILY.get(op, op), step.layer.kind, step.layer.name,
-                            [tuple(getattr(a, "shape", ())) for a in args if a is not None],
-                            time.perf_counter() - start))
-
-    cpu_backend._compute = timed
-    try:
-        yield
-    finally:
-        cpu_backend._compute = compute
+def _layer_records(profile: ai.Profile) -> list[tuple[str, str, str, list, float]]:
+    """The layers a `Profile` recorded: (op family, op type with fused activations, layer name,
+    output shapes, seconds)."""
+    records = []
+    for r in profile.records:
+        if r.kind != "layer":
+            continue
+        base = r.op_type.split("+", 1)[0]
+        records.append((_FAMILY.get(base, base), r.op_type, r.layer, [tuple(s) for s in r.output_shapes],
+                        r.duration_ns * 1e-9))
+    return records
 
 
 # Op types compared as one family: ORT rewrites MatMul+Add into Gemm (and back), fuses activations
 # into FusedConv/FusedGemm/FusedMatMul; asyncinfer folds activations into the layer (its "kind").
 _FAMILY = {"FusedConv": "Conv", "Gemm": "MatMul/Gemm", "FusedGemm": "MatMul/Gemm", "MatMul": "MatMul/Gemm",
+           "MatMulBias": "MatMul/Gemm",
            "FusedMatMul": "MatMul/Gemm"}
 
 
@@ -293,7 +280,7 @@ def _top_layers(records: Sequence[tuple], runs: int, n: int = 6) -> list[dict[st
         entry = per_layer.setdefault(name, [kind, shapes, 0.0])
         entry[2] += _ms(seconds) / runs
     top = sorted(per_layer.items(), key=lambda kv: -kv[1][2])[:n]
-    return [{"layer": name, "kind": kind, "input_shapes": [list(s) for s in shapes], "ms": ms}
+    return [{"layer": name, "kind": kind, "shapes": [list(s) for s in shapes], "ms": ms}
             for name, (kind, shapes, ms) in top]
 
 
@@ -306,14 +293,14 @@ def profile_model(worker: ai.Worker, model: ai.Model, path: Path, inputs: Mappin
     they replace. ``overhead_ms`` is asyncinfer's wall time beyond its kernel time (scheduling,
     Python, idle threads; negative when layers overlap on the pool).
     """
-    records: list[tuple] = []
+    profile = ai.Profile("bench")
     walls = []
     worker.run_blocking(dict(inputs))
-    with _timed_cpu_kernels(records):
-        for _ in range(runs):
-            start = time.perf_counter()
-            worker.run_blocking(dict(inputs))
-            walls.append(time.perf_counter() - start)
+    for _ in range(runs):
+        start = time.perf_counter()
+        worker.run_blocking(dict(inputs), profile=profile)
+        walls.append(time.perf_counter() - start)
+    records = _layer_records(profile)
     ai_ops = _by_op(records, runs)
     ort_prof = _ort_profile(path, inputs, threads, runs)
     ort_ops = _by_op(ort_prof["nodes"], runs)
@@ -410,7 +397,7 @@ def print_profile(name: str, p: dict[str, Any], top: int = 6) -> None:
                              f"{p['asyncinfer_kernel_ms']:.2f}, overhead {p['overhead_ms']:.2f}) vs ORT wall "
                              f"{p['ort_wall_ms']:.2f} ms (kernels {p['ort_kernel_ms']:.2f}); per run")
     for layer in p["top_layers"]["asyncinfer"][:TOP_LAYERS]:
-        print(f"    {layer['ms']:8.2f} ms  {layer['kind']:24s} {layer['layer']}  {layer['input_shapes']}")
+        print(f"    {layer['ms']:8.2f} ms  {layer['kind']:24s} {layer['layer']}  {layer['shapes']}")
 
 
 # -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
