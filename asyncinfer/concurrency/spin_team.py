@@ -38,6 +38,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from .aligned import aligned_bytes
 from .priority import lower_this_thread
 
 #: Rounds a helper spins after a part (a yield of the core each, past the first few) before it sleeps.
@@ -236,9 +237,9 @@ class SpinTeam:
 
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A buffer for the helpers' partial results, reused by every claim: grown as needed,
-        never shrunk. Only the parts of the caller holding the claim write to it, so a caller may
-        also take its view just before `try_run` claims the team (a view keeps its buffer alive
-        if the buffer grows meanwhile)."""
+        never shrunk, starting on a cache line. Only the parts of the caller holding the claim
+        write to it, so a caller may also take its view just before `try_run` claims the team (a
+        view keeps its buffer alive if the buffer grows meanwhile)."""
         key = (shape, dtype)
         view = self._scratch_views.get(key)
         if view is None:
@@ -247,7 +248,7 @@ class SpinTeam:
                 count *= size
             nbytes = count * np.dtype(dtype).itemsize
             if self._scratch.nbytes < nbytes:
-                self._scratch = np.empty(max(nbytes, 2 * self._scratch.nbytes), np.uint8)
+                self._scratch = aligned_bytes(max(nbytes, 2 * self._scratch.nbytes))
                 self._scratch_views.clear()  # views of the old buffer
             if len(self._scratch_views) >= 64:
                 self._scratch_views.clear()
