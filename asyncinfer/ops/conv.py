@@ -245,7 +245,7 @@ def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, stri
     (`conv_direct`), float32 1x1 on the panel GEMM (`conv_pointwise`; ``keep`` keeps each one's
     form of constant weights), any other as tiled GEMM (`conv_gemm`)."""
     if w.shape[1] == 1 and group > 1:
-        return epilogue.apply_inplace(depthwise2d(x, w, b, strides, dilations, begin, out, keep))
+        return depthwise2d(x, w, b, strides, dilations, begin, out, keep, epilogue)
     if takes_direct(x.shape, w.shape, group, tuple(strides), tuple(dilations), tuple(out), x.dtype):
         return run_direct(direct_plan(x.shape, w, b, tuple(strides), tuple(begin), tuple(out), epilogue, keep), x)
     if takes_pointwise(x.shape, w.shape, group, tuple(begin), tuple(end), tuple(out), x.dtype):
@@ -265,15 +265,15 @@ def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, 
                  out: tuple[int, ...], epilogue: Epilogue,
                  keep: KeepWeights = keep_nothing) -> Callable[[np.ndarray], np.ndarray] | None:
     """`Conv._shortcut` of a float32 2-D conv (not one that took Winograd): a depthwise one as
-    `conv_kernels.run_depthwise` runs its plan (its taps from ``keep``: those the full way kept),
-    then the activation; a stem the direct kernel takes, as planned once
+    `conv_kernels.run_depthwise` runs its plan (its taps from ``keep``: those the full way kept)
+    and the activation; a stem the direct kernel takes, as planned once
     (`conv_direct.direct_plan`); a 1x1 conv the panel GEMM takes, as planned once
     (`conv_pointwise.pointwise_plan`); a smaller 1x1 conv of one image, stride 1, no padding, one
     group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM, then bias and activation in
     place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
     if w.shape[1] == 1 and group > 1:
         plan = depthwise_plan(x_shape, np.dtype(np.float32), w, b, strides, dilations, begin, out, keep)
-        return lambda x: epilogue.apply_inplace(run_depthwise(plan, x))
+        return lambda x: run_depthwise(plan, x, epilogue)
     if takes_direct(x_shape, w.shape, group, strides, dilations, out, np.dtype(np.float32)):
         direct = direct_plan(x_shape, w, b, strides, begin, out, epilogue, keep)
         return lambda x: run_direct(direct, x)

@@ -19,7 +19,8 @@ from asyncinfer.concurrency import parallel
 from asyncinfer.ops import conv as conv_module
 from asyncinfer.ops import conv_kernels
 
-from .op_testing import make_op, randn, reference_run, spin_team_bound
+from .op_testing import (EPILOGUE_ACTIVATIONS, assert_fused_activation_bits, make_op, randn, reference_run,
+                         spin_team_bound)
 
 # name: (x shape, channel multiplier, kernel, attrs)
 DEPTHWISE_CASES = {
@@ -68,6 +69,7 @@ def _route(monkeypatch, path: str) -> list:
 
         monkeypatch.setattr(conv_kernels, name, spy)
     channels_last = path.startswith("channels_last")
+    monkeypatch.setattr(conv_kernels, "known_window_pays", lambda mult, *a: channels_last and mult == 1)
     monkeypatch.setattr(conv_kernels, "channels_last_pays", lambda mult, *a: channels_last and mult == 1)
     stride2 = path.startswith("stride2")  # whatever the width: every stride-2, undilated layer
     monkeypatch.setattr(conv_kernels, "stride2_rows_pay", lambda sw, dw, *a: stride2 and sw == 2 and dw == 1)
@@ -166,9 +168,45 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
     assert bool(calls) == name.startswith("1d")
 
 
+@pytest.mark.parametrize("kernel, stride", [(3, 1), (5, 1), (3, 2), (5, 2), (3, 3)])
+def test_channels_last_rows_of_every_block_size(kernel, stride, rng, monkeypatch):
+    """Rows of 1 to 17 outputs (blocks of 8, then one of each smaller size) through the
+    channels-last loop, whose kernel rows of 3 or 5 taps at stride 1 or 2 load each input once
+    for all the taps reading it (`depthwise_block.KNOWN_WINDOWS`), and others a load per tap."""
+    calls = _route(monkeypatch, "channels_last")
+    for wo in range(1, 18):
+        width = (wo - 1) * stride + 1  # pads of kernel // 2 on either side: wo columns out
+        x, w, b = _inputs(rng, (1, 17, 3, width), 1, (kernel, kernel))
+        _check(x, w, b, dict(strides=[1, stride], pads=[kernel // 2] * 4), rtol=1e-5, atol=1e-5)
+    assert set(calls) == {"depthwise_channels_last"}
+
+
+@pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("path", ["rows", "channels_last", "stride2", "flat"])
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, path, helpers, rng, monkeypatch):
+    """Each loop's activation (the channels-last loop's on its sums before they go back to
+    NCHW, the others' after their part is stored; alone and shared with the spinning team)
+    equals the depthwise conv followed by the activation op, bit for bit."""
+    calls = _route(monkeypatch, path)
+    monkeypatch.setattr(conv_kernels, "TEAM_MIN_MACS", 0)
+    shape, stride = ((1, 40, 9, 11), 1) if path in ("rows", "flat") else ((1, 40, 10, 12), 2)
+    x, w, b = _inputs(rng, shape, 1, (3, 3))
+    attrs = dict(strides=[stride, stride], pads=[1, 1, 1, 1], group=shape[1], kernel_shape=[3, 3])
+    if helpers:  # (the parts run compiled, `depthwise_parts`: no loop is called from Python)
+        with spin_team_bound(helpers) as runs:
+            assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
+        assert runs.shared
+    else:
+        assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
+        assert set(calls) == {_expected_loop(path, 1, attrs)}
+
+
 DISPATCH_CASES = [
-    ((1, 32, 56, 56), 3, 1, 1, "depthwise_flat"),           # unit stride: flat planes
-    ((1, 16, 20, 20), 3, 1, 1, "depthwise_flat"),           # from 20 columns out
+    ((1, 32, 56, 56), 3, 1, 1, "depthwise_channels_last"),  # 3x3: channels last, whatever the map
+    ((1, 16, 20, 20), 3, 1, 1, "depthwise_channels_last"),
+    ((1, 16, 40, 40), 4, 1, 1, "depthwise_flat"),           # other windows, unit stride: flat planes from
+    ((1, 16, 20, 20), 7, 1, 1, "depthwise_flat"),           # 20 columns out
     ((1, 64, 14, 14), 5, 1, 1, "depthwise_channels_last"),  # 14 columns out: channels last
     ((1, 16, 56, 56), 7, 1, 1, "depthwise_flat"),           # large kernel
     ((1, 8, 28, 28), 3, 1, 2, "depthwise_flat"),            # channel multiplier

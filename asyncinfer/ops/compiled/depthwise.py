@@ -25,10 +25,13 @@ import numpy as np
 
 from . import inline, kernel
 from .depthwise_block import output_row, transpose
+from .epilogue import NONE, _apply_run
 from .panels import VECTOR_BYTES
 from .phases import phase_tap, split_even_odd
 
 _U = np.uint64
+_F = np.float32
+_NEGATIVE_ZERO = np.float32(-0.0)
 
 
 @inline
@@ -113,13 +116,15 @@ def vector_groups(channels: int, itemsize: int) -> int:
 @kernel
 def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray,
                             padded: np.ndarray, acc: np.ndarray, c0: int, c1: int,
-                            sh: int, sw: int, dh: int, dw: int, top: int, left: int) -> None:
+                            sh: int, sw: int, dh: int, dw: int, top: int, left: int,
+                            act: int = NONE, a: float = 0.0, b: float = 0.0) -> None:
     """Channels ``c0:c1`` of one image (multiplier 1): ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
 
     The block's channels go by groups of one register vector (L lanes, `depthwise_block`): each
     group's map is copied channels last into ``padded[g]`` (Hp, Wp, L; Hp and Wp the
     `window_extent`), zero outside the image and past ``c1``; its output rows are summed in
-    registers into ``acc[g]`` (at least Ho·Wo + 1 rows of L; the last holds the bias), then
+    registers into ``acc[g]`` (at least Ho·Wo + 1 rows of L; the last holds the bias), activated
+    there (``act``, ``a``, ``b``: a `compiled.epilogue` code, float32 only) while in cache, then
     written back to NCHW. ``padded`` has at least ``⌈(c1 − c0) / L⌉`` groups. ``w`` is (kh, kw,
     ≥ c0 + groups·L), zero past C; ``bias`` (C,). Scratch of ``x``'s dtype, C-contiguous.
     """
@@ -154,6 +159,8 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
             start[_U(k)] = bias[c0 + g * lanes + k] if k < channels else 0.0
         for oh in range(ho):
             output_row(plane, taps, start, sums[oh * wo:(oh + 1) * wo], oh * sh, g, sw, dh, dw)
+        if act != NONE:  # (+ -0.0: the activation alone, as `Epilogue.apply_inplace`)
+            _apply_run(sums[:positions].reshape(-1), _NEGATIVE_ZERO, act, _F(a), _F(b))
         for p0 in range(0, positions, lanes):
             count = min(lanes, positions - p0)
             transpose(acc, (g * acc.shape[1] + p0) * lanes, lanes, count, channels,

@@ -32,6 +32,9 @@ from .panels import VECTOR_BYTES
 #: Output pixels of a run held in registers (a vector of accumulators each): with the weights'
 #: vector and the input's, 10 of AVX2's 16 registers.
 BLOCK_OUTPUTS = 8
+#: (kernel width, stride) of the windows whose row a block reads with one load per input (the
+#: depthwise convs of MobileNet, EfficientNet and their kind); others take a load per tap.
+KNOWN_WINDOWS = ((3, 1), (5, 1), (3, 2), (5, 2))
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _BYTE_POINTER = ir.IntType(8).as_pointer()
@@ -118,17 +121,54 @@ def _register_block(outputs: int) -> Any:
             sums = [cgutils.alloca_once_value(builder, first) for _ in range(outputs)]
             output_step = builder.mul(sw_, padded_column)  # bytes from one output's input to the next's
             window = vec.at(padded_.data, builder.add(builder.mul(row_, padded_row), builder.mul(ow0_, output_step)))
-            with cgutils.for_range(builder, kh) as i:
-                window_row = vec.at(window, builder.mul(builder.mul(i.index, dh_), padded_row))
-                taps_i = vec.at(taps_.data, builder.add(builder.mul(i.index, taps_row),
-                                                         builder.mul(vector_, ir.Constant(_I64, VECTOR_BYTES))))
+
+            def add_tap(weights: Any, value: Any, r: int) -> None:
+                product = builder.fmul(weights, value, flags=("contract",))
+                builder.store(builder.fadd(builder.load(sums[r]), product, flags=("contract",)), sums[r])
+
+            def window_rows(body: Any) -> None:  # body(the window row's first input, its taps) for each row i
+                with cgutils.for_range(builder, kh) as i:
+                    taps_i = vec.at(taps_.data, builder.add(builder.mul(i.index, taps_row),
+                                                             builder.mul(vector_, ir.Constant(_I64, VECTOR_BYTES))))
+                    body(vec.at(window, builder.mul(builder.mul(i.index, dh_), padded_row)), taps_i)
+
+            def any_window(window_row: Any, taps_i: Any) -> None:
                 with cgutils.for_range(builder, kw) as j:
                     weights = vec.load(vec.at(taps_i, builder.mul(j.index, taps_column)))
                     tap = vec.at(window_row, builder.mul(builder.mul(j.index, dw_), padded_column))
                     for r in range(outputs):
-                        value = vec.load(vec.at(tap, builder.mul(ir.Constant(_I64, r), output_step)))
-                        product = builder.fmul(weights, value, flags=("contract",))
-                        builder.store(builder.fadd(builder.load(sums[r]), product, flags=("contract",)), sums[r])
+                        add_tap(weights, vec.load(vec.at(tap, builder.mul(ir.Constant(_I64, r), output_step))), r)
+
+            def known_window(width: int, stride: int) -> Any:
+                # a kernel row of `width` taps at unit dilation: the outputs' windows overlap, so
+                # each input is loaded once for every tap that reads it (10 loads for 24 taps of
+                # 8 outputs at 3 wide, stride 1), each sum still taking its taps in order
+                def body(window_row: Any, taps_i: Any) -> None:
+                    weights = [vec.load(vec.at(taps_i, builder.mul(ir.Constant(_I64, j), taps_column)))
+                               for j in range(width)]
+                    inputs = {q: vec.load(vec.at(window_row, builder.mul(ir.Constant(_I64, q), padded_column)))
+                              for q in sorted({r * stride + j for r in range(outputs) for j in range(width)})}
+                    for j in range(width):
+                        for r in range(outputs):
+                            add_tap(weights[j], inputs[r * stride + j], r)
+                return body
+
+            done = builder.append_basic_block("summed")
+            generic = builder.append_basic_block("any_window")
+            unit = builder.icmp_signed("==", dw_, ir.Constant(_I64, 1))
+            shape = builder.select(unit, builder.add(builder.mul(kw, ir.Constant(_I64, 4)), sw_),
+                                   ir.Constant(_I64, -1))  # 4·kw + sw where the dilation is 1
+            switch = builder.switch(shape, generic)
+            builder.position_at_end(generic)
+            window_rows(any_window)
+            builder.branch(done)
+            for width, stride in KNOWN_WINDOWS:
+                case = builder.append_basic_block(f"window{width}s{stride}")
+                switch.add_case(ir.Constant(_I64, 4 * width + stride), case)
+                builder.position_at_end(case)
+                window_rows(known_window(width, stride))
+                builder.branch(done)
+            builder.position_at_end(done)
             out = vec.at(acc_.data, builder.mul(ow0_, acc_row))
             for r in range(outputs):
                 vec.store(builder.load(sums[r]), vec.at(out, builder.mul(ir.Constant(_I64, r), acc_row)))

@@ -18,6 +18,7 @@ from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2, vector_groups,
                         window_extent)
+from .epilogue import NONE, _apply_run
 from .panels import VECTOR_BYTES
 
 PART_KIND = 5
@@ -45,9 +46,10 @@ def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int
 @kernel
 def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
                     m0: int, m1: int, sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int,
-                    block: int, scratch: np.ndarray) -> None:
+                    block: int, scratch: np.ndarray, act: int = NONE, a: float = 0.0, b: float = 0.0) -> None:
     """Images ``i0:i1``, output channels ``m0:m1`` of a 2-D depthwise conv of ``x`` (N, C, H, W)
-    into ``out`` (N, M, Ho, Wo) on ``loop``. ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
+    into ``out`` (N, M, Ho, Wo) on ``loop``, then activated (``act``, ``a``, ``b``: a
+    `compiled.epilogue` code, float32 only). ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
     (whose channels go ``block`` at a time) (kh, kw, C rounded up to ``CHANNEL_ALIGN``), zero
     past C; strides, dilations, pads and the channel multiplier as in `depthwise`; ``scratch``
     holds `scratch_floats` values."""
@@ -76,18 +78,23 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
                 depthwise_channels_last(x[i], taps, bias, out[i], scratch[:padded].reshape(groups, hp, wp, lanes),
                                         scratch[padded:padded + groups * (ho * wo + 1) * lanes].reshape(
                                             groups, ho * wo + 1, lanes),
-                                        c0, min(m1, c0 + block), sh, sw, dh, dw, top, left)
+                                        c0, min(m1, c0 + block), sh, sw, dh, dw, top, left, act, a, b)
+        return
+    if act != NONE:  # the other loops store their sums: activate this part's channels after
+        for i in range(i0, i1):
+            _apply_run(out[i, m0:m1].reshape(-1), np.float32(-0.0), act, np.float32(a), np.float32(b))
 
 
 def range_arguments(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
                     m0: int, m1: int, geometry: tuple[int, ...], multiplier: int, block: int,
-                    scratch: np.ndarray) -> list[int]:
+                    scratch: np.ndarray, act: int, numbers: np.ndarray) -> list[int]:
     """The integers of a part `depthwise_part` runs as ``depthwise_range(...)`` (``geometry`` =
-    sh, sw, dh, dw, top, left) on C-contiguous float32 arrays, for `SpinTeam.try_run`; the caller
-    keeps every array alive until the part is done."""
-    x_at, taps_at, bias_at, out_at, scratch_at = addresses(x, taps, bias, out, scratch)[:5]
+    sh, sw, dh, dw, top, left; the activation's ``a, b`` as float64 ``numbers``) on C-contiguous
+    float32 arrays, for `SpinTeam.try_run`; the caller keeps every array alive until the part is
+    done."""
+    x_at, taps_at, bias_at, out_at, scratch_at, numbers_at = addresses(x, taps, bias, out, scratch, numbers)[:6]
     return [PART_KIND, loop, *x.shape, *taps.shape, *out.shape[1:], x_at, taps_at, bias_at, out_at, i0, i1, m0, m1,
-            *geometry, multiplier, block, scratch_at, scratch.size]
+            *geometry, multiplier, block, scratch_at, scratch.size, act, numbers_at]
 
 
 @numba.njit(inline="always")
@@ -104,7 +111,8 @@ def depthwise_part(control: np.ndarray) -> None:
     bias = numba.carray(address_as_pointer(control[at + 13], np.float32), (m,))
     out = numba.carray(address_as_pointer(control[at + 14], np.float32), (n, m, control[at + 9], control[at + 10]))
     scratch = numba.carray(address_as_pointer(control[at + 27], np.float32), (control[at + 28],))
+    numbers = numba.carray(address_as_pointer(control[at + 30], np.float64), (2,))
     p = at + 15
     depthwise_range(control[at], x, taps, bias, out, control[p], control[p + 1], control[p + 2], control[p + 3],
                     control[p + 4], control[p + 5], control[p + 6], control[p + 7], control[p + 8], control[p + 9],
-                    control[p + 10], control[p + 11], scratch)
+                    control[p + 10], control[p + 11], scratch, control[at + 29], numbers[0], numbers[1])
