@@ -17,6 +17,7 @@ from .compiled.attention import attention_heads, head_arguments, masked_attentio
 from .compiled.normalization import softmax_rows
 from .epilogue import NO_ACTIVATION, Epilogue, apply_activations
 from .linalg import Gemm, MatMul, constant_panels, matmul
+from .one_pass import fused_affine
 from .pool import global_average
 from .registry import create, register
 from .shape import (int_list, normalize_axis, op_error, reshape_dims, reshape_to, split_indices, split_views,
@@ -504,8 +505,11 @@ class SqueezeExcite(Op):
             raise op_error(self, f"input of shape {x.shape} does not fit weights of shapes {w1.shape} and {w2.shape}")
         n, c = x.shape[:2]
         pooled = global_average(x).reshape(n, c).T  # (C, N): the pooled images as columns
-        gate = self._conv(self._conv(pooled, w1, b1, 0), w2, b2, 1)
-        return np.multiply(x, gate.T.reshape(n, c, 1, 1).astype(x.dtype, copy=False))
+        gate = np.ascontiguousarray(self._conv(self._conv(pooled, w1, b1, 0), w2, b2, 1).T, x.dtype).reshape(-1)
+        # one compiled pass shared with the spinning helpers (a float32 map): x · gate + -0.0,
+        # which is x · gate, -0.0 and NaN included
+        scaled = fused_affine(x, gate, np.full_like(gate, -0.0), ())
+        return np.multiply(x, gate.reshape(n, c, 1, 1)) if scaled is None else scaled
 
     def _conv(self, columns: np.ndarray, w: np.ndarray, b: np.ndarray | None, which: int) -> np.ndarray:
         """``act(W · columns + b)`` for columns ``(C, N)``: conv ``which`` (0 or 1) of N one-pixel images."""

@@ -3,7 +3,8 @@
 - `fused_add`: ``act(a + b)``, the CPU ops ``Add`` and ``Sum`` of two float32 maps of one shape
   (a residual connection and its ReLU);
 - `fused_affine`: ``act(x · scale[c] + shift[c])``, an inference-mode ``BatchNormalization`` of a
-  float32 map (DenseNet's BN + ReLU before each conv);
+  float32 map (DenseNet's BN + ReLU before each conv), and with a scale per image and channel, a
+  squeeze-and-excitation block's gating ``Mul``;
 - `activated`: ``act(x)``, a standalone activation layer of a float32 map (ShuffleNet's ReLU after
   a Concat).
 
@@ -94,11 +95,13 @@ MIN_PLANE = 16
 
 def fused_affine(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activations: Activations) -> np.ndarray | None:
     """A fresh ``act(x · scale[c] + shift[c])`` over the channel axis (1) of ``x`` (N, C, ...), or
-    None when this is no case for the compiled pass: other than float32 (``scale`` and ``shift``
-    too, (C,) C-contiguous), ``x`` not C-contiguous, planes under `MIN_PLANE` values, or
+    with ``scale`` and ``shift`` of N·C values, ``act(x · scale[i·C + c] + shift[i·C + c])`` for
+    image ``i``; None when this is no case for the compiled pass: other than float32 (``scale``
+    and ``shift`` too, C-contiguous), ``x`` not C-contiguous, planes under `MIN_PLANE` values, or
     activations the epilogue lacks."""
     if (type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim < 3 or not x.flags.c_contiguous or not x.size
-            or scale.dtype != np.float32 or shift.dtype != np.float32 or scale.shape != (x.shape[1],)
+            or scale.dtype != np.float32 or shift.dtype != np.float32
+            or scale.shape not in ((x.shape[1],), (x.shape[0] * x.shape[1],))
             or shift.shape != scale.shape or not scale.flags.c_contiguous or not shift.flags.c_contiguous):
         return None
     width = x.size // (x.shape[0] * x.shape[1])

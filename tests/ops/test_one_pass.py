@@ -152,6 +152,28 @@ def test_batch_norm_shared_with_the_spin_team_gives_the_same_bits(helpers, rng):
     np.testing.assert_array_equal(shared, alone)
 
 
+@pytest.mark.parametrize("helpers", [0, 1, 2])
+def test_a_scale_per_image_and_channel_gives_numpys_product(helpers, rng):
+    """A squeeze-and-excitation gate (`ops.fused.SqueezeExcite`): ``x · scale[i, c] + -0.0`` is
+    NumPy's ``x · scale[i, c]``, -0.0, NaN and infinities included, alone and on the team."""
+    from asyncinfer.ops.one_pass import fused_affine
+
+    x = _strewn(rng, (3, 5, 70, 80))  # (over TEAM_MIN_VALUES: planes in parts)
+    gate = _strewn(rng, (3, 5))
+    gate[0, :2] = -0.0
+    expected = np.multiply(x, gate.reshape(3, 5, 1, 1))
+    scale = gate.reshape(-1)
+    with np.errstate(all="ignore"):
+        if helpers:
+            with spin_team_bound(helpers) as runs:
+                got = fused_affine(x, scale, np.full_like(scale, -0.0), ())
+            assert runs.shared == 1
+        else:
+            got = fused_affine(x, scale, np.full_like(scale, -0.0), ())
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    assert fused_affine(x, scale[:-1], np.full_like(scale[:-1], -0.0), ()) is None  # neither C nor N·C values
+
+
 def test_batch_norm_outside_the_compiled_pass_is_unchanged(rng):
     """float64 maps, views out of order and planes under MIN_PLANE take NumPy's way, then the
     activations; the training mode applies them to its first output only."""

@@ -80,8 +80,8 @@ def _activate_run(run: np.ndarray, act: int, af: float, bf: float) -> None:
 def affine_rows(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray, r0: int, r1: int, act: int,
                 av: float, bv: float) -> None:
     """``out[r, j] = act(x[r, j] · scale[r % C] + shift[r % C])`` for rows ``r0:r1`` of the float32
-    planes ``x`` and ``out`` (N·C, H·W), ``scale`` and ``shift`` (C,) (``act``, ``av``, ``bv``:
-    an epilogue code and its parameters)."""
+    planes ``x`` and ``out`` (N·C, H·W), ``scale`` and ``shift`` (C,), or (N·C,): one value a row
+    (``act``, ``av``, ``bv``: an epilogue code and its parameters)."""
     channels = scale.shape[0]
     af, bf = np.float32(av), np.float32(bv)
     for r in range(r0, r1):
