@@ -101,10 +101,11 @@ def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, ker
 
 def known_window_pays(multiplier: int, kernel_width: int, width_stride: int, width_dilation: int) -> bool:
     """Whether a layer takes the channels-last loop whatever its map: kernel rows of 3 or 5 taps
-    at stride 1 or 2 (`depthwise_block.KNOWN_WINDOWS`), whose register blocks load each input
-    once for all its taps. Measured per layer shape on one core (AMD EPYC, AVX-512) against the
-    flat loop: EfficientNet's 3x3 on 144ch@56 0.28 -> 0.23 ms and 32ch@112 0.26 -> 0.19, its 5x5
-    on 240ch@28 0.28 -> 0.15, MobileNetV3's 3x3 on 96ch@28 67 -> 49 µs. Wide stride-2 maps keep
+    at stride 1 or 2, or of 7 at stride 1 (`depthwise_block.KNOWN_WINDOWS`), whose register
+    blocks load each input once for all its taps. Measured per layer shape on one core (AMD EPYC,
+    AVX-512) against the flat loop: EfficientNet's 3x3 on 144ch@56 0.28 -> 0.23 ms and 32ch@112
+    0.26 -> 0.19, its 5x5 on 240ch@28 0.28 -> 0.15, MobileNetV3's 3x3 on 96ch@28 67 -> 49 µs,
+    ConvNeXt's 7x7 on 96ch@56 0.64 -> 0.38 and 192ch@28 0.40 -> 0.19. Wide stride-2 maps keep
     the stride-2 row loop (`stride2_rows_pay`: SSDlite's 64ch@160 3x3/2, even on one core, took
     0.75 against 0.84 ms on the spinning team), other windows the rules below."""
     return multiplier == 1 and width_dilation == 1 and (kernel_width, width_stride) in KNOWN_WINDOWS

@@ -168,11 +168,11 @@ def test_depthwise_1d_and_3d_match_reference(name, shape, kernel, attrs, rng, mo
     assert bool(calls) == name.startswith("1d")
 
 
-@pytest.mark.parametrize("kernel, stride", [(3, 1), (5, 1), (3, 2), (5, 2), (3, 3)])
+@pytest.mark.parametrize("kernel, stride", [(3, 1), (5, 1), (3, 2), (5, 2), (7, 1), (3, 3), (7, 2)])
 def test_channels_last_rows_of_every_block_size(kernel, stride, rng, monkeypatch):
     """Rows of 1 to 17 outputs (blocks of 8, then one of each smaller size) through the
-    channels-last loop, whose kernel rows of 3 or 5 taps at stride 1 or 2 load each input once
-    for all the taps reading it (`depthwise_block.KNOWN_WINDOWS`), and others a load per tap."""
+    channels-last loop, whose kernel rows of 3 or 5 taps at stride 1 or 2 (or 7 at 1) load each
+    input once for all the taps reading it (`depthwise_block.KNOWN_WINDOWS`), others a load per tap."""
     calls = _route(monkeypatch, "channels_last")
     for wo in range(1, 18):
         width = (wo - 1) * stride + 1  # pads of kernel // 2 on either side: wo columns out
@@ -206,9 +206,10 @@ DISPATCH_CASES = [
     ((1, 32, 56, 56), 3, 1, 1, "depthwise_channels_last"),  # 3x3: channels last, whatever the map
     ((1, 16, 20, 20), 3, 1, 1, "depthwise_channels_last"),
     ((1, 16, 40, 40), 4, 1, 1, "depthwise_flat"),           # other windows, unit stride: flat planes from
-    ((1, 16, 20, 20), 7, 1, 1, "depthwise_flat"),           # 20 columns out
+    ((1, 16, 20, 20), 9, 1, 1, "depthwise_flat"),           # 20 columns out
     ((1, 64, 14, 14), 5, 1, 1, "depthwise_channels_last"),  # 14 columns out: channels last
-    ((1, 16, 56, 56), 7, 1, 1, "depthwise_flat"),           # large kernel
+    ((1, 16, 56, 56), 7, 1, 1, "depthwise_channels_last"),  # ConvNeXt's 7x7: channels last
+    ((1, 16, 56, 56), 9, 1, 1, "depthwise_flat"),           # larger kernels: flat
     ((1, 8, 28, 28), 3, 1, 2, "depthwise_flat"),            # channel multiplier
     ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
     ((1, 8, 14, 14), 17, 1, 1, "depthwise_channels_last"),  # window larger than the map: no padded plane

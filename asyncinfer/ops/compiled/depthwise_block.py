@@ -33,8 +33,9 @@ from .panels import VECTOR_BYTES
 #: vector and the input's, 10 of AVX2's 16 registers.
 BLOCK_OUTPUTS = 8
 #: (kernel width, stride) of the windows whose row a block reads with one load per input (the
-#: depthwise convs of MobileNet, EfficientNet and their kind); others take a load per tap.
-KNOWN_WINDOWS = ((3, 1), (5, 1), (3, 2), (5, 2))
+#: depthwise convs of MobileNet, EfficientNet, ConvNeXt and their kind); others take a load per
+#: tap. (Up to 8 sums, 14 inputs and 7 weights in flight: AVX-512's 32 registers hold them.)
+KNOWN_WINDOWS = ((3, 1), (5, 1), (3, 2), (5, 2), (7, 1))
 
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _BYTE_POINTER = ir.IntType(8).as_pointer()
