@@ -125,8 +125,9 @@ def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
 @pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
 @pytest.mark.parametrize("name", ["partial_panel", "deep", "leftover_rows", "grouped"])
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng):
-    """Bias and activation in the register blocks (Relu, Clip, LeakyRelu) or after the store (the
-    others) equal the conv followed by the activation op, bit for bit, NaN and infinities included."""
+    """Bias and activation in the register blocks (Relu, Clip, LeakyRelu, HardSigmoid, HardSwish)
+    or after the store (Sigmoid, Swish) equal the conv followed by the activation op, bit for bit,
+    NaN and infinities included."""
     x, w, b, attrs = _operands(name, rng)
     act, extras = activation_op(activation)
     assert Epilogue.of([(act, extras)], np.dtype(np.float32)) is not None

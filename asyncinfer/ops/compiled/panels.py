@@ -200,10 +200,10 @@ def multiply_add(builder: Any, sums: list[list[Any]], step: Any, columns: list[A
 
 
 #: What a register block does to its sums before it stores them (``finish``): nothing, or add the
-#: row's bias, then nothing more, Relu, Clip to [lo, hi], or LeakyRelu of slope lo. Each as the
-#: scalar loops of `compiled.epilogue` do it (the same comparisons, NaN and -0 kept alike), so
-#: the same bits as the standalone op.
-RAW, BIAS, BIAS_RELU, BIAS_CLIP, BIAS_LEAKY_RELU = range(5)
+#: row's bias, then nothing more, Relu, Clip to [lo, hi], LeakyRelu of slope lo, HardSigmoid
+#: (alpha lo, beta hi) or HardSwish. Each as the scalar loops of `compiled.epilogue` do it (the
+#: same comparisons and FMA, NaN and -0 kept alike), so the same bits as the standalone op.
+RAW, BIAS, BIAS_RELU, BIAS_CLIP, BIAS_LEAKY_RELU, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH = range(7)
 #: Set in a register block's ``finish``: its sums start from y's values (a later block of K).
 ADD_TO_Y = 8
 
@@ -228,11 +228,22 @@ class _Finisher:
         def select(condition: str, a: Any, b: Any, then: Any, otherwise: Any) -> Any:
             return builder.select(builder.fcmp_ordered(condition, a, b), then, otherwise)
 
+        bits = 32 if isinstance(vector.element, ir.FloatType) else 64
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                             f"llvm.fma.v{vector.count}f{bits}")
+        one, half, sixth = (ir.Constant(vector, [value] * vector.count)
+                            for value in (1.0, 0.5, float(np.float32(1.0 / 6.0))))
+
+        def gate(g: Any) -> Any:  # `activations.hard_sigmoid1`'s clamp: 0 below 0, 1 above 1, NaN kept
+            return select("<", g, zero, zero, select(">", g, one, one, g))
+
         self.activations: dict[int, Callable[[Any], Any]] = {
             BIAS: lambda v: v,
             BIAS_RELU: lambda v: select("<", v, zero, zero, v),
             BIAS_CLIP: lambda v: (lambda low: select(">", low, hi, hi, low))(select("<", v, lo, lo, v)),
             BIAS_LEAKY_RELU: lambda v: select(">=", v, zero, v, builder.fmul(lo, v)),
+            BIAS_HARD_SIGMOID: lambda v: gate(builder.call(fma, [lo, v, hi])),
+            BIAS_HARD_SWISH: lambda v: builder.fmul(v, gate(builder.call(fma, [v, sixth, half]))),
         }
 
     def spread(self, value: Any) -> Any:

@@ -32,9 +32,10 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
-from .epilogue import CLIP, LEAKY_RELU, NONE, RELU, _apply_run
-from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_LEAKY_RELU, BIAS_RELU, BLOCK_ROWS, RAW, _block1, _block2, _block4,
-                     _block8, _by_column1, _by_column2, _by_column4, _by_column8, pack_panels, panel_width)
+from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, _apply_run
+from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
+                     BLOCK_ROWS, RAW, _block1, _block2, _block4, _block8, _by_column1, _by_column2, _by_column4,
+                     _by_column8, pack_panels, panel_width)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -84,7 +85,7 @@ def _pack(x: np.ndarray, panels: np.ndarray, v0: int, v1: int, in_width: int, ou
 @kernel(contract=False)
 def _finish(y: np.ndarray, r0: int, r1: int, c0: int, c1: int, bias: np.ndarray, act: int, av: float,
             bv: float) -> None:
-    """The activations the register blocks do not (`finishing`: HardSwish, Sigmoid...) on
+    """The activations the register blocks do not (`finishing`: Sigmoid, Swish) on
     ``y[r0:r1, c0:c1]`` with ``bias[r]`` per row, the block just stored, while it is in L1."""
     for r in range(r0, r1):
         _apply_run(y[r, c0:c1], bias[r], act, av, bv)
@@ -102,6 +103,10 @@ def finishing(act: int) -> int:
         return BIAS_CLIP
     if act == LEAKY_RELU:
         return BIAS_LEAKY_RELU
+    if act == HARD_SIGMOID:
+        return BIAS_HARD_SIGMOID
+    if act == HARD_SWISH:
+        return BIAS_HARD_SWISH
     return RAW
 
 
