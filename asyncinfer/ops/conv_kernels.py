@@ -284,17 +284,24 @@ def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, resul
              geometry: tuple[int, ...], mult: int, block: int, epilogue: Epilogue) -> bool:
     """The conv on ``loop`` (`compiled.depthwise_parts`), this thread and the CPU backend's
     spinning helpers taking a part each (images, else bands of channels, whole blocks of
-    ``block`` where the loop works channels last); False, having done nothing, when there is no
-    free team, the operands are not float32 or there are too few channels to share."""
+    ``block`` where the loop works channels last, or there bands of output rows when there are
+    fewer channels than a vector a part); False, having done nothing, when there is no free team,
+    the operands are not float32 or there are too few channels (and rows) to share."""
     team = parallel.team()
     if team is None or x.dtype != np.float32:
         return False
     n, _, h, wd = x.shape
     m, ho, wo = result.shape[1:]
     parts = team.helpers + 1
+    rows = [(0, -1)] * parts  # (output rows of each part: every one)
     if n >= parts:
         cuts = [n * i // parts for i in range(parts + 1)]
         ranges = [(cuts[i], cuts[i + 1], 0, m) for i in range(parts)]
+    elif loop == CHANNELS_LAST and m < parts * CHANNEL_ALIGN and ho >= 2 * parts:
+        # fewer channels than a vector a part: bands of output rows instead, over every channel
+        cuts = [ho * i // parts for i in range(parts + 1)]
+        ranges = [(0, n, 0, m)] * parts
+        rows = [(cuts[i], cuts[i + 1]) for i in range(parts)]
     else:
         if loop == CHANNELS_LAST:  # blocks of whole SIMD vectors, at least one a part
             block = min(block, max(CHANNEL_ALIGN, -(-m // parts) // CHANNEL_ALIGN * CHANNEL_ALIGN))
@@ -310,9 +317,9 @@ def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, resul
     helpers = team.scratch((parts - 1, size), np.float32)
     numbers = np.array([epilogue.a, epilogue.b], np.float64)
     posted = [range_arguments(loop, x, taps, bias, result, *ranges[j], geometry, mult, block, helpers[j - 1],
-                              epilogue.kind, numbers) for j in range(1, parts)]
+                              epilogue.kind, numbers, *rows[j]) for j in range(1, parts)]
     return team.try_run(posted, lambda: depthwise_range(loop, x, taps, bias, result, *ranges[0], *geometry, mult,
-                                                        block, own, epilogue.kind, epilogue.a, epilogue.b))
+                                                        block, own, epilogue.kind, epilogue.a, epilogue.b, *rows[0]))
 
 
 def _blocks(channels: int, threads: int, images: int) -> list[tuple[int, int, int, int]]:

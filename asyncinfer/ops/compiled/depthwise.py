@@ -117,8 +117,9 @@ def vector_groups(channels: int, itemsize: int) -> int:
 def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray,
                             padded: np.ndarray, acc: np.ndarray, c0: int, c1: int,
                             sh: int, sw: int, dh: int, dw: int, top: int, left: int,
-                            act: int = NONE, a: float = 0.0, b: float = 0.0) -> None:
-    """Channels ``c0:c1`` of one image (multiplier 1): ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
+                            act: int = NONE, a: float = 0.0, b: float = 0.0, oh0: int = 0, oh1: int = -1) -> None:
+    """Channels ``c0:c1`` of one image (multiplier 1), output rows ``oh0:oh1`` (all by default):
+    ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
 
     The block's channels go by groups of one register vector (L lanes, `depthwise_block`): each
     group's map is copied channels last into ``padded[g]`` (Hp, Wp, L; Hp and Wp the
@@ -126,13 +127,20 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
     registers into ``acc[g]`` (at least Ho·Wo + 1 rows of L; the last holds the bias), activated
     there (``act``, ``a``, ``b``: a `compiled.epilogue` code, float32 only) while in cache, then
     written back to NCHW. ``padded`` has at least ``⌈(c1 − c0) / L⌉`` groups. ``w`` is (kh, kw,
-    ≥ c0 + groups·L), zero past C; ``bias`` (C,). Scratch of ``x``'s dtype, C-contiguous.
+    ≥ c0 + groups·L), zero past C; ``bias`` (C,). Scratch of ``x``'s dtype, C-contiguous. A range
+    of rows copies only the input rows its windows read (a few channels on a large map, shared
+    with the spinning helpers by rows: MobileNetV3's 16 channels at 112x112).
     """
     _, h, wd = x.shape
     _, ho, wo = out.shape
     _, hp, wp, lanes = padded.shape
+    if oh1 < 0:
+        oh1 = ho
     cb = c1 - c0
     positions = ho * wo
+    first = oh0 * wo  # the range's first output position, and its count
+    count = (oh1 - oh0) * wo
+    hp = window_extent(oh1 - oh0, w.shape[0], sh, dh)  # (padded rows from the range's first window's)
     lo = min(wp, left)  # the padded columns that hold the image: [lo, hi)
     hi = max(lo, min(wp, left + wd))
     taps = w[:, :, c0:]
@@ -142,8 +150,8 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
         channels = min(lanes, cb - g * lanes)
         plane = padded[g]
         for r in range(hp):
-            ih = r - top
-            base = (g * hp + r) * row_floats
+            ih = oh0 * sh + r - top
+            base = (g * padded.shape[1] + r) * row_floats
             inside = 0 <= ih < h
             for e in range(base + (hi * lanes if inside else 0), base + row_floats):  # right of the image
                 flat[_U(e)] = 0.0
@@ -152,19 +160,19 @@ def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out:
                     flat[_U(e)] = 0.0
                 for q0 in range(lo, hi, lanes):
                     transpose(x, ((c0 + g * lanes) * h + ih) * wd + q0 - left, h * wd, channels, min(lanes, hi - q0),
-                              padded, ((g * hp + r) * wp + q0) * lanes, lanes, lanes)
+                              padded, ((g * padded.shape[1] + r) * wp + q0) * lanes, lanes, lanes)
         sums = acc[g]
-        start = sums[positions]
+        start = sums[count]
         for k in range(lanes):
             start[_U(k)] = bias[c0 + g * lanes + k] if k < channels else 0.0
-        for oh in range(ho):
+        for oh in range(oh1 - oh0):
             output_row(plane, taps, start, sums[oh * wo:(oh + 1) * wo], oh * sh, g, sw, dh, dw)
         if act != NONE:  # (+ -0.0: the activation alone, as `Epilogue.apply_inplace`)
-            _apply_run(sums[:positions].reshape(-1), _NEGATIVE_ZERO, act, _F(a), _F(b))
-        for p0 in range(0, positions, lanes):
-            count = min(lanes, positions - p0)
-            transpose(acc, (g * acc.shape[1] + p0) * lanes, lanes, count, channels,
-                      out, (c0 + g * lanes) * positions + p0, positions, count)
+            _apply_run(sums[:count].reshape(-1), _NEGATIVE_ZERO, act, _F(a), _F(b))
+        for p0 in range(0, count, lanes):
+            n = min(lanes, count - p0)
+            transpose(acc, (g * acc.shape[1] + p0) * lanes, lanes, n, channels,
+                      out, (c0 + g * lanes) * positions + first + p0, positions, n)
 
 
 @kernel

@@ -46,10 +46,12 @@ def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int
 @kernel
 def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
                     m0: int, m1: int, sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int,
-                    block: int, scratch: np.ndarray, act: int = NONE, a: float = 0.0, b: float = 0.0) -> None:
+                    block: int, scratch: np.ndarray, act: int = NONE, a: float = 0.0, b: float = 0.0, oh0: int = 0,
+                    oh1: int = -1) -> None:
     """Images ``i0:i1``, output channels ``m0:m1`` of a 2-D depthwise conv of ``x`` (N, C, H, W)
     into ``out`` (N, M, Ho, Wo) on ``loop``, then activated (``act``, ``a``, ``b``: a
-    `compiled.epilogue` code, float32 only). ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
+    `compiled.epilogue` code, float32 only); output rows ``oh0:oh1`` only on `CHANNELS_LAST`
+    (every row by default, and on the other loops). ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
     (whose channels go ``block`` at a time) (kh, kw, C rounded up to ``CHANNEL_ALIGN``), zero
     past C; strides, dilations, pads and the channel multiplier as in `depthwise`; ``scratch``
     holds `scratch_floats` values."""
@@ -78,7 +80,7 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
                 depthwise_channels_last(x[i], taps, bias, out[i], scratch[:padded].reshape(groups, hp, wp, lanes),
                                         scratch[padded:padded + groups * (ho * wo + 1) * lanes].reshape(
                                             groups, ho * wo + 1, lanes),
-                                        c0, min(m1, c0 + block), sh, sw, dh, dw, top, left, act, a, b)
+                                        c0, min(m1, c0 + block), sh, sw, dh, dw, top, left, act, a, b, oh0, oh1)
         return
     if act != NONE:  # the other loops store their sums: activate this part's channels after
         for i in range(i0, i1):
@@ -87,14 +89,14 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
 
 def range_arguments(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
                     m0: int, m1: int, geometry: tuple[int, ...], multiplier: int, block: int,
-                    scratch: np.ndarray, act: int, numbers: np.ndarray) -> list[int]:
+                    scratch: np.ndarray, act: int, numbers: np.ndarray, oh0: int = 0, oh1: int = -1) -> list[int]:
     """The integers of a part `depthwise_part` runs as ``depthwise_range(...)`` (``geometry`` =
     sh, sw, dh, dw, top, left; the activation's ``a, b`` as float64 ``numbers``) on C-contiguous
     float32 arrays, for `SpinTeam.try_run`; the caller keeps every array alive until the part is
     done."""
     x_at, taps_at, bias_at, out_at, scratch_at, numbers_at = addresses(x, taps, bias, out, scratch, numbers)[:6]
     return [PART_KIND, loop, *x.shape, *taps.shape, *out.shape[1:], x_at, taps_at, bias_at, out_at, i0, i1, m0, m1,
-            *geometry, multiplier, block, scratch_at, scratch.size, act, numbers_at]
+            *geometry, multiplier, block, scratch_at, scratch.size, act, numbers_at, oh0, oh1]
 
 
 @numba.njit(inline="always")
@@ -115,4 +117,5 @@ def depthwise_part(control: np.ndarray) -> None:
     p = at + 15
     depthwise_range(control[at], x, taps, bias, out, control[p], control[p + 1], control[p + 2], control[p + 3],
                     control[p + 4], control[p + 5], control[p + 6], control[p + 7], control[p + 8], control[p + 9],
-                    control[p + 10], control[p + 11], scratch, control[at + 29], numbers[0], numbers[1])
+                    control[p + 10], control[p + 11], scratch, control[at + 29], numbers[0], numbers[1], control[at + 31],
+                    control[at + 32])
