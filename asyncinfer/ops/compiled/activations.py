@@ -76,6 +76,41 @@ def _exp(x: float) -> float:
     return p * _float_from_bits((a + 127) << 23) * _float_from_bits((k - a + 127) << 23)
 
 
+def exp_vector(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """LLVM IR of `_exp` on a vector of float32 ``x``, operation for operation (the same FMAs,
+    floor, exponent bits and products, the same answers for NaN and past the range): the bits of
+    the scalar form in every lane, for the register blocks' epilogue (`panels._Finisher`)."""
+    vector = x.type
+    lanes = vector.count
+    ints = ir.VectorType(ir.IntType(32), lanes)
+
+    def const(value: float) -> ir.Constant:
+        return ir.Constant(vector, [float(_F(value))] * lanes)
+
+    def intrinsic(name: str, count: int) -> ir.Function:
+        fnty = ir.FunctionType(vector, [vector] * count)
+        name = f"llvm.{name}.v{lanes}f32"
+        return builder.module.globals.get(name) or ir.Function(builder.module, fnty, name)
+
+    fma, floor = intrinsic("fma", 3), intrinsic("floor", 1)
+    n = builder.call(floor, [builder.call(fma, [x, const(_LOG2E), const(0.5)])])
+    minus_n = builder.fneg(n)
+    r = builder.call(fma, [minus_n, const(_LN2_LO), builder.call(fma, [minus_n, const(_LN2_HI), x])])
+    p = const(1.0 / 720.0)
+    for term in (1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = builder.call(fma, [p, r, const(term)])
+    k = builder.fptosi(n, ints)
+    a = builder.ashr(k, ir.Constant(ints, [1] * lanes))
+
+    def power(e: ir.Value) -> ir.Value:  # 2^e from its exponent bits
+        return builder.bitcast(builder.shl(builder.add(e, ir.Constant(ints, [127] * lanes)),
+                                           ir.Constant(ints, [23] * lanes)), vector)
+    y = builder.fmul(builder.fmul(p, power(a)), power(builder.sub(k, a)))
+    y = builder.select(builder.fcmp_ordered("<", x, const(_EXP_MIN)), const(0.0), y)
+    y = builder.select(builder.fcmp_ordered(">", x, const(_EXP_MAX)), const(np.inf), y)
+    return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
+
+
 # Scalar forms, inlined into the array kernels below and into the GEMM epilogue
 # (`compiled.epilogue`), so a fused activation gives the very bits of the standalone one.
 @inline

@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .panels import BLOCK_ROWS, VECTOR_BYTES, _store_finished, initial_sums, multiply_add
-from .pointwise import _finish, finishing
+from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_conv` range.
 PART_KIND = 9
@@ -150,8 +150,6 @@ def _channel_blocks(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray,
         whole = r + BLOCK_ROWS <= m
         target, at = (y[r:], c0) if whole else (spare, 0)
         _block(wide, stride, columns[:, r:], image, offsets, start, target, at, finish, bias[r:], av, bv)
-        if finish == 0:  # (`panels.RAW`: an activation the blocks do not do, after the store)
-            _finish(target, 0, min(BLOCK_ROWS, m - r), at, at + width, bias[r:], act, av, bv)
         if not whole:
             for k in range(m - r):
                 row, source = y[r + k], spare[k]

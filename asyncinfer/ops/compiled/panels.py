@@ -32,6 +32,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import kernel
+from .activations import exp_vector
 
 #: Vectors of columns each block of rows keeps in registers.
 PANEL_VECTORS = 2
@@ -201,11 +202,13 @@ def multiply_add(builder: Any, sums: list[list[Any]], step: Any, columns: list[A
 
 #: What a register block does to its sums before it stores them (``finish``): nothing, or add the
 #: row's bias, then nothing more, Relu, Clip to [lo, hi], LeakyRelu of slope lo, HardSigmoid
-#: (alpha lo, beta hi) or HardSwish. Each as the scalar loops of `compiled.epilogue` do it (the
-#: same comparisons and FMA, NaN and -0 kept alike), so the same bits as the standalone op.
-RAW, BIAS, BIAS_RELU, BIAS_CLIP, BIAS_LEAKY_RELU, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH = range(7)
+#: (alpha lo, beta hi), HardSwish, Sigmoid or Swish (alpha lo; float32 only). Each as the scalar
+#: loops of `compiled.epilogue` do it (the same comparisons, FMAs and `activations.exp_vector`,
+#: NaN and -0 kept alike), so the same bits as the standalone op.
+(RAW, BIAS, BIAS_RELU, BIAS_CLIP, BIAS_LEAKY_RELU, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_SIGMOID,
+ BIAS_SWISH) = range(9)
 #: Set in a register block's ``finish``: its sums start from y's values (a later block of K).
-ADD_TO_Y = 8
+ADD_TO_Y = 16
 
 
 class _Finisher:
@@ -245,6 +248,11 @@ class _Finisher:
             BIAS_HARD_SIGMOID: lambda v: gate(builder.call(fma, [lo, v, hi])),
             BIAS_HARD_SWISH: lambda v: builder.fmul(v, gate(builder.call(fma, [v, sixth, half]))),
         }
+        if bits == 32:  # `activations.sigmoid1` and `swish1`
+            self.activations[BIAS_SIGMOID] = lambda v: builder.fdiv(one, builder.fadd(one, exp_vector(builder,
+                                                                                                    builder.fneg(v))))
+            self.activations[BIAS_SWISH] = lambda v: builder.fdiv(v, builder.fadd(one, exp_vector(
+                builder, builder.fmul(builder.fneg(lo), v))))
 
     def spread(self, value: Any) -> Any:
         """``value`` in every lane."""

@@ -21,9 +21,9 @@ rows, read in place from the input, and the weights are packed once into panels 
 channels (`pack_weights`); each block is stored transposed. No position is padded (a 7x7 map is
 49 rows), at the cost of scalar stores that only a deep sum pays for.
 
-The activations the blocks apply in registers (`panels.BIAS_RELU`...) are those of
-`compiled.epilogue`'s loops, with the same comparisons; the others run in those loops on the
-block just stored, while it is in L1: the same bits as the standalone op either way.
+The blocks apply the bias and the activation in registers (`panels.BIAS_RELU`...), each as
+`compiled.epilogue`'s loops do it, with the same comparisons, FMAs and exponential: the same bits
+as the standalone op.
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
-from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, _apply_run
+from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
-                     BLOCK_ROWS, RAW, _block1, _block2, _block4, _block8, _by_column1, _by_column2, _by_column4,
-                     _by_column8, pack_panels, panel_width)
+                     BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _block1, _block2, _block4, _block8, _by_column1,
+                     _by_column2, _by_column4, _by_column8, pack_panels, panel_width)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -82,19 +82,10 @@ def _pack(x: np.ndarray, panels: np.ndarray, v0: int, v1: int, in_width: int, ou
                 row[j] = 0.0
 
 
-@kernel(contract=False)
-def _finish(y: np.ndarray, r0: int, r1: int, c0: int, c1: int, bias: np.ndarray, act: int, av: float,
-            bv: float) -> None:
-    """The activations the register blocks do not (`finishing`: Sigmoid, Swish) on
-    ``y[r0:r1, c0:c1]`` with ``bias[r]`` per row, the block just stored, while it is in L1."""
-    for r in range(r0, r1):
-        _apply_run(y[r, c0:c1], bias[r], act, av, bv)
-
-
 @numba.njit(inline="always")
 def finishing(act: int) -> int:
-    """The register blocks' ``finish`` (`panels.RAW`...) doing epilogue ``act``: RAW where `_finish`
-    does it after the store."""
+    """The register blocks' ``finish`` (`panels.BIAS`...) doing the bias and epilogue ``act``
+    (every code of `compiled.epilogue` has one)."""
     if act == NONE:
         return BIAS
     if act == RELU:
@@ -107,7 +98,9 @@ def finishing(act: int) -> int:
         return BIAS_HARD_SIGMOID
     if act == HARD_SWISH:
         return BIAS_HARD_SWISH
-    return RAW
+    if act == SIGMOID:
+        return BIAS_SIGMOID
+    return BIAS_SWISH
 
 
 @kernel(contract=False)
@@ -115,10 +108,8 @@ def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: i
                     m0: int, m1: int, last: bool, bias: np.ndarray, act: int, av: float, bv: float) -> None:
     """Channels ``m0:m1`` of panel ``p`` over depth ``k0:k1`` (``cols`` = wt[k0:k1]), into ``y``'s
     columns ``c0:c0 + W``, adding to what earlier blocks of depth stored; ``last``: the last block
-    of depth, so finish each block of channels (in registers, or after the store where
-    `finishing` says RAW)."""
+    of depth, so finish each block of channels in registers."""
     finish = finishing(act) if last else RAW
-    after = last and finish == RAW
     if k0 > 0:
         finish |= ADD_TO_Y
     r = m0
@@ -138,8 +129,6 @@ def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: i
             _block2(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         else:
             _block1(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
-        if after:
-            _finish(y, r, r + rows, c0, c0 + panels.shape[2], bias, act, av, bv)
         r += rows
 
 
@@ -243,18 +232,14 @@ def _gather(x: np.ndarray, columns: np.ndarray, in_width: int, out_width: int, s
 
 
 @kernel(contract=False)
-def _store_block(block: np.ndarray, y: np.ndarray, r0: int, rows: int, c0: int, bias: np.ndarray, act: int,
-                 av: float, bv: float) -> None:
+def _store_block(block: np.ndarray, y: np.ndarray, r0: int, rows: int, c0: int) -> None:
     """Store the first ``rows`` rows of a finished ``block`` (positions x a panel of channels)
-    transposed, ``y[c0 + j, r0 + r] = block[r, j]``, for the channels y has; then the activations
-    the register blocks do not (`finishing` RAW), on the positions just stored."""
+    transposed, ``y[c0 + j, r0 + r] = block[r, j]``, for the channels y has."""
     channels = min(block.shape[1], y.shape[0] - c0)
     for j in range(channels):
         row = y[c0 + j]
         for r in range(rows):
             row[r0 + r] = block[r, j]
-    if finishing(act) == RAW:
-        _finish(y, c0, c0 + channels, r0, r0 + rows, bias, act, av, bv)
 
 
 @kernel(contract=False)
@@ -300,7 +285,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                     _by_column2(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
                 else:
                     _by_column1(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
-                _store_block(block, out, r, rows, p * width, group_bias, act, av, bv)
+                _store_block(block, out, r, rows, p * width)
                 r += rows
 
 
