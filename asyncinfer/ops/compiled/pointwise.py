@@ -32,7 +32,7 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
-from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID
+from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _block1, _block2, _block4, _block8, _by_column1,
                      _by_column2, _by_column4, _by_column8, pack_panels, panel_width)
@@ -82,25 +82,17 @@ def _pack(x: np.ndarray, panels: np.ndarray, v0: int, v1: int, in_width: int, ou
                 row[j] = 0.0
 
 
+#: The register blocks' ``finish`` (`panels.BIAS`...) doing the bias and each `compiled.epilogue`
+#: code (its index here).
+_FINISHES = np.array([finish for _, finish in sorted({
+    NONE: BIAS, RELU: BIAS_RELU, CLIP: BIAS_CLIP, LEAKY_RELU: BIAS_LEAKY_RELU, HARD_SIGMOID: BIAS_HARD_SIGMOID,
+    HARD_SWISH: BIAS_HARD_SWISH, SIGMOID: BIAS_SIGMOID, SWISH: BIAS_SWISH}.items())], np.int64)
+
+
 @numba.njit(inline="always")
 def finishing(act: int) -> int:
-    """The register blocks' ``finish`` (`panels.BIAS`...) doing the bias and epilogue ``act``
-    (every code of `compiled.epilogue` has one)."""
-    if act == NONE:
-        return BIAS
-    if act == RELU:
-        return BIAS_RELU
-    if act == CLIP:
-        return BIAS_CLIP
-    if act == LEAKY_RELU:
-        return BIAS_LEAKY_RELU
-    if act == HARD_SIGMOID:
-        return BIAS_HARD_SIGMOID
-    if act == HARD_SWISH:
-        return BIAS_HARD_SWISH
-    if act == SIGMOID:
-        return BIAS_SIGMOID
-    return BIAS_SWISH
+    """The register blocks' ``finish`` doing the bias and epilogue ``act``."""
+    return _FINISHES[act]
 
 
 @kernel(contract=False)
