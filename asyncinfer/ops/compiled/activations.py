@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..elementwise import _ERF_CLAMP, _ERF_P, _ERF_Q
@@ -88,9 +89,8 @@ def exp_vector(builder: ir.IRBuilder, x: ir.Value) -> ir.Value:
         return ir.Constant(vector, [float(_F(value))] * lanes)
 
     def intrinsic(name: str, count: int) -> ir.Function:
-        fnty = ir.FunctionType(vector, [vector] * count)
-        name = f"llvm.{name}.v{lanes}f32"
-        return builder.module.globals.get(name) or ir.Function(builder.module, fnty, name)
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * count),
+                                              f"llvm.{name}.v{lanes}f32")
 
     fma, floor = intrinsic("fma", 3), intrinsic("floor", 1)
     n = builder.call(floor, [builder.call(fma, [x, const(_LOG2E), const(0.5)])])

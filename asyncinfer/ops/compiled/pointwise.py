@@ -83,10 +83,13 @@ def _pack(x: np.ndarray, panels: np.ndarray, v0: int, v1: int, in_width: int, ou
 
 
 #: The register blocks' ``finish`` (`panels.BIAS`...) doing the bias and each `compiled.epilogue`
-#: code (its index here).
-_FINISHES = np.array([finish for _, finish in sorted({
-    NONE: BIAS, RELU: BIAS_RELU, CLIP: BIAS_CLIP, LEAKY_RELU: BIAS_LEAKY_RELU, HARD_SIGMOID: BIAS_HARD_SIGMOID,
-    HARD_SWISH: BIAS_HARD_SWISH, SIGMOID: BIAS_SIGMOID, SWISH: BIAS_SWISH}.items())], np.int64)
+#: code (at its index).
+_FINISHES = np.zeros(max(NONE, RELU, CLIP, LEAKY_RELU, HARD_SIGMOID, HARD_SWISH, SIGMOID, SWISH) + 1, np.int64)
+for _code, _finish in {NONE: BIAS, RELU: BIAS_RELU, CLIP: BIAS_CLIP, LEAKY_RELU: BIAS_LEAKY_RELU,
+                       HARD_SIGMOID: BIAS_HARD_SIGMOID, HARD_SWISH: BIAS_HARD_SWISH, SIGMOID: BIAS_SIGMOID,
+                       SWISH: BIAS_SWISH}.items():
+    _FINISHES[_code] = _finish
+del _code, _finish
 
 
 @numba.njit(inline="always")
