@@ -23,7 +23,7 @@ from .base import Op
 from .conv_gemm import conv2d as conv2d_gemm
 from .conv_gemm import exact_im2col_pays
 from .conv_gemm import small_conv as conv2d_small
-from .conv_direct import direct_plan, run_direct, takes_direct
+from .conv_direct import direct_plan, panel_plan, run_direct, run_direct_panels, takes_direct, takes_direct_panels
 from .conv_pointwise import pointwise_plan, run_pointwise, takes_pointwise
 from .conv_kernels import (KeepWeights, depthwise2d, depthwise_plan, keep_nothing, run_depthwise, run_tasks,
                            threads_for)
@@ -248,6 +248,9 @@ def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, stri
         return depthwise2d(x, w, b, strides, dilations, begin, out, keep, epilogue)
     if takes_direct(x.shape, w.shape, group, tuple(strides), tuple(dilations), tuple(out), x.dtype):
         return run_direct(direct_plan(x.shape, w, b, tuple(strides), tuple(begin), tuple(out), epilogue, keep), x)
+    if takes_direct_panels(x.shape, w.shape, group, tuple(strides), x.dtype):
+        return run_direct_panels(panel_plan(x.shape, w, b, tuple(strides), tuple(dilations), tuple(begin), tuple(out),
+                                            epilogue, keep), x)
     if takes_pointwise(x.shape, w.shape, group, tuple(begin), tuple(end), tuple(out), x.dtype):
         return run_pointwise(pointwise_plan(x.shape, w, b, group, tuple(strides), tuple(out), epilogue, keep), x)
     return conv2d_gemm(x, w, b, group, strides, dilations, begin, end, out, epilogue)
@@ -277,6 +280,9 @@ def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, 
     if takes_direct(x_shape, w.shape, group, strides, dilations, out, np.dtype(np.float32)):
         direct = direct_plan(x_shape, w, b, strides, begin, out, epilogue, keep)
         return lambda x: run_direct(direct, x)
+    if takes_direct_panels(x_shape, w.shape, group, strides, np.dtype(np.float32)):
+        panels = panel_plan(x_shape, w, b, strides, dilations, begin, out, epilogue, keep)
+        return lambda x: run_direct_panels(panels, x)
     if takes_pointwise(x_shape, w.shape, group, begin, end, out, np.dtype(np.float32)):
         planned = pointwise_plan(x_shape, w, b, group, strides, out, epilogue, keep)
         return lambda x: run_pointwise(planned, x)

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..concurrency import parallel
-from .compiled.direct import LANES, STRIDES, direct_conv, part_arguments
+from .compiled.direct import LANES, STRIDES, copy_inside, direct_conv, part_arguments
+from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_taps
+from .compiled.direct_panels import WIDTH as PANEL_WIDTH
+from .compiled.direct_panels import part_arguments as panel_part_arguments
 from .compiled.panels import BLOCK_ROWS
 from .conv_kernels import KeepWeights, keep_nothing, scratch
 from .epilogue import Epilogue
@@ -41,6 +45,12 @@ MIN_WIDTH = LANES
 #: 4x4/4 3 -> 96 729 -> 734.
 DEEP = 64
 MAX_SHALLOW_OUTPUTS = 32
+
+#: The panel kernel (`compiled.direct_panels`) takes the other convs of at least this many taps
+#: (C·kh·kw: its transposed stores need a deep sum to pay for) and strides of at most
+#: `PANEL_MAX_STRIDE`, where Winograd does not take them (`conv_winograd.winograd_tile`).
+PANEL_MIN_DEPTH = 64
+PANEL_MAX_STRIDE = 2
 
 
 def takes_direct(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
@@ -108,37 +118,37 @@ def direct_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, s
 
 
 _PADDED = threading.local()
-#: Padded image shapes a thread keeps a buffer for (a model has one stem, or a few).
-PADDED_SHAPES = 2
+#: Padded images a thread keeps a buffer for (a model has one stem, and a few dozen deep convs
+#: on small maps: 10-900 KB each).
+PADDED_SHAPES = 32
 
 
-def _padded_image(shape: tuple[int, ...]) -> np.ndarray:
-    """This thread's zero-padded image buffer of ``shape``: its border stays zero between runs, so
-    a run copies only the input into it (NumPy's copy, about four times faster than a compiled loop
-    that writes the border too: 22 against 80-100 µs for a 224x224 image)."""
+def _padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int, ...], x: np.ndarray) -> np.ndarray:
+    """``x`` copied into this thread's zero-padded image buffer of ``shape``, ``top`` rows and
+    ``left`` columns from its corner. The buffer is kept for the same shape and place of ``x``, so
+    its border stays zero between runs and a run copies only the input into it
+    (`compiled.direct.copy_inside`: writing the border too took 4x as long on a 224x224 image)."""
     buffers = getattr(_PADDED, "buffers", None)
     if buffers is None:
         buffers = _PADDED.buffers = {}
-    buffer = buffers.pop(shape, None)
+    key = (shape, top, left, x_shape)
+    buffer = buffers.pop(key, None)
     if buffer is None:
         buffer = np.zeros(shape, np.float32)
         while len(buffers) >= PADDED_SHAPES:
             del buffers[next(iter(buffers))]
-    buffers[shape] = buffer  # (the most recent last)
+    buffers[key] = buffer  # (the most recent last)
+    copy_inside(np.ascontiguousarray(x).reshape(x_shape), buffer, top, left)
     return buffer
 
 
 def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array."""
-    x = np.ascontiguousarray(x).reshape(plan.x_shape)
-    padded = _padded_image(plan.padded)
-    _, _, h, wd = plan.x_shape
-    np.copyto(padded[:, :, plan.top:plan.top + h, plan.left:plan.left + wd], x)
+    padded = _padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x)
     n, m, ho, wo = plan.y_shape
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(n, m, ho * wo)
     padded_m = plan.columns.shape[1]
-    size = padded_m * LANES + BLOCK_ROWS * 2 * LANES
     epilogue = plan.epilogue
 
     def arrays(buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -147,15 +157,101 @@ def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     def run(part: tuple[int, int], buffer: np.ndarray) -> None:
         direct_conv(plan.columns, padded, plan.offsets, flat, plan.bias, *arrays(buffer), *part, ho, wo, plan.stride,
                     epilogue.kind, epilogue.a, epilogue.b)
-    own = scratch((size,), np.float32, "direct_tail")
-    team = parallel.team() if plan.team else None
-    if team is not None and len(plan.parts) - 1 <= team.helpers:
-        helpers = team.scratch((len(plan.parts) - 1, size), np.float32)
-        posted = [part_arguments(plan.columns, padded, plan.offsets, flat, plan.bias, *arrays(helpers[j]), plan.numbers,
-                                 *part, ho, wo, plan.stride, epilogue.kind) for j, part in enumerate(plan.parts[1:])]
-        if team.try_run(posted, lambda: run(plan.parts[0], own)):
-            return y
-    for part in plan.parts:  # (alone, or the team busy: every core is, so every part here)
-        run(part, own)
+
+    def posted(part: tuple[int, int], buffer: np.ndarray) -> list[int]:
+        return part_arguments(plan.columns, padded, plan.offsets, flat, plan.bias, *arrays(buffer), plan.numbers,
+                              *part, ho, wo, plan.stride, epilogue.kind)
+    _run_parts(plan.parts, plan.team, padded_m * LANES + BLOCK_ROWS * 2 * LANES, run, posted)
     return y
 
+
+def _run_parts(parts: tuple[tuple[int, int], ...], on_team: bool, size: int,
+               run: Callable[[tuple[int, int], np.ndarray], None],
+               posted: Callable[[tuple[int, int], np.ndarray], list[int]]) -> None:
+    """``run(part, scratch)`` each of ``parts`` (``size`` float32 of scratch each): the first here
+    and the others on the spinning helpers (``posted(part, scratch)``: its integers) when
+    ``on_team`` and they are free, else all of them here."""
+    own = scratch((size,), np.float32, "direct_scratch")
+    team = parallel.team() if on_team else None
+    if team is not None and len(parts) - 1 <= team.helpers:
+        helpers = team.scratch((len(parts) - 1, size), np.float32)
+        if team.try_run([posted(part, helpers[j]) for j, part in enumerate(parts[1:])], lambda: run(parts[0], own)):
+            return
+    for part in parts:  # (alone, or the team busy: every core is, so every part here)
+        run(part, own)
+
+
+def takes_direct_panels(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
+                        dtype: np.dtype) -> bool:
+    """Whether a 2-D conv runs on `compiled.direct_panels`: float32, one group, a window larger
+    than 1x1 of at least `PANEL_MIN_DEPTH` taps (C·kh·kw), strides of at most `PANEL_MAX_STRIDE`."""
+    return (dtype == np.float32 and len(x_shape) == 4 and group == 1 and tuple(w_shape[2:]) != (1, 1)
+            and math.prod(w_shape[1:]) >= PANEL_MIN_DEPTH and max(strides) <= PANEL_MAX_STRIDE)
+
+
+@dataclass(frozen=True)
+class PanelPlan:
+    """What `run_direct_panels` does with an input: the operands and the parts of
+    `direct_panel_conv`."""
+
+    x_shape: tuple[int, ...]            # (N, C, H, W)
+    y_shape: tuple[int, ...]            # (N, M, Ho, Wo)
+    padded: tuple[int, ...]             # (N, C, Hp, Wp): the zero-padded input
+    top: int                            # its rows and columns of padding before the input's
+    left: int
+    panels: np.ndarray                  # (P, taps, W): `direct_panels.pack_taps` of the weights
+    bias: np.ndarray                    # (P·W,), zero past M (and where there is none)
+    offsets: np.ndarray                 # (taps,) int64: each tap's offset in a padded image
+    strides: tuple[int, int]
+    epilogue: Epilogue
+    numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
+    parts: tuple[tuple[int, int], ...]  # units (u0, u1): panels x output rows through the images
+    team: bool                          # offered to the spinning helpers
+
+
+def panel_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, strides: tuple[int, ...],
+               dilations: tuple[int, ...], begin: tuple[int, ...], out: tuple[int, ...], epilogue: Epilogue,
+               keep: KeepWeights = keep_nothing) -> PanelPlan:
+    """The `PanelPlan` of a conv `takes_direct_panels` accepts, ``w`` (M, C, kh, kw), ``b`` (M,)
+    or None; ``keep`` keeps the packed weights between runs (a model's constants)."""
+    n, c, h, wd = x_shape
+    m, _, kh, kw = w.shape
+    ho, wo = out
+    panels = keep("direct_panels", lambda: pack_taps(w))
+    bias = np.zeros(panels.shape[0] * PANEL_WIDTH, np.float32)
+    if b is not None:
+        bias[:m] = b
+    # as tall and wide as the last window reaches, and as the input with its leading pads
+    hp = max(begin[0] + h, (ho - 1) * strides[0] + (kh - 1) * dilations[0] + 1)
+    wp = max(begin[1] + wd, (wo - 1) * strides[1] + (kw - 1) * dilations[1] + 1)
+    offsets = np.array([(ci * hp + ky * dilations[0]) * wp + kx * dilations[1]
+                        for ci in range(c) for ky in range(kh) for kx in range(kw)], np.int64)
+    units = panels.shape[0] * n * ho
+    team = n * m * c * kh * kw * ho * wo >= TEAM_MIN_MACS
+    count = min(parallel.team_size() if team else 1, units)
+    cuts = [units * i // count for i in range(count + 1)]
+    parts = tuple((cuts[i], cuts[i + 1]) for i in range(count))
+    return PanelPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, wp), begin[0], begin[1], panels, bias, offsets,
+                     (int(strides[0]), int(strides[1])), epilogue, np.array([epilogue.a, epilogue.b], np.float64),
+                     parts, team and count > 1)
+
+
+def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
+    """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array."""
+    padded = _padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x)
+    n, m, ho, wo = plan.y_shape
+    y = np.empty(plan.y_shape, np.float32)
+    flat = y.reshape(n, m, ho * wo)
+    epilogue = plan.epilogue
+    sh, sw = plan.strides
+
+    def run(part: tuple[int, int], buffer: np.ndarray) -> None:
+        direct_panel_conv(plan.panels, padded, plan.offsets, flat, plan.bias, buffer.reshape(BLOCK_POSITIONS, -1),
+                          *part, ho, wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b)
+
+    def posted(part: tuple[int, int], buffer: np.ndarray) -> list[int]:
+        return panel_part_arguments(plan.panels, padded, plan.offsets, flat, plan.bias,
+                                    buffer.reshape(BLOCK_POSITIONS, -1), plan.numbers, *part, ho, wo, sh, sw,
+                                    epilogue.kind)
+    _run_parts(plan.parts, plan.team, BLOCK_POSITIONS * PANEL_WIDTH, run, posted)
+    return y

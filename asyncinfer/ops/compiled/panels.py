@@ -181,16 +181,18 @@ def initial_sums(context: Any, builder: Any, sig: Any, args: Any, y_vector: Call
              for v in range(vectors)] for r in range(rows)]
 
 
-def multiply_add(builder: Any, sums: list[list[Any]], step: Any, columns: list[Any]) -> None:
+def multiply_add(builder: Any, sums: list[list[Any]], step: Any, columns: list[Any], spacing: Any = None) -> None:
     """One step of a register block: ``sums[r][v] += step[r] · columns[v]``, ``step`` a byte
-    pointer to the step's value of each row (one broadcast each)."""
+    pointer to the step's value of each row (one broadcast each), the rows' values adjacent or
+    ``spacing`` bytes apart (an i64 IR value)."""
     vector = columns[0].type
-    element, lanes, i32 = vector.element, vector.count, ir.IntType(32)
+    element, lanes, i32, i64 = vector.element, vector.count, ir.IntType(32), ir.IntType(64)
     size = {ir.FloatType: 4, ir.DoubleType: 8}[type(element)]
     undefined = ir.Constant(vector, ir.Undefined)
     broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
     for r, row in enumerate(sums):
-        at = builder.gep(step, [ir.Constant(ir.IntType(64), r * size)])
+        offset = ir.Constant(i64, r * size) if spacing is None else builder.mul(spacing, ir.Constant(i64, r))
+        at = builder.gep(step, [offset])
         value = builder.load(builder.bitcast(at, element.as_pointer()), align=size)
         spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)), undefined,
                                         broadcast)

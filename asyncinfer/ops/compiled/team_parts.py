@@ -5,7 +5,8 @@ Python between parts; this one runs the parts of the kernels that split across t
 few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attention`), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
-(`pool`), a stem conv's output rows (`direct`), a band of a GEMM (`blas_call`) and a range of a
+(`pool`), a stem conv's output rows (`direct`), a deep conv's rows and
+panels of channels (`direct_panels`), a band of a GEMM (`blas_call`) and a range of a
 sum, activation or channel affine map (`one_pass`), told apart by
 the kind each poster writes (`PART_KIND` of each module).
 """
@@ -23,6 +24,8 @@ from .conv_blocks import PART_KIND as CONV
 from .conv_blocks import conv_part
 from .direct import PART_KIND as DIRECT
 from .direct import direct_part
+from .direct_panels import PART_KIND as DIRECT_PANELS
+from .direct_panels import direct_panel_part
 from .depthwise_parts import PART_KIND as DEPTHWISE
 from .depthwise_parts import depthwise_part
 from .winograd_bands import PART_KIND as WINOGRAD
@@ -66,6 +69,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             pool_part(control)
         elif control[KIND] == DIRECT:
             direct_part(control)
+        elif control[KIND] == DIRECT_PANELS:
+            direct_panel_part(control)
         elif control[KIND] == SUM:
             add_part(control)
         elif control[KIND] == AFFINE:

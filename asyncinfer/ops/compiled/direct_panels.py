@@ -1,0 +1,188 @@
+"""Convs summed straight from the input, output channels in vectors: deep convs on small maps.
+
+A 3x3 conv of 128 channels on a 14x14 or 7x7 map (DenseNet's 58 layers of 128 -> 32, Inception's
+towers, SqueezeNet's expand layers at 13x13) has too few positions for the other kernels:
+Winograd's GEMMs get a few dozen columns each, an im2col GEMM's N is 49 to 196, and
+`compiled.direct`'s blocks are vectors of positions along one output row (a 13-wide row fills
+13 lanes of 16). ONNX Runtime ran those layers 2-3.5x faster.
+
+Here a register block holds up to 8 output positions of one row x `panels.panel_width` output
+channels (two vectors), summed over every tap of the window (``C·kh·kw`` of them): per tap, one
+broadcast of each position's input value, read in place from a zero-padded copy of the input
+(``stride`` apart along the row), and the tap's weights for the panel's channels, one contiguous
+row of the packed weights (`pack_taps`). A row of the map is cut into blocks of 8, 4, 2 and 1
+positions, so no position is computed in vain on any width; each finished block (bias and
+activation in registers, `panels._store_column_biased`) is stored transposed into the NCHW
+output, a cost only a deep sum can pay (``C·kh·kw`` ≥ 64).
+
+Each value is summed from zero along the taps in ``(c, ky, kx)`` order, one multiply-add after
+another (FMA where the CPU has it), as `compiled.direct` sums them: the same bits as that kernel,
+and for any split of the work between threads.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from . import kernel
+from .panels import PANEL_VECTORS, VECTOR_BYTES, _store_column_biased, initial_sums, multiply_add, pack_panels, \
+    panel_width
+from .pointwise import finishing
+
+#: The kind of spin-team part that is a `direct_panel_conv` range.
+PART_KIND = 13
+#: Output channels of one panel (float32).
+WIDTH = panel_width(np.float32)
+#: Positions of the widest block.
+BLOCK_POSITIONS = 8
+
+
+def pack_taps(w: np.ndarray) -> np.ndarray:
+    """The weights ``w`` (M, C, kh, kw) as panels of output channels, (P, C·kh·kw, `WIDTH`) float32,
+    zero past M: ``panels[p, t, j]`` = tap ``t`` = (c, ky, kx)'s weight of channel ``p·WIDTH + j``."""
+    m = w.shape[0]
+    columns = np.zeros((int(np.prod(w.shape[1:])), -(-m // WIDTH) * WIDTH), np.float32)
+    columns[:, :m] = w.reshape(m, -1).T
+    return pack_panels(columns)
+
+
+def _tap_block(rows: int) -> Any:
+    """An intrinsic ``block(image, offsets, start, spacing, taps, panels, p, y, finish, bias, lo,
+    hi)``: ``y[r, j] = Σ_t image.flat[start + r·spacing + offsets[t]] · panels[p, t, j]`` for ``r <
+    rows`` and the panel's ``j``, summed over ``t < taps`` in registers, then finished as ``finish``
+    says with a bias per channel, ``bias[p·W + j]`` (`panels._store_column_biased`). ``image`` is
+    read through its data pointer (a zero-padded image)."""
+
+    @intrinsic
+    def block(typingctx: Any, image: Any, offsets: Any, start: Any, spacing: Any, taps: Any, panels: Any, p: Any,
+              y: Any, finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
+        signature = types.void(image, offsets, start, spacing, taps, panels, p, y, finish, bias, lo, hi)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            i64 = ir.IntType(64)
+            image_arr, offsets_arr, panel_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
+                                                        for i in (0, 1, 5, 7))
+            start_, spacing_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6))
+            element = context.get_value_type(sig.args[0].dtype)
+            size = context.get_abi_sizeof(element)
+            vector = ir.VectorType(element, VECTOR_BYTES // size)
+            byte_ptr = ir.IntType(8).as_pointer()
+
+            def at(base: Any, offset: Any) -> Any:
+                return builder.gep(builder.bitcast(base, byte_ptr), [offset])
+
+            def const(value: int) -> Any:
+                return ir.Constant(i64, value)
+
+            panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
+            y_stride = builder.extract_value(y_arr.strides, 0)
+            panel = at(panel_arr.data, builder.mul(p_, panel_stride))
+            origin = at(image_arr.data, builder.mul(start_, const(size)))
+            spacing_bytes = builder.mul(spacing_, const(size))
+
+            def y_vector(r: int, v: int) -> Any:
+                return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
+                                                                  const(v * VECTOR_BYTES))), vector.as_pointer())
+            sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
+            with cgutils.for_range(builder, taps_) as loop:
+                offset = builder.load(builder.gep(offsets_arr.data, [loop.index]))
+                row = at(panel, builder.mul(loop.index, row_stride))
+                columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
+                                        align=size) for v in range(PANEL_VECTORS)]
+                multiply_add(builder, sums, at(origin, builder.mul(offset, const(size))), columns, spacing_bytes)
+            _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
+                                 y_vector, p_)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return block
+
+
+_block8, _block4, _block2, _block1 = (_tap_block(rows) for rows in (8, 4, 2, 1))
+
+
+@kernel(contract=False)
+def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray,
+                      bias: np.ndarray, block: np.ndarray, u0: int, u1: int, out_height: int, out_width: int,
+                      row_stride: int, column_stride: int, act: int, a: float, b: float) -> None:
+    """Units ``u0:u1`` of the conv of the padded images ``padded`` (N, C, Hp, Wp) with the packed
+    weights ``panels`` (P, taps, W) (`pack_taps`): unit ``u`` is panel ``u // (N·Ho)`` of output row
+    ``u % (N·Ho)`` counted through the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``),
+    tap ``t`` reading ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]``: ``y``
+    (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to P·W. ``block`` (8, W) holds a
+    finished block before its transposed store. ``act``, ``a``, ``b``: the epilogue
+    (`compiled.epilogue`)."""
+    count, taps, width = panels.shape
+    av, bv = np.float32(a), np.float32(b)
+    finish = finishing(act)
+    wp = padded.shape[3]
+    plane = padded.shape[1] * padded.shape[2] * wp
+    flat = padded.reshape(padded.shape[0] * plane)
+    m = y.shape[1]
+    rows_total = y.shape[0] * out_height
+    for u in range(u0, u1):
+        p, q = u // rows_total, u % rows_total
+        i, oy = q // out_height, q % out_height
+        image, out = flat[i * plane:(i + 1) * plane], y[i]
+        channels = min(width, m - p * width)
+        row = oy * row_stride * wp
+        ox = 0
+        while ox < out_width:
+            rows = out_width - ox
+            start = row + ox * column_stride
+            if rows >= 8:
+                rows = 8
+                _block8(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
+            elif rows >= 4:
+                rows = 4
+                _block4(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
+            elif rows >= 2:
+                rows = 2
+                _block2(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
+            else:
+                _block1(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
+            c0 = oy * out_width + ox
+            for j in range(channels):
+                target = out[p * width + j]
+                for r in range(rows):
+                    target[c0 + r] = block[r, j]
+            ox += rows
+
+
+def part_arguments(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,
+                   block: np.ndarray, numbers: np.ndarray, u0: int, u1: int, out_height: int, out_width: int,
+                   row_stride: int, column_stride: int, act: int) -> list[int]:
+    """The integers of a part `direct_panel_part` runs as ``direct_panel_conv(...)`` on the same
+    arguments (for `SpinTeam.try_run`): C-contiguous arrays, the epilogue's ``a, b`` as float64
+    ``numbers``; the caller keeps every array alive until the part is done."""
+    at = addresses(panels, padded, offsets, y, bias, block, numbers)[:7]
+    return [PART_KIND, *panels.shape[:2], *padded.shape, y.shape[1], y.shape[2], *at, u0, u1, out_height, out_width,
+            row_stride, column_stride, act]
+
+
+@numba.njit(inline="always")
+def direct_panel_part(control: np.ndarray) -> None:
+    """Run the `direct_panel_conv` part posted in a spin team's ``control`` row (`part_arguments`):
+    the helper's side (`team_parts.serve_parts`)."""
+    at = ARGS
+    count, taps, n, c, hp, wp, m, span = (control[at], control[at + 1], control[at + 2], control[at + 3],
+                                          control[at + 4], control[at + 5], control[at + 6], control[at + 7])
+    p = at + 8
+    panels = numba.carray(address_as_pointer(control[p], np.float32), (count, taps, WIDTH))
+    padded = numba.carray(address_as_pointer(control[p + 1], np.float32), (n, c, hp, wp))
+    offsets = numba.carray(address_as_pointer(control[p + 2], np.int64), (taps,))
+    y = numba.carray(address_as_pointer(control[p + 3], np.float32), (n, m, span))
+    bias = numba.carray(address_as_pointer(control[p + 4], np.float32), (count * WIDTH,))
+    block = numba.carray(address_as_pointer(control[p + 5], np.float32), (BLOCK_POSITIONS, WIDTH))
+    numbers = numba.carray(address_as_pointer(control[p + 6], np.float64), (2,))
+    q = p + 7
+    direct_panel_conv(panels, padded, offsets, y, bias, block, control[q], control[q + 1], control[q + 2],
+                      control[q + 3], control[q + 4], control[q + 5], control[q + 6], numbers[0], numbers[1])

@@ -1,0 +1,166 @@
+"""Deep convs on the direct panel kernel (asyncinfer/ops/conv_direct.py's `panel_plan`,
+compiled/direct_panels.py).
+
+Checked against onnx's reference implementation across the ways the kernel cuts its work (rows
+cut into blocks of 8, 4, 2 and 1 positions; output channels in whole panels and a last partial
+one; strides 1 and 2, unequal ones; dilation; asymmetric padding; several images; 1-D convs) and
+the ways a plan shares it (panels x output rows, on one and two helpers, the team busy); fused
+activations against the standalone ops bit for bit; the bits of the stem kernel where both run;
+and which convs take it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from asyncinfer.ops import conv, conv_direct, conv_winograd
+from asyncinfer.ops.compiled.direct_panels import WIDTH
+from asyncinfer.ops.epilogue import NO_ACTIVATION
+
+from .op_testing import EPILOGUE_ACTIVATIONS, assert_fused_activation_bits, make_op, randn, reference_run, spin_team_bound
+
+# name: (x shape, output channels, kernel, strides, dilations, pads)
+CASES = {
+    "densenet_small_map": ((1, 24, 7, 7), 32, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
+    "every_block_size": ((1, 8, 6, 15), 2 * WIDTH + 5, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 15 = 8 + 4 + 2 + 1
+    "partial_panel": ((1, 16, 5, 9), 13, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
+    "stride2_asymmetric": ((2, 12, 11, 13), 40, (3, 3), (2, 2), (1, 1), [0, 1, 2, 0]),
+    "unequal_strides_rect": ((1, 6, 12, 10), 20, (5, 3), (2, 1), (1, 1), [2, 1, 2, 1]),
+    "dilated": ((1, 9, 10, 12), 33, (3, 3), (1, 1), (2, 3), [2, 3, 2, 3]),
+    "no_pads": ((1, 10, 9, 9), 7, (3, 3), (1, 1), (1, 1), [0, 0, 0, 0]),
+    "images": ((3, 16, 5, 6), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
+}
+
+
+def _operands(name: str, rng):
+    shape, m, kernel, strides, dilations, pads = CASES[name]
+    return (randn(rng, *shape), randn(rng, m, shape[1], *kernel), randn(rng, m),
+            dict(kernel_shape=list(kernel), strides=list(strides), dilations=list(dilations), pads=pads))
+
+
+def _plan(x, w, b, attrs, epilogue=NO_ACTIVATION):
+    kernel, strides, dilations, pads = attrs["kernel_shape"], attrs["strides"], attrs["dilations"], attrs["pads"]
+    out = tuple((x.shape[2 + i] + pads[i] + pads[i + 2] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+                for i in range(2))
+    return conv_direct.panel_plan(x.shape, w, b, tuple(strides), tuple(dilations), (pads[0], pads[1]), out, epilogue)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference_alone(name, rng, monkeypatch):
+    monkeypatch.setattr(conv_direct, "PANEL_MIN_DEPTH", 1)  # (small cases: every one takes the kernel)
+    x, w, b, attrs = _operands(name, rng)
+    planned = []
+    real = conv_direct.panel_plan
+    monkeypatch.setattr(conv, "panel_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    op = make_op("Conv", attrs, n_inputs=3)
+    got = op(x, w, b)[0]
+    assert planned  # (the full way took the panel kernel)
+    want = reference_run("Conv", [x, w, b], attrs)[0]
+    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(op(x, w, b)[0], got)  # the short way, planned once: the same bits
+    no_bias = make_op("Conv", attrs, n_inputs=2)(x, w)[0]
+    np.testing.assert_allclose(no_bias, reference_run("Conv", [x, w], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_shared_with_the_spin_team_gives_the_same_bits(name, helpers, rng, monkeypatch):
+    """This thread and each helper take a range of units (panels x output rows): the very bits of
+    the conv run whole on one thread."""
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands(name, rng)
+    alone = conv_direct.run_direct_panels(_plan(x, w, b, attrs), x)
+    with spin_team_bound(helpers) as runs:
+        plan = _plan(x, w, b, attrs)
+        shared = conv_direct.run_direct_panels(plan, x)
+    assert len(plan.parts) == helpers + 1 and runs.shared
+    units = plan.panels.shape[0] * x.shape[0] * plan.y_shape[2]
+    assert plan.parts[0][0] == 0 and plan.parts[-1][1] == units
+    assert all(a[1] == b_[0] for a, b_ in zip(plan.parts, plan.parts[1:]))
+    np.testing.assert_array_equal(shared, alone)
+
+
+def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands("stride2_asymmetric", rng)
+    with spin_team_bound(1) as runs, runs.busy():
+        plan = _plan(x, w, b, attrs)
+        got = conv_direct.run_direct_panels(plan, x)
+    assert len(plan.parts) == 2 and runs.shared == 0
+    np.testing.assert_array_equal(got, conv_direct.run_direct_panels(dataclasses.replace(plan, team=False), x))
+
+
+def test_two_convs_of_one_padded_shape_keep_their_own_borders(rng):
+    """A padded image buffer is kept per shape and place of its input: a conv whose input sits
+    elsewhere in a buffer of the same shape must not find the other's values in its border."""
+    w, b = randn(rng, 8, 8, 3, 3), randn(rng, 8)
+    centred = dict(kernel_shape=[3, 3], strides=[1, 1], dilations=[1, 1], pads=[1, 1, 1, 1])    # 9x9 in 11x11
+    corner = dict(kernel_shape=[3, 3], strides=[1, 1], dilations=[1, 1], pads=[0, 0, 1, 1])     # 10x10 in 11x11
+    x9, x10 = randn(rng, 1, 8, 9, 9), randn(rng, 1, 8, 10, 10)
+    for _ in range(2):
+        for x, attrs in ((x10, corner), (x9, centred)):
+            got = conv_direct.run_direct_panels(_plan(x, w, b, attrs), x)
+            np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
+@pytest.mark.parametrize("name", ["every_block_size", "partial_panel"])
+def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng, monkeypatch):
+    """Bias and activation in the register blocks equal the conv followed by the activation op,
+    bit for bit, NaN and infinities included."""
+    monkeypatch.setattr(conv_direct, "PANEL_MIN_DEPTH", 1)
+    x, w, b, attrs = _operands(name, rng)
+    assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
+
+
+def test_the_bits_of_the_stem_kernel(rng):
+    """Both direct kernels sum each value from zero along the taps in (c, ky, kx) order: a conv
+    either may take gives the same bits on each."""
+    x, w, b = randn(rng, 1, 4, 11, 40), randn(rng, 9, 4, 5, 5), randn(rng, 9)
+    out = (11, 40)
+    stem = conv_direct.run_direct(conv_direct.direct_plan(x.shape, w, b, (1, 1), (2, 2), out, NO_ACTIVATION), x)
+    panels = conv_direct.run_direct_panels(
+        conv_direct.panel_plan(x.shape, w, b, (1, 1), (1, 1), (2, 2), out, NO_ACTIVATION), x)
+    np.testing.assert_array_equal(panels, stem)
+
+
+def test_a_1d_conv_runs_as_a_map_one_row_high(rng, monkeypatch):
+    x, w, b = randn(rng, 2, 16, 37), randn(rng, 6, 16, 5), randn(rng, 6)
+    attrs = dict(kernel_shape=[5], pads=[2, 1], strides=[2])
+    planned = []
+    real = conv_direct.panel_plan
+    monkeypatch.setattr(conv, "panel_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    op = make_op("Conv", attrs, n_inputs=3)
+    got = op(x, w, b)[0]
+    assert planned
+    np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(op(x, w, b)[0], got)
+
+
+def test_which_convs_take_the_panel_kernel():
+    f32 = np.dtype(np.float32)
+    deep = ((1, 128, 14, 14), (32, 128, 3, 3), 1, (1, 1))
+    assert conv_direct.takes_direct_panels(*deep, f32)
+    assert not conv_direct.takes_direct_panels(*deep, np.dtype(np.float64))
+    x, w, group, strides = deep
+    assert not conv_direct.takes_direct_panels(x, (128, 1, 3, 3), 128, strides, f32)  # depthwise
+    assert not conv_direct.takes_direct_panels(x, (64, 64, 3, 3), 2, strides, f32)    # grouped
+    assert not conv_direct.takes_direct_panels(x, (32, 128, 1, 1), group, strides, f32)  # 1x1
+    assert not conv_direct.takes_direct_panels(x, (32, 7, 3, 3), group, strides, f32)    # 63 taps: too shallow
+    assert conv_direct.takes_direct_panels(x, (32, 8, 3, 3), group, (2, 2), f32)
+    assert not conv_direct.takes_direct_panels(x, w, group, (3, 3), f32)
+    assert not conv_direct.takes_direct_panels((1, 128, 14), (32, 128, 3), group, (1,), f32)  # (2-D operands)
+
+
+def test_winograd_leaves_few_channels_on_small_maps_to_the_panels():
+    """2x2 Winograd tiles (maps of about 14x14) only from `MIN_2X2_PRODUCT` input x output
+    channels on; 4x4 tiles on larger maps whatever the channels."""
+    def tile(c, m, hw):
+        return conv_winograd.winograd_tile((1, c, hw, hw), (m, c, 3, 3), 1, (1, 1), (1, 1), (1, 1), (1, 1),
+                                           (hw, hw), np.dtype(np.float32))
+    assert tile(48, 192, 13) == 0 and tile(128, 32, 14) == 0
+    assert tile(192, 256, 14) == 2 and tile(64, 256, 13) == 2
+    assert tile(32, 32, 56) == 4
