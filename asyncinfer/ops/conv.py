@@ -3,8 +3,9 @@
 Convolutions are lowered to GEMMs so that the heavy lifting happens in BLAS (which releases the
 GIL). 1-D and 2-D convs run as tiled GEMMs (`.conv_gemm`: im2col, GEMM, bias and the fused
 activation one cache-sized block of outputs at a time), 3x3 ones at unit stride on maps of
-some size by Winograd's F(4x4, 3x3) or F(2x2, 3x3) (`.conv_winograd`: a quarter or 4/9 of the
-multiply-adds); depthwise ones (one input channel per group) are no GEMM and run on compiled
+some size by Winograd's F(4x4, 3x3) (`.conv_winograd`: a quarter of the multiply-adds), stems
+and other deep windows on direct kernels (`.conv_direct`), 1x1 ones on register-blocked GEMMs
+(`.conv_pointwise`); depthwise ones (one input channel per group) are no GEMM and run on compiled
 loops over the kernel taps (`.conv_kernels`, where the choice of loop order is measured and
 documented). 3-D and higher convs build their im2col matrix
 from `windows.FlatWindows` (long contiguous runs rather than many short rows) and run one

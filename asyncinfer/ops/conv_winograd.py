@@ -1,5 +1,5 @@
 """3x3 convolutions by Winograd's minimal filtering: F(4x4, 3x3) needs a quarter of the GEMM's
-multiply-adds, F(2x2, 3x3) 4/9 of them.
+multiply-adds.
 
 The transforms are in `asyncinfer.ops.compiled.winograd` (its docstring has the algorithm). Here:
 which layers take it and with which tile (`winograd_tile`, and `winograd_runs_on` for the operands
@@ -18,7 +18,9 @@ Measured on one core of the 2-core VM (AMD EPYC, AVX-512) inside ResNet-50, agai
 GEMM conv (`conv_gemm`): 64ch@56x56 2.72 -> about 2.0 ms and 128ch@28x28 2.69 -> 1.75 ms with 4x4
 tiles. The GEMMs have one column per tile, and BLAS slows down sharply below a few dozen (and
 reads ``U``, (α/3)² times the weights, from memory each run): at 14x14, 4x4 tiles give 20 columns
-and no gain, hence 2x2 tiles there (56 columns); at 7x7 neither pays (`MIN_TILES`). With 16
+and no gain (`MIN_TILES`): smaller maps take the direct panel kernel (`conv_direct`). F(2x2,
+3x3)'s tiles (56 columns at 14x14, 16/9 times the weights to read) lost to that kernel inside
+ResNet-50 and Inception-v2 (256 -> 256 at 14x14 about 1.37 -> 1.13 ms): it is gone. With 16
 input channels the transforms cost more than the GEMM saves (SqueezeNet's 16->64 at 55x55:
 0.79 -> 1.06 ms), with 32 they gain 10% (`MIN_CHANNELS`). Results differ from the GEMM's by
 rounding: relative error about 5e-6 of the layer's largest output with 4x4 tiles (the transforms
@@ -35,8 +37,7 @@ import numpy as np
 from ..concurrency import parallel
 from ..concurrency.spin_team import SpinTeam
 from .compiled import blas_call
-from .compiled.winograd import (gather_slabs, input_transform, input_transform_2x2, non_finite_mark,
-                                output_transform, output_transform_2x2)
+from .compiled.winograd import gather_slabs, input_transform, non_finite_mark, output_transform
 from .compiled.winograd_bands import band_arguments, scratch_size, winograd_bands
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
@@ -47,11 +48,6 @@ MIN_TILES = 32
 # Fewest input channels (the GEMMs' depth) and output channels.
 MIN_CHANNELS = 32
 MIN_OUT_CHANNELS = 16
-# 2x2 tiles (maps of about 14x14) only from this many input x output channels on: below it the
-# direct panel kernel (`conv_direct.takes_direct_panels`) is faster, at 2.25x the multiply-adds
-# (in a worker on 2 cores: 48 -> 192 at 13x13 250 -> 197 µs, 128 -> 32 at 14x14 118-175 -> 99-162;
-# 96 -> 96 at 14x14 even, 192 -> 256 at 14x14 776 -> 870-968).
-MIN_2X2_PRODUCT = 16384
 # A part's transformed input and GEMM products (α² x (C + M) x its tiles, float32) stay within
 # this many bytes (its scratch, reused from layer to layer), unless that leaves fewer than
 # MIN_PART_TILES tiles for its GEMMs.
@@ -75,8 +71,6 @@ _ALGORITHMS = {
     4: _Algorithm(4, np.array([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
                                [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]]),
                   input_transform, output_transform),
-    2: _Algorithm(2, np.array([[1, 0, 0], [1 / 2, 1 / 2, 1 / 2], [1 / 2, -1 / 2, 1 / 2], [0, 0, 1]]),
-                  input_transform_2x2, output_transform_2x2),
 }
 NOT_FINITE = np.empty((0, 0, 0), np.float32)  # `transform_weights` of weights with a NaN or ∞
 
@@ -88,10 +82,9 @@ def _virtual_tiles(out: Sequence[int], tile: int) -> int:
 def winograd_tile(x_shape: Sequence[int], w_shape: Sequence[int], group: int, strides: Sequence[int],
                   dilations: Sequence[int], begin: Sequence[int], end: Sequence[int], out: Sequence[int],
                   dtype: np.dtype) -> int:
-    """The tile (4 or 2) with which a 2-D conv runs by Winograd, or 0 for none: float32, one group,
-    a 3x3 kernel at unit stride and dilation with pads of at most 2, at least `MIN_CHANNELS` input
-    and `MIN_OUT_CHANNELS` output channels, and `MIN_TILES` tiles of that size a map (2x2 tiles:
-    and `MIN_2X2_PRODUCT` input x output channels)."""
+    """The tile (4) with which a 2-D conv runs by Winograd, or 0 for none: float32, one group, a
+    3x3 kernel at unit stride and dilation with pads of at most 2, at least `MIN_CHANNELS` input
+    and `MIN_OUT_CHANNELS` output channels, and `MIN_TILES` tiles a map."""
     if dtype != np.float32 or group != 1 or len(w_shape) != 4 or tuple(w_shape[2:]) != (3, 3):
         return 0
     if tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
@@ -100,9 +93,7 @@ def winograd_tile(x_shape: Sequence[int], w_shape: Sequence[int], group: int, st
         return 0
     if w_shape[0] < MIN_OUT_CHANNELS or x_shape[1] < MIN_CHANNELS:
         return 0
-    if _virtual_tiles(out, 4) >= MIN_TILES:
-        return 4
-    return 2 if _virtual_tiles(out, 2) >= MIN_TILES and x_shape[1] * w_shape[0] >= MIN_2X2_PRODUCT else 0
+    return 4 if _virtual_tiles(out, 4) >= MIN_TILES else 0
 
 
 def transform_weights(w: np.ndarray, tile: int) -> np.ndarray:

@@ -155,12 +155,13 @@ def test_which_convs_take_the_panel_kernel():
     assert not conv_direct.takes_direct_panels((1, 128, 14), (32, 128, 3), group, (1,), f32)  # (2-D operands)
 
 
-def test_winograd_leaves_few_channels_on_small_maps_to_the_panels():
-    """2x2 Winograd tiles (maps of about 14x14) only from `MIN_2X2_PRODUCT` input x output
-    channels on; 4x4 tiles on larger maps whatever the channels."""
+def test_small_maps_are_left_to_the_panels_by_winograd():
+    """Winograd takes 3x3 layers with 4x4 tiles from about 21x21 on; smaller maps, which its
+    GEMMs of a few dozen columns ran slower, take the panel kernel."""
     def tile(c, m, hw):
         return conv_winograd.winograd_tile((1, c, hw, hw), (m, c, 3, 3), 1, (1, 1), (1, 1), (1, 1), (1, 1),
                                            (hw, hw), np.dtype(np.float32))
-    assert tile(48, 192, 13) == 0 and tile(128, 32, 14) == 0
-    assert tile(192, 256, 14) == 2 and tile(64, 256, 13) == 2
-    assert tile(32, 32, 56) == 4
+    assert tile(256, 256, 14) == 0 and tile(48, 192, 13) == 0
+    assert tile(32, 32, 28) == 4 and tile(64, 64, 56) == 4
+    f32 = np.dtype(np.float32)
+    assert conv_direct.takes_direct_panels((1, 256, 14, 14), (256, 256, 3, 3), 1, (1, 1), f32)

@@ -1,4 +1,4 @@
-"""3x3 convolutions by Winograd F(4x4, 3x3) and F(2x2, 3x3) (asyncinfer/ops/conv_winograd.py and
+"""3x3 convolutions by Winograd F(4x4, 3x3) (asyncinfer/ops/conv_winograd.py and
 compiled/winograd.py), against onnx's reference implementation, however the map is cut into parts
 and padded; its fused activations bit for bit against the standalone ops; and the operands it
 leaves to the GEMM (non-finite values, small maps, other geometries)."""
@@ -18,12 +18,6 @@ from .op_testing import activation_op, make_op, randn, reference_run, spin_team_
 _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-winograd")
 
 
-@pytest.fixture(autouse=True)
-def _small_maps_take_2x2_tiles_whatever_the_channels(monkeypatch):
-    """Models leave small maps with few channels to the direct panel kernel (`MIN_2X2_PRODUCT`,
-    tests/ops/test_conv_direct_panels.py); these small cases take 2x2 tiles all the same."""
-    monkeypatch.setattr(conv_winograd, "MIN_2X2_PRODUCT", 0)
-
 # name: (x shape, output channels, attrs, the tile it takes)
 CASES = {
     "same_pads": ((1, 32, 21, 17), 24, dict(pads=[1, 1, 1, 1]), 4),
@@ -32,8 +26,6 @@ CASES = {
     "auto_pad_same_lower": ((1, 32, 20, 21), 16, dict(auto_pad="SAME_LOWER"), 4),
     "batch_of_three": ((3, 32, 24, 24), 32, dict(pads=[1, 1, 1, 1]), 4),
     "one_tile_row": ((1, 32, 4, 128), 16, dict(pads=[1, 1, 1, 1]), 4),
-    "small_map_2x2": ((1, 32, 10, 12), 48, dict(pads=[1, 1, 1, 1]), 2),
-    "small_map_2x2_odd": ((2, 33, 13, 11), 20, dict(pads=[1, 0, 2, 1]), 2),
 }
 
 
@@ -167,7 +159,7 @@ def test_weights_are_transformed_once_when_constant(rng, monkeypatch):
     ((1, 32, 20, 20), 16, dict(pads=[3, 3, 3, 3]), "pads wider than 2"),
     ((1, 32, 20, 20), 16, dict(pads=[1, 1, 1, 1], group=2), "grouped"),
 ])
-def test_other_layers_keep_the_gemm(shape, m, attrs, why, rng, monkeypatch):
+def test_other_layers_do_not_take_winograd(shape, m, attrs, why, rng, monkeypatch):
     group = attrs.get("group", 1)
     x, w = randn(rng, *shape), randn(rng, m, shape[1] // group, 3, 3)
     attrs = dict(attrs, kernel_shape=[3, 3])

@@ -1,5 +1,4 @@
-"""Winograd F(4x4, 3x3) and F(2x2, 3x3): the input and output transforms of
-`asyncinfer.ops.conv_winograd`.
+"""Winograd F(4x4, 3x3): the input and output transforms of `asyncinfer.ops.conv_winograd`.
 
 A 3x3 convolution computes each 4x4 block of outputs from a 6x6 window of the input. Winograd's
 minimal filtering algorithm (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks")
@@ -154,68 +153,3 @@ def output_transform(m: np.ndarray, y: np.ndarray, tw: int, oh0: int, t: np.ndar
                             row[_U(ow + 1)] = o1
                         if ow + 2 < wo:
                             row[_U(ow + 2)] = o2
-
-
-@kernel
-def input_transform_2x2(slabs: np.ndarray, v: np.ndarray, e: np.ndarray) -> None:
-    """F(2x2, 3x3)'s `input_transform`: ``v[4a + b, c, q] = (Bᵀ d B)[a, b]`` for the 4x4 window of
-    virtual tile ``q`` (slab columns ``2q … 2q + 3``); ``v`` (16, C, Q), ``e`` a scratch (4, 4, Q)."""
-    q_count = v.shape[2]
-    for c in range(slabs.shape[0]):
-        for r in range(4):
-            src = slabs[c, r]
-            er = e[r]
-            for q in range(q_count):
-                i = _U(2 * q)
-                d0, d1, d2, d3 = src[i], src[i + _U(1)], src[i + _U(2)], src[i + _U(3)]
-                er[0, _U(q)] = d0 - d2
-                er[1, _U(q)] = d1 + d2
-                er[2, _U(q)] = d2 - d1
-                er[3, _U(q)] = d1 - d3
-        for b in range(4):
-            e0, e1, e2, e3 = e[0, b], e[1, b], e[2, b], e[3, b]
-            v0, v1, v2, v3 = v[b, c], v[4 + b, c], v[8 + b, c], v[12 + b, c]
-            for q in range(q_count):
-                j = _U(q)
-                d0, d1, d2, d3 = e0[j], e1[j], e2[j], e3[j]
-                v0[j] = d0 - d2
-                v1[j] = d1 + d2
-                v2[j] = d2 - d1
-                v3[j] = d1 - d3
-
-
-@kernel
-def output_transform_2x2(m: np.ndarray, y: np.ndarray, tw: int, oh0: int, t: np.ndarray) -> None:
-    """F(2x2, 3x3)'s `output_transform`: ``m`` (16, K, Q), ``t`` a scratch (2, 4, tw). (Its loop
-    skeleton repeats `output_transform`'s: the two differ in every size and formula, and a
-    transform passed in as a function would be called per element, not inlined.)"""
-    channels, ho, wo = y.shape
-    row_tiles = tw + 1
-    tile_rows = m.shape[2] // row_tiles
-    for k in range(channels):
-        for ti in range(tile_rows):
-            q0 = ti * row_tiles
-            if oh0 + 2 * ti >= ho:
-                break
-            for s in range(4):
-                m0, m1 = m[s, k, q0:q0 + tw], m[4 + s, k, q0:q0 + tw]
-                m2, m3 = m[8 + s, k, q0:q0 + tw], m[12 + s, k, q0:q0 + tw]
-                t0, t1 = t[0, s], t[1, s]
-                for j in range(tw):
-                    i = _U(j)
-                    a1, a2 = m1[i], m2[i]
-                    t0[i] = m0[i] + a1 + a2
-                    t1[i] = a1 - a2 - m3[i]
-            for r in range(2):
-                oh = oh0 + 2 * ti + r
-                if oh >= ho:
-                    break
-                row = y[k, oh]
-                tr = t[r]
-                for j in range(tw):
-                    i = _U(j)
-                    a1, a2 = tr[1, i], tr[2, i]
-                    ow = 2 * j
-                    row[_U(ow)] = tr[0, i] + a1 + a2
-                    if ow + 1 < wo:
-                        row[_U(ow + 1)] = a1 - a2 - tr[3, i]

@@ -5,7 +5,7 @@ its parts run on the CPU backend's spinning helpers (`concurrency/spin_team.py`)
 rows into slabs, transform them, the α² GEMMs (BLAS's sgemm from compiled code: `blas_call`),
 the output transform, bias and activation. The calling thread takes some bands and a helper the
 others (`band_arguments`, `band_part`), starting in microseconds where a pool thread takes
-100-300 µs to wake, so mid-sized layers (SqueezeNet's, ResNet's 14x14 stage) run on every core.
+100-300 µs to wake, so mid-sized layers (SqueezeNet's, ResNet's 28x28 stage) run on every core.
 Each value is computed as in `_part`: the same transforms, one sgemm per ξ, the same epilogue.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .blas_call import sgemm
 from .epilogue import apply_rows
-from .winograd import gather_slabs, input_transform, input_transform_2x2, output_transform, output_transform_2x2
+from .winograd import gather_slabs, input_transform, output_transform
 
 PART_KIND = 4
 
@@ -33,7 +33,7 @@ def winograd_bands(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray
     ``fn``, ``ilp64``: `blas_call.SGEMM`, `blas_call.ILP64`."""
     c = x.shape[1]
     m = u.shape[1]
-    window = 6 if u.shape[0] == 36 else 4
+    window = 6  # (F(4x4, 3x3): a tile reads 6x6 inputs)
     step = window - 2
     ho, wo = y.shape[2], y.shape[3]
     for j in range(b0, b1):
@@ -52,18 +52,12 @@ def winograd_bands(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray
         at += sizes[3]
         t = scratch[at:at + step * window * tw].reshape(step, window, tw)
         gather_slabs(x[i], slabs, step, top, left, step * (tw + 1), ti0, ti1 - ti0)
-        if window == 6:
-            input_transform(slabs, v, e)
-        else:
-            input_transform_2x2(slabs, v, e)
+        input_transform(slabs, v, e)
         for xi in range(window * window):
             sgemm(fn, ilp64, m, tiles, c, u[xi].ctypes.data, c, v[xi].ctypes.data, tiles, products[xi].ctypes.data,
                   tiles)
         oh0, oh1 = step * ti0, min(ho, step * ti1)
-        if window == 6:
-            output_transform(products, y[i], tw, oh0, t)
-        else:
-            output_transform_2x2(products, y[i], tw, oh0, t)
+        output_transform(products, y[i], tw, oh0, t)
         for ch in range(m):
             apply_rows(y[i, ch, oh0:oh1].reshape(1, (oh1 - oh0) * wo), bias[ch:ch + 1], act, a, b)
 
