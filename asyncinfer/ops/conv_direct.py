@@ -37,12 +37,13 @@ MAX_CHANNELS = 4
 #: Fewest output columns: a block is a vector of positions of one output row.
 MIN_WIDTH = LANES
 #: A shallow conv (depth C·kh·kw under `DEEP`) with more than `MAX_SHALLOW_OUTPUTS` output
-#: channels keeps the GEMM way: its im2col is cheap against its multiply-adds, where sgemm's
-#: blocks are as fast. Measured in the models on 2 cores (the first layer, median of 40 runs,
-#: GEMM way -> direct): MobileNetV3's 3x3/2 3 -> 16 519 -> 370 µs, ShuffleNet's 3 -> 24 459 ->
-#: 358, EfficientNet's 3 -> 32 823 -> 702, the 7x7/2 3 -> 64 of ResNet-18/50, DenseNet and
-#: Inception 2.3-2.7 -> 1.8-2.1 ms; but SqueezeNet's 3x3/2 3 -> 64 801 -> 882 and ConvNeXt's
-#: 4x4/4 3 -> 96 729 -> 734.
+#: channels whose windows do not overlap (stride = window: ConvNeXt's 4x4/4 patchify, whose
+#: im2col is a plain reshuffle) keeps the GEMM way: 252 against 275 µs on 2 cores. Overlapping
+#: stems take this kernel, in the models (the first layer, median of 40 runs, GEMM way -> direct):
+#: MobileNetV3's 3x3/2 3 -> 16 519 -> 370 µs, ShuffleNet's 3 -> 24 459 -> 358, EfficientNet's
+#: 3 -> 32 823 -> 702, the 7x7/2 3 -> 64 of ResNet-18/50, DenseNet and Inception 2.3-2.7 -> 1.8-2.1
+#: ms; and since rows are stored as their phases (`compiled.direct`), SqueezeNet's 3x3/2 3 -> 64
+#: too (a single layer in a worker: 400-462 -> 290-295 µs; 7x7/2 3 -> 64 1325-1341 -> 1161-1233).
 DEEP = 64
 MAX_SHALLOW_OUTPUTS = 32
 
@@ -57,12 +58,13 @@ def takes_direct(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int,
                  dilations: tuple[int, ...], out: tuple[int, ...], dtype: np.dtype) -> bool:
     """Whether a 2-D conv runs on `compiled.direct`: float32, one group of at most `MAX_CHANNELS`
     input channels, a window larger than 1x1, no dilation, the same stride both ways (one of
-    `compiled.direct.STRIDES`), output rows at least `MIN_WIDTH` wide, and deep or narrow enough
-    (`DEEP`, `MAX_SHALLOW_OUTPUTS`)."""
+    `compiled.direct.STRIDES`), output rows at least `MIN_WIDTH` wide, and overlapping windows,
+    deep or narrow enough (`DEEP`, `MAX_SHALLOW_OUTPUTS`)."""
     return (dtype == np.float32 and len(x_shape) == 4 and group == 1 and x_shape[1] <= MAX_CHANNELS
             and w_shape[2:] != (1, 1) and dilations == (1, 1) and strides[0] == strides[1]
             and strides[0] in STRIDES and out[1] >= MIN_WIDTH
-            and (w_shape[0] <= MAX_SHALLOW_OUTPUTS or math.prod(w_shape[1:]) >= DEEP))
+            and (tuple(strides) != tuple(w_shape[2:]) or w_shape[0] <= MAX_SHALLOW_OUTPUTS
+                 or math.prod(w_shape[1:]) >= DEEP))
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,13 @@ class DirectPlan:
 
     x_shape: tuple[int, ...]            # (N, C, H, W)
     y_shape: tuple[int, ...]            # (N, M, Ho, Wo)
-    padded: tuple[int, ...]             # (N, C, Hp, Wp): the zero-padded input
-    top: int                            # its rows and columns of padding before the input's
-    left: int
+    padded: tuple[int, ...]             # (N, C, Hp, stride·Wq): the zero-padded input, each row as
+    top: int                            # its ``stride`` phases; its rows and columns of padding
+    left: int                           # before the input's
     columns: np.ndarray                 # (taps, Mp): the weights transposed, zero past M
     bias: np.ndarray                    # (Mp,), zero past M (and where there is none)
     offsets: np.ndarray                 # (taps,) int64: each tap's offset in a padded image
-    stride: int
+    stride: int                         # (both ways; the phases of a row: `_padded_input`)
     epilogue: Epilogue
     numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
     parts: tuple[tuple[int, int], ...]  # output rows (q0, q1), counted through the images
@@ -103,18 +105,22 @@ def direct_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, s
     bias = np.zeros(padded_m, np.float32)
     if b is not None:
         bias[:m] = b
-    # every block reads whole vectors of ``stride`` lanes each: rows as wide as the last block's reach
-    reach = -(-wo // LANES) * LANES * stride + kw - 1
-    hp, wp = max(begin[0] + h, (ho - 1) * stride + kh), max(begin[1] + wd, reach)
-    offsets = np.array([(ci * hp + ky) * wp + kx for ci in range(c) for ky in range(kh) for kx in range(kw)],
-                       np.int64)
+    # Each padded row is stored as its ``stride`` phases (columns ``stride·j + phase``, each
+    # ``wq`` wide): a tap then reads consecutive values of one phase, not every ``stride``-th
+    # value of the row (a load and a shuffle per lane: 16 G multiply-adds/s a core at stride 2).
+    # Every block reads whole vectors: phases as wide as the last block's reach.
+    wq = max(-(-(begin[1] + wd) // stride), -(-wo // LANES) * LANES + (kw - 1) // stride)
+    hp = max(begin[0] + h, (ho - 1) * stride + kh)
+    offsets = np.array([((ci * hp + ky) * stride + kx % stride) * wq + kx // stride
+                        for ci in range(c) for ky in range(kh) for kx in range(kw)], np.int64)
     rows = n * ho
     team = n * m * c * kh * kw * ho * wo >= TEAM_MIN_MACS
     count = min(parallel.team_size() if team else 1, rows)
     cuts = [rows * i // count for i in range(count + 1)]
     parts = tuple((cuts[i], cuts[i + 1]) for i in range(count))
-    return DirectPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, wp), begin[0], begin[1], columns, bias, offsets,
-                      stride, epilogue, np.array([epilogue.a, epilogue.b], np.float64), parts, team and count > 1)
+    return DirectPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, stride * wq), begin[0], begin[1], columns, bias,
+                      offsets, stride, epilogue, np.array([epilogue.a, epilogue.b], np.float64), parts,
+                      team and count > 1)
 
 
 _PADDED = threading.local()
@@ -123,28 +129,30 @@ _PADDED = threading.local()
 PADDED_SHAPES = 32
 
 
-def _padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int, ...], x: np.ndarray) -> np.ndarray:
+def _padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int, ...], x: np.ndarray,
+                  phases: int = 1) -> np.ndarray:
     """``x`` copied into this thread's zero-padded image buffer of ``shape``, ``top`` rows and
-    ``left`` columns from its corner. The buffer is kept for the same shape and place of ``x``, so
+    ``left`` columns from its corner, each row stored as its ``phases`` phases (padded column
+    ``phases·j + f`` at ``f·W/phases + j``). The buffer is kept for the same shape and place of ``x``, so
     its border stays zero between runs and a run copies only the input into it
     (`compiled.direct.copy_inside`: writing the border too took 4x as long on a 224x224 image)."""
     buffers = getattr(_PADDED, "buffers", None)
     if buffers is None:
         buffers = _PADDED.buffers = {}
-    key = (shape, top, left, x_shape)
+    key = (shape, top, left, x_shape, phases)
     buffer = buffers.pop(key, None)
     if buffer is None:
         buffer = np.zeros(shape, np.float32)
         while len(buffers) >= PADDED_SHAPES:
             del buffers[next(iter(buffers))]
     buffers[key] = buffer  # (the most recent last)
-    copy_inside(np.ascontiguousarray(x).reshape(x_shape), buffer, top, left)
+    copy_inside(np.ascontiguousarray(x).reshape(x_shape), buffer, top, left, phases)
     return buffer
 
 
 def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array."""
-    padded = _padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x)
+    padded = _padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x, plan.stride)
     n, m, ho, wo = plan.y_shape
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(n, m, ho * wo)

@@ -113,8 +113,11 @@ def test_which_convs_take_the_direct_kernel():
     assert not conv_direct.takes_direct(x, w, group, (2, 1), dilations, out, f32)
     assert not conv_direct.takes_direct(x, w, group, strides, (2, 2), out, f32)
     assert not conv_direct.takes_direct(x, w, group, strides, dilations, (112, LANES - 1), f32)
-    # a shallow window with many outputs keeps the GEMM way; a deep one does not
-    assert not conv_direct.takes_direct(x, (64, 3, 3, 3), group, strides, dilations, out, f32)
+    # a shallow patchify (stride = window) with many outputs keeps the GEMM way; a deep one, or
+    # overlapping windows, do not
+    assert not conv_direct.takes_direct(x, (96, 3, 4, 4), group, (4, 4), dilations, (56, 56), f32)
+    assert conv_direct.takes_direct(x, (96, 3, 8, 8), group, (4, 4), dilations, (56, 56), f32)
+    assert conv_direct.takes_direct(x, (64, 3, 3, 3), group, strides, dilations, out, f32)
     assert conv_direct.takes_direct(x, (64, 3, 7, 7), group, strides, dilations, out, f32)
 
 

@@ -7,11 +7,12 @@ that many times over, strided: on the 2-core VM these layers took 2.8-3.5x ONNX 
 most of it in the im2col.
 
 Here a register block (`panels.multiply_add`) holds ``BLOCK_ROWS`` output channels x
-two vectors of positions of one output row and sums them over every tap of the window. A tap's
-values for those positions are ``stride`` apart in one input row, so each tap loads ``stride``
-times the vectors and keeps every ``stride``-th lane (LLVM shuffles), reading the input in place.
-The input is first copied into a zero-padded image (`conv_direct.run_direct`), so no tap reads
-out of bounds and no block needs a test. The weights are kept transposed (``columns[t, m]``, tap ``t``
+two vectors of positions of one output row and sums them over every tap of the window. The input
+is first copied into a zero-padded image (`copy_inside`, for `conv_direct.run_direct`), so no tap
+reads out of bounds and no block needs a test, with each row stored as its ``stride`` phases (the
+columns ``stride·j + f`` of phase ``f`` side by side): a tap's values for a block's positions are
+then consecutive, two vector loads, where loading every ``stride``-th value of the row took a
+load and a shuffle per vector (16 G multiply-adds/s a core at stride 2, against about 40). The weights are kept transposed (``columns[t, m]``, tap ``t``
 = ``(c, ky, kx)``), so a tap's weights of a block are one cache line.
 
 Each value is summed from zero along the taps in ``(c, ky, kx)`` order, one multiply-add after
@@ -35,7 +36,7 @@ from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_conv` range.
 PART_KIND = 9
-#: Strides the blocks load (every ``stride``-th lane of ``stride`` vectors).
+#: Strides the stem kernel takes (`conv_direct.takes_direct`).
 STRIDES = (1, 2, 4)
 #: Float32 lanes of one vector.
 LANES = VECTOR_BYTES // 4
@@ -43,27 +44,9 @@ LANES = VECTOR_BYTES // 4
 _U = np.uint64  # (unsigned indices: no negative-index wrap test in the copy's loop)
 
 
-def _strided(builder: Any, loaded: list[Any], stride: int, lanes: int) -> list[Any]:
-    """Every ``stride``-th lane of the vectors ``loaded`` (in order), as ``len(loaded) // stride``
-    vectors: lanes picked from pairs of vectors, then the pieces joined pairwise."""
-    if stride == 1:
-        return loaded
-    i32 = ir.IntType(32)
-    picks = 2 * lanes // stride
-    pieces = [builder.shuffle_vector(loaded[i], loaded[i + 1], ir.Constant(ir.VectorType(i32, picks),
-                                                                            [j * stride for j in range(picks)]))
-              for i in range(0, len(loaded), 2)]
-    while pieces[0].type.count < lanes:
-        width = 2 * pieces[0].type.count
-        pieces = [builder.shuffle_vector(pieces[i], pieces[i + 1], ir.Constant(ir.VectorType(i32, width),
-                                                                                list(range(width))))
-                  for i in range(0, len(pieces), 2)]
-    return pieces
-
-
-def _direct_block(rows: int, vectors: int, stride: int) -> Any:
+def _direct_block(rows: int, vectors: int) -> Any:
     """An intrinsic ``block(columns, image, offsets, start, taps, y, r0, c0, finish, bias, lo, hi)``:
-    ``y[r0 + r, c0 + j] = Σ_t columns[t, r0 + r] · image.flat[offsets[t] + start + j·stride]`` for
+    ``y[r0 + r, c0 + j] = Σ_t columns[t, r0 + r] · image.flat[offsets[t] + start + j]`` for
     ``r < rows`` and ``j`` < ``vectors`` vectors of lanes, summed over ``t < taps`` in registers,
     then finished as ``finish`` says (`panels.RAW`, `panels.BIAS`...: `panels._store_finished`).
     ``image`` is read through its data pointer (a zero-padded image)."""
@@ -102,9 +85,8 @@ def _direct_block(rows: int, vectors: int, stride: int) -> Any:
                 offset = builder.load(builder.gep(offsets_arr.data, [loop.index]))
                 row = at(origin, builder.mul(offset, const(size)))
                 loaded = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
-                                       align=size) for v in range(vectors * stride)]
-                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)),
-                             _strided(builder, loaded, stride, vector.count))
+                                       align=size) for v in range(vectors)]
+                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)), loaded)
             _store_finished(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums], y_vector, r0_)
             return context.get_dummy_value()
 
@@ -113,35 +95,13 @@ def _direct_block(rows: int, vectors: int, stride: int) -> Any:
     return block
 
 
-# (vectors, stride) -> the block of `BLOCK_ROWS` channels
-_w1, _n1, _w2, _n2, _w4, _n4 = (_direct_block(BLOCK_ROWS, vectors, stride) for stride in STRIDES for vectors in (2, 1))
-
-
-@numba.njit(inline="always")
-def _block(wide: bool, stride: int, columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int,
-           y: np.ndarray, c0: int, finish: int, bias: np.ndarray, av: Any, bv: Any) -> None:
-    """The block of `BLOCK_ROWS` channels x two vectors (``wide``) or one, at ``stride``."""
-    taps = offsets.shape[0]
-    if stride == 1:
-        if wide:
-            _w1(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
-        else:
-            _n1(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
-    elif stride == 2:
-        if wide:
-            _w2(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
-        else:
-            _n2(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
-    elif wide:
-        _w4(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
-    else:
-        _n4(columns, image, offsets, start, taps, y, 0, c0, finish, bias, av, bv)
+# the blocks of `BLOCK_ROWS` channels x two vectors of positions (wide) and one (narrow)
+_wide, _narrow = (_direct_block(BLOCK_ROWS, vectors) for vectors in (2, 1))
 
 
 @kernel(contract=False)
-def _channel_blocks(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int, stride: int,
-                    wide: bool, y: np.ndarray, c0: int, bias: np.ndarray, act: int, av: Any, bv: Any,
-                    spare: np.ndarray) -> None:
+def _channel_blocks(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int, wide: bool,
+                    y: np.ndarray, c0: int, bias: np.ndarray, act: int, av: Any, bv: Any, spare: np.ndarray) -> None:
     """Every channel of ``y`` (M or more rows) for one block of positions (two vectors wide or
     one) at column ``c0``, finished; the last channels short of a block through ``spare``
     (`BLOCK_ROWS`, two vectors), then copied. ``columns`` and ``bias`` are padded to whole blocks."""
@@ -151,7 +111,11 @@ def _channel_blocks(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray,
     for r in range(0, m, BLOCK_ROWS):
         whole = r + BLOCK_ROWS <= m
         target, at = (y[r:], c0) if whole else (spare, 0)
-        _block(wide, stride, columns[:, r:], image, offsets, start, target, at, finish, bias[r:], av, bv)
+        taps = offsets.shape[0]
+        if wide:
+            _wide(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
+        else:
+            _narrow(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
         if not whole:
             for k in range(m - r):
                 row, source = y[r + k], spare[k]
@@ -164,9 +128,10 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
                 tail: np.ndarray, spare: np.ndarray, q0: int, q1: int, out_height: int, out_width: int, stride: int,
                 act: int, a: float, b: float) -> None:
     """Output rows ``q0:q1`` (counted through the images: row ``q`` is image ``q // Ho``'s row
-    ``q % Ho``) of the conv of the padded images ``padded`` (N, C, Hp, Wp) with the weights
-    ``columns`` (taps, M), ``columns[t, m]`` = tap ``t``'s weight of channel ``m``, tap ``t``
-    reading ``padded[i, c].flat[offsets[t] + oy·stride·Wp + ox·stride]``: ``y`` (N, M, Ho·Wo) =
+    ``q % Ho``) of the conv of the padded images ``padded`` (N, C, Hp, Wp), each row as its
+    ``stride`` phases (`copy_inside`), with the weights ``columns`` (taps, M), ``columns[t, m]`` =
+    tap ``t``'s weight of channel ``m``, tap ``t`` reading ``padded[i, c].flat[offsets[t] +
+    oy·stride·Wp + ox]`` (its phase's value for output column ``ox``): ``y`` (N, M, Ho·Wo) =
     act(sums + ``bias``); ``columns`` and ``bias`` are padded with zeros to whole blocks of
     `BLOCK_ROWS` channels. ``tail`` (M padded so, LANES) takes a row's last positions short of a
     vector before their copy out, ``spare`` (`BLOCK_ROWS`, 2·LANES) the last channels short of a
@@ -183,16 +148,13 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
         c0 = oy * out_width
         ox = 0
         while ox + 2 * LANES <= out_width:
-            _channel_blocks(columns, image, offsets, row + ox * stride, stride, True, out, c0 + ox, bias, act, av, bv,
-                            spare)
+            _channel_blocks(columns, image, offsets, row + ox, True, out, c0 + ox, bias, act, av, bv, spare)
             ox += 2 * LANES
         if ox + LANES <= out_width:
-            _channel_blocks(columns, image, offsets, row + ox * stride, stride, False, out, c0 + ox, bias, act, av, bv,
-                            spare)
+            _channel_blocks(columns, image, offsets, row + ox, False, out, c0 + ox, bias, act, av, bv, spare)
             ox += LANES
         if ox < out_width:  # the last few positions: a vector's worth into the tail, then copied
-            _channel_blocks(columns, image, offsets, row + ox * stride, stride, False, tail, 0, bias, act, av, bv,
-                            spare)
+            _channel_blocks(columns, image, offsets, row + ox, False, tail, 0, bias, act, av, bv, spare)
             for r in range(m):
                 target, source = out[r], tail[r]
                 for j in range(out_width - ox):
@@ -200,19 +162,29 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
 
 
 @kernel
-def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int) -> None:
-    """``padded[:, :, top:top + H, left:left + W] = x`` (N, C, H, W), leaving the border alone: a
-    compiled loop, as fast as NumPy's copy on long rows and 10-20x faster on a small map's (NumPy
-    pays its per-row set-up on every 7- or 14-wide row: 104 µs for 192 channels of 14x14)."""
+def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int, phases: int) -> None:
+    """``padded[:, :, top:top + H, left:left + W] = x`` (N, C, H, W), leaving the border alone,
+    each padded row stored as its ``phases`` phases: padded column ``phases·j + f`` at ``f·Wq +
+    j`` (``Wq`` = the row's width / ``phases``; one phase: the row as it is). A compiled loop: as
+    fast as NumPy's copy on long rows and 10-20x faster on a small map's (NumPy pays its per-row
+    set-up on every 7- or 14-wide row: 104 µs for 192 channels of 14x14)."""
     n, c, h, w = x.shape
     hp, wp = padded.shape[2], padded.shape[3]
+    wq = wp // phases
     source, target = x.reshape(x.size), padded.reshape(padded.size)
     at = 0
     for plane in range(n * c):
-        to = (plane * hp + top) * wp + left
+        to = (plane * hp + top) * wp
         for _ in range(h):
-            for j in range(w):
-                target[_U(to + j)] = source[_U(at + j)]
+            if phases == 1:
+                for j in range(w):
+                    target[_U(to + left + j)] = source[_U(at + j)]
+            else:
+                for f in range(phases):
+                    first = (f - left) % phases  # the first input column of phase f
+                    base = to + f * wq + (left + first) // phases
+                    for j in range((w - first + phases - 1) // phases):
+                        target[_U(base + j)] = source[_U(at + first + j * phases)]
             at += w
             to += wp
 
