@@ -1,7 +1,8 @@
 """Pooling ops: MaxPool, AveragePool, LpPool and their global variants.
 
 2-D float max and average pools run on compiled loops (`compiled.pool`; an average pool sums,
-then divides by each window's count): one over the tiles when the windows tile the map, else a
+then divides by each window's count): one over the tiles when the windows tile the map, else long
+passes over padded planes laid end to end at unit strides and on small maps (`flat_pays`), else a
 separable loop (down the columns first at vertical strides above one). Other windowed pools reduce
 over kernel taps with whole-array NumPy ops: separably (one axis at a time) where the reduction
 allows, else one op per tap on the flat, polyphase-split input of `FlatWindows` (long contiguous
@@ -17,12 +18,24 @@ import numpy as np
 
 from ..concurrency import parallel
 from .base import Op
-from .compiled.pool import COLUMNS_FIRST, ROWS_FIRST, TILES, part_arguments, pool_range
+from .compiled.pool import COLUMNS_FIRST, FLAT, ROWS_FIRST, TILES, part_arguments, pool_range
 from .compiled.rows import row_means
 from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
                       window_geometry)
 from .registry import register
+
+#: Maps at most this wide take `compiled.pool.flat_pool` at any stride (one thread: 256 x 27x27
+#: 3x3/2 167 -> 123 µs, 320 x 28x28 210 -> 166; 128 x 55x55 219 -> 244).
+FLAT_MAX_WIDTH = 32
+
+
+def flat_pays(strides: list[int], width: int) -> bool:
+    """Whether a 2-D pool whose windows do not tile the map takes the long flat passes
+    (`compiled.pool.flat_pool`): at unit strides (576 x 14x14 3x3/1 on one thread 319 -> 120 µs,
+    32 x 112x112 317 -> 260), and on maps of at most `FLAT_MAX_WIDTH` columns whatever the stride;
+    else the separable loop, row by row."""
+    return all(int(s) == 1 for s in strides) or width <= FLAT_MAX_WIDTH
 
 
 class _WindowPool(Op):
@@ -122,7 +135,7 @@ class _WindowPool(Op):
         if tiles:
             loop, geometry = TILES, (*kernel, *kernel, 1, 1, 0, 0)
         else:
-            loop = COLUMNS_FIRST if int(strides[0]) > 1 else ROWS_FIRST
+            loop = FLAT if flat_pays(strides, shape[3]) else COLUMNS_FIRST if int(strides[0]) > 1 else ROWS_FIRST
             geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]),
                         int(begin[1]))
         team = dtype == np.float32 and planes > 1 and work >= TEAM_MIN_MACS

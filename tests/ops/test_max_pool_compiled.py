@@ -1,6 +1,6 @@
 """2-D float MaxPool and AveragePool on their compiled loops (asyncinfer/ops/compiled/pool.py: the separable loops,
-rows first or columns first, and the tile loop where the windows tile the map) against onnx's
-reference implementation:
+rows first or columns first, the flat passes over padded planes, and the tile loop where the
+windows tile the map) against onnx's reference implementation:
 pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
 from __future__ import annotations
 
@@ -41,34 +41,44 @@ TILE_CASES = {
 }
 
 
+def _expected_loop(name: str, attrs: dict, flat: bool) -> str:
+    if name in TILE_CASES:
+        return "tiles"
+    return "flat" if flat else "columns" if attrs.get("strides", [1])[0] > 1 else "rows"
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["separable", "flat"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(TILE_CASES))
-def test_matches_reference(name, dtype, rng, monkeypatch):
+def test_matches_reference(name, dtype, flat, rng, monkeypatch):
+    """Every case on the separable loops and on the flat passes (`pool.flat_pays` forced)."""
     shape, attrs = CASES.get(name) or TILE_CASES[name]
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: flat)
     (got,) = make_op("MaxPool", attrs, version=12)(x)
     (want,) = reference_run("MaxPool", [x], attrs, opset=12)
-    vertical_stride = attrs.get("strides", [1])[0]
-    assert set(calls) == {"tiles" if name in TILE_CASES else "columns" if vertical_stride > 1 else "rows"}
+    assert set(calls) == {_expected_loop(name, attrs, flat)}
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["separable", "flat"])
 @pytest.mark.parametrize("include_pad", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(TILE_CASES))
-def test_average_pool_matches_reference(name, dtype, include_pad, rng, monkeypatch):
+def test_average_pool_matches_reference(name, dtype, include_pad, flat, rng, monkeypatch):
     """The same loops summing (then divided by each window's count, pads counted or not)."""
     shape, attrs = CASES.get(name) or TILE_CASES[name]
     attrs = dict(attrs, count_include_pad=include_pad)
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: flat)
     (got,) = make_op("AveragePool", attrs, version=19)(x)
     (want,) = reference_run("AveragePool", [x], attrs, opset=19)
-    assert calls
+    assert set(calls) == {_expected_loop(name, attrs, flat)}
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
 
@@ -100,7 +110,8 @@ def test_an_average_pool_over_the_whole_map_is_the_planes_mean(name, dtype, rng,
 
 
 def _spy_on_loops(monkeypatch, calls: list) -> None:
-    names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles"}
+    names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles",
+             compiled_pool.FLAT: "flat"}
     monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
 
 
@@ -174,3 +185,19 @@ def test_float64_and_tiny_pools_stay_off_the_team(rng):
         make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)(randn(rng, 1, 8, 30, 30, dtype=np.float64))
         make_op("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2]), version=12)(randn(rng, 1, 2, 4, 4))
     assert runs.shared == 0
+
+
+@pytest.mark.parametrize("op_type", ["MaxPool", "AveragePool"])
+def test_flat_passes_in_blocks_of_planes(op_type, rng, monkeypatch):
+    """The flat passes take the planes a block at a time (`FLAT_BLOCK_FLOATS`: here 114 planes of
+    13x11, then a partial block of 56): the spare tail after a block and the stale planes of the
+    earlier one never reach an output."""
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: True)
+    x = randn(rng, 1, 170, 11, 9) * 4
+    x[0, 120] += 50  # (a large plane in the second block: its neighbours' windows must not see it)
+    x[0, 169] -= 50
+    for attrs in (dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+                  dict(kernel_shape=[3, 2], strides=[1, 1], dilations=[2, 1], pads=[2, 0, 2, 1])):
+        (got,) = make_op(op_type, attrs, version=19)(x)
+        (want,) = reference_run(op_type, [x], attrs, opset=19)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

@@ -14,6 +14,21 @@ When the windows tile the map (kernel = stride, no padding, no dilation: the 2x2
 small CNNs), `max_pool_tiles` takes each window's rows down, then its columns along, with no
 per-row set-up: 3-7x faster than the separable loop from 8x8 to 112x112 maps (128 planes of 8x8:
 37 -> 5.5 µs).
+
+`flat_pool` is for small maps and unit strides. The loops above walk each plane row by row: on a
+14x14 or 7x7 map every row is a loop of 7-14 values, too short for LLVM's vector loop (it runs
+64 values an iteration), so they ran one value at a time: Inception-v2's 3x3/1 average pool of
+576 x 14x14 took 213 µs on 2 cores, ONNX Runtime's 34. Here a block of planes is copied into a
+buffer where each plane is padded to ``Hp x Wp`` with the neutral value (the type's lowest for a
+max, 0 for a sum) and the planes lie end to end. Read flat as ``P``, the block takes a pool at
+strides ``sh, sw`` and dilations ``dh, dw`` in kh + kw passes, each one loop over the whole block
+that LLVM runs on vectors: down the window's rows, ``V[r] = ⊕_i P[r + i·dh·Wp]``, then along
+them, ``O[r] = ⊕_j V[r + j·dw]``. Output ``(oh, ow)`` of a plane is ``O[oh·sh·Wp + ow·sw]``,
+copied out; the values between (padded columns, rows and columns a stride skips) are computed in
+vain, and no output's window crosses into the next plane. One thread, 576 x 14x14 3x3/1 319 ->
+120 µs, 1024 x 7x7 239 -> 85, 256 x 27x27 3x3/2 167 -> 123; at stride 2 on maps of 55 and more
+the work in vain costs more than it saves (64 x 112x112 237 -> 497). A max is exact; a sum adds
+down the window's rows, then along (as `pool2d_columns_first`), the pads' zeros in it.
 """
 from __future__ import annotations
 
@@ -26,8 +41,8 @@ from .phases import phase_tap, split_even_odd
 
 #: The kind of a spin-team part that is a `pool_range`.
 PART_KIND = 8
-#: The loops: `pool2d` (rows first), `pool2d_columns_first`, `pool_tiles`.
-ROWS_FIRST, COLUMNS_FIRST, TILES = 0, 1, 2
+#: The loops: `pool2d` (rows first), `pool2d_columns_first`, `pool_tiles`, `flat_pool`.
+ROWS_FIRST, COLUMNS_FIRST, TILES, FLAT = 0, 1, 2, 3
 
 _U = np.uint64
 
@@ -168,13 +183,78 @@ def pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: i
                     dst[_U(ow)] = _combine(dst[_U(ow)], down_columns[_U(ow * sw + shift)], summing)
 
 
+#: Floats of padded planes a block of `flat_pool` holds (its three buffers then stay in L2).
+FLAT_BLOCK_FLOATS = 16384
+
+
+@inline
+def _padded_geometry(h: int, w: int, ho: int, wo: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,
+                     top: int, left: int) -> tuple[int, int]:
+    """``Hp, Wp``: as tall and wide as the input with its leading pads and as the last window's
+    reach."""
+    wp = max(left + w, (wo - 1) * sw + (kw - 1) * dw + 1)
+    hp = max(top + h, (ho - 1) * sh + (kh - 1) * dh + 1)
+    return hp, wp
+
+
+@kernel
+def flat_pool(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int, dh: int,
+              dw: int, top: int, left: int, fill: float, summing: bool) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max (or with ``summing`` the sum) over each
+    window of ``x`` (P, H, W), pads being ``fill`` (the max's neutral value, or 0 for a sum), as
+    long passes over blocks of padded planes laid end to end (see the module docstring)."""
+    _, h, w = x.shape
+    _, ho, wo = out.shape
+    hp, wp = _padded_geometry(h, w, ho, wo, kh, kw, sh, sw, dh, dw, top, left)
+    plane = hp * wp
+    chunk = max(1, FLAT_BLOCK_FLOATS // plane)
+    span = chunk * plane
+    # every pass reads a little past the block's last plane: the spare tail stays ``fill``
+    reach = (kh - 1) * dh * wp + (kw - 1) * dw
+    padded = np.full(span + reach, fill, x.dtype)
+    down = np.full(span + reach, fill, x.dtype)
+    along = np.empty(span, x.dtype)
+    flat_x = x.reshape(x.size)
+    for c0 in range(p0, p1, chunk):
+        planes = min(chunk, p1 - c0)
+        for k in range(planes):  # the input into its place in the padded planes
+            source = (c0 + k) * h * w
+            target = k * plane + top * wp + left
+            for r in range(h):
+                for j in range(w):
+                    padded[_U(target + j)] = flat_x[_U(source + j)]
+                source += w
+                target += wp
+        n = planes * plane
+        for t in range(n):
+            down[_U(t)] = padded[_U(t)]
+        for i in range(1, kh):
+            shift = i * dh * wp
+            for t in range(n):
+                down[_U(t)] = _combine(down[_U(t)], padded[_U(t + shift)], summing)
+        for t in range(n):
+            along[_U(t)] = down[_U(t)]
+        for j in range(1, kw):
+            shift = j * dw
+            for t in range(n):
+                along[_U(t)] = _combine(along[_U(t)], down[_U(t + shift)], summing)
+        for k in range(planes):  # the outputs out of the virtual grid, ``sh`` rows and ``sw`` apart
+            for oh in range(ho):
+                source = k * plane + oh * sh * wp
+                row = out[c0 + k, oh]
+                for ow in range(wo):
+                    row[_U(ow)] = along[_U(source + sw * ow)]
+
+
 @kernel
 def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
                dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
-    """Planes ``p0:p1`` on ``loop`` (`ROWS_FIRST`, `COLUMNS_FIRST`, `TILES`; the arguments as
-    those loops take them, `TILES` reading only ``kh, kw, summing``): one call, for the calling
+    """Planes ``p0:p1`` on ``loop`` (`ROWS_FIRST`, `COLUMNS_FIRST`, `TILES`, `FLAT`; the arguments
+    as those loops take them, `TILES` reading only ``kh, kw, summing``): one call, for the calling
     thread's share and a spinning helper's (`pool_part`)."""
-    if loop == TILES:
+    if loop == FLAT:
+        flat_pool(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
+    elif loop == TILES:
         pool_tiles(x, out, p0, p1, kh, kw, summing)
     elif loop == COLUMNS_FIRST:
         pool2d_columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
