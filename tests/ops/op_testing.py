@@ -173,6 +173,27 @@ class TeamRuns:
             self.team.release()
 
 
+def assert_conv_takes(monkeypatch: Any, planner: str, attrs: dict, x: np.ndarray, w: np.ndarray, b: np.ndarray,
+                      rtol: float = 1e-4, atol: float = 1e-4) -> None:
+    """A Conv op of ``attrs`` plans with ``asyncinfer.ops.conv``'s ``planner`` (the full way takes
+    that kernel) and matches onnx's reference, with and without the bias; run again (the short
+    way, planned once) it gives the same bits."""
+    from asyncinfer.ops import conv
+
+    planned = []
+    real = getattr(conv, planner)
+    monkeypatch.setattr(conv, planner, lambda *a, **k: planned.append(1) or real(*a, **k))
+    op = make_op("Conv", attrs, n_inputs=3)
+    got = op(x, w, b)[0]
+    assert planned, f"the conv did not take {planner}"
+    want = reference_run("Conv", [x, w, b], attrs)[0]
+    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    np.testing.assert_array_equal(op(x, w, b)[0], got)
+    no_bias = make_op("Conv", attrs, n_inputs=2)(x, w)[0]
+    np.testing.assert_allclose(no_bias, reference_run("Conv", [x, w], attrs)[0], rtol=rtol, atol=atol)
+
+
 def assert_fused_activation_bits(conv: Any, x: np.ndarray, w: np.ndarray, b: np.ndarray, activation: str) -> None:
     """The conv op ``conv`` with ``activation`` fused (run twice: the full way, then the short way
     planned once) gives the very bits of the conv followed by the activation op, on ``x`` with

@@ -14,10 +14,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from asyncinfer.ops import conv, conv_direct
+from asyncinfer.ops import conv_direct
 from asyncinfer.ops.compiled.direct import LANES
 
-from .op_testing import EPILOGUE_ACTIVATIONS, assert_fused_activation_bits, make_op, randn, reference_run, spin_team_bound
+from .op_testing import (EPILOGUE_ACTIVATIONS, assert_conv_takes, assert_fused_activation_bits, make_op, randn,
+                         reference_run, spin_team_bound)
 
 # name: (x shape, output channels, kernel, strides, pads)
 CASES = {
@@ -49,18 +50,7 @@ def _plan(x, w, b, attrs, epilogue=None):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference_alone(name, rng, monkeypatch):
     x, w, b, attrs = _operands(name, rng)
-    planned = []
-    real = conv_direct.direct_plan
-    monkeypatch.setattr(conv, "direct_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
-    op = make_op("Conv", attrs, n_inputs=3)
-    got = op(x, w, b)[0]
-    assert planned  # (the full way took the direct kernel)
-    want = reference_run("Conv", [x, w, b], attrs)[0]
-    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(op(x, w, b)[0], got)  # the short way, planned once: the same bits
-    no_bias = make_op("Conv", attrs, n_inputs=2)(x, w)[0]
-    np.testing.assert_allclose(no_bias, reference_run("Conv", [x, w], attrs)[0], rtol=1e-4, atol=1e-4)
+    assert_conv_takes(monkeypatch, "direct_plan", attrs, x, w, b)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -130,12 +120,4 @@ def test_a_dilated_or_strided_by_3_stem_takes_the_gemm_way(rng):
 
 def test_a_1d_conv_of_few_channels_runs_as_a_map_one_row_high(rng, monkeypatch):
     x, w, b = randn(rng, 2, 2, 3 * LANES + 5), randn(rng, 6, 2, 5), randn(rng, 6)
-    attrs = dict(kernel_shape=[5], pads=[2, 2])
-    planned = []
-    real = conv_direct.direct_plan
-    monkeypatch.setattr(conv, "direct_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
-    op = make_op("Conv", attrs, n_inputs=3)
-    got = op(x, w, b)[0]
-    assert planned
-    np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(op(x, w, b)[0], got)
+    assert_conv_takes(monkeypatch, "direct_plan", dict(kernel_shape=[5], pads=[2, 2]), x, w, b)

@@ -15,11 +15,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from asyncinfer.ops import conv, conv_direct, conv_winograd
+from asyncinfer.ops import conv_direct, conv_winograd
 from asyncinfer.ops.compiled.direct_panels import WIDTH
 from asyncinfer.ops.epilogue import NO_ACTIVATION
 
-from .op_testing import EPILOGUE_ACTIVATIONS, assert_fused_activation_bits, make_op, randn, reference_run, spin_team_bound
+from .op_testing import (EPILOGUE_ACTIVATIONS, assert_conv_takes, assert_fused_activation_bits, make_op, randn,
+                         reference_run, spin_team_bound)
 
 # name: (x shape, output channels, kernel, strides, dilations, pads)
 CASES = {
@@ -51,18 +52,7 @@ def _plan(x, w, b, attrs, epilogue=NO_ACTIVATION):
 def test_matches_reference_alone(name, rng, monkeypatch):
     monkeypatch.setattr(conv_direct, "PANEL_MIN_DEPTH", 1)  # (small cases: every one takes the kernel)
     x, w, b, attrs = _operands(name, rng)
-    planned = []
-    real = conv_direct.panel_plan
-    monkeypatch.setattr(conv, "panel_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
-    op = make_op("Conv", attrs, n_inputs=3)
-    got = op(x, w, b)[0]
-    assert planned  # (the full way took the panel kernel)
-    want = reference_run("Conv", [x, w, b], attrs)[0]
-    assert got.shape == want.shape and got.dtype == np.float32 and got.flags.c_contiguous
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(op(x, w, b)[0], got)  # the short way, planned once: the same bits
-    no_bias = make_op("Conv", attrs, n_inputs=2)(x, w)[0]
-    np.testing.assert_allclose(no_bias, reference_run("Conv", [x, w], attrs)[0], rtol=1e-4, atol=1e-4)
+    assert_conv_takes(monkeypatch, "panel_plan", attrs, x, w, b)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -129,15 +119,7 @@ def test_the_bits_of_the_stem_kernel(rng):
 
 def test_a_1d_conv_runs_as_a_map_one_row_high(rng, monkeypatch):
     x, w, b = randn(rng, 2, 16, 37), randn(rng, 6, 16, 5), randn(rng, 6)
-    attrs = dict(kernel_shape=[5], pads=[2, 1], strides=[2])
-    planned = []
-    real = conv_direct.panel_plan
-    monkeypatch.setattr(conv, "panel_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
-    op = make_op("Conv", attrs, n_inputs=3)
-    got = op(x, w, b)[0]
-    assert planned
-    np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(op(x, w, b)[0], got)
+    assert_conv_takes(monkeypatch, "panel_plan", dict(kernel_shape=[5], pads=[2, 1], strides=[2]), x, w, b)
 
 
 def test_which_convs_take_the_panel_kernel():

@@ -24,14 +24,13 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
-from .panels import BLOCK_ROWS, VECTOR_BYTES, _store_finished, initial_sums, multiply_add
+from .panels import BLOCK_ROWS, VECTOR_BYTES, BlockIR, _store_finished, initial_sums, multiply_add
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_conv` range.
@@ -57,20 +56,11 @@ def _direct_block(rows: int, vectors: int) -> Any:
         signature = types.void(columns, image, offsets, start, taps, y, r0, c0, finish, bias, lo, hi)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            i64 = ir.IntType(64)
             a_arr, image_arr, offsets_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
                                                     for i in (0, 1, 2, 5))
             start_, taps_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 4, 6, 7))
-            element = context.get_value_type(sig.args[0].dtype)
-            size = context.get_abi_sizeof(element)
-            vector = ir.VectorType(element, VECTOR_BYTES // size)
-            byte_ptr = ir.IntType(8).as_pointer()
-
-            def at(base: Any, offset: Any) -> Any:
-                return builder.gep(builder.bitcast(base, byte_ptr), [offset])
-
-            def const(value: int) -> Any:
-                return ir.Constant(i64, value)
+            code = BlockIR(context, builder, sig.args[0].dtype)
+            size, vector, at, const = code.size, code.vector, code.at, code.const
 
             a_step, y_stride = builder.extract_value(a_arr.strides, 0), builder.extract_value(y_arr.strides, 0)
             a_rows = at(a_arr.data, builder.mul(r0_, const(size)))

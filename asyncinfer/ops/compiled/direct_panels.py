@@ -25,15 +25,14 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
-from .panels import PANEL_VECTORS, VECTOR_BYTES, _store_column_biased, initial_sums, multiply_add, pack_panels, \
-    panel_width
+from .panels import (PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums, multiply_add,
+                     pack_panels, panel_width)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -66,20 +65,11 @@ def _tap_block(rows: int) -> Any:
         signature = types.void(image, offsets, start, spacing, taps, panels, p, y, finish, bias, lo, hi)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            i64 = ir.IntType(64)
             image_arr, offsets_arr, panel_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
                                                         for i in (0, 1, 5, 7))
             start_, spacing_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6))
-            element = context.get_value_type(sig.args[0].dtype)
-            size = context.get_abi_sizeof(element)
-            vector = ir.VectorType(element, VECTOR_BYTES // size)
-            byte_ptr = ir.IntType(8).as_pointer()
-
-            def at(base: Any, offset: Any) -> Any:
-                return builder.gep(builder.bitcast(base, byte_ptr), [offset])
-
-            def const(value: int) -> Any:
-                return ir.Constant(i64, value)
+            code = BlockIR(context, builder, sig.args[0].dtype)
+            size, vector, at, const = code.size, code.vector, code.at, code.const
 
             panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
             y_stride = builder.extract_value(y_arr.strides, 0)

@@ -96,6 +96,26 @@ def no_panels(dtype: Any) -> np.ndarray:
 _NO_PANELS = {np.dtype(t): np.empty((0, 0, panel_width(t)), t) for t in (np.float32, np.float64)}
 
 
+class BlockIR:
+    """What the codegen of every register block starts with, for arrays of ``dtype``: the element
+    ``size`` in bytes, the ``vector`` type (`VECTOR_BYTES`), ``at(base, offset)`` (the address
+    ``offset`` bytes past a pointer, as a byte pointer) and ``const(value)`` (an i64 constant)."""
+
+    def __init__(self, context: Any, builder: Any, dtype: Any):
+        self.builder = builder
+        element = context.get_value_type(dtype)
+        self.size = context.get_abi_sizeof(element)
+        self.vector = ir.VectorType(element, VECTOR_BYTES // self.size)
+        self.byte_ptr = ir.IntType(8).as_pointer()
+
+    def at(self, base: Any, offset: Any) -> Any:
+        return self.builder.gep(self.builder.bitcast(base, self.byte_ptr), [offset])
+
+    @staticmethod
+    def const(value: int) -> Any:
+        return ir.Constant(ir.IntType(64), value)
+
+
 def _register_block(rows: int, column_bias: bool = False) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
@@ -117,24 +137,15 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
         signature = types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            i64, i32 = ir.IntType(64), ir.IntType(32)
+            i32 = ir.IntType(32)
             a_arr, panel_arr, y_arr = (context.make_array(t)(context, builder, v)
                                        for t, v in zip((sig.args[0], sig.args[1], sig.args[5]),
                                                        (args[0], args[1], args[5])))
             p_, k0_, k1_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6, 7))
-            element = context.get_value_type(sig.args[0].dtype)
-            size = context.get_abi_sizeof(element)
-            lanes = VECTOR_BYTES // size
-            vector = ir.VectorType(element, lanes)
-            byte_ptr = ir.IntType(8).as_pointer()
+            code = BlockIR(context, builder, sig.args[0].dtype)
+            size, vector, at, const = code.size, code.vector, code.at, code.const
             prefetch = builder.module.declare_intrinsic(
-                "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]))
-
-            def at(base: Any, offset: Any) -> Any:
-                return builder.gep(builder.bitcast(base, byte_ptr), [offset])
-
-            def const(value: int) -> Any:
-                return ir.Constant(i64, value)
+                "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [code.byte_ptr, i32, i32, i32]))
 
             a_step = builder.extract_value(a_arr.strides, 0)
             y_stride = builder.extract_value(y_arr.strides, 0)
