@@ -48,6 +48,11 @@ MIN_TILES = 32
 # Fewest input channels (the GEMMs' depth) and output channels.
 MIN_CHANNELS = 32
 MIN_OUT_CHANNELS = 16
+# Fewest values of each GEMM's product (output channels x virtual tiles): below, the direct panel
+# kernel is faster inside the models (DenseNet's twelve 128 -> 32 layers at 28x28, 56 tiles: 6.07
+# -> 4.87 ms; its 128 -> 32 at 56x56, 210 tiles, and ResNet-50's 128 -> 128 at 28x28 keep
+# Winograd, 3% and 10-20% faster on it).
+MIN_PRODUCT = 4096
 # A part's transformed input and GEMM products (α² x (C + M) x its tiles, float32) stay within
 # this many bytes (its scratch, reused from layer to layer), unless that leaves fewer than
 # MIN_PART_TILES tiles for its GEMMs.
@@ -84,7 +89,8 @@ def winograd_tile(x_shape: Sequence[int], w_shape: Sequence[int], group: int, st
                   dtype: np.dtype) -> int:
     """The tile (4) with which a 2-D conv runs by Winograd, or 0 for none: float32, one group, a
     3x3 kernel at unit stride and dilation with pads of at most 2, at least `MIN_CHANNELS` input
-    and `MIN_OUT_CHANNELS` output channels, and `MIN_TILES` tiles a map."""
+    and `MIN_OUT_CHANNELS` output channels, `MIN_TILES` tiles a map and `MIN_PRODUCT` values in
+    each GEMM's product."""
     if dtype != np.float32 or group != 1 or len(w_shape) != 4 or tuple(w_shape[2:]) != (3, 3):
         return 0
     if tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
@@ -93,7 +99,8 @@ def winograd_tile(x_shape: Sequence[int], w_shape: Sequence[int], group: int, st
         return 0
     if w_shape[0] < MIN_OUT_CHANNELS or x_shape[1] < MIN_CHANNELS:
         return 0
-    return 4 if _virtual_tiles(out, 4) >= MIN_TILES else 0
+    tiles = _virtual_tiles(out, 4)
+    return 4 if tiles >= MIN_TILES and tiles * w_shape[0] >= MIN_PRODUCT else 0
 
 
 def transform_weights(w: np.ndarray, tile: int) -> np.ndarray:

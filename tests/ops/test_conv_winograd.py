@@ -18,6 +18,13 @@ from .op_testing import activation_op, make_op, randn, reference_run, spin_team_
 _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-winograd")
 
 
+@pytest.fixture(autouse=True)
+def _small_cases_take_winograd(monkeypatch):
+    """Models leave layers with small GEMM products to the direct panel kernel (`MIN_PRODUCT`,
+    tests/ops/test_conv_direct_panels.py); these small cases take Winograd all the same."""
+    monkeypatch.setattr(conv_winograd, "MIN_PRODUCT", 0)
+
+
 # name: (x shape, output channels, attrs, the tile it takes)
 CASES = {
     "same_pads": ((1, 32, 21, 17), 24, dict(pads=[1, 1, 1, 1]), 4),
