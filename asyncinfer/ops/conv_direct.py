@@ -111,8 +111,8 @@ def direct_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, s
     # Every block reads whole vectors: phases as wide as the last block's reach.
     wq = max(-(-(begin[1] + wd) // stride), -(-wo // LANES) * LANES + (kw - 1) // stride)
     hp = max(begin[0] + h, (ho - 1) * stride + kh)
-    offsets = np.array([((ci * hp + ky) * stride + kx % stride) * wq + kx // stride
-                        for ci in range(c) for ky in range(kh) for kx in range(kw)], np.int64)
+    ci, ky, kx = _taps(c, kh, kw)
+    offsets = ((ci * hp + ky) * stride + kx % stride) * wq + kx // stride
     rows = n * ho
     team = n * m * c * kh * kw * ho * wo >= TEAM_MIN_MACS
     count = min(parallel.team_size() if team else 1, rows)
@@ -121,6 +121,14 @@ def direct_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, s
     return DirectPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, stride * wq), begin[0], begin[1], columns, bias,
                       offsets, stride, epilogue, np.array([epilogue.a, epilogue.b], np.float64), parts,
                       team and count > 1)
+
+
+def _taps(c: int, kh: int, kw: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The channel, row and column of each tap of a window, in ``(c, ky, kx)`` order (int64 each,
+    C·kh·kw long; a plan is made on every run of a conv that has no short way)."""
+    ci, ky, kx = np.meshgrid(np.arange(c, dtype=np.int64), np.arange(kh, dtype=np.int64),
+                             np.arange(kw, dtype=np.int64), indexing="ij")
+    return ci.reshape(-1), ky.reshape(-1), kx.reshape(-1)
 
 
 _PADDED = threading.local()
@@ -232,8 +240,8 @@ def panel_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, st
     # as tall and wide as the last window reaches, and as the input with its leading pads
     hp = max(begin[0] + h, (ho - 1) * strides[0] + (kh - 1) * dilations[0] + 1)
     wp = max(begin[1] + wd, (wo - 1) * strides[1] + (kw - 1) * dilations[1] + 1)
-    offsets = np.array([(ci * hp + ky * dilations[0]) * wp + kx * dilations[1]
-                        for ci in range(c) for ky in range(kh) for kx in range(kw)], np.int64)
+    ci, ky, kx = _taps(c, kh, kw)
+    offsets = (ci * hp + ky * dilations[0]) * wp + kx * dilations[1]
     units = panels.shape[0] * n * ho
     team = n * m * c * kh * kw * ho * wo >= TEAM_MIN_MACS
     count = min(parallel.team_size() if team else 1, units)

@@ -49,8 +49,8 @@ MIN_TILES = 32
 MIN_CHANNELS = 32
 MIN_OUT_CHANNELS = 16
 # Fewest values of each GEMM's product (output channels x virtual tiles): below, the direct panel
-# kernel is faster inside the models (DenseNet's twelve 128 -> 32 layers at 28x28, 56 tiles: 6.07
-# -> 4.87 ms; its 128 -> 32 at 56x56, 210 tiles, and ResNet-50's 128 -> 128 at 28x28 keep
+# kernel is faster inside the models (DenseNet's twelve 128 -> 32 layers at 28x28, 56 tiles: 6.0
+# -> 4.9-5.2 ms; its 128 -> 32 at 56x56, 210 tiles, and ResNet-50's 128 -> 128 at 28x28 keep
 # Winograd, 3% and 10-20% faster on it).
 MIN_PRODUCT = 4096
 # A part's transformed input and GEMM products (α² x (C + M) x its tiles, float32) stay within

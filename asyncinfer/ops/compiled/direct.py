@@ -12,8 +12,9 @@ is first copied into a zero-padded image (`copy_inside`, for `conv_direct.run_di
 reads out of bounds and no block needs a test, with each row stored as its ``stride`` phases (the
 columns ``stride·j + f`` of phase ``f`` side by side): a tap's values for a block's positions are
 then consecutive, two vector loads, where loading every ``stride``-th value of the row took a
-load and a shuffle per vector (16 G multiply-adds/s a core at stride 2, against about 40). The weights are kept transposed (``columns[t, m]``, tap ``t``
-= ``(c, ky, kx)``), so a tap's weights of a block are one cache line.
+load and a shuffle per vector (16 G multiply-adds/s a core at stride 2, against about 40). The
+weights are kept transposed (``columns[t, m]``, tap ``t`` = ``(c, ky, kx)``), so a tap's
+weights of a block are one cache line.
 
 Each value is summed from zero along the taps in ``(c, ky, kx)`` order, one multiply-add after
 another (FMA where the CPU has it): the same bits for any split of the rows between threads.

@@ -6,14 +6,15 @@ Winograd's GEMMs get a few dozen columns each, an im2col GEMM's N is 49 to 196, 
 `compiled.direct`'s blocks are vectors of positions along one output row (a 13-wide row fills
 13 lanes of 16). ONNX Runtime ran those layers 2-3.5x faster.
 
-Here a register block holds up to 8 output positions of one row x `panels.panel_width` output
-channels (two vectors), summed over every tap of the window (``C·kh·kw`` of them): per tap, one
-broadcast of each position's input value, read in place from a zero-padded copy of the input
-(``stride`` apart along the row), and the tap's weights for the panel's channels, one contiguous
-row of the packed weights (`pack_taps`). A row of the map is cut into blocks of 8, 4, 2 and 1
-positions, so no position is computed in vain on any width; each finished block (bias and
-activation in registers, `panels._store_column_biased`) is stored transposed into the NCHW
-output, a cost only a deep sum can pay (``C·kh·kw`` ≥ 64).
+Here a register block holds up to 8 output positions of one row (4 without AVX-512:
+`BLOCK_POSITIONS`) x `panels.panel_width` output channels (two vectors), summed over every tap
+of the window (``C·kh·kw`` of them): per tap, one broadcast of each position's input value, read
+in place from a zero-padded copy of the input (``stride`` apart along the row), and the tap's
+weights for the panel's channels, one contiguous row of the packed weights (`pack_taps`). A row
+of the map is cut into blocks of 8, 4, 2 and 1 positions, so no position is computed in vain on
+any width; each finished block (bias and activation in registers,
+`panels._store_column_biased`) is stored transposed into the NCHW output, a cost only a deep sum
+can pay (``C·kh·kw`` ≥ 64).
 
 Each value is summed from zero along the taps in ``(c, ky, kx)`` order, one multiply-add after
 another (FMA where the CPU has it), as `compiled.direct` sums them: the same bits as that kernel,
@@ -31,16 +32,17 @@ from numba.extending import intrinsic
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
-from .panels import (PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums, multiply_add,
-                     pack_panels, panel_width)
+from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums,
+                     multiply_add, pack_panels, panel_width)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
 PART_KIND = 13
 #: Output channels of one panel (float32).
 WIDTH = panel_width(np.float32)
-#: Positions of the widest block.
-BLOCK_POSITIONS = 8
+#: Positions of the widest block: 8 x two vectors of sums with AVX-512's 32 vector registers, 4
+#: with the 16 of AVX2 (or NEON's 32 of half the width), as `panels.BLOCK_ROWS`.
+BLOCK_POSITIONS = BLOCK_ROWS
 
 
 def pack_taps(w: np.ndarray) -> np.ndarray:
@@ -107,9 +109,9 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
     weights ``panels`` (P, taps, W) (`pack_taps`): unit ``u`` is panel ``u // (N·Ho)`` of output row
     ``u % (N·Ho)`` counted through the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``),
     tap ``t`` reading ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]``: ``y``
-    (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to P·W. ``block`` (8, W) holds a
-    finished block before its transposed store. ``act``, ``a``, ``b``: the epilogue
-    (`compiled.epilogue`)."""
+    (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to P·W. ``block``
+    (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store. ``act``, ``a``,
+    ``b``: the epilogue (`compiled.epilogue`)."""
     count, taps, width = panels.shape
     av, bv = np.float32(a), np.float32(b)
     finish = finishing(act)
@@ -128,7 +130,7 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
         while ox < out_width:
             rows = out_width - ox
             start = row + ox * column_stride
-            if rows >= 8:
+            if BLOCK_POSITIONS == 8 and rows >= 8:
                 rows = 8
                 _block8(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
             elif rows >= 4:

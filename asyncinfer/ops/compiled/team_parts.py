@@ -5,10 +5,9 @@ Python between parts; this one runs the parts of the kernels that split across t
 few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attention`), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
-(`pool`), a stem conv's output rows (`direct`), a deep conv's rows and
-panels of channels (`direct_panels`), a band of a GEMM (`blas_call`) and a range of a
-sum, activation or channel affine map (`one_pass`), told apart by
-the kind each poster writes (`PART_KIND` of each module).
+(`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
+(`direct_panels`), a band of a GEMM (`blas_call`) and a range of a sum, activation or channel
+affine map (`one_pass`), told apart by the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
 
