@@ -24,8 +24,9 @@ def tokenizer():
     return TextTokenizer(train_tokenizer())
 
 
-def _folder(tmp_path_factory, style: str):
-    path = decoder_folder(tmp_path_factory.mktemp(style), decoder(style=style, seed=3))
+def _folder(tmp_path_factory, style: str, max_positions: int | None = None):
+    extra = {} if max_positions is None else {"max_positions": max_positions}
+    path = decoder_folder(tmp_path_factory.mktemp(style), decoder(style=style, seed=3, **extra))
     return path, ai.load_model(path)
 
 
@@ -135,12 +136,21 @@ async def test_a_stop_string_ends_the_stream_before_it(folder, tokenizer):
         await eventually(_idle(worker))  # the stream was cancelled: its cache is gone
 
 
+@pytest.fixture(scope="module")
+def long_folder(tmp_path_factory):
+    """The GPT-2-style decoder folder with a context of 1024 positions."""
+    return _folder(tmp_path_factory, "gpt2", max_positions=1024)
+
+
 @pytest.mark.asyncio
-async def test_leaving_early_cancels_and_the_worker_stays_usable(folder):
-    _, model = folder
+async def test_leaving_early_cancels_and_the_worker_stays_usable(long_folder):
+    # (a stream that cannot end before the consumer leaves, by length or end of sequence: the
+    # engine runs ahead of the consumer, and 60 tokens of a tiny model were done before a loaded
+    # machine delivered the first piece of text)
+    _, model = long_folder
     async with ai.Worker(model, "cpu") as worker:
         expected = await worker.generate_text("fox", max_new_tokens=8).collect()
-        async with worker.generate_text("fox", max_new_tokens=60) as stream:
+        async with worker.generate_text("fox", max_new_tokens=1000, eos_token_id=()) as stream:
             async for _ in stream:
                 break
         assert stream.finish_reason is ai.FinishReason.CANCELLED
