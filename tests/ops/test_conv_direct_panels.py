@@ -96,6 +96,17 @@ def test_two_convs_of_one_padded_shape_keep_their_own_borders(rng):
             np.testing.assert_allclose(got, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
 
 
+def test_an_input_without_padding_is_read_in_place(rng):
+    """A conv without pads whose windows reach no further than the input reads it where it is
+    (no copy into a padded buffer); `test_matches_reference_alone[no_pads]` checks its values."""
+    x, w, b, attrs = _operands("no_pads", rng)
+    plan = _plan(x, w, b, attrs)
+    assert plan.padded == x.shape
+    assert np.shares_memory(conv_direct._padded_input(plan.padded, 0, 0, x.shape, x), x)
+    padded = _plan(x, w, b, dict(attrs, pads=[1, 1, 1, 1]))
+    assert not np.shares_memory(conv_direct._padded_input(padded.padded, 1, 1, x.shape, x), x)
+
+
 @pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
 @pytest.mark.parametrize("name", ["every_block_size", "partial_panel"])
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng, monkeypatch):
