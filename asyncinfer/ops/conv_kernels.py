@@ -273,7 +273,7 @@ def run_depthwise(plan: DepthwisePlan, x: np.ndarray, epilogue: Epilogue = NO_AC
         padded = scratch((groups, hp, wp, lanes), x.dtype, "nhwc")
         acc = scratch((groups, ho * wo + 1, lanes), x.dtype, "acc")
         depthwise_channels_last(x[i], taps, bias, result[i], padded, acc, c0, c1, *geometry, epilogue.kind,
-                                epilogue.a, epilogue.b)
+                                epilogue.a, epilogue.b, 0, -1)
 
     run_tasks([functools.partial(channels, i, c0, min(c, c0 + block))
                for i in range(n) for c0 in range(0, c, block)], threads)

@@ -14,6 +14,10 @@ a row held in L1.
   kernels of other files call (a `panels` block inside `few_rows.few_rows_matmul`, itself inside
   `team_parts.serve_parts`), delete ``asyncinfer/**/__pycache__/*.nb[ic]``, or those callers
   keep running the old code (a fresh install or clone has no cache).
+- Kernels have no default arguments (`kernel` refuses them): numba's dispatcher types a call that
+  leaves one out on its slow path (`_compile_for_args`), about 80 µs a call against 1 µs: a
+  depthwise conv's 16-channel blocks each paid it (MobileNetV3-small's 576ch@7 5x5 120 µs for
+  15 µs of work).
 - Kernels take C-contiguous arrays of one float dtype (float32 or float64; narrower floats are
   computed in float32 by the ops, as everywhere else) and write into an output the caller made.
 """
@@ -22,9 +26,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import inspect
+
 import numba
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _no_defaults(fn: Callable[..., Any]) -> None:
+    """Refuse a kernel with default arguments (see the module docstring: a call that leaves one
+    out takes numba's slow dispatch, about 80 µs)."""
+    defaults = [p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty]
+    if defaults:
+        raise TypeError(f"compiled kernel {fn.__qualname__} has default arguments {defaults}: numba's dispatcher "
+                        "types a call that leaves one out on its slow path (about 80 µs a call); pass every argument")
 
 
 def kernel(fn: F | None = None, *, contract: bool = True) -> Any:
@@ -34,6 +49,7 @@ def kernel(fn: F | None = None, *, contract: bool = True) -> Any:
     ``@kernel(contract=False)`` keeps every operation IEEE-rounded, for kernels that must give the
     very bits of a NumPy evaluation of the same formula."""
     def compile_(f: F) -> F:
+        _no_defaults(f)
         return numba.njit(cache=True, nogil=True, error_model="numpy",
                           fastmath={"contract"} if contract else False)(f)
     return compile_(fn) if fn is not None else compile_
@@ -45,6 +61,7 @@ def reduction(fn: F) -> F:
     faster. Results may differ from a sequential sum by rounding alone (NaN and inf propagate as
     before). Never for code that computes anything else: an ``exp``'s range reduction, reordered,
     loses its precision."""
+    _no_defaults(fn)
     return numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract", "reassoc"})(fn)
 
 

@@ -117,8 +117,8 @@ def vector_groups(channels: int, itemsize: int) -> int:
 def depthwise_channels_last(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray,
                             padded: np.ndarray, acc: np.ndarray, c0: int, c1: int,
                             sh: int, sw: int, dh: int, dw: int, top: int, left: int,
-                            act: int = NONE, a: float = 0.0, b: float = 0.0, oh0: int = 0, oh1: int = -1) -> None:
-    """Channels ``c0:c1`` of one image (multiplier 1), output rows ``oh0:oh1`` (all by default):
+                            act: int, a: float, b: float, oh0: int, oh1: int) -> None:
+    """Channels ``c0:c1`` of one image (multiplier 1), output rows ``oh0:oh1`` (every row: 0, -1):
     ``x`` (C, H, W) → ``out`` (C, Ho, Wo).
 
     The block's channels go by groups of one register vector (L lanes, `depthwise_block`): each

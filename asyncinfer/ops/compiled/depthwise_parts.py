@@ -46,12 +46,11 @@ def scratch_floats(loop: int, h: int, w: int, ho: int, wo: int, kh: int, kw: int
 @kernel
 def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
                     m0: int, m1: int, sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int,
-                    block: int, scratch: np.ndarray, act: int = NONE, a: float = 0.0, b: float = 0.0, oh0: int = 0,
-                    oh1: int = -1) -> None:
+                    block: int, scratch: np.ndarray, act: int, a: float, b: float, oh0: int, oh1: int) -> None:
     """Images ``i0:i1``, output channels ``m0:m1`` of a 2-D depthwise conv of ``x`` (N, C, H, W)
     into ``out`` (N, M, Ho, Wo) on ``loop``, then activated (``act``, ``a``, ``b``: a
     `compiled.epilogue` code, float32 only); output rows ``oh0:oh1`` only on `CHANNELS_LAST`
-    (every row by default, and on the other loops). ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
+    (every row: 0, -1; the other loops compute every row). ``taps`` is (M, kh, kw), or for `CHANNELS_LAST`
     (whose channels go ``block`` at a time) (kh, kw, C rounded up to ``CHANNEL_ALIGN``), zero
     past C; strides, dilations, pads and the channel multiplier as in `depthwise`; ``scratch``
     holds `scratch_floats` values."""
