@@ -487,10 +487,10 @@ class SqueezeExcite(Op):
 
     Inputs: ``x (N, C, H, W)``, ``W1 (R, C, 1, 1)``, ``b1 (R,)`` or none, ``W2 (C, R, 1, 1)``,
     ``b2 (C,)`` or none. The activations are those fused into the two convs of the expansion.
-    float32 with activations the epilogue has runs as one compiled call
-    (`compiled.squeeze_excite`; the scaling of a large map shared with the spinning helpers): its
-    products' sums differ from the unfused convs' GEMV by rounding alone. Other cases take the
-    steps the layers it replaces would take.
+    A float32 block whose activations the epilogue has runs as one compiled call
+    (`compiled.squeeze_excite`; a large map is scaled on the spinning helpers): its products'
+    sums differ from the unfused convs' GEMV by rounding alone. Other blocks take the steps of
+    the layers they replace.
     """
 
     #: Most values of ``x`` the compiled call scales itself; a larger map is scaled by
