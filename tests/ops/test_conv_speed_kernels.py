@@ -50,6 +50,9 @@ DEPTHWISE_CASES = {
     "many_channels_wide": ((1, 37, 9, 35), 1, (3, 3), dict(strides=[1, 2], pads=[1, 1, 1, 1])),
     # channels last: a map large enough to go in blocks of 16 channels (the last one of 4)
     "channel_blocks": ((1, 20, 128, 128), 1, (3, 3), dict(pads=[1, 1, 1, 1])),
+    # flat, in registers: strips of 32 columns and a partial one, blocks of 4 rows and a partial one
+    "wide_5x5": ((1, 3, 22, 71), 1, (5, 5), dict(pads=[2, 2, 2, 2])),
+    "wide_7x7_asym_pads": ((1, 2, 19, 37), 1, (7, 7), dict(pads=[1, 3, 5, 2])),
 }
 PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads", "flat",
          "flat_threads")
@@ -75,6 +78,7 @@ def _route(monkeypatch, path: str) -> list:
     monkeypatch.setattr(conv_kernels, "stride2_rows_pay", lambda sw, dw, *a: stride2 and sw == 2 and dw == 1)
     flat = path.startswith("flat")  # whatever the width: every unit-stride layer
     monkeypatch.setattr(conv_kernels, "flat_pays", lambda sh, sw, *a: flat and sh == sw == 1)
+    monkeypatch.setattr(conv_kernels, "registers_pay", lambda *a: False)  # (a flat path takes it too)
     if path.endswith("threads"):  # three parts on a pool, whatever the size and the machine
         monkeypatch.setattr(conv_kernels, "threads_for", lambda macs: 3)
         monkeypatch.setattr(conv_module, "threads_for", lambda macs: 3)
@@ -154,6 +158,23 @@ def test_depthwise_flat_float16_and_float64(dtype, rng, monkeypatch):
     assert set(calls) == {"depthwise_flat"}
 
 
+@pytest.mark.parametrize("kernel", [3, 5, 7])
+def test_flat_in_registers_makes_nan_of_an_infinite_weight_times_the_padding(kernel, rng, monkeypatch):
+    """A channel with an infinite tap takes the padded plane, whose zeros times that tap are NaN
+    as ONNX defines them (the sums in registers read no padding); the other channels do not."""
+    calls = _route(monkeypatch, "flat")
+    x, w, b = _inputs(rng, (1, 3, 24, 24), 1, (kernel, kernel))
+    w[1, 0, 0, 0] = np.inf
+    attrs = dict(pads=[kernel // 2] * 4, group=3, kernel_shape=[kernel, kernel])
+    got = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    want = reference_run("Conv", [x, w, b], attrs)[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 1, 0, 0]) and not np.isnan(got[0, [0, 2]]).any()
+    finite = ~np.isnan(want) & ~np.isinf(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5)
+    assert set(calls) == {"depthwise_flat"}
+
+
 @pytest.mark.parametrize("name, shape, kernel, attrs", [
     ("1d", (2, 6, 20), (5,), dict(strides=[2], pads=[2, 1])),
     ("1d_dilated", (1, 4, 17), (3,), dict(dilations=[2], pads=[2, 2])),
@@ -204,14 +225,16 @@ def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, path, 
 
 
 DISPATCH_CASES = [
-    ((1, 32, 56, 56), 3, 1, 1, "depthwise_channels_last"),  # 3x3: channels last, whatever the map
-    ((1, 16, 20, 20), 3, 1, 1, "depthwise_channels_last"),
+    ((1, 32, 56, 56), 3, 1, 1, "depthwise_flat"),           # 3x3 from 20 columns: in registers, NCHW
+    ((1, 16, 20, 20), 3, 1, 1, "depthwise_flat"),
+    ((1, 64, 14, 14), 3, 1, 1, "depthwise_channels_last"),  # 3x3 under 20 columns: channels last
     ((1, 16, 40, 40), 4, 1, 1, "depthwise_flat"),           # other windows, unit stride: flat planes from
     ((1, 16, 20, 20), 9, 1, 1, "depthwise_flat"),           # 20 columns out
     ((1, 64, 14, 14), 5, 1, 1, "depthwise_channels_last"),  # 14 columns out: channels last
     ((1, 16, 56, 56), 7, 1, 1, "depthwise_channels_last"),  # ConvNeXt's 7x7: channels last
     ((1, 16, 56, 56), 9, 1, 1, "depthwise_flat"),           # larger kernels: flat
     ((1, 8, 28, 28), 3, 1, 2, "depthwise_flat"),            # channel multiplier
+    ((1, 16, 56, 56), 5, 1, 1, "depthwise_channels_last"),  # 5x5: channels last, whatever the map
     ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
     ((1, 8, 14, 14), 17, 1, 1, "depthwise_channels_last"),  # window larger than the map: no padded plane
     ((1, 32, 40, 40), 3, 2, 1, "depthwise_channels_last"),  # strided, 20 columns out

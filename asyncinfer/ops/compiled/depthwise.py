@@ -12,9 +12,13 @@ skipped.
   a time, into zero-padded channels-last scratch (ONNX Runtime's NCHWc layout), then runs of
   output pixels are summed in registers over the whole window (`depthwise_block`), and the
   result is written back to NCHW. Best with strides (no strided loads) and on small maps.
-- `depthwise_flat`: at unit stride, each channel is copied into a zero-padded plane, and every
-  kernel row's taps add into the whole (virtual, padded-width) output in one contiguous pass:
-  loops as long as the map, on any map width. Best at unit stride from about 20 columns up.
+- `depthwise_flat`: at unit stride. Square windows of 3, 5 or 7 at unit dilation with finite
+  taps are summed in registers straight from NCHW (`depthwise_block.rows_block`: blocks of 4
+  output rows x 32 columns, or 8 rows x 16 on narrow maps, each input vector loaded once for
+  every row of the block that reads it; rows and columns outside the image are not read, so
+  there is no padded copy and no transpose). Other windows: each channel is copied into a
+  zero-padded plane, and every kernel row's taps add into the whole (virtual, padded-width)
+  output in one contiguous pass. Best for 3x3 from about 20 columns up.
 
 Indices are cast to unsigned where the loop makes them non-negative: numba then emits no
 negative-index wraparound test, which would stop the loop vectorising.
@@ -24,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import inline, kernel
-from .depthwise_block import output_row, transpose
+from .depthwise_block import NARROW_BLOCK, ROW_WINDOWS, WIDE_BLOCK, output_row, rows_block, transpose
 from .epilogue import NONE, _apply_run
 from .panels import VECTOR_BYTES
 from .phases import phase_tap, split_even_odd
@@ -246,12 +250,40 @@ def _row_taps(acc: np.ndarray, plane: np.ndarray, w: np.ndarray, m: int, i: int,
                 acc[_U(v)] += wt * plane[_U(v + off)]
 
 
+@inline
+def _finite(w: np.ndarray, w0: int, count: int) -> bool:
+    """Whether the ``count`` taps of ``w`` (flat) from ``w0`` are finite (an infinite one times a
+    zero of the padding is NaN, which only the padded planes compute)."""
+    for t in range(w0, w0 + count):
+        if not np.isfinite(w[t]):
+            return False
+    return True
+
+
+@inline
+def _in_registers(x: np.ndarray, x0: int, h: int, wd: int, w: np.ndarray, w0: int, k: int, bias: float,
+                  y: np.ndarray, y0: int, ho: int, wo: int, top: int, left: int) -> None:
+    """One channel's output (Ho, Wo) at unit stride and dilation by a ``k`` x ``k`` window
+    (`depthwise_block.ROW_WINDOWS`), straight from its input plane (H, W) at ``x0`` of the flat
+    ``x``: strips of columns, blocks of their rows summed in registers
+    (`depthwise_block.rows_block`; rows and columns outside the image are not read, so no padded
+    copy is made). ``w0`` and ``y0`` locate the channel's taps and output in the flat ``w``, ``y``."""
+    lanes = VECTOR_BYTES // x.itemsize
+    narrow = wo <= lanes
+    run = lanes * (NARROW_BLOCK[1] if narrow else WIDE_BLOCK[1])  # columns a strip
+    for ox0 in range(0, wo, run):
+        rows_block(x, x0, -top, h, wd, ox0 - left, min(run, wo - ox0), ho, w, w0, k, bias, y, y0 + ox0, wo, narrow)
+
+
 @kernel
 def depthwise_flat(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
                    dh: int, dw: int, top: int, left: int, multiplier: int, plane: np.ndarray,
                    acc: np.ndarray) -> None:
-    """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo), at unit stride, on flat
-    padded planes: the channel's input is copied once into ``plane``, zero padded to ``Wp = Wo +
+    """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo), at unit stride.
+
+    A channel whose window is 3, 5 or 7 square at unit dilation, with finite taps, is summed in
+    registers from its NCHW plane (`_in_registers`; ``plane`` and ``acc`` unused). Any other, on a
+    flat padded plane: the channel's input is copied once into ``plane``, zero padded to ``Wp = Wo +
     (kw - 1)·dw`` columns, so that tap (i, j) of every output reads ``plane[v + i·dh·Wp + j·dw]``
     for the virtual position ``v = oh·Wp + ow``: one long contiguous pass over all of ``acc`` per
     kernel row (the row loop's passes are one output row long, the width of a vector or two on
@@ -265,9 +297,15 @@ def depthwise_flat(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
     hp = ho + (kh - 1) * dh
     for k in range(hp * wp, plane.shape[0]):
         plane[_U(k)] = 0.0
+    in_registers = dh == 1 and dw == 1 and kh == kw and kh in ROW_WINDOWS
+    x_flat, w_flat, out_flat = x.reshape(-1), w.reshape(-1), out.reshape(-1)
     for n in range(n_images):
         for m in range(m0, m1):
             c = m // multiplier
+            if in_registers and _finite(w_flat, m * kh * kw, kh * kw):
+                _in_registers(x_flat, (n * x.shape[1] + c) * h * wd, h, wd, w_flat, m * kh * kw, kh, bias[m], out_flat,
+                              (n * out.shape[1] + m) * ho * wo, ho, wo, top, left)
+                continue
             for r in range(hp):
                 ih = r - top
                 row = plane[r * wp:(r + 1) * wp]

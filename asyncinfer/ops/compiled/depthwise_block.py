@@ -259,3 +259,146 @@ def transpose(typingctx: Any, src: Any, src_offset: Any, src_step: Any, rows: An
         return context.get_dummy_value()
 
     return signature, codegen
+
+
+
+class _Lanes:
+    """IR helpers of `_rows_block`: constants, vectors of one value, masks of lanes."""
+
+    def __init__(self, builder: Any, vec: _Vectors) -> None:
+        self.builder, self.vec = builder, vec
+        self.index_type = ir.VectorType(_I32, vec.lanes)
+        self._every_lane = ir.Constant(ir.VectorType(_I32, vec.lanes), [0] * vec.lanes)
+        self._lane_index = ir.Constant(self.index_type, list(range(vec.lanes)))
+
+    @staticmethod
+    def const(value: int) -> Any:
+        return ir.Constant(_I64, value)
+
+    def splat(self, value: Any, vector_type: Any) -> Any:
+        """A vector of ``value`` in every lane."""
+        builder = self.builder
+        first = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(first, ir.Constant(vector_type, ir.Undefined), self._every_lane)
+
+    def below(self, limit: Any) -> Any:
+        """The mask of lanes whose index is under ``limit`` (a signed int64: none when negative)."""
+        return self.builder.icmp_signed("<", self._lane_index, self.splat(self.builder.trunc(limit, _I32),
+                                                                          self.index_type))
+
+    def columns_read(self, first: Any, width: Any, count: Any, v: int) -> Any:
+        """The lanes of vector ``v`` of a run of ``count`` outputs whose input column, ``first`` (of
+        lane 0 of vector 0) + v·L + lane, lies in ``[0, width)``: the lanes a tap column reads."""
+        builder = self.builder
+        start = builder.add(first, self.const(v * self.vec.lanes))
+        inside = builder.and_(builder.not_(self.below(builder.neg(start))), self.below(builder.sub(width, start)))
+        return builder.and_(inside, self.below(builder.sub(count, self.const(v * self.vec.lanes))))
+
+
+def _rows_block(rows: int, vectors: int, kh: int, kw: int) -> Any:
+    """An intrinsic ``strip(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0,
+    out_row)`` summing ``count`` (≤ `vectors` · L) consecutive outputs of each of ``nrows``
+    consecutive output rows of one channel (a strip of columns), NCHW, by a ``kh`` x ``kw``
+    window at unit stride and dilation, `rows` output rows at a time in registers: for
+    ``r < nrows`` and ``c < count``,
+
+        out[out0 + r·out_row + c] = bias + Σ_i Σ_j w[w0 + i·kw + j]
+                                               · x[x0 + (first + r + i)·width + col0 + c + j]
+
+    where an input row outside ``[0, h)`` or column outside ``[0, width)`` counts as zero: it is
+    not read (rows skipped, columns masked), so no padded copy is needed. ``x``, ``w`` and ``out``
+    are flat (offsets, not views: a view per channel costs numba reference counts), ``x0`` the
+    start of the channel's input plane (H, W), ``first`` the input row of output row 0's window
+    top, ``w0`` the start of the channel's taps. The window is unrolled: each input vector is
+    loaded once for every output row of a block that reads it, and each sum takes its taps row by
+    row, one multiply-add each (`rows` x `vectors` independent sums keep the FMA units busy
+    where one row of a small map would wait on each sum's latency); the masks and the weights'
+    vectors are made once a strip."""
+
+    @intrinsic
+    def strip(typingctx: Any, x: Any, x0: Any, first: Any, h: Any, width: Any, col0: Any, count: Any, nrows: Any,
+              w: Any, w0: Any, bias: Any, out: Any, out0: Any, out_row: Any) -> Any:
+        signature = types.void(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            x_, w_, out_ = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 8, 11))
+            x0_, first_, h_, width_, col0_, count_, nrows_, w0_, out0_, out_row_ = (
+                context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13))
+            vec = _Vectors(context, builder, sig.args[0])
+            ir_ = _Lanes(builder, vec)
+            const = ir_.const
+            lanes = vec.lanes
+            reads = [[ir_.columns_read(builder.add(col0_, const(j)), width_, count_, v) for v in range(vectors)]
+                     for j in range(kw)]  # the lanes tap column j reads, per vector
+            writes = [ir_.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
+            weights = [ir_.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])), vec.type)
+                       for t in range(kh * kw)]
+            start = ir_.splat(context.cast(builder, args[10], sig.args[10], sig.args[0].dtype), vec.type)
+            sums = [[cgutils.alloca_once_value(builder, start) for _ in range(vectors)] for _ in range(rows)]
+
+            def input_at(index: Any, mask: Any) -> Any:  # the lanes of mask from x[index:]
+                return vec.masked_load(vec.element_at(x_.data, index), mask)
+
+            blocks = builder.sdiv(builder.add(nrows_, const(rows - 1)), const(rows))
+            with cgutils.for_range(builder, blocks) as b:  # a block of `rows` output rows
+                top = builder.mul(b.index, const(rows))
+                for row_sums in sums:
+                    for acc in row_sums:
+                        builder.store(start, acc)
+                for q in range(rows + kh - 1):  # the block's input rows: output row r reads r .. r + kh - 1
+                    ih = builder.add(builder.add(first_, top), const(q))
+                    with builder.if_then(builder.and_(builder.icmp_signed(">=", ih, const(0)),
+                                                      builder.icmp_signed("<", ih, h_))):
+                        row_at = builder.add(x0_, builder.add(builder.mul(ih, width_), col0_))  # column 0 there
+                        for j in range(kw):
+                            values = [input_at(builder.add(row_at, const(v * lanes + j)), reads[j][v])
+                                      for v in range(vectors)]
+                            for r in range(max(0, q - kh + 1), min(rows, q + 1)):
+                                weight = weights[(q - r) * kw + j]
+                                for v in range(vectors):
+                                    product = builder.fmul(weight, values[v], flags=("contract",))
+                                    builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)),
+                                                  sums[r][v])
+                for r in range(rows):
+                    with builder.if_then(builder.icmp_signed("<", builder.add(top, const(r)), nrows_)):
+                        row_out = builder.add(out0_, builder.mul(builder.add(top, const(r)), out_row_))
+                        for v in range(vectors):
+                            vec.masked_store(builder.load(sums[r][v]),
+                                             vec.element_at(out_.data, builder.add(row_out, const(v * lanes))),
+                                             writes[v])
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return strip
+
+
+#: (rows, vectors) of the register blocks of `rows_block`: 4 rows x 2 vectors of columns, or
+#: on maps at most a vector wide, 8 rows x 1.
+WIDE_BLOCK, NARROW_BLOCK = (4, 2), (8, 1)
+#: The square windows `rows_block` unrolls (MobileNet's, EfficientNet's, ConvNeXt's).
+ROW_WINDOWS = (3, 5, 7)
+_wide3, _wide5, _wide7 = (_rows_block(*WIDE_BLOCK, k, k) for k in ROW_WINDOWS)
+_narrow3, _narrow5, _narrow7 = (_rows_block(*NARROW_BLOCK, k, k) for k in ROW_WINDOWS)
+
+
+@inline
+def rows_block(x: np.ndarray, x0: int, first: int, h: int, width: int, col0: int, count: int, nrows: int,
+               w: np.ndarray, w0: int, k: int, bias: float, out: np.ndarray, out0: int, out_row: int,
+               narrow: bool) -> None:
+    """`_rows_block`'s strip for a ``k`` x ``k`` window (one of `ROW_WINDOWS`): ``narrow`` on maps
+    at most a vector wide (`NARROW_BLOCK`: 8 rows of one vector at a time), else `WIDE_BLOCK` (4
+    rows of two vectors)."""
+    if narrow:
+        if k == 3:
+            _narrow3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        elif k == 5:
+            _narrow5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        else:
+            _narrow7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+    elif k == 3:
+        _wide3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+    elif k == 5:
+        _wide5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+    else:
+        _wide7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
