@@ -99,16 +99,20 @@ def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, ker
     return width_stride == 2 and width_dilation == 1 and out_width >= 64 and kernel_width <= 3
 
 
-def registers_pay(kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int], out_width: int) -> bool:
+def registers_pay(kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int],
+                  out_width: int) -> bool:
     """Whether a layer takes `depthwise_flat`'s sums in registers straight from NCHW (no padded
-    copy, no transposes: `depthwise_block.rows_block`): 3x3 windows at unit stride and dilation,
-    outputs of 20 columns or more. Measured per layer shape on one core (AMD EPYC, AVX-512)
-    against the channels-last loop, whose two transposes cost more than its sums there:
-    MobileNetV3's 88ch@28 52 -> 29 µs, ShuffleNet's 58ch@28 39 -> 20, EfficientNet's 144ch@56
-    229 -> 132 and 32ch@112 195 -> 118, 480ch@28 203 -> 127; at 14 columns the two are even
-    (480ch@14 59 against 58), at 7 channels last is twice as fast. 5x5 and 7x7 windows measured
-    even at 14-56 columns and keep the channels-last loop."""
-    return (kernel[0] == kernel[1] == 3 and strides == (1, 1) and dilations == (1, 1) and out_width >= 20)
+    copy, no transposes: `depthwise_block.rows_block`): 3x3 windows at strides of 1 or 2 (the same
+    both ways) and unit dilation, outputs of 20 columns or more. Measured per layer shape on one
+    core (AMD EPYC, AVX-512) against the channels-last loop, whose two transposes cost more than
+    its sums there: at stride 1, MobileNetV3's 88ch@28 52 -> 29 µs, ShuffleNet's 58ch@28 39 -> 20,
+    EfficientNet's 144ch@56 229 -> 132 and 32ch@112 195 -> 118; at stride 2, MobileNetV3's 72ch@56
+    70 -> 46 and 16ch@112 56 -> 46, EfficientNet's 96ch@112 309 -> 230, SSDlite's 64ch@160 603 ->
+    353 (the stride-2 row loop: 602) and 120ch@40 62 -> 55. At 14 columns the channels-last loop is
+    even or faster (480ch@14 59 against 58, 240ch@28 3x3/2 55 against 68), at 7 twice as fast; 5x5
+    and 7x7 windows measured even at stride 1 and slower at stride 2, and keep it."""
+    return (kernel == (3, 3) and strides[0] == strides[1] and strides[0] in (1, 2) and dilations == (1, 1)
+            and out_width >= 20)
 
 
 def known_window_pays(multiplier: int, kernel_width: int, width_stride: int, width_dilation: int) -> bool:
@@ -196,10 +200,10 @@ def depthwise_plan(x_shape: tuple[int, ...], dtype: np.dtype, w: np.ndarray, bia
     ho, wo = (int(o) for o in out)
     geometry = (int(strides[0]), int(strides[1]), int(dilations[0]), int(dilations[1]), int(begin[0]), int(begin[1]))
     sh, sw, dh, dw = geometry[:4]
-    if stride2_rows_pay(sw, dw, wo, kw):
+    if registers_pay((kh, kw), (sh, sw), (dh, dw), wo) and np.isfinite(w).all():
+        loop = FLAT  # (an infinite tap times the padding is NaN: the padded copies compute it)
+    elif stride2_rows_pay(sw, dw, wo, kw):
         loop = ROWS2
-    elif registers_pay((kh, kw), (sh, sw), (dh, dw), wo):
-        loop = FLAT
     elif known_window_pays(m // c, kw, sw, dw):
         loop = CHANNELS_LAST
     elif flat_pays(sh, sw, ho, wo, (kh - 1) * dh, (kw - 1) * dw):
@@ -258,7 +262,7 @@ def run_depthwise(plan: DepthwisePlan, x: np.ndarray, epilogue: Epilogue = NO_AC
         plane = positions + (kh - 1) * dh * row_width + (kw - 1) * dw
 
         def flat(i0: int, i1: int, m0: int, m1: int) -> None:
-            depthwise_flat(x[i0:i1], taps, bias, result[i0:i1], m0, m1, dh, dw, top, left, mult,
+            depthwise_flat(x[i0:i1], taps, bias, result[i0:i1], m0, m1, sh, sw, dh, dw, top, left, mult,
                            scratch((plane,), x.dtype, "plane"), scratch((positions,), x.dtype, "acc"))
 
         run_tasks([functools.partial(flat, *part) for part in _blocks(m, threads, n)], threads)

@@ -55,7 +55,7 @@ DEPTHWISE_CASES = {
     "wide_7x7_asym_pads": ((1, 2, 19, 37), 1, (7, 7), dict(pads=[1, 3, 5, 2])),
 }
 PATHS = ("rows", "channels_last", "rows_threads", "channels_last_threads", "stride2", "stride2_threads", "flat",
-         "flat_threads")
+         "flat_threads", "registers", "registers_threads")
 _LOOPS = ("depthwise_rows", "depthwise_channels_last", "depthwise_rows_stride2", "depthwise_flat")
 _HELPERS = ThreadPoolExecutor(2, thread_name_prefix="test-conv-helpers")
 
@@ -78,7 +78,10 @@ def _route(monkeypatch, path: str) -> list:
     monkeypatch.setattr(conv_kernels, "stride2_rows_pay", lambda sw, dw, *a: stride2 and sw == 2 and dw == 1)
     flat = path.startswith("flat")  # whatever the width: every unit-stride layer
     monkeypatch.setattr(conv_kernels, "flat_pays", lambda sh, sw, *a: flat and sh == sw == 1)
-    monkeypatch.setattr(conv_kernels, "registers_pay", lambda *a: False)  # (a flat path takes it too)
+    # every square window of 3, 5 or 7 at equal strides of 1 or 2 (the flat paths' unit-stride
+    # ones take the sums in registers too, inside `depthwise_flat`)
+    registers = path.startswith("registers")
+    monkeypatch.setattr(conv_kernels, "registers_pay", lambda *a: registers and _in_registers(*a))
     if path.endswith("threads"):  # three parts on a pool, whatever the size and the machine
         monkeypatch.setattr(conv_kernels, "threads_for", lambda macs: 3)
         monkeypatch.setattr(conv_module, "threads_for", lambda macs: 3)
@@ -88,8 +91,18 @@ def _route(monkeypatch, path: str) -> list:
     return calls
 
 
+def _in_registers(kernel, strides, dilations, out_width=0) -> bool:
+    """Whether `depthwise_flat` can sum a layer in registers (a square window of 3, 5 or 7 at equal
+    strides of 1 or 2, unit dilation)."""
+    return (kernel[0] == kernel[1] and kernel[0] in (3, 5, 7) and strides[0] == strides[1]
+            and strides[0] in (1, 2) and tuple(dilations) == (1, 1))
+
+
 def _expected_loop(path: str, mult: int, attrs: dict | None = None, kernel=(3, 3)) -> str:
     attrs = attrs or {}
+    if path.startswith("registers") and _in_registers(kernel, attrs.get("strides") or [1, 1],
+                                                      attrs.get("dilations") or [1, 1]):
+        return "depthwise_flat"
     if path.startswith("flat") and (attrs.get("strides") or [1, 1]) == [1, 1]:
         return "depthwise_flat"
     if path.startswith("stride2") and (attrs.get("strides") or [1, 1])[-1] == 2 \
@@ -130,7 +143,7 @@ def test_depthwise_paths_match_reference(name, path, rng, monkeypatch):
     if "auto_pad" in attrs:  # SAME pads: the stride depends on the output size; any loop of the path
         assert calls and set(calls) <= {_expected_loop(path, mult), "depthwise_rows_stride2", "depthwise_rows"}
     else:
-        assert calls and set(calls) == {_expected_loop(path, mult, attrs)}
+        assert calls and set(calls) == {_expected_loop(path, mult, attrs, kernel)}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -173,6 +186,23 @@ def test_flat_in_registers_makes_nan_of_an_infinite_weight_times_the_padding(ker
     finite = ~np.isnan(want) & ~np.isinf(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-5)
     assert set(calls) == {"depthwise_flat"}
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_an_infinite_tap_keeps_a_padded_copy_by_default(stride, rng, monkeypatch):
+    """A 3x3 layer that would be summed in registers, with an infinite tap, takes a loop that
+    reads a zero-padded copy (NaN where that tap meets the padding, as ONNX defines it)."""
+    calls = []
+    for name in _LOOPS:
+        real = getattr(conv_kernels, name)
+        monkeypatch.setattr(conv_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    x, w, b = _inputs(rng, (1, 4, 48, 48), 1, (3, 3))
+    w[2, 0, 0, 0] = -np.inf
+    attrs = dict(strides=[stride, stride], pads=[1, 1, 1, 1], group=4, kernel_shape=[3, 3])
+    got = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    want = reference_run("Conv", [x, w, b], attrs)[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[0, 2, 0]).all() and calls and "depthwise_flat" not in calls
 
 
 @pytest.mark.parametrize("name, shape, kernel, attrs", [
@@ -237,26 +267,30 @@ DISPATCH_CASES = [
     ((1, 16, 56, 56), 5, 1, 1, "depthwise_channels_last"),  # 5x5: channels last, whatever the map
     ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
     ((1, 8, 14, 14), 17, 1, 1, "depthwise_channels_last"),  # window larger than the map: no padded plane
-    ((1, 32, 40, 40), 3, 2, 1, "depthwise_channels_last"),  # strided, 20 columns out
-    ((1, 32, 56, 56), 3, 2, 1, "depthwise_channels_last"),  # strided, 28 columns out
-    ((1, 16, 112, 112), 3, 2, 1, "depthwise_channels_last"),  # strided, 56 columns out
-    ((1, 16, 160, 160), 3, 2, 1, "depthwise_rows_stride2"),  # strided, 80 columns out, 3x3
+    ((1, 32, 28, 28), 3, 2, 1, "depthwise_channels_last"),  # 3x3/2, 14 columns out: channels last
+    ((1, 32, 40, 40), 3, 2, 1, "depthwise_flat"),           # 3x3/2 from 20 columns out: in registers
+    ((1, 16, 112, 112), 3, 2, 1, "depthwise_flat"),
+    ((1, 16, 160, 160), 3, 2, 1, "depthwise_flat"),         # (80 columns: not the stride-2 row loop)
     ((1, 8, 160, 160), 5, 2, 1, "depthwise_channels_last"),  # strided 5x5
-    ((1, 8, 40, 40), 3, 2, 2, "depthwise_rows"),            # channel multiplier, 20 columns out
-    ((1, 8, 160, 160), 3, 2, 2, "depthwise_rows_stride2"),  # channel multiplier, 80 columns out
+    ((1, 8, 40, 40), 3, 2, 2, "depthwise_flat"),            # channel multiplier, 20 columns out
+    ((1, 8, 160, 160), 3, (1, 2), 1, "depthwise_rows_stride2"),  # unequal strides, 80 columns out
 ]
+
+
+def _strides(stride: int | tuple[int, int]) -> list[int]:
+    return list(stride) if isinstance(stride, tuple) else [stride, stride]
 
 
 @pytest.mark.parametrize("shape, kernel, stride, mult, want", DISPATCH_CASES)
 def test_dispatch_rule(shape, kernel, stride, mult, want, rng, monkeypatch):
-    """The default rules (conv_kernels.flat_pays, stride2_rows_pay, channels_last_pays) on
-    real-sized layers, checked against the reference."""
+    """The default rules (conv_kernels.registers_pay, flat_pays, stride2_rows_pay,
+    channels_last_pays) on real-sized layers, checked against the reference."""
     calls: list = []
     for name in _LOOPS:
         real = getattr(conv_kernels, name)
         monkeypatch.setattr(conv_kernels, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
-    _check(x, w, b, dict(strides=[stride, stride], pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
+    _check(x, w, b, dict(strides=_strides(stride), pads=[kernel // 2] * 4), rtol=1e-4, atol=1e-4)
     assert set(calls) == {want}
 
 
@@ -268,7 +302,7 @@ def test_depthwise_shared_with_the_spin_team_has_the_bits_of_one_thread(shape, k
     helpers (`compiled.depthwise_parts`): each loop computes every value as on one thread."""
     monkeypatch.setattr(conv_kernels, "TEAM_MIN_MACS", 0)
     x, w, b = _inputs(rng, shape, mult, (kernel, kernel))
-    attrs = dict(strides=[stride, stride], pads=[kernel // 2] * 4, group=shape[1], kernel_shape=[kernel, kernel])
+    attrs = dict(strides=_strides(stride), pads=[kernel // 2] * 4, group=shape[1], kernel_shape=[kernel, kernel])
     conv = make_op("Conv", attrs, n_inputs=3)
     alone = conv(x, w, b)[0]
     with spin_team_bound(helpers) as runs:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import inline, kernel
-from .depthwise_block import NARROW_BLOCK, ROW_WINDOWS, WIDE_BLOCK, output_row, rows_block, transpose
+from .depthwise_block import NARROW_BLOCK, ROW_STRIDES, ROW_WINDOWS, WIDE_BLOCK, output_row, rows_block, transpose
 from .epilogue import NONE, _apply_run
 from .panels import VECTOR_BYTES
 from .phases import phase_tap, split_even_odd
@@ -261,10 +261,10 @@ def _finite(w: np.ndarray, w0: int, count: int) -> bool:
 
 
 @inline
-def _in_registers(x: np.ndarray, x0: int, h: int, wd: int, w: np.ndarray, w0: int, k: int, bias: float,
-                  y: np.ndarray, y0: int, ho: int, wo: int, top: int, left: int) -> None:
-    """One channel's output (Ho, Wo) at unit stride and dilation by a ``k`` x ``k`` window
-    (`depthwise_block.ROW_WINDOWS`), straight from its input plane (H, W) at ``x0`` of the flat
+def _in_registers(x: np.ndarray, x0: int, h: int, wd: int, w: np.ndarray, w0: int, k: int, stride: int,
+                  bias: float, y: np.ndarray, y0: int, ho: int, wo: int, top: int, left: int) -> None:
+    """One channel's output (Ho, Wo) by a ``k`` x ``k`` window (`depthwise_block.ROW_WINDOWS`) at
+    ``stride`` both ways (`ROW_STRIDES`) and unit dilation, straight from its input plane (H, W) at ``x0`` of the flat
     ``x``: strips of columns, blocks of their rows summed in registers
     (`depthwise_block.rows_block`; rows and columns outside the image are not read, so no padded
     copy is made). ``w0`` and ``y0`` locate the channel's taps and output in the flat ``w``, ``y``."""
@@ -272,24 +272,26 @@ def _in_registers(x: np.ndarray, x0: int, h: int, wd: int, w: np.ndarray, w0: in
     narrow = wo <= lanes
     run = lanes * (NARROW_BLOCK[1] if narrow else WIDE_BLOCK[1])  # columns a strip
     for ox0 in range(0, wo, run):
-        rows_block(x, x0, -top, h, wd, ox0 - left, min(run, wo - ox0), ho, w, w0, k, bias, y, y0 + ox0, wo, narrow)
+        rows_block(x, x0, -top, h, wd, stride * ox0 - left, min(run, wo - ox0), ho, w, w0, k, stride, bias, y,
+                   y0 + ox0, wo, narrow)
 
 
 @kernel
 def depthwise_flat(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray, m0: int, m1: int,
-                   dh: int, dw: int, top: int, left: int, multiplier: int, plane: np.ndarray,
+                   sh: int, sw: int, dh: int, dw: int, top: int, left: int, multiplier: int, plane: np.ndarray,
                    acc: np.ndarray) -> None:
-    """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo), at unit stride.
+    """Output channels ``m0:m1`` of every image of ``out`` (N, M, Ho, Wo).
 
-    A channel whose window is 3, 5 or 7 square at unit dilation, with finite taps, is summed in
-    registers from its NCHW plane (`_in_registers`; ``plane`` and ``acc`` unused). Any other, on a
-    flat padded plane: the channel's input is copied once into ``plane``, zero padded to ``Wp = Wo +
-    (kw - 1)·dw`` columns, so that tap (i, j) of every output reads ``plane[v + i·dh·Wp + j·dw]``
-    for the virtual position ``v = oh·Wp + ow``: one long contiguous pass over all of ``acc`` per
-    kernel row (the row loop's passes are one output row long, the width of a vector or two on
-    small maps), the columns ``ow ≥ Wo`` computed and dropped. ``acc`` has at least ``Ho·Wp``
-    entries (a multiple of 16: no scalar remainder), ``plane`` at least ``acc.size + (kh − 1)·dh·Wp
-    + (kw − 1)·dw`` (its tail is zeroed here). ``x``, ``w`` (M, kh, kw), ``bias`` as `depthwise_rows`."""
+    A channel whose window is 3, 5 or 7 square, at equal strides of 1 or 2 and unit dilation, with
+    finite taps, is summed in registers from its NCHW plane (`_in_registers`; ``plane`` and ``acc``
+    unused). At other strides, or with an infinite tap, the channel takes `depthwise_rows`. Any other at
+    unit stride, on a flat padded plane: the channel's input is copied once into ``plane``, zero padded
+    to ``Wp = Wo + (kw - 1)·dw`` columns, so that tap (i, j) of every output reads ``plane[v + i·dh·Wp +
+    j·dw]`` for the virtual position ``v = oh·Wp + ow``: one long contiguous pass over all of ``acc``
+    per kernel row (the row loop's passes are one output row long, the width of a vector or two on small
+    maps), the columns ``ow ≥ Wo`` computed and dropped. ``acc`` has at least ``Ho·Wp`` entries (a
+    multiple of 16: no scalar remainder), ``plane`` at least ``acc.size + (kh − 1)·dh·Wp + (kw − 1)·dw``
+    (its tail is zeroed here). ``x``, ``w`` (M, kh, kw), ``bias`` as `depthwise_rows`."""
     n_images, _, h, wd = x.shape
     _, _, ho, wo = out.shape
     kh, kw = w.shape[1], w.shape[2]
@@ -297,14 +299,17 @@ def depthwise_flat(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
     hp = ho + (kh - 1) * dh
     for k in range(hp * wp, plane.shape[0]):
         plane[_U(k)] = 0.0
-    in_registers = dh == 1 and dw == 1 and kh == kw and kh in ROW_WINDOWS
+    in_registers = dh == 1 and dw == 1 and kh == kw and kh in ROW_WINDOWS and sh == sw and sh in ROW_STRIDES
     x_flat, w_flat, out_flat = x.reshape(-1), w.reshape(-1), out.reshape(-1)
     for n in range(n_images):
         for m in range(m0, m1):
             c = m // multiplier
             if in_registers and _finite(w_flat, m * kh * kw, kh * kw):
-                _in_registers(x_flat, (n * x.shape[1] + c) * h * wd, h, wd, w_flat, m * kh * kw, kh, bias[m], out_flat,
-                              (n * out.shape[1] + m) * ho * wo, ho, wo, top, left)
+                _in_registers(x_flat, (n * x.shape[1] + c) * h * wd, h, wd, w_flat, m * kh * kw, kh, sh, bias[m],
+                              out_flat, (n * out.shape[1] + m) * ho * wo, ho, wo, top, left)
+                continue
+            if sh != 1 or sw != 1:
+                depthwise_rows(x[n:n + 1], w, bias, out[n:n + 1], m, m + 1, sh, sw, dh, dw, top, left, multiplier)
                 continue
             for r in range(hp):
                 ih = r - top

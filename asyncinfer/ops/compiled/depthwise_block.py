@@ -286,34 +286,32 @@ class _Lanes:
         return self.builder.icmp_signed("<", self._lane_index, self.splat(self.builder.trunc(limit, _I32),
                                                                           self.index_type))
 
-    def columns_read(self, first: Any, width: Any, count: Any, v: int) -> Any:
-        """The lanes of vector ``v`` of a run of ``count`` outputs whose input column, ``first`` (of
-        lane 0 of vector 0) + v·L + lane, lies in ``[0, width)``: the lanes a tap column reads."""
+    def inside(self, first: Any, width: Any) -> Any:
+        """The lanes of a vector of input columns ``first`` + lane that lie in ``[0, width)``: the
+        lanes a masked load reads (the others are zero)."""
         builder = self.builder
-        start = builder.add(first, self.const(v * self.vec.lanes))
-        inside = builder.and_(builder.not_(self.below(builder.neg(start))), self.below(builder.sub(width, start)))
-        return builder.and_(inside, self.below(builder.sub(count, self.const(v * self.vec.lanes))))
+        return builder.and_(builder.not_(self.below(builder.neg(first))), self.below(builder.sub(width, first)))
 
 
-def _rows_block(rows: int, vectors: int, kh: int, kw: int) -> Any:
+def _rows_block(rows: int, vectors: int, kh: int, kw: int, stride: int) -> Any:
     """An intrinsic ``strip(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0,
     out_row)`` summing ``count`` (≤ `vectors` · L) consecutive outputs of each of ``nrows``
     consecutive output rows of one channel (a strip of columns), NCHW, by a ``kh`` x ``kw``
-    window at unit stride and dilation, `rows` output rows at a time in registers: for
-    ``r < nrows`` and ``c < count``,
+    window at ``stride`` (1 or 2, both ways) and unit dilation, `rows` output rows at a time in
+    registers: for ``r < nrows`` and ``c < count``, with s the stride,
 
         out[out0 + r·out_row + c] = bias + Σ_i Σ_j w[w0 + i·kw + j]
-                                               · x[x0 + (first + r + i)·width + col0 + c + j]
+                                               · x[x0 + (first + s·r + i)·width + col0 + s·c + j]
 
-    where an input row outside ``[0, h)`` or column outside ``[0, width)`` counts as zero: it is
-    not read (rows skipped, columns masked), so no padded copy is needed. ``x``, ``w`` and ``out``
-    are flat (offsets, not views: a view per channel costs numba reference counts), ``x0`` the
-    start of the channel's input plane (H, W), ``first`` the input row of output row 0's window
-    top, ``w0`` the start of the channel's taps. The window is unrolled: each input vector is
-    loaded once for every output row of a block that reads it, and each sum takes its taps row by
-    row, one multiply-add each (`rows` x `vectors` independent sums keep the FMA units busy
-    where one row of a small map would wait on each sum's latency); the masks and the weights'
-    vectors are made once a strip."""
+    where an input row outside ``[0, h)`` or column outside ``[0, width)`` counts as zero: it is not
+    read (rows skipped, columns masked), so no padded copy is needed. ``x``, ``w`` and ``out`` are flat
+    (offsets, not views: a view per channel costs numba reference counts), ``x0`` the start of the
+    channel's input plane (H, W), ``first`` the input row of output row 0's window top, ``w0`` the start
+    of the channel's taps. The window is unrolled: each input vector is loaded once for every output row
+    of a block that reads it (at stride 2, two vectors of input and the even lanes of the pair), and
+    each sum takes its taps row by row, one multiply-add each (`rows` x `vectors` independent sums keep
+    the FMA units busy where one row of a small map would wait on each sum's latency); the masks and the
+    weights' vectors are made once a strip."""
 
     @intrinsic
     def strip(typingctx: Any, x: Any, x0: Any, first: Any, h: Any, width: Any, col0: Any, count: Any, nrows: Any,
@@ -328,8 +326,11 @@ def _rows_block(rows: int, vectors: int, kh: int, kw: int) -> Any:
             ir_ = _Lanes(builder, vec)
             const = ir_.const
             lanes = vec.lanes
-            reads = [[ir_.columns_read(builder.add(col0_, const(j)), width_, count_, v) for v in range(vectors)]
-                     for j in range(kw)]  # the lanes tap column j reads, per vector
+            # the lanes of each input vector a tap column j loads: vector v of the outputs reads
+            # `stride` vectors of input columns from col0 + stride·v·L + j
+            reads = [[ir_.inside(builder.add(col0_, const(stride * v * lanes + k * lanes + j)), width_)
+                      for v in range(vectors) for k in range(stride)] for j in range(kw)]
+            evens = ir.Constant(ir.VectorType(_I32, lanes), list(range(0, 2 * lanes, 2)))
             writes = [ir_.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
             weights = [ir_.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])), vec.type)
                        for t in range(kh * kw)]
@@ -345,16 +346,18 @@ def _rows_block(rows: int, vectors: int, kh: int, kw: int) -> Any:
                 for row_sums in sums:
                     for acc in row_sums:
                         builder.store(start, acc)
-                for q in range(rows + kh - 1):  # the block's input rows: output row r reads r .. r + kh - 1
-                    ih = builder.add(builder.add(first_, top), const(q))
+                for q in range(stride * (rows - 1) + kh):  # the block's input rows: row r reads s·r .. s·r + kh - 1
+                    ih = builder.add(builder.add(first_, builder.mul(top, const(stride))), const(q))
                     with builder.if_then(builder.and_(builder.icmp_signed(">=", ih, const(0)),
                                                       builder.icmp_signed("<", ih, h_))):
                         row_at = builder.add(x0_, builder.add(builder.mul(ih, width_), col0_))  # column 0 there
                         for j in range(kw):
-                            values = [input_at(builder.add(row_at, const(v * lanes + j)), reads[j][v])
-                                      for v in range(vectors)]
-                            for r in range(max(0, q - kh + 1), min(rows, q + 1)):
-                                weight = weights[(q - r) * kw + j]
+                            loaded = [input_at(builder.add(row_at, const(k * lanes + j)), reads[j][k])
+                                      for k in range(stride * vectors)]
+                            values = loaded if stride == 1 else [
+                                builder.shuffle_vector(loaded[2 * v], loaded[2 * v + 1], evens) for v in range(vectors)]
+                            for r in range(max(0, -(-(q - kh + 1) // stride)), min(rows, q // stride + 1)):
+                                weight = weights[(q - stride * r) * kw + j]
                                 for v in range(vectors):
                                     product = builder.fmul(weight, values[v], flags=("contract",))
                                     builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)),
@@ -376,29 +379,46 @@ def _rows_block(rows: int, vectors: int, kh: int, kw: int) -> Any:
 #: (rows, vectors) of the register blocks of `rows_block`: 4 rows x 2 vectors of columns, or
 #: on maps at most a vector wide, 8 rows x 1.
 WIDE_BLOCK, NARROW_BLOCK = (4, 2), (8, 1)
-#: The square windows `rows_block` unrolls (MobileNet's, EfficientNet's, ConvNeXt's).
+#: The square windows `rows_block` unrolls (MobileNet's, EfficientNet's, ConvNeXt's), and its strides.
 ROW_WINDOWS = (3, 5, 7)
-_wide3, _wide5, _wide7 = (_rows_block(*WIDE_BLOCK, k, k) for k in ROW_WINDOWS)
-_narrow3, _narrow5, _narrow7 = (_rows_block(*NARROW_BLOCK, k, k) for k in ROW_WINDOWS)
+ROW_STRIDES = (1, 2)
+_wide3, _wide5, _wide7 = (_rows_block(*WIDE_BLOCK, k, k, 1) for k in ROW_WINDOWS)
+_narrow3, _narrow5, _narrow7 = (_rows_block(*NARROW_BLOCK, k, k, 1) for k in ROW_WINDOWS)
+_wide3s2, _wide5s2, _wide7s2 = (_rows_block(*WIDE_BLOCK, k, k, 2) for k in ROW_WINDOWS)
+_narrow3s2, _narrow5s2, _narrow7s2 = (_rows_block(*NARROW_BLOCK, k, k, 2) for k in ROW_WINDOWS)
 
 
 @inline
 def rows_block(x: np.ndarray, x0: int, first: int, h: int, width: int, col0: int, count: int, nrows: int,
-               w: np.ndarray, w0: int, k: int, bias: float, out: np.ndarray, out0: int, out_row: int,
+               w: np.ndarray, w0: int, k: int, stride: int, bias: float, out: np.ndarray, out0: int, out_row: int,
                narrow: bool) -> None:
-    """`_rows_block`'s strip for a ``k`` x ``k`` window (one of `ROW_WINDOWS`): ``narrow`` on maps
-    at most a vector wide (`NARROW_BLOCK`: 8 rows of one vector at a time), else `WIDE_BLOCK` (4
-    rows of two vectors)."""
-    if narrow:
-        if k == 3:
-            _narrow3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+    """`_rows_block`'s strip for a ``k`` x ``k`` window (one of `ROW_WINDOWS`) at ``stride`` (one
+    of `ROW_STRIDES`): ``narrow`` on maps at most a vector wide (`NARROW_BLOCK`: 8 rows of one
+    vector at a time), else `WIDE_BLOCK` (4 rows of two vectors)."""
+    if stride == 1:
+        if narrow:
+            if k == 3:
+                _narrow3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+            elif k == 5:
+                _narrow5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+            else:
+                _narrow7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        elif k == 3:
+            _wide3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
         elif k == 5:
-            _narrow5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+            _wide5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
         else:
-            _narrow7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+            _wide7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+    elif narrow:
+        if k == 3:
+            _narrow3s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        elif k == 5:
+            _narrow5s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        else:
+            _narrow7s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
     elif k == 3:
-        _wide3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        _wide3s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
     elif k == 5:
-        _wide5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        _wide5s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
     else:
-        _wide7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        _wide7s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)

@@ -61,8 +61,8 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
         wp = wo + (kw - 1) * dw
         positions = -(-ho * wp // 16) * 16
         plane = positions + (kh - 1) * dh * wp + (kw - 1) * dw
-        depthwise_flat(x[i0:i1], taps, bias, out[i0:i1], m0, m1, dh, dw, top, left, multiplier, scratch[:plane],
-                       scratch[plane:plane + positions])
+        depthwise_flat(x[i0:i1], taps, bias, out[i0:i1], m0, m1, sh, sw, dh, dw, top, left, multiplier,
+                       scratch[:plane], scratch[plane:plane + positions])
     elif loop == ROWS2:
         half = (w + 1) // 2
         depthwise_rows_stride2(x[i0:i1], taps, bias, out[i0:i1], m0, m1, sh, dh, top, left, multiplier,
