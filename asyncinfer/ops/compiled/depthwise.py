@@ -12,13 +12,13 @@ skipped.
   a time, into zero-padded channels-last scratch (ONNX Runtime's NCHWc layout), then runs of
   output pixels are summed in registers over the whole window (`depthwise_block`), and the
   result is written back to NCHW. Best with strides (no strided loads) and on small maps.
-- `depthwise_flat`: at unit stride. Square windows of 3, 5 or 7 at unit dilation with finite
-  taps are summed in registers straight from NCHW (`depthwise_block.rows_block`: blocks of 4
-  output rows x 32 columns, or 8 rows x 16 on narrow maps, each input vector loaded once for
-  every row of the block that reads it; rows and columns outside the image are not read, so
-  there is no padded copy and no transpose). Other windows: each channel is copied into a
-  zero-padded plane, and every kernel row's taps add into the whole (virtual, padded-width)
-  output in one contiguous pass. Best for 3x3 from about 20 columns up.
+- `depthwise_flat`: square windows of 3, 5 or 7 at equal strides of 1 or 2, unit dilation and
+  finite taps are summed in registers straight from NCHW (`depthwise_block.rows_block`: blocks
+  of 4 output rows x 32 columns, or 8 rows x 16 on narrow maps, each input vector loaded once
+  for every row of the block that reads it; rows and columns outside the image are not read, so
+  there is no padded copy and no transpose). Other windows at unit stride: each channel is
+  copied into a zero-padded plane, and every kernel row's taps add into the whole (virtual,
+  padded-width) output in one contiguous pass. Best for 3x3 from about 20 columns out.
 
 Indices are cast to unsigned where the loop makes them non-negative: numba then emits no
 negative-index wraparound test, which would stop the loop vectorising.
@@ -264,8 +264,8 @@ def _finite(w: np.ndarray, w0: int, count: int) -> bool:
 def _in_registers(x: np.ndarray, x0: int, h: int, wd: int, w: np.ndarray, w0: int, k: int, stride: int,
                   bias: float, y: np.ndarray, y0: int, ho: int, wo: int, top: int, left: int) -> None:
     """One channel's output (Ho, Wo) by a ``k`` x ``k`` window (`depthwise_block.ROW_WINDOWS`) at
-    ``stride`` both ways (`ROW_STRIDES`) and unit dilation, straight from its input plane (H, W) at ``x0`` of the flat
-    ``x``: strips of columns, blocks of their rows summed in registers
+    ``stride`` both ways (`ROW_STRIDES`) and unit dilation, straight from its input plane (H, W)
+    at ``x0`` of the flat ``x``: strips of columns, blocks of their rows summed in registers
     (`depthwise_block.rows_block`; rows and columns outside the image are not read, so no padded
     copy is made). ``w0`` and ``y0`` locate the channel's taps and output in the flat ``w``, ``y``."""
     lanes = VECTOR_BYTES // x.itemsize
@@ -284,14 +284,15 @@ def depthwise_flat(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarr
 
     A channel whose window is 3, 5 or 7 square, at equal strides of 1 or 2 and unit dilation, with
     finite taps, is summed in registers from its NCHW plane (`_in_registers`; ``plane`` and ``acc``
-    unused). At other strides, or with an infinite tap, the channel takes `depthwise_rows`. Any other at
-    unit stride, on a flat padded plane: the channel's input is copied once into ``plane``, zero padded
-    to ``Wp = Wo + (kw - 1)·dw`` columns, so that tap (i, j) of every output reads ``plane[v + i·dh·Wp +
-    j·dw]`` for the virtual position ``v = oh·Wp + ow``: one long contiguous pass over all of ``acc``
-    per kernel row (the row loop's passes are one output row long, the width of a vector or two on small
-    maps), the columns ``ow ≥ Wo`` computed and dropped. ``acc`` has at least ``Ho·Wp`` entries (a
-    multiple of 16: no scalar remainder), ``plane`` at least ``acc.size + (kh − 1)·dh·Wp + (kw − 1)·dw``
-    (its tail is zeroed here). ``x``, ``w`` (M, kh, kw), ``bias`` as `depthwise_rows`."""
+    unused). At other strides, or with an infinite tap, the channel takes `depthwise_rows`. Any
+    other at unit stride, on a flat padded plane: the channel's input is copied once into ``plane``,
+    zero padded to ``Wp = Wo + (kw - 1)·dw`` columns, so that tap (i, j) of every output reads
+    ``plane[v + i·dh·Wp + j·dw]`` for the virtual position ``v = oh·Wp + ow``: one long contiguous
+    pass over all of ``acc`` per kernel row (the row loop's passes are one output row long, the
+    width of a vector or two on small maps), the columns ``ow ≥ Wo`` computed and dropped. ``acc``
+    has at least ``Ho·Wp`` entries (a multiple of 16: no scalar remainder), ``plane`` at least
+    ``acc.size + (kh − 1)·dh·Wp + (kw − 1)·dw`` (its tail is zeroed here). ``x``, ``w`` (M, kh, kw),
+    ``bias`` as `depthwise_rows`."""
     n_images, _, h, wd = x.shape
     _, _, ho, wo = out.shape
     kh, kw = w.shape[1], w.shape[2]

@@ -304,14 +304,14 @@ def _rows_block(rows: int, vectors: int, kh: int, kw: int, stride: int) -> Any:
                                                · x[x0 + (first + s·r + i)·width + col0 + s·c + j]
 
     where an input row outside ``[0, h)`` or column outside ``[0, width)`` counts as zero: it is not
-    read (rows skipped, columns masked), so no padded copy is needed. ``x``, ``w`` and ``out`` are flat
-    (offsets, not views: a view per channel costs numba reference counts), ``x0`` the start of the
-    channel's input plane (H, W), ``first`` the input row of output row 0's window top, ``w0`` the start
-    of the channel's taps. The window is unrolled: each input vector is loaded once for every output row
-    of a block that reads it (at stride 2, two vectors of input and the even lanes of the pair), and
-    each sum takes its taps row by row, one multiply-add each (`rows` x `vectors` independent sums keep
-    the FMA units busy where one row of a small map would wait on each sum's latency); the masks and the
-    weights' vectors are made once a strip."""
+    read (rows skipped, columns masked), so no padded copy is needed. ``x``, ``w`` and ``out`` are
+    flat (offsets, not views: a view per channel costs numba reference counts), ``x0`` the start of
+    the channel's input plane (H, W), ``first`` the input row of output row 0's window top, ``w0``
+    the start of the channel's taps. The window is unrolled: each input vector is loaded once for
+    every output row of a block that reads it (at stride 2, two vectors of input and the even lanes
+    of the pair), and each sum takes its taps row by row, one multiply-add each (`rows` x `vectors`
+    independent sums keep the FMA units busy where one row of a small map would wait on each sum's
+    latency); the masks and the weights' vectors are made once a strip."""
 
     @intrinsic
     def strip(typingctx: Any, x: Any, x0: Any, first: Any, h: Any, width: Any, col0: Any, count: Any, nrows: Any,
