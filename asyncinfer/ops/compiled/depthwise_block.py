@@ -293,14 +293,16 @@ class _Lanes:
         return builder.and_(builder.not_(self.below(builder.neg(first))), self.below(builder.sub(width, first)))
 
 
-def _rows_block(rows: int, vectors: int, kh: int, kw: int, stride: int) -> Any:
+def _rows_block(k: int) -> Any:
     """An intrinsic ``strip(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0,
-    out_row)`` summing ``count`` (≤ `vectors` · L) consecutive outputs of each of ``nrows``
-    consecutive output rows of one channel (a strip of columns), NCHW, by a ``kh`` x ``kw``
-    window at ``stride`` (1 or 2, both ways) and unit dilation, `rows` output rows at a time in
-    registers: for ``r < nrows`` and ``c < count``, with s the stride,
+    out_row, stride, narrow)`` summing ``count`` consecutive outputs of each of ``nrows``
+    consecutive output rows of one channel (a strip of columns), NCHW, by a ``k`` x ``k`` window
+    at ``stride`` (1 or 2, both ways) and unit dilation, a block of output rows at a time in
+    registers (`WIDE_BLOCK`, or on maps at most a vector wide ``narrow``, `NARROW_BLOCK`: rows x
+    vectors, ``count`` at most that many vectors of L): for ``r < nrows`` and ``c < count``,
+    with s the stride,
 
-        out[out0 + r·out_row + c] = bias + Σ_i Σ_j w[w0 + i·kw + j]
+        out[out0 + r·out_row + c] = bias + Σ_i Σ_j w[w0 + i·k + j]
                                                · x[x0 + (first + s·r + i)·width + col0 + s·c + j]
 
     where an input row outside ``[0, h)`` or column outside ``[0, width)`` counts as zero: it is not
@@ -309,71 +311,91 @@ def _rows_block(rows: int, vectors: int, kh: int, kw: int, stride: int) -> Any:
     the channel's input plane (H, W), ``first`` the input row of output row 0's window top, ``w0``
     the start of the channel's taps. The window is unrolled: each input vector is loaded once for
     every output row of a block that reads it (at stride 2, two vectors of input and the even lanes
-    of the pair), and each sum takes its taps row by row, one multiply-add each (`rows` x `vectors`
+    of the pair), and each sum takes its taps row by row, one multiply-add each (rows x vectors
     independent sums keep the FMA units busy where one row of a small map would wait on each sum's
     latency); the masks and the weights' vectors are made once a strip."""
 
     @intrinsic
     def strip(typingctx: Any, x: Any, x0: Any, first: Any, h: Any, width: Any, col0: Any, count: Any, nrows: Any,
-              w: Any, w0: Any, bias: Any, out: Any, out0: Any, out_row: Any) -> Any:
-        signature = types.void(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+              w: Any, w0: Any, bias: Any, out: Any, out0: Any, out_row: Any, stride: Any, narrow: Any) -> Any:
+        signature = types.void(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row, stride,
+                               narrow)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            x_, w_, out_ = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 8, 11))
-            x0_, first_, h_, width_, col0_, count_, nrows_, w0_, out0_, out_row_ = (
-                context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13))
+            arrays = [context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 8, 11)]
+            numbers = [context.cast(builder, args[i], sig.args[i], types.int64)
+                       for i in (1, 2, 3, 4, 5, 6, 7, 9, 12, 13)]
+            bias_ = context.cast(builder, args[10], sig.args[10], sig.args[0].dtype)
+            stride_, narrow_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (14, 15))
             vec = _Vectors(context, builder, sig.args[0])
-            ir_ = _Lanes(builder, vec)
-            const = ir_.const
-            lanes = vec.lanes
-            # the lanes of each input vector a tap column j loads: vector v of the outputs reads
-            # `stride` vectors of input columns from col0 + stride·v·L + j
-            reads = [[ir_.inside(builder.add(col0_, const(stride * v * lanes + k * lanes + j)), width_)
-                      for v in range(vectors) for k in range(stride)] for j in range(kw)]
-            evens = ir.Constant(ir.VectorType(_I32, lanes), list(range(0, 2 * lanes, 2)))
-            writes = [ir_.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
-            weights = [ir_.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])), vec.type)
-                       for t in range(kh * kw)]
-            start = ir_.splat(context.cast(builder, args[10], sig.args[10], sig.args[0].dtype), vec.type)
-            sums = [[cgutils.alloca_once_value(builder, start) for _ in range(vectors)] for _ in range(rows)]
-
-            def input_at(index: Any, mask: Any) -> Any:  # the lanes of mask from x[index:]
-                return vec.masked_load(vec.element_at(x_.data, index), mask)
-
-            blocks = builder.sdiv(builder.add(nrows_, const(rows - 1)), const(rows))
-            with cgutils.for_range(builder, blocks) as b:  # a block of `rows` output rows
-                top = builder.mul(b.index, const(rows))
-                for row_sums in sums:
-                    for acc in row_sums:
-                        builder.store(start, acc)
-                for q in range(stride * (rows - 1) + kh):  # the block's input rows: row r reads s·r .. s·r + kh - 1
-                    ih = builder.add(builder.add(first_, builder.mul(top, const(stride))), const(q))
-                    with builder.if_then(builder.and_(builder.icmp_signed(">=", ih, const(0)),
-                                                      builder.icmp_signed("<", ih, h_))):
-                        row_at = builder.add(x0_, builder.add(builder.mul(ih, width_), col0_))  # column 0 there
-                        for j in range(kw):
-                            loaded = [input_at(builder.add(row_at, const(k * lanes + j)), reads[j][k])
-                                      for k in range(stride * vectors)]
-                            values = loaded if stride == 1 else [
-                                builder.shuffle_vector(loaded[2 * v], loaded[2 * v + 1], evens) for v in range(vectors)]
-                            for r in range(max(0, -(-(q - kh + 1) // stride)), min(rows, q // stride + 1)):
-                                weight = weights[(q - stride * r) * kw + j]
-                                for v in range(vectors):
-                                    product = builder.fmul(weight, values[v], flags=("contract",))
-                                    builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)),
-                                                  sums[r][v])
-                for r in range(rows):
-                    with builder.if_then(builder.icmp_signed("<", builder.add(top, const(r)), nrows_)):
-                        row_out = builder.add(out0_, builder.mul(builder.add(top, const(r)), out_row_))
-                        for v in range(vectors):
-                            vec.masked_store(builder.load(sums[r][v]),
-                                             vec.element_at(out_.data, builder.add(row_out, const(v * lanes))),
-                                             writes[v])
+            done = builder.append_basic_block("strip_done")
+            # one body per block shape and stride: 2·narrow + stride - 1 picks it
+            switch = builder.switch(builder.add(builder.mul(narrow_, ir.Constant(_I64, 2)),
+                                                builder.sub(stride_, ir.Constant(_I64, 1))), done)
+            for narrow_case, (rows, vectors) in ((0, WIDE_BLOCK), (1, NARROW_BLOCK)):
+                for stride_case in ROW_STRIDES:
+                    case = builder.append_basic_block(f"strip{rows}x{vectors}s{stride_case}")
+                    switch.add_case(ir.Constant(_I64, 2 * narrow_case + stride_case - 1), case)
+                    builder.position_at_end(case)
+                    _strip_body(builder, vec, *arrays, *numbers, bias_, rows, vectors, k, stride_case)
+                    builder.branch(done)
+            builder.position_at_end(done)
             return context.get_dummy_value()
 
         return signature, codegen
 
     return strip
+
+
+def _strip_body(builder: Any, vec: _Vectors, x_: Any, w_: Any, out_: Any, x0_: Any, first_: Any, h_: Any,
+                width_: Any, col0_: Any, count_: Any, nrows_: Any, w0_: Any, out0_: Any, out_row_: Any, bias_: Any,
+                rows: int, vectors: int, k: int, stride: int) -> None:
+    """(`_rows_block`) The IR of a strip in blocks of ``rows`` x ``vectors`` at ``stride``."""
+    ir_ = _Lanes(builder, vec)
+    const = ir_.const
+    lanes = vec.lanes
+    # the lanes of each input vector a tap column j loads: vector v of the outputs reads `stride`
+    # vectors of input columns from col0 + stride·v·L + j
+    reads = [[ir_.inside(builder.add(col0_, const(stride * v * lanes + u * lanes + j)), width_)
+              for v in range(vectors) for u in range(stride)] for j in range(k)]
+    evens = ir.Constant(ir.VectorType(_I32, lanes), list(range(0, 2 * lanes, 2)))
+    writes = [ir_.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
+    weights = [ir_.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])), vec.type)
+               for t in range(k * k)]
+    start = ir_.splat(bias_, vec.type)
+    sums = [[cgutils.alloca_once_value(builder, start) for _ in range(vectors)] for _ in range(rows)]
+
+    def input_at(index: Any, mask: Any) -> Any:  # the lanes of mask from x[index:]
+        return vec.masked_load(vec.element_at(x_.data, index), mask)
+
+    blocks = builder.sdiv(builder.add(nrows_, const(rows - 1)), const(rows))
+    with cgutils.for_range(builder, blocks) as b:  # a block of `rows` output rows
+        top = builder.mul(b.index, const(rows))
+        for row_sums in sums:
+            for acc in row_sums:
+                builder.store(start, acc)
+        for q in range(stride * (rows - 1) + k):  # the block's input rows: row r reads s·r .. s·r + k - 1
+            ih = builder.add(builder.add(first_, builder.mul(top, const(stride))), const(q))
+            inside = builder.and_(builder.icmp_signed(">=", ih, const(0)), builder.icmp_signed("<", ih, h_))
+            with builder.if_then(inside):
+                row_at = builder.add(x0_, builder.add(builder.mul(ih, width_), col0_))  # column 0 there
+                for j in range(k):
+                    loaded = [input_at(builder.add(row_at, const(u * lanes + j)), reads[j][u])
+                              for u in range(stride * vectors)]
+                    values = loaded if stride == 1 else [
+                        builder.shuffle_vector(loaded[2 * v], loaded[2 * v + 1], evens) for v in range(vectors)]
+                    for r in range(max(0, -(-(q - k + 1) // stride)), min(rows, q // stride + 1)):
+                        weight = weights[(q - stride * r) * k + j]
+                        for v in range(vectors):
+                            product = builder.fmul(weight, values[v], flags=("contract",))
+                            builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)),
+                                          sums[r][v])
+        for r in range(rows):
+            with builder.if_then(builder.icmp_signed("<", builder.add(top, const(r)), nrows_)):
+                row_out = builder.add(out0_, builder.mul(builder.add(top, const(r)), out_row_))
+                for v in range(vectors):
+                    vec.masked_store(builder.load(sums[r][v]),
+                                     vec.element_at(out_.data, builder.add(row_out, const(v * lanes))), writes[v])
 
 
 #: (rows, vectors) of the register blocks of `rows_block`: 4 rows x 2 vectors of columns, or
@@ -382,10 +404,7 @@ WIDE_BLOCK, NARROW_BLOCK = (4, 2), (8, 1)
 #: The square windows `rows_block` unrolls (MobileNet's, EfficientNet's, ConvNeXt's), and its strides.
 ROW_WINDOWS = (3, 5, 7)
 ROW_STRIDES = (1, 2)
-_wide3, _wide5, _wide7 = (_rows_block(*WIDE_BLOCK, k, k, 1) for k in ROW_WINDOWS)
-_narrow3, _narrow5, _narrow7 = (_rows_block(*NARROW_BLOCK, k, k, 1) for k in ROW_WINDOWS)
-_wide3s2, _wide5s2, _wide7s2 = (_rows_block(*WIDE_BLOCK, k, k, 2) for k in ROW_WINDOWS)
-_narrow3s2, _narrow5s2, _narrow7s2 = (_rows_block(*NARROW_BLOCK, k, k, 2) for k in ROW_WINDOWS)
+_strip3, _strip5, _strip7 = (_rows_block(k) for k in ROW_WINDOWS)
 
 
 @inline
@@ -395,30 +414,9 @@ def rows_block(x: np.ndarray, x0: int, first: int, h: int, width: int, col0: int
     """`_rows_block`'s strip for a ``k`` x ``k`` window (one of `ROW_WINDOWS`) at ``stride`` (one
     of `ROW_STRIDES`): ``narrow`` on maps at most a vector wide (`NARROW_BLOCK`: 8 rows of one
     vector at a time), else `WIDE_BLOCK` (4 rows of two vectors)."""
-    if stride == 1:
-        if narrow:
-            if k == 3:
-                _narrow3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-            elif k == 5:
-                _narrow5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-            else:
-                _narrow7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-        elif k == 3:
-            _wide3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-        elif k == 5:
-            _wide5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-        else:
-            _wide7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-    elif narrow:
-        if k == 3:
-            _narrow3s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-        elif k == 5:
-            _narrow5s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-        else:
-            _narrow7s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
-    elif k == 3:
-        _wide3s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+    if k == 3:
+        _strip3(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row, stride, narrow)
     elif k == 5:
-        _wide5s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        _strip5(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row, stride, narrow)
     else:
-        _wide7s2(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row)
+        _strip7(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0, out_row, stride, narrow)
