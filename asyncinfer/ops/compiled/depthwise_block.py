@@ -75,13 +75,28 @@ class _Vectors:
     def store(self, value: Any, address: Any) -> None:
         self.builder.store(value, self.builder.bitcast(address, self.type.as_pointer()), align=self.size)
 
+    def splat(self, value: Any, vector_type: Any = None) -> Any:
+        """A vector (of this element type, or ``vector_type``) of ``value`` in every lane."""
+        vector_type = self.type if vector_type is None else vector_type
+        first = self.builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
+        return self.builder.shuffle_vector(first, ir.Constant(vector_type, ir.Undefined),
+                                           ir.Constant(ir.VectorType(_I32, self.lanes), [0] * self.lanes))
+
     def first(self, count: Any) -> Any:
-        """The mask of lanes ``< count``."""
+        """The mask of lanes ``< count`` (an int64 taken unsigned: every lane when negative)."""
         lanes = ir.VectorType(_I64, self.lanes)
-        spread = self.builder.shuffle_vector(
-            self.builder.insert_element(ir.Constant(lanes, ir.Undefined), count, ir.Constant(_I32, 0)),
-            ir.Constant(lanes, ir.Undefined), ir.Constant(ir.VectorType(_I32, self.lanes), [0] * self.lanes))
-        return self.builder.icmp_unsigned("<", ir.Constant(lanes, list(range(self.lanes))), spread)
+        return self.builder.icmp_unsigned("<", ir.Constant(lanes, list(range(self.lanes))), self.splat(count, lanes))
+
+    def below(self, limit: Any) -> Any:
+        """The mask of lanes ``< limit`` (an int64 taken signed: no lane when negative)."""
+        lanes = ir.VectorType(_I32, self.lanes)
+        return self.builder.icmp_signed("<", ir.Constant(lanes, list(range(self.lanes))),
+                                        self.splat(self.builder.trunc(limit, _I32), lanes))
+
+    def inside(self, first: Any, width: Any) -> Any:
+        """The lanes of a vector of columns ``first`` + lane that lie in ``[0, width)``."""
+        builder = self.builder
+        return builder.and_(builder.not_(self.below(builder.neg(first))), self.below(builder.sub(width, first)))
 
     def masked_load(self, address: Any, mask: Any) -> Any:
         """The lanes of ``mask`` from ``address``, zero in the others (which are not read)."""
@@ -262,37 +277,6 @@ def transpose(typingctx: Any, src: Any, src_offset: Any, src_step: Any, rows: An
 
 
 
-class _Lanes:
-    """IR helpers of `_rows_block`: constants, vectors of one value, masks of lanes."""
-
-    def __init__(self, builder: Any, vec: _Vectors) -> None:
-        self.builder, self.vec = builder, vec
-        self.index_type = ir.VectorType(_I32, vec.lanes)
-        self._every_lane = ir.Constant(ir.VectorType(_I32, vec.lanes), [0] * vec.lanes)
-        self._lane_index = ir.Constant(self.index_type, list(range(vec.lanes)))
-
-    @staticmethod
-    def const(value: int) -> Any:
-        return ir.Constant(_I64, value)
-
-    def splat(self, value: Any, vector_type: Any) -> Any:
-        """A vector of ``value`` in every lane."""
-        builder = self.builder
-        first = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(first, ir.Constant(vector_type, ir.Undefined), self._every_lane)
-
-    def below(self, limit: Any) -> Any:
-        """The mask of lanes whose index is under ``limit`` (a signed int64: none when negative)."""
-        return self.builder.icmp_signed("<", self._lane_index, self.splat(self.builder.trunc(limit, _I32),
-                                                                          self.index_type))
-
-    def inside(self, first: Any, width: Any) -> Any:
-        """The lanes of a vector of input columns ``first`` + lane that lie in ``[0, width)``: the
-        lanes a masked load reads (the others are zero)."""
-        builder = self.builder
-        return builder.and_(builder.not_(self.below(builder.neg(first))), self.below(builder.sub(width, first)))
-
-
 def _rows_block(k: int) -> Any:
     """An intrinsic ``strip(x, x0, first, h, width, col0, count, nrows, w, w0, bias, out, out0,
     out_row, stride, narrow)`` summing ``count`` consecutive outputs of each of ``nrows``
@@ -351,18 +335,20 @@ def _strip_body(builder: Any, vec: _Vectors, x_: Any, w_: Any, out_: Any, x0_: A
                 width_: Any, col0_: Any, count_: Any, nrows_: Any, w0_: Any, out0_: Any, out_row_: Any, bias_: Any,
                 rows: int, vectors: int, k: int, stride: int) -> None:
     """(`_rows_block`) The IR of a strip in blocks of ``rows`` x ``vectors`` at ``stride``."""
-    ir_ = _Lanes(builder, vec)
-    const = ir_.const
     lanes = vec.lanes
+
+    def const(value: int) -> Any:
+        return ir.Constant(_I64, value)
+
     # the lanes of each input vector a tap column j loads: vector v of the outputs reads `stride`
     # vectors of input columns from col0 + stride·v·L + j
-    reads = [[ir_.inside(builder.add(col0_, const(stride * v * lanes + u * lanes + j)), width_)
+    reads = [[vec.inside(builder.add(col0_, const(stride * v * lanes + u * lanes + j)), width_)
               for v in range(vectors) for u in range(stride)] for j in range(k)]
     evens = ir.Constant(ir.VectorType(_I32, lanes), list(range(0, 2 * lanes, 2)))
-    writes = [ir_.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
-    weights = [ir_.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])), vec.type)
+    writes = [vec.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
+    weights = [vec.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])))
                for t in range(k * k)]
-    start = ir_.splat(bias_, vec.type)
+    start = vec.splat(bias_)
     sums = [[cgutils.alloca_once_value(builder, start) for _ in range(vectors)] for _ in range(rows)]
 
     def input_at(index: Any, mask: Any) -> Any:  # the lanes of mask from x[index:]
