@@ -14,7 +14,7 @@ import numpy as np
 
 from . import kernel, reduction
 from .epilogue import _apply_run
-from .rows import row_sum
+from .rows import row_means
 
 _U = np.uint64
 
@@ -43,8 +43,7 @@ def squeeze_excite(x: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray
     hidden = np.empty(r, np.float32)
     negative_zero = np.float32(-0.0)  # (the activation alone: the bias is in already)
     for i in range(n):
-        for k in range(c):
-            pooled[k] = row_sum(x[i, k]) / hw  # (GlobalAveragePool's float64 mean, rounded once)
+        row_means(x[i], pooled)  # (GlobalAveragePool's own means)
         for j in range(r):
             hidden[j] = _dot(w1[j], pooled) + b1[j]
         _apply_run(hidden, negative_zero, kind1, np.float32(a1), np.float32(c1))
