@@ -18,7 +18,11 @@ and apply the bias and the activation before the store:
 the weights' form (kept between runs through ``keep``, as the depthwise loops keep their taps),
 the epilogue, and the parts: one per image where there are enough images, else ranges of whole
 panels (of positions, or of channels), else (`pointwise_conv` on a map of a few panels) bands of
-output channels; this thread takes one and each free spinning helper another.
+output channels; this thread takes one and each free spinning helper another. Small maps split
+by panels of channels where those divide evenly, else by blocks of 8 positions (a 96-channel 1x1
+on 7x7 has three panels: a third against two thirds waited on the slower half). Each run posts
+the helpers' parts, runs its own and waits in compiled code (`compiled.pointwise.post_pointwise`,
+`finish_pointwise`): arguments built in Python cost 6-10 µs a layer, a fifth of a MobileNet 1x1.
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from .compiled.panels import BLOCK_ROWS, panel_width
-from .compiled.pointwise import pack_weights, part_arguments, pointwise_conv, small_map_arguments, small_map_conv
+from .compiled.pointwise import (finish_pointwise, finish_small_map, pack_weights, pointwise_buffer_size,
+                                 pointwise_parts, post_pointwise, post_small_map, small_map_parts)
 from .conv_kernels import KeepWeights, keep_nothing, scratch
 from .epilogue import Epilogue
 from .linalg import TEAM_MIN_MACS
@@ -77,8 +82,9 @@ class PointwisePlan:
     epilogue: Epilogue
     numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
     geometry: tuple[int, int, int, int]  # in_width, out_width, sh, sw
-    parts: tuple[tuple[int, ...], ...]  # (i0, i1, v0, v1, m0, m1) each, or (i0, i1, q0, q1)
+    parts: np.ndarray                   # int64 rows (i0, i1, v0, v1, m0, m1), or (i0, i1, q0, q1, r0, r1)
     panels: int                         # `pointwise_conv`: panels of the widest part
+    buffer: int                         # float32 values of one part's scratch
     team: bool                          # offered to the spinning helpers
 
 
@@ -103,32 +109,56 @@ def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None
     team = n * m * cg * span >= TEAM_MIN_MACS
     count = parallel.team_size() if team else 1
     panels = 0
-    if count == 1 or n >= count:
-        cuts = [n * i // count for i in range(count + 1)]
-        whole = (0, group * weights.shape[1]) if small else (0, span, 0, m)
-        parts = [(cuts[i], cuts[i + 1], *whole) for i in range(count)]
-    elif small:  # panels of channels
-        total = group * weights.shape[1]
-        cuts = [total * i // count for i in range(count + 1)]
-        parts = [(0, n, cuts[i], cuts[i + 1]) for i in range(count) if cuts[i] < cuts[i + 1]]
-    elif span >= 2 * count * width:  # whole panels a part, the last one's partial panel with the fewest
-        total = -(-span // width)
-        cuts = [-(-total * i // count) * width for i in range(count)] + [span]
-        parts = [(0, n, cuts[i], cuts[i + 1], 0, m) for i in range(count)]
-    elif m >= 2 * count * BLOCK_ROWS:  # bands of channels over every position
-        cuts = [m * i // count // BLOCK_ROWS * BLOCK_ROWS for i in range(count)] + [m]
-        parts = [(0, n, 0, span, cuts[i], cuts[i + 1]) for i in range(count)]
-    else:
-        parts = [(0, n, 0, span, 0, m)]
     if small:
+        parts = _small_map_parts(n, group * weights.shape[1], span, count)
         padded = np.zeros((group, weights.shape[1] * width), np.float32)
         padded[:, :mg] = bias.reshape(group, mg)
         bias = padded
+        buffer = cg * span  # a strided conv's gathered input
     else:
+        parts = _panel_parts(n, span, m, count, width)
         panels = max(-(-(part[3] - part[2]) // width) for part in parts)
+        buffer = pointwise_buffer_size(panels, cg, m)
     return PointwisePlan((n, c, h * wd), (n, m, ho, wo), small, weights, bias, epilogue,
-                         np.array([epilogue.a, epilogue.b], np.float64), (wd, wo, *strides), tuple(parts), panels,
-                         team and len(parts) > 1)
+                         np.array([epilogue.a, epilogue.b], np.float64), (wd, wo, *strides),
+                         np.array(parts, np.int64).reshape(-1, 6), panels, buffer, team and len(parts) > 1)
+
+
+def _panel_parts(n: int, span: int, m: int, count: int, width: int) -> list[tuple[int, ...]]:
+    """`pointwise_conv`'s parts (i0, i1, v0, v1, m0, m1) for ``count`` threads: images, else
+    ranges of whole panels of positions (the last one's partial panel with the fewest), else
+    bands of output channels (a map of a few panels), else one."""
+    if count == 1 or n >= count:
+        cuts = [n * i // count for i in range(count + 1)]
+        return [(cuts[i], cuts[i + 1], 0, span, 0, m) for i in range(count)]
+    if span >= 2 * count * width:
+        total = -(-span // width)
+        cuts = [-(-total * i // count) * width for i in range(count)] + [span]
+        return [(0, n, cuts[i], cuts[i + 1], 0, m) for i in range(count)]
+    if m >= 2 * count * BLOCK_ROWS:
+        cuts = [m * i // count // BLOCK_ROWS * BLOCK_ROWS for i in range(count)] + [m]
+        return [(0, n, 0, span, cuts[i], cuts[i + 1]) for i in range(count)]
+    return [(0, n, 0, span, 0, m)]
+
+
+#: `small_map_conv` splits by positions in blocks of this many (its register blocks' rows).
+POSITION_BLOCK = 8
+
+
+def _small_map_parts(n: int, total: int, span: int, count: int) -> list[tuple[int, ...]]:
+    """`small_map_conv`'s parts (i0, i1, q0, q1, r0, r1) for ``count`` threads over ``total``
+    panels of output channels: images, else panels where they divide evenly or are many (each
+    thread then reads only its panels' weights: ResNet-50's 512 -> 2048 at 7x7 has 4 MB), else
+    blocks of `POSITION_BLOCK` positions, every panel (three panels of 96 channels: 1 against 2)."""
+    if count == 1 or n >= count:
+        cuts = [n * i // count for i in range(count + 1)]
+        return [(cuts[i], cuts[i + 1], 0, total, 0, span) for i in range(count)]
+    if total % count == 0 or total >= 8 * count:
+        cuts = [total * i // count for i in range(count + 1)]
+        return [(0, n, cuts[i], cuts[i + 1], 0, span) for i in range(count) if cuts[i] < cuts[i + 1]]
+    blocks = -(-span // POSITION_BLOCK)
+    cuts = [min(span, blocks * i // count * POSITION_BLOCK) for i in range(count)] + [span]
+    return [(0, n, 0, total, cuts[i], cuts[i + 1]) for i in range(count) if cuts[i] < cuts[i + 1]]
 
 
 def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
@@ -136,40 +166,36 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x).reshape(plan.x_shape)
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(plan.y_shape[0], plan.y_shape[1], -1)
-    m, span = flat.shape[1:]
-    width = panel_width(np.float32)
-    epilogue = plan.epilogue
-    if plan.small_map:
-        c = plan.weights.shape[2]
-        size = c * span
-
-        def arrays(buffer: np.ndarray) -> tuple[np.ndarray, ...]:
-            return (buffer.reshape(c, span),)
-
-        def run(part: tuple[int, ...], buffer: np.ndarray) -> None:
-            small_map_conv(plan.weights, x, flat, plan.bias, *arrays(buffer), *part, *plan.geometry, epilogue.kind,
-                           epilogue.a, epilogue.b)
-        post = small_map_arguments
-    else:
-        c = plan.weights.shape[1]
-        size = plan.panels * c * width + m * width
-
-        def arrays(buffer: np.ndarray) -> tuple[np.ndarray, ...]:
-            return (buffer[:plan.panels * c * width].reshape(plan.panels, c, width),
-                    buffer[plan.panels * c * width:].reshape(m, width))
-
-        def run(part: tuple[int, ...], buffer: np.ndarray) -> None:
-            pointwise_conv(plan.weights, x, flat, plan.bias, *arrays(buffer), *part, *plan.geometry, epilogue.kind,
-                           epilogue.a, epilogue.b)
-        post = part_arguments
-    own = scratch((size,), np.float32, "pointwise")
+    epilogue, parts = plan.epilogue, plan.parts
+    own = scratch((plan.buffer,), np.float32, "pointwise")
     team = parallel.team() if plan.team else None
-    if team is not None and len(plan.parts) - 1 <= team.helpers:
-        helpers = team.scratch((len(plan.parts) - 1, size), np.float32)
-        posted = [post(plan.weights, x, flat, plan.bias, *arrays(helpers[j]), plan.numbers, *part, *plan.geometry,
-                       epilogue.kind) for j, part in enumerate(plan.parts[1:])]
-        if team.try_run(posted, lambda: run(plan.parts[0], own)):
-            return y
-    for part in plan.parts:  # (alone, or the team busy: every core is, so every part here)
-        run(part, own)
+    control = None if team is None or len(parts) - 1 > team.helpers else team.claim()
+    if control is None:  # alone, or the team busy (every core is): every part here
+        if plan.small_map:
+            small_map_parts(plan.weights, x, flat, plan.bias, own.reshape(plan.weights.shape[2], -1), parts, 0,
+                            *plan.geometry, epilogue.kind, epilogue.a, epilogue.b)
+        else:
+            pointwise_parts(plan.weights, x, flat, plan.bias, own, parts, 0, plan.panels, *plan.geometry,
+                            epilogue.kind, epilogue.a, epilogue.b)
+        return y
+    try:
+        helpers = team.scratch((len(parts) - 1, plan.buffer), np.float32)  # type: ignore[union-attr]
+        if plan.small_map:
+            c = plan.weights.shape[2]
+            if post_small_map(control, plan.weights, x, flat, plan.bias, helpers.reshape(len(parts) - 1, c, -1),
+                              plan.numbers, parts, *plan.geometry, epilogue.kind):
+                team.wake()  # type: ignore[union-attr]
+            done = finish_small_map(control, plan.weights, x, flat, plan.bias, own.reshape(c, -1), parts,
+                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
+        else:
+            if post_pointwise(control, plan.weights, x, flat, plan.bias, helpers, plan.numbers, parts, plan.panels,
+                              *plan.geometry, epilogue.kind):
+                team.wake()  # type: ignore[union-attr]
+            done = finish_pointwise(control, plan.weights, x, flat, plan.bias, own, parts, plan.panels,
+                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
+        if not done:
+            for i in range(len(parts) - 1):
+                team.wait(i)  # type: ignore[union-attr]
+    finally:
+        team.release()  # type: ignore[union-attr]
     return y

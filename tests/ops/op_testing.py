@@ -147,7 +147,8 @@ def evaluate_with_kernels(model: onnx.ModelProto, inputs: list) -> list:
 
 class TeamRuns:
     """A spin team of ``helpers`` threads for kernel tests (`spin_team_bound`), counting the
-    kernels that shared their work with it (`SpinTeam.try_run` calls that ran)."""
+    kernels that shared their work with it (claims of the team that got it: `SpinTeam.try_run`
+    calls that ran, and kernels posting from compiled code)."""
 
     def __init__(self, helpers: int):
         from asyncinfer.concurrency.spin_team import SpinTeam
@@ -155,18 +156,18 @@ class TeamRuns:
 
         self.team = SpinTeam(helpers, serve_parts, name="test-team")
         self.shared = 0
-        real = self.team.try_run
+        self._claim = real = self.team.claim
 
-        def counted(parts, own):
-            ran = real(parts, own)
-            self.shared += ran
-            return ran
-        self.team.try_run = counted
+        def counted():
+            control = real()
+            self.shared += control is not None
+            return control
+        self.team.claim = counted
 
     @contextmanager
     def busy(self) -> Iterator[None]:
         """Within the block, the team is claimed by another poster: kernels find it busy."""
-        assert self.team.claim() is not None
+        assert self._claim() is not None
         try:
             yield
         finally:

@@ -111,12 +111,8 @@ def test_with_the_team_busy_every_part_runs_here(name, rng, monkeypatch):
     monkeypatch.setattr(conv_gemm, "TEAM_MIN_MACS", 0)
     monkeypatch.setattr(conv_gemm, "MIN_WIDTH", 4)
     monkeypatch.setattr(conv_gemm, "MIN_BAND_ROWS", 4)
-    with spin_team_bound(2) as runs:
-        assert runs.team.claim() is not None  # (busy until released)
-        try:
-            got, want = _run_case(name, rng)
-        finally:
-            runs.team.release()
+    with spin_team_bound(2) as runs, runs.busy():
+        got, want = _run_case(name, rng)
     assert runs.shared == 0
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 

@@ -21,6 +21,7 @@ from asyncinfer.ops.epilogue import NO_ACTIVATION, Epilogue
 from .op_testing import (EPILOGUE_ACTIVATIONS, activation_op, assert_fused_activation_bits, make_op, randn, reference_run,
                          spin_team_bound)
 
+_WIDTH = pointwise.panel_width(np.float32)
 # name: (x shape, output channels, strides, group)
 CASES = {
     "partial_panel": ((1, 5, 7, 9), 60, (1, 1), 1),        # 63 positions: one whole panel and a partial one
@@ -32,6 +33,9 @@ CASES = {
     "wide_map": ((1, 16, 40, 41), 24, (1, 1), 1),          # 1640 positions: panels to share out
     "grouped": ((1, 12, 7, 9), 54, (1, 1), 3),             # bands of channels across the groups' edges
     "grouped_wide": ((2, 8, 20, 21), 36, (2, 1), 4),       # ShuffleNet's grouped 1x1s, strided, two images
+    # three panels of channels: `small_map_conv` shares blocks of positions (MobileNetV3's 96 at 7x7)
+    "three_panels": ((1, 24, 7, 7), 2 * _WIDTH + 1, (1, 1), 1),
+    "three_panels_strided": ((1, 24, 13, 13), 2 * _WIDTH + 1, (2, 2), 1),
 }
 
 
@@ -95,20 +99,32 @@ def test_parts_are_images_then_panels_then_channel_bands(kernel, rng, monkeypatc
     width = pointwise.panel_width(np.float32)
     with spin_team_bound(1):
         x, w, b, attrs = _operands("images", rng)
-        assert [part[:2] for part in _plan(x, w, b, attrs).parts] == [(0, 1), (1, 3)]
-        if kernel == "small_map":  # panels of channels, through the groups
-            x, w, b, attrs = _operands("grouped", rng)  # 3 groups of 18 channels
+        assert [tuple(part[:2]) for part in _plan(x, w, b, attrs).parts.tolist()] == [(0, 1), (1, 3)]
+        if kernel == "small_map":  # panels of channels through the groups, or blocks of positions
+            x, w, b, attrs = _operands("grouped", rng)  # 3 groups of 18 channels, 63 positions
             total = 3 * -(-18 // width)
-            assert [part[2:] for part in _plan(x, w, b, attrs).parts] == [(0, total // 2), (total // 2, total)]
+            assert [tuple(part) for part in _plan(x, w, b, attrs).parts.tolist()] == conv_pointwise._small_map_parts(1, total, 63, 2)
             return
         x, w, b, attrs = _operands("wide_map", rng)
-        cuts = [part[2:4] for part in _plan(x, w, b, attrs).parts]
+        cuts = [part[2:4] for part in _plan(x, w, b, attrs).parts.tolist()]
         assert cuts[0][0] == 0 and cuts[0][1] == cuts[1][0] and cuts[1][1] == 1640 and cuts[0][1] % width == 0
         assert cuts[0][1] >= 1640 - cuts[0][1]  # (the partial panel goes with the fewer panels)
         x, w, b, attrs = _operands("many_channels", rng)
-        bands = [part[4:] for part in _plan(x, w, b, attrs).parts]
+        bands = [part[4:] for part in _plan(x, w, b, attrs).parts.tolist()]
         assert bands[0][0] == 0 and bands[0][1] == bands[1][0] and bands[1][1] == 1100
         assert bands[0][1] % conv_pointwise.BLOCK_ROWS == 0
+
+
+def test_small_maps_split_by_even_panels_else_by_blocks_of_positions():
+    parts = conv_pointwise._small_map_parts
+    assert parts(1, 18, 49, 2) == [(0, 1, 0, 9, 0, 49), (0, 1, 9, 18, 0, 49)]  # panels divide evenly
+    assert parts(1, 35, 49, 2) == [(0, 1, 0, 17, 0, 49), (0, 1, 17, 35, 0, 49)]  # many panels
+    assert parts(1, 3, 49, 2) == [(0, 1, 0, 3, 0, 24), (0, 1, 0, 3, 24, 49)]  # 3 panels: blocks of 8 positions
+    assert parts(1, 9, 196, 4) == [(0, 1, 0, 9, 0, 48), (0, 1, 0, 9, 48, 96), (0, 1, 0, 9, 96, 144),
+                                   (0, 1, 0, 9, 144, 196)]
+    assert parts(1, 3, 12, 4) == [(0, 1, 0, 3, 0, 8), (0, 1, 0, 3, 8, 12)]  # no empty parts
+    assert parts(3, 3, 49, 2) == [(0, 1, 0, 3, 0, 49), (1, 3, 0, 3, 0, 49)]  # images first
+    assert parts(1, 3, 49, 1) == [(0, 1, 0, 3, 0, 49)]
 
 
 def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):

@@ -170,12 +170,8 @@ def test_planes_shared_with_the_spin_team_give_the_same_bits(op_type, attrs, hel
 def test_pool_with_the_team_busy_runs_here(rng):
     x = randn(rng, 1, 8, 30, 30)
     op = make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)
-    with spin_team_bound(1) as runs:
-        assert runs.team.claim() is not None  # (busy until released)
-        try:
-            got = op(x)[0]
-        finally:
-            runs.team.release()
+    with spin_team_bound(1) as runs, runs.busy():
+        got = op(x)[0]
     assert runs.shared == 0
     np.testing.assert_array_equal(got, op.separable_reduce(x, np.maximum, -np.inf)[0])
 
