@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from ..concurrency.aligned import aligned_bytes
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
 from .compiled.depthwise_block import KNOWN_WINDOWS
-from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, depthwise_range, range_arguments,
+from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, finish_depthwise, post_depthwise,
                                        scratch_floats)
 from .compiled.panels import VECTOR_BYTES
 from .epilogue import NO_ACTIVATION, Epilogue
@@ -301,16 +301,45 @@ def run_depthwise(plan: DepthwisePlan, x: np.ndarray, epilogue: Epilogue = NO_AC
 def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, result: np.ndarray,
              geometry: tuple[int, ...], mult: int, block: int, epilogue: Epilogue) -> bool:
     """The conv on ``loop`` (`compiled.depthwise_parts`), this thread and the CPU backend's
-    spinning helpers taking a part each (images, else bands of channels, whole blocks of
-    ``block`` where the loop works channels last, or there bands of output rows when there are
-    fewer channels than a vector a part); False, having done nothing, when there is no free team,
-    the operands are not float32 or there are too few channels (and rows) to share."""
+    spinning helpers taking a part each (`_team_parts`), posted, run and waited for in compiled
+    code; False, having done nothing, when there is no free team, the operands are not float32 or
+    there are too few channels (and rows) to share."""
     team = parallel.team()
     if team is None or x.dtype != np.float32:
         return False
     n, _, h, wd = x.shape
     m, ho, wo = result.shape[1:]
-    parts = team.helpers + 1
+    parts, block = _team_parts(loop, n, m, ho, team.helpers + 1, block)
+    if parts is None:
+        return False
+    kh, kw = (taps.shape[1], taps.shape[2]) if loop != CHANNELS_LAST else taps.shape[:2]
+    # each helper's row of scratch on a cache line too
+    size = -(-scratch_floats(loop, h, wd, ho, wo, kh, kw, *geometry[:4], block) // 16) * 16
+    control = team.claim()
+    if control is None:
+        return False
+    try:
+        own = scratch((size,), np.float32, "team_depthwise")
+        helpers = team.scratch((len(parts) - 1, size), np.float32)
+        numbers, spans = _epilogue_numbers(epilogue.a, epilogue.b), _geometry_array(geometry)
+        if post_depthwise(control, loop, x, taps, bias, result, parts, spans, mult, block, helpers, epilogue.kind,
+                          numbers):
+            team.wake()
+        if not finish_depthwise(control, loop, x, taps, bias, result, parts, spans, mult, block, own, epilogue.kind,
+                                epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS):
+            for i in range(len(parts) - 1):
+                team.wait(i)
+    finally:
+        team.release()
+    return True
+
+
+@functools.lru_cache(maxsize=512)
+def _team_parts(loop: int, n: int, m: int, ho: int, parts: int, block: int) -> tuple[np.ndarray | None, int]:
+    """A depthwise conv's parts for ``parts`` sharers (int64 rows i0, i1, m0, m1, oh0, oh1:
+    images, else bands of channels, whole blocks of ``block`` where the loop works channels last,
+    or there bands of output rows when there are fewer channels than a vector a part), and the
+    channel block to run them with; None where there are too few channels to share."""
     rows = [(0, -1)] * parts  # (output rows of each part: every one)
     if n >= parts:
         cuts = [n * i // parts for i in range(parts + 1)]
@@ -325,19 +354,28 @@ def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, resul
             block = min(block, max(CHANNEL_ALIGN, -(-m // parts) // CHANNEL_ALIGN * CHANNEL_ALIGN))
         step = block if loop == CHANNELS_LAST else 1
         if m < parts * step:
-            return False
+            return None, block
         cuts = [min(m, m * i // parts // step * step) for i in range(parts)] + [m]
         ranges = [(0, n, cuts[i], cuts[i + 1]) for i in range(parts)]
-    kh, kw = (taps.shape[1], taps.shape[2]) if loop != CHANNELS_LAST else taps.shape[:2]
-    # each helper's row of scratch on a cache line too
-    size = -(-scratch_floats(loop, h, wd, ho, wo, kh, kw, *geometry[:4], block) // 16) * 16
-    own = scratch((size,), np.float32, "team_depthwise")
-    helpers = team.scratch((parts - 1, size), np.float32)
-    numbers = np.array([epilogue.a, epilogue.b], np.float64)
-    posted = [range_arguments(loop, x, taps, bias, result, *ranges[j], geometry, mult, block, helpers[j - 1],
-                              epilogue.kind, numbers, *rows[j]) for j in range(1, parts)]
-    return team.try_run(posted, lambda: depthwise_range(loop, x, taps, bias, result, *ranges[0], *geometry, mult,
-                                                        block, own, epilogue.kind, epilogue.a, epilogue.b, *rows[0]))
+    table = np.array([r + o for r, o in zip(ranges, rows)], np.int64)
+    table.flags.writeable = False
+    return table, block
+
+
+@functools.lru_cache(maxsize=64)
+def _epilogue_numbers(a: float, b: float) -> np.ndarray:
+    """An activation's ``a, b`` as the float64 pair a helper reads."""
+    numbers = np.array([a, b], np.float64)
+    numbers.flags.writeable = False
+    return numbers
+
+
+@functools.lru_cache(maxsize=512)
+def _geometry_array(geometry: tuple[int, ...]) -> np.ndarray:
+    """sh, sw, dh, dw, top, left as the int64 array the compiled posting reads."""
+    spans = np.array(geometry, np.int64)
+    spans.flags.writeable = False
+    return spans
 
 
 def _blocks(channels: int, threads: int, images: int) -> list[tuple[int, int, int, int]]:

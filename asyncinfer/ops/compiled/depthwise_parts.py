@@ -4,7 +4,7 @@ takes, as one compiled call: the form in which the CPU backend's spinning helper
 
 `conv_kernels.depthwise2d` picks the loop (`FLAT`, `ROWS2`, `ROWS`, `CHANNELS_LAST`) and cuts
 the layer into one part per sharer; `depthwise_range` runs a part on the calling thread, and
-`depthwise_part` on a helper from the integers `range_arguments` posts. A MobileNetV3 or
+`depthwise_part` on a helper from the integers `post_depthwise` posts. A MobileNetV3 or
 ShuffleNet depthwise layer is 0.2-5 M multiply-adds: too little to wake a pool thread for (100-300
 µs on a small VM), enough for two cores once the helper is spinning. Every output is computed by
 the same loop as on one thread, so the bits do not depend on the split.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, asleep, last_post, post, wait_done
 from . import kernel
 from .depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2, vector_groups,
                         window_extent)
@@ -86,21 +86,59 @@ def depthwise_range(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray
             _apply_run(out[i, m0:m1].reshape(-1), np.float32(-0.0), act, np.float32(a), np.float32(b))
 
 
-def range_arguments(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, out: np.ndarray, i0: int, i1: int,
-                    m0: int, m1: int, geometry: tuple[int, ...], multiplier: int, block: int,
-                    scratch: np.ndarray, act: int, numbers: np.ndarray, oh0: int = 0, oh1: int = -1) -> list[int]:
-    """The integers of a part `depthwise_part` runs as ``depthwise_range(...)`` (``geometry`` =
-    sh, sw, dh, dw, top, left; the activation's ``a, b`` as float64 ``numbers``) on C-contiguous
-    float32 arrays, for `SpinTeam.try_run`; the caller keeps every array alive until the part is
-    done."""
-    x_at, taps_at, bias_at, out_at, scratch_at, numbers_at = addresses(x, taps, bias, out, scratch, numbers)[:6]
-    return [PART_KIND, loop, *x.shape, *taps.shape, *out.shape[1:], x_at, taps_at, bias_at, out_at, i0, i1, m0, m1,
-            *geometry, multiplier, block, scratch_at, scratch.size, act, numbers_at, oh0, oh1]
+@kernel
+def post_depthwise(control: np.ndarray, loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray,
+                   out: np.ndarray, parts: np.ndarray, geometry: np.ndarray, multiplier: int, block: int,
+                   scratch: np.ndarray, act: int, numbers: np.ndarray) -> int:
+    """Post part ``i + 1`` of ``parts`` (rows i0, i1, m0, m1, oh0, oh1) to helper ``i`` of a
+    claimed team's ``control``, its scratch ``scratch[i]``, for `depthwise_part` to run as
+    ``depthwise_range(...)`` (``geometry`` = sh, sw, dh, dw, top, left; the activation's ``a, b``
+    as float64 ``numbers``); the number of those helpers found asleep (the caller wakes them).
+    One compiled call: arguments built in Python cost several microseconds a layer."""
+    sleeping = 0
+    for i in range(parts.shape[0] - 1):
+        row = control[i]
+        row[KIND] = PART_KIND
+        at = ARGS
+        row[at] = loop
+        for d in range(4):
+            row[at + 1 + d] = x.shape[d]
+        for d in range(3):
+            row[at + 5 + d] = taps.shape[d]
+            row[at + 8 + d] = out.shape[1 + d]
+        row[at + 11], row[at + 12] = x.ctypes.data, taps.ctypes.data
+        row[at + 13], row[at + 14] = bias.ctypes.data, out.ctypes.data
+        for d in range(4):
+            row[at + 15 + d] = parts[i + 1, d]
+        for d in range(6):
+            row[at + 19 + d] = geometry[d]
+        row[at + 25], row[at + 26], row[at + 27], row[at + 28] = multiplier, block, scratch[i].ctypes.data, scratch.shape[1]
+        row[at + 29], row[at + 30] = act, numbers.ctypes.data
+        row[at + 31], row[at + 32] = parts[i + 1, 4], parts[i + 1, 5]
+        post(row)
+        sleeping += asleep(row)
+    return sleeping
+
+
+@kernel
+def finish_depthwise(control: np.ndarray, loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray,
+                     out: np.ndarray, parts: np.ndarray, geometry: np.ndarray, multiplier: int, block: int,
+                     scratch: np.ndarray, act: int, a: float, b: float, rounds: int) -> bool:
+    """Run part 0 of ``parts`` here (``scratch`` this thread's), then wait for the parts
+    `post_depthwise` posted; False when a helper is not done within ``rounds`` spins (the caller
+    then waits the slow way, `SpinTeam.wait`)."""
+    depthwise_range(loop, x, taps, bias, out, parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3], geometry[0],
+                    geometry[1], geometry[2], geometry[3], geometry[4], geometry[5], multiplier, block, scratch, act,
+                    a, b, parts[0, 4], parts[0, 5])
+    for i in range(parts.shape[0] - 1):
+        if not wait_done(control[i], last_post(control[i]), rounds):
+            return False
+    return True
 
 
 @numba.njit(inline="always")
 def depthwise_part(control: np.ndarray) -> None:
-    """Run the `depthwise_range` part posted in a spin team's ``control`` row (`range_arguments`):
+    """Run the `depthwise_range` part posted in a spin team's ``control`` row (`post_depthwise`):
     the helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     n = control[at + 1]
