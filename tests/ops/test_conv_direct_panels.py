@@ -1,8 +1,8 @@
 """Deep convs on the direct panel kernel (asyncinfer/ops/conv_direct.py's `panel_plan`,
 compiled/direct_panels.py).
 
-Checked against onnx's reference implementation across the ways the kernel cuts its work (rows
-cut into blocks of 8, 4, 2 and 1 positions; output channels in whole panels and a last partial
+Checked against onnx's reference implementation across the ways the kernel cuts its work (a map's
+positions, rows end to end, cut into blocks of 8, 4, 2 and 1; output channels in whole panels and a last partial
 one; strides 1 and 2, unequal ones; dilation; asymmetric padding; several images; 1-D convs) and
 the ways a plan shares it (panels x output rows, on one and two helpers, the team busy); fused
 activations against the standalone ops bit for bit; the bits of the stem kernel where both run;
@@ -25,7 +25,8 @@ from .op_testing import (EPILOGUE_ACTIVATIONS, assert_conv_takes, assert_fused_a
 # name: (x shape, output channels, kernel, strides, dilations, pads)
 CASES = {
     "densenet_small_map": ((1, 24, 7, 7), 32, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
-    "every_block_size": ((1, 8, 6, 15), 2 * WIDTH + 5, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 15 = 8 + 4 + 2 + 1
+    "every_block_size": ((1, 8, 5, 3), 2 * WIDTH + 5, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 15 = 8 + 4 + 2 + 1
+    "blocks_across_rows": ((1, 8, 6, 15), 2 * WIDTH + 5, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 90 = 11 x 8 + 2
     "partial_panel": ((1, 16, 5, 9), 13, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
     "stride2_asymmetric": ((2, 12, 11, 13), 40, (3, 3), (2, 2), (1, 1), [0, 1, 2, 0]),
     "unequal_strides_rect": ((1, 6, 12, 10), 20, (5, 3), (2, 1), (1, 1), [2, 1, 2, 1]),

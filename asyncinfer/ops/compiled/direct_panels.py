@@ -6,12 +6,12 @@ Winograd's GEMMs get a few dozen columns each, an im2col GEMM's N is 49 to 196, 
 `compiled.direct`'s blocks are vectors of positions along one output row (a 13-wide row fills
 13 lanes of 16). ONNX Runtime ran those layers 2-3.5x faster.
 
-Here a register block holds up to 8 output positions of one row (4 without AVX-512:
+Here a register block holds up to 8 output positions of the map (4 without AVX-512:
 `BLOCK_POSITIONS`) x `panels.panel_width` output channels (two vectors), summed over every tap
 of the window (``C·kh·kw`` of them): per tap, one broadcast of each position's input value, read
-in place from a zero-padded copy of the input (``stride`` apart along the row), and the tap's
-weights for the panel's channels, one contiguous row of the packed weights (`pack_taps`). A row
-of the map is cut into blocks of 8, 4, 2 and 1 positions, so no position is computed in vain on
+in place from a zero-padded copy of the input, and the tap's weights for the panel's channels,
+one contiguous row of the packed weights (`pack_taps`). The map's positions (its rows end to
+end) are cut into blocks of 8, then 4, 2 and 1 at the end, so no position is computed in vain on
 any width; each finished block (bias and activation in registers,
 `panels._store_column_biased`) is stored transposed into the NCHW output, a cost only a deep sum
 can pay (``C·kh·kw`` ≥ 64).
@@ -28,12 +28,13 @@ import numba
 import numpy as np
 from numba import types
 from numba.core import cgutils
+from llvmlite import ir
 from numba.extending import intrinsic
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums,
-                     multiply_add, pack_panels, panel_width)
+                     pack_panels, panel_width)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -55,40 +56,53 @@ def pack_taps(w: np.ndarray) -> np.ndarray:
 
 
 def _tap_block(rows: int) -> Any:
-    """An intrinsic ``block(image, offsets, start, spacing, taps, panels, p, y, finish, bias, lo,
-    hi)``: ``y[r, j] = Σ_t image.flat[start + r·spacing + offsets[t]] · panels[p, t, j]`` for ``r <
-    rows`` and the panel's ``j``, summed over ``t < taps`` in registers, then finished as ``finish``
-    says with a bias per channel, ``bias[p·W + j]`` (`panels._store_column_biased`). ``image`` is
-    read through its data pointer (a zero-padded image)."""
+    """An intrinsic ``block(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)``:
+    ``y[r, j] = Σ_t image.flat[base + starts[r] + offsets[t]] · panels[p, t, j]`` for ``r < rows`` and the
+    panel's ``j``, summed over ``t < taps`` in registers, then finished as ``finish`` says with a
+    bias per channel, ``bias[p·W + j]`` (`panels._store_column_biased`). ``image`` is read through
+    its data pointer (a zero-padded image); each position has its own start, so a block may run
+    across output rows."""
 
     @intrinsic
-    def block(typingctx: Any, image: Any, offsets: Any, start: Any, spacing: Any, taps: Any, panels: Any, p: Any,
+    def block(typingctx: Any, image: Any, offsets: Any, base: Any, starts: Any, taps: Any, panels: Any, p: Any,
               y: Any, finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
-        signature = types.void(image, offsets, start, spacing, taps, panels, p, y, finish, bias, lo, hi)
+        signature = types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            image_arr, offsets_arr, panel_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
-                                                        for i in (0, 1, 5, 7))
-            start_, spacing_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6))
+            image_arr, offsets_arr, starts_arr, panel_arr, y_arr = (
+                context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5, 7))
+            base_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 4, 6))
             code = BlockIR(context, builder, sig.args[0].dtype)
             size, vector, at, const = code.size, code.vector, code.at, code.const
+            element, lanes = vector.element, vector.count
+            i32 = ir.IntType(32)
+            undefined = ir.Constant(vector, ir.Undefined)
+            broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
 
             panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
             y_stride = builder.extract_value(y_arr.strides, 0)
             panel = at(panel_arr.data, builder.mul(p_, panel_stride))
-            origin = at(image_arr.data, builder.mul(start_, const(size)))
-            spacing_bytes = builder.mul(spacing_, const(size))
+            origins = [at(image_arr.data, builder.mul(builder.add(base_, builder.load(builder.gep(starts_arr.data,
+                                                                                                  [const(r)]))),
+                                                      const(size))) for r in range(rows)]
 
             def y_vector(r: int, v: int) -> Any:
                 return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
                                                                   const(v * VECTOR_BYTES))), vector.as_pointer())
             sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
             with cgutils.for_range(builder, taps_) as loop:
-                offset = builder.load(builder.gep(offsets_arr.data, [loop.index]))
+                offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [loop.index])), const(size))
                 row = at(panel, builder.mul(loop.index, row_stride))
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                         align=size) for v in range(PANEL_VECTORS)]
-                multiply_add(builder, sums, at(origin, builder.mul(offset, const(size))), columns, spacing_bytes)
+                for r, origin in enumerate(origins):
+                    value = builder.load(builder.bitcast(at(origin, offset), element.as_pointer()), align=size)
+                    spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
+                                                    undefined, broadcast)
+                    for v, column in enumerate(columns):
+                        # contract, like the kernels' own code: the same FMA (or not) as `compiled.direct`
+                        product = builder.fmul(spread, column, flags=("contract",))
+                        builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)), sums[r][v])
             _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
                                  y_vector, p_)
             return context.get_dummy_value()
@@ -111,7 +125,11 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
     tap ``t`` reading ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]``: ``y``
     (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to P·W. ``block``
     (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store. ``act``, ``a``,
-    ``b``: the epilogue (`compiled.epilogue`)."""
+    ``b``: the epilogue (`compiled.epilogue`).
+
+    A part's rows of one image and panel are cut into blocks of `BLOCK_POSITIONS` positions
+    across the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row
+    alone were 4, 2 and 1, the last two half as fast a position or less)."""
     count, taps, width = panels.shape
     av, bv = np.float32(a), np.float32(b)
     finish = finishing(act)
@@ -120,33 +138,35 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
     flat = padded.reshape(padded.shape[0] * plane)
     m = y.shape[1]
     rows_total = y.shape[0] * out_height
-    for u in range(u0, u1):
+    starts = np.empty(BLOCK_POSITIONS, np.int64)
+    u = u0
+    while u < u1:
         p, q = u // rows_total, u % rows_total
         i, oy = q // out_height, q % out_height
-        image, out = flat[i * plane:(i + 1) * plane], y[i]
+        last = min(out_height, oy + u1 - u)  # this image's rows of the part, in this panel
+        base, out = i * plane, y[i]
         channels = min(width, m - p * width)
-        row = oy * row_stride * wp
-        ox = 0
-        while ox < out_width:
-            rows = out_width - ox
-            start = row + ox * column_stride
-            if BLOCK_POSITIONS == 8 and rows >= 8:
-                rows = 8
-                _block8(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
-            elif rows >= 4:
-                rows = 4
-                _block4(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
-            elif rows >= 2:
-                rows = 2
-                _block2(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
+        v, end = oy * out_width, last * out_width
+        while v < end:
+            rows = end - v
+            rows = 8 if BLOCK_POSITIONS == 8 and rows >= 8 else 4 if rows >= 4 else 2 if rows >= 2 else 1
+            for r in range(rows):
+                row, column = (v + r) // out_width, (v + r) % out_width
+                starts[r] = row * row_stride * wp + column * column_stride
+            if rows == 8:
+                _block8(flat, offsets, base, starts, taps, panels, p, block, finish, bias, av, bv)
+            elif rows == 4:
+                _block4(flat, offsets, base, starts, taps, panels, p, block, finish, bias, av, bv)
+            elif rows == 2:
+                _block2(flat, offsets, base, starts, taps, panels, p, block, finish, bias, av, bv)
             else:
-                _block1(image, offsets, start, column_stride, taps, panels, p, block, finish, bias, av, bv)
-            c0 = oy * out_width + ox
+                _block1(flat, offsets, base, starts, taps, panels, p, block, finish, bias, av, bv)
             for j in range(channels):
                 target = out[p * width + j]
                 for r in range(rows):
-                    target[c0 + r] = block[r, j]
-            ox += rows
+                    target[v + r] = block[r, j]
+            v += rows
+        u += last - oy
 
 
 def part_arguments(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,
