@@ -151,13 +151,14 @@ def test_which_convs_take_the_panel_kernel():
 
 def test_small_maps_are_left_to_the_panels_by_winograd():
     """Winograd takes 3x3 layers with 4x4 tiles from about 21x21 on, where each of its GEMMs
-    makes `MIN_PRODUCT` values; smaller maps and products, which its GEMMs ran slower, take the
-    panel kernel."""
+    makes `MIN_PRODUCT` values, from 40 input channels; smaller maps and products, and shallower
+    inputs, whose transforms cost more than its GEMMs save, take the panel kernel."""
     def tile(c, m, hw):
         return conv_winograd.winograd_tile((1, c, hw, hw), (m, c, 3, 3), 1, (1, 1), (1, 1), (1, 1), (1, 1),
                                            (hw, hw), np.dtype(np.float32))
     assert tile(256, 256, 14) == 0 and tile(48, 192, 13) == 0
     assert tile(128, 128, 28) == 4 and tile(64, 64, 56) == 4 and tile(128, 32, 56) == 4
     assert tile(128, 32, 28) == 0  # (56 tiles x 32 channels: GEMM products too small)
+    assert tile(32, 128, 27) == 0 and tile(48, 192, 27) == 4  # (SqueezeNet's expand layers)
     f32 = np.dtype(np.float32)
     assert conv_direct.takes_direct_panels((1, 256, 14, 14), (256, 256, 3, 3), 1, (1, 1), f32)

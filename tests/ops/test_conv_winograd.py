@@ -20,9 +20,11 @@ _POOL = ThreadPoolExecutor(2, thread_name_prefix="test-conv-winograd")
 
 @pytest.fixture(autouse=True)
 def _small_cases_take_winograd(monkeypatch):
-    """Models leave layers with small GEMM products to the direct panel kernel (`MIN_PRODUCT`,
-    tests/ops/test_conv_direct_panels.py); these small cases take Winograd all the same."""
+    """Models leave layers with small GEMM products or few input channels to the direct panel
+    kernel (`MIN_PRODUCT`, `MIN_CHANNELS`, tests/ops/test_conv_direct_panels.py); these small cases
+    take Winograd all the same."""
     monkeypatch.setattr(conv_winograd, "MIN_PRODUCT", 0)
+    monkeypatch.setattr(conv_winograd, "MIN_CHANNELS", 32)
 
 
 # name: (x shape, output channels, attrs, the tile it takes)
