@@ -133,6 +133,14 @@ def last_post(control: np.ndarray) -> int:
     return control[_POSTED]
 
 
+@numba.njit(inline="always")
+def post_and_count_asleep(row: np.ndarray) -> int:
+    """(callers, in compiled code) `post` the part written in ``row``; 1 if its helper was asleep
+    (the caller wakes it, `SpinTeam.wake`), else 0."""
+    post(row)
+    return 1 if asleep(row) else 0
+
+
 @numba.njit(cache=True, nogil=True)
 def wait_done(control: np.ndarray, seq: int, rounds: int) -> bool:
     """(callers) Spin until part ``seq`` of ``control``'s helper is done; False after ``rounds``
@@ -144,6 +152,17 @@ def wait_done(control: np.ndarray, seq: int, rounds: int) -> bool:
         if i >= 32:
             _sched_yield()
     return False
+
+
+@numba.njit(inline="always")
+def wait_all(control: np.ndarray, helpers: int, rounds: int) -> bool:
+    """(callers holding a claim, in compiled code) Spin until the last part posted to each of the
+    first ``helpers`` helpers is done; False after ``rounds`` rounds without (then
+    `SpinTeam.wait` each, which wakes and checks them)."""
+    for i in range(helpers):
+        if not wait_done(control[i], last_post(control[i]), rounds):
+            return False
+    return True
 
 
 @numba.njit(cache=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, asleep, last_post, post, wait_done
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import kernel
 from .depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2, vector_groups,
                         window_extent)
@@ -115,8 +115,7 @@ def post_depthwise(control: np.ndarray, loop: int, x: np.ndarray, taps: np.ndarr
         row[at + 25], row[at + 26], row[at + 27], row[at + 28] = multiplier, block, scratch[i].ctypes.data, scratch.shape[1]
         row[at + 29], row[at + 30] = act, numbers.ctypes.data
         row[at + 31], row[at + 32] = parts[i + 1, 4], parts[i + 1, 5]
-        post(row)
-        sleeping += asleep(row)
+        sleeping += post_and_count_asleep(row)
     return sleeping
 
 
@@ -130,10 +129,7 @@ def finish_depthwise(control: np.ndarray, loop: int, x: np.ndarray, taps: np.nda
     depthwise_range(loop, x, taps, bias, out, parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3], geometry[0],
                     geometry[1], geometry[2], geometry[3], geometry[4], geometry[5], multiplier, block, scratch, act,
                     a, b, parts[0, 4], parts[0, 5])
-    for i in range(parts.shape[0] - 1):
-        if not wait_done(control[i], last_post(control[i]), rounds):
-            return False
-    return True
+    return wait_all(control, parts.shape[0] - 1, rounds)
 
 
 @numba.njit(inline="always")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, addresses, asleep, last_post, post, wait_done
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, addresses, post_and_count_asleep, wait_all
 from . import kernel
 from .panels import panel_product, panel_width
 
@@ -198,8 +198,7 @@ def post_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.nd
         row[ARGS + 3], row[ARGS + 4], row[ARGS + 5], row[ARGS + 6] = bounds[i + 1], bounds[i + 2], tile, a.itemsize == 8
         row[ARGS + 7], row[ARGS + 8], row[ARGS + 9] = a.ctypes.data, b.ctypes.data, scratch[i].ctypes.data
         row[ARGS + 10], row[ARGS + 11] = panels.ctypes.data, panels.shape[0]
-        post(row)
-        sleeping += asleep(row)
+        sleeping += post_and_count_asleep(row)
     return sleeping
 
 
@@ -210,9 +209,8 @@ def finish_parts(control: np.ndarray, a: np.ndarray, b: np.ndarray, y: np.ndarra
     `add_parts`; False (nothing added) when a helper is not done within ``rounds`` spins (the
     caller then waits the slow way, `SpinTeam.wait`, and adds)."""
     few_rows_matmul(a, b, y, bounds[0], bounds[1], tile, panels)
-    for i in range(bounds.size - 2):
-        if not wait_done(control[i], last_post(control[i]), rounds):
-            return False
+    if not wait_all(control, bounds.size - 2, rounds):
+        return False
     add_parts(y, scratch, bounds.size - 2, bias)
     return True
 

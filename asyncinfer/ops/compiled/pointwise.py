@@ -30,7 +30,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, asleep, last_post, post, wait_done
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
@@ -195,6 +195,17 @@ def pointwise_parts(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarr
                        parts[k, 5], in_width, out_width, sh, sw, act, a, b)
 
 
+@numba.njit(inline="always")
+def _post_range(row: np.ndarray, part: np.ndarray, in_width: int, out_width: int, sh: int, sw: int, act: int) -> int:
+    """The tail both kinds of 1x1 part share, from ``ARGS + 15`` of ``row``: the part's range (six
+    integers), the geometry and the epilogue's code; then post it (1: its helper was asleep)."""
+    at = ARGS + 15
+    for j in range(6):
+        row[at + j] = part[j]
+    row[at + 6], row[at + 7], row[at + 8], row[at + 9], row[at + 10] = in_width, out_width, sh, sw, act
+    return post_and_count_asleep(row)
+
+
 @kernel
 def post_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
                    buffers: np.ndarray, numbers: np.ndarray, parts: np.ndarray, count: int, in_width: int,
@@ -216,11 +227,7 @@ def post_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.nda
         row[at + 8], row[at + 9], row[at + 10], row[at + 11] = wt.ctypes.data, x.ctypes.data, y.ctypes.data, bias.ctypes.data
         row[at + 12], row[at + 13] = panels, panels + count * c * _WIDTH * 4
         row[at + 14] = numbers.ctypes.data
-        for j in range(6):
-            row[at + 15 + j] = parts[i + 1, j]
-        row[at + 21], row[at + 22], row[at + 23], row[at + 24], row[at + 25] = in_width, out_width, sh, sw, act
-        post(row)
-        sleeping += asleep(row)
+        sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act)
     return sleeping
 
 
@@ -232,10 +239,7 @@ def finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.n
     `post_pointwise` posted; False when a helper is not done within ``rounds`` spins (the caller
     then waits the slow way, `SpinTeam.wait`)."""
     pointwise_parts(wt, x, y, bias, buffer, parts[:1], 0, count, in_width, out_width, sh, sw, act, a, b)
-    for i in range(parts.shape[0] - 1):
-        if not wait_done(control[i], last_post(control[i]), rounds):
-            return False
-    return True
+    return wait_all(control, parts.shape[0] - 1, rounds)
 
 
 @numba.njit(inline="always")
@@ -370,11 +374,7 @@ def post_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: np
         row[at + 8] = columns.shape[2]
         row[at + 9], row[at + 10], row[at + 11] = panels.ctypes.data, x.ctypes.data, y.ctypes.data
         row[at + 12], row[at + 13], row[at + 14] = bias.ctypes.data, columns[i].ctypes.data, numbers.ctypes.data
-        for j in range(6):
-            row[at + 15 + j] = parts[i + 1, j]
-        row[at + 21], row[at + 22], row[at + 23], row[at + 24], row[at + 25] = in_width, out_width, sh, sw, act
-        post(row)
-        sleeping += asleep(row)
+        sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act)
     return sleeping
 
 
@@ -384,10 +384,7 @@ def finish_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: 
                      act: int, a: float, b: float, rounds: int) -> bool:
     """`finish_pointwise` for `small_map_conv` (``columns`` this thread's)."""
     small_map_parts(panels, x, y, bias, columns, parts[:1], 0, in_width, out_width, sh, sw, act, a, b)
-    for i in range(parts.shape[0] - 1):
-        if not wait_done(control[i], last_post(control[i]), rounds):
-            return False
-    return True
+    return wait_all(control, parts.shape[0] - 1, rounds)
 
 
 @numba.njit(inline="always")
