@@ -132,6 +132,20 @@ def test_latency_on_squeezenet():
     assert result["geomean_ratio_await"] == pytest.approx(r["ratio_await"])
 
 
+def test_ab_trees_runs_each_tree_in_its_own_process(capsys):
+    """Two children take turns on one model (here both this checkout); each tree's medians and
+    the ratio come back, and a tree without asyncinfer is refused before anything starts."""
+    from bench import ab_trees
+
+    figures = ab_trees.compare(str(REPO_ROOT), str(REPO_ROOT), "squeezenet", rounds=2, runs=1, threads=1)
+    for key in ("old_ms", "new_ms", "old_p10_ms", "new_p10_ms", "new_over_old"):
+        assert_positive(figures[key])
+    assert figures["new_over_old"] == pytest.approx(figures["new_ms"] / figures["old_ms"])
+    with pytest.raises(SystemExit):
+        ab_trees.main(["--old", str(REPO_ROOT / "bench"), "squeezenet"])
+    assert "holds no asyncinfer package" in capsys.readouterr().err
+
+
 def test_latency_key_figures_are_its_geomeans():
     result = {"geomean_ratio_await": 1.5, "geomean_ratio_blocking": 1.4, "geomean_ratio_best": 1.3, "measured": 2}
     assert latency.key_figures(result) == {"await/ORT": 1.5, "blocking/ORT": 1.4, "best/best": 1.3, "models": 2}
