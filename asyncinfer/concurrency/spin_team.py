@@ -254,6 +254,12 @@ class SpinTeam:
             if not self._threads[helper].is_alive():  # (interpreter shutdown): never wait forever
                 raise RuntimeError(f"{self._threads[helper].name} stopped before its part ran")
 
+    def wait_posted(self, helpers: int) -> None:
+        """`wait` for the last part posted to each of the first ``helpers`` helpers: after a
+        compiled `wait_all` gave up spinning."""
+        for i in range(helpers):
+            self.wait(i)
+
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A buffer for the helpers' partial results, reused by every claim: grown as needed,
         never shrunk, starting on a cache line. Only the parts of the caller holding the claim

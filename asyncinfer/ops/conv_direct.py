@@ -119,7 +119,7 @@ def direct_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, s
     cuts = [rows * i // count for i in range(count + 1)]
     parts = tuple((cuts[i], cuts[i + 1]) for i in range(count))
     return DirectPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, stride * wq), begin[0], begin[1], columns, bias,
-                      offsets, stride, epilogue, np.array([epilogue.a, epilogue.b], np.float64), parts,
+                      offsets, stride, epilogue, epilogue.numbers, parts,
                       team and count > 1)
 
 
@@ -250,7 +250,7 @@ def panel_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, st
     cuts = [units * i // count for i in range(count + 1)]
     parts = tuple((cuts[i], cuts[i + 1]) for i in range(count))
     return PanelPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, wp), begin[0], begin[1], panels, bias, offsets,
-                     (int(strides[0]), int(strides[1])), epilogue, np.array([epilogue.a, epilogue.b], np.float64),
+                     (int(strides[0]), int(strides[1])), epilogue, epilogue.numbers,
                      parts, team and count > 1)
 
 

@@ -234,7 +234,7 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
 
     if parts > 1:
         helpers = team.scratch((parts - 1, cols_size + block_size), x.dtype)
-        numbers = np.array([epilogue.a, epilogue.b], np.float64)
+        numbers = epilogue.numbers
         posted = [part_arguments(operand, mode, geometry, offsets, weights, bias, y, helpers[j, :cols_size],
                                  helpers[j, cols_size:], numbers, *ranges[j + 1], width, row_width, out_width,
                                  epilogue.kind, fn, ilp64) for j in range(parts - 1)]

@@ -321,14 +321,13 @@ def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, resul
     try:
         own = scratch((size,), np.float32, "team_depthwise")
         helpers = team.scratch((len(parts) - 1, size), np.float32)
-        numbers, spans = _epilogue_numbers(epilogue.a, epilogue.b), _geometry_array(geometry)
+        spans = _geometry_array(geometry)
         if post_depthwise(control, loop, x, taps, bias, result, parts, spans, mult, block, helpers, epilogue.kind,
-                          numbers):
+                          epilogue.numbers):
             team.wake()
         if not finish_depthwise(control, loop, x, taps, bias, result, parts, spans, mult, block, own, epilogue.kind,
                                 epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS):
-            for i in range(len(parts) - 1):
-                team.wait(i)
+            team.wait_posted(len(parts) - 1)
     finally:
         team.release()
     return True
@@ -360,14 +359,6 @@ def _team_parts(loop: int, n: int, m: int, ho: int, parts: int, block: int) -> t
     table = np.array([r + o for r, o in zip(ranges, rows)], np.int64)
     table.flags.writeable = False
     return table, block
-
-
-@functools.lru_cache(maxsize=64)
-def _epilogue_numbers(a: float, b: float) -> np.ndarray:
-    """An activation's ``a, b`` as the float64 pair a helper reads."""
-    numbers = np.array([a, b], np.float64)
-    numbers.flags.writeable = False
-    return numbers
 
 
 @functools.lru_cache(maxsize=512)

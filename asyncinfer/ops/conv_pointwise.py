@@ -80,7 +80,6 @@ class PointwisePlan:
     weights: np.ndarray                 # each group's weights transposed (G, C/G, M/G), or in panels
     bias: np.ndarray                    # (M,), or (G, panels' width) for `small_map_conv`: zeros where none
     epilogue: Epilogue
-    numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
     geometry: tuple[int, int, int, int]  # in_width, out_width, sh, sw
     parts: np.ndarray                   # int64 rows (i0, i1, v0, v1, m0, m1), or (i0, i1, q0, q1, r0, r1)
     panels: int                         # `pointwise_conv`: panels of the widest part
@@ -119,8 +118,7 @@ def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None
         parts = _panel_parts(n, span, m, count, width)
         panels = max(-(-(part[3] - part[2]) // width) for part in parts)
         buffer = pointwise_buffer_size(panels, cg, m)
-    return PointwisePlan((n, c, h * wd), (n, m, ho, wo), small, weights, bias, epilogue,
-                         np.array([epilogue.a, epilogue.b], np.float64), (wd, wo, *strides),
+    return PointwisePlan((n, c, h * wd), (n, m, ho, wo), small, weights, bias, epilogue, (wd, wo, *strides),
                          np.array(parts, np.int64).reshape(-1, 6), panels, buffer, team and len(parts) > 1)
 
 
@@ -183,19 +181,18 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
         if plan.small_map:
             c = plan.weights.shape[2]
             if post_small_map(control, plan.weights, x, flat, plan.bias, helpers.reshape(len(parts) - 1, c, -1),
-                              plan.numbers, parts, *plan.geometry, epilogue.kind):
+                              epilogue.numbers, parts, *plan.geometry, epilogue.kind):
                 team.wake()  # type: ignore[union-attr]
             done = finish_small_map(control, plan.weights, x, flat, plan.bias, own.reshape(c, -1), parts,
                                     *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
         else:
-            if post_pointwise(control, plan.weights, x, flat, plan.bias, helpers, plan.numbers, parts, plan.panels,
+            if post_pointwise(control, plan.weights, x, flat, plan.bias, helpers, epilogue.numbers, parts, plan.panels,
                               *plan.geometry, epilogue.kind):
                 team.wake()  # type: ignore[union-attr]
             done = finish_pointwise(control, plan.weights, x, flat, plan.bias, own, parts, plan.panels,
                                     *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
         if not done:
-            for i in range(len(parts) - 1):
-                team.wait(i)  # type: ignore[union-attr]
+            team.wait_posted(len(parts) - 1)  # type: ignore[union-attr]
     finally:
         team.release()  # type: ignore[union-attr]
     return y

@@ -177,7 +177,7 @@ def _on_team(team: SpinTeam, algorithm: _Algorithm, x: np.ndarray, u: np.ndarray
     size = scratch_size(algorithm.window, x.shape[1], u.shape[1], rows * (tw + 1), tw)
     own = scratch((size,), np.float32, "winograd_team")
     helpers = team.scratch((parts - 1, size), np.float32)
-    numbers = np.array([epilogue.a, epilogue.b], np.float64)
+    numbers = epilogue.numbers
     fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
     posted = [band_arguments(x, u, bias, y, bands, cuts[j], cuts[j + 1], top, left, tw, helpers[j - 1],
                              epilogue.kind, numbers, fn, ilp64) for j in range(1, parts)]

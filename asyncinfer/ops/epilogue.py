@@ -7,6 +7,7 @@ other output takes them afterwards with `apply_activations`, in place when it is
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,11 @@ class Epilogue:
     kind: int = compiled.NONE
     a: float = 0.0
     b: float = 0.0
+
+    @functools.cached_property
+    def numbers(self) -> np.ndarray:
+        """``a, b`` as the float64 pair a spinning helper reads from a posted address (made once)."""
+        return np.array([self.a, self.b], np.float64)
 
     @staticmethod
     def of(activations: Activations, dtype: np.dtype) -> "Epilogue | None":

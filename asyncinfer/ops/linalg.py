@@ -236,8 +236,7 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.
             if post_parts(control, a, b, scratch, bounds, tile, panels):
                 team.wake()  # type: ignore[union-attr]
             if not finish_parts(control, a, b, y, scratch, bias, bounds, tile, panels, spin_team.WAIT_ROUNDS):
-                for i in range(parts - 1):
-                    team.wait(i)  # type: ignore[union-attr]
+                team.wait_posted(parts - 1)  # type: ignore[union-attr]
                 add_parts(y, scratch, parts - 1, bias)
         finally:
             team.release()  # type: ignore[union-attr]

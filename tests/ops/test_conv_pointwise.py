@@ -10,6 +10,7 @@ the standalone ops bit for bit; and the bits the same however the work is split.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -113,6 +114,22 @@ def test_parts_are_images_then_panels_then_channel_bands(kernel, rng, monkeypatc
         bands = [part[4:] for part in _plan(x, w, b, attrs).parts.tolist()]
         assert bands[0][0] == 0 and bands[0][1] == bands[1][0] and bands[1][1] == 1100
         assert bands[0][1] % conv_pointwise.BLOCK_ROWS == 0
+
+
+def test_helpers_not_done_within_the_spin_are_waited_for_the_slow_way(kernel, rng, monkeypatch):
+    """A compiled wait that gives up spinning at once (its rounds 0) leaves the caller to wait
+    through `SpinTeam.wait_posted`: the same bits as the conv alone."""
+    monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands("three_panels", rng)
+    alone = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
+    monkeypatch.setattr(conv_pointwise, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))  # (the team's own wait spins)
+    with spin_team_bound(1) as runs:
+        waited = []
+        real = runs.team.wait_posted
+        runs.team.wait_posted = lambda helpers: (waited.append(helpers), real(helpers))
+        shared = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
+    assert runs.shared == 1 and waited == [1]
+    np.testing.assert_array_equal(shared, alone)
 
 
 def test_small_maps_split_by_even_panels_else_by_blocks_of_positions():

@@ -10,6 +10,7 @@ loop really taken.
 """
 from __future__ import annotations
 
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -252,6 +253,23 @@ def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, path, 
     else:
         assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
         assert set(calls) == {_expected_loop(path, 1, attrs)}
+
+
+def test_depthwise_helpers_not_done_within_the_spin_are_waited_for_the_slow_way(rng, monkeypatch):
+    """A compiled wait that gives up spinning at once (its rounds 0) leaves the caller to wait
+    through `SpinTeam.wait_posted`: the same bits as the conv alone."""
+    monkeypatch.setattr(conv_kernels, "TEAM_MIN_MACS", 0)
+    x, w, b = _inputs(rng, (1, 40, 14, 12), 1, (3, 3))
+    attrs = dict(strides=[1, 1], pads=[1, 1, 1, 1], group=40, kernel_shape=[3, 3])
+    alone = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    monkeypatch.setattr(conv_kernels, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))  # (the team's own wait spins)
+    with spin_team_bound(1) as runs:
+        waited = []
+        real = runs.team.wait_posted
+        runs.team.wait_posted = lambda helpers: (waited.append(helpers), real(helpers))
+        shared = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    assert runs.shared == 1 and waited == [1]
+    np.testing.assert_array_equal(shared, alone)
 
 
 DISPATCH_CASES = [
