@@ -25,9 +25,10 @@ from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_tap
                       window_geometry)
 from .registry import register
 
-#: Maps at most this wide take `compiled.pool.flat_pool` at any stride (one thread: 256 x 27x27
-#: 3x3/2 167 -> 123 µs, 320 x 28x28 210 -> 166; 128 x 55x55 219 -> 244).
-FLAT_MAX_WIDTH = 32
+#: Maps at most this wide take `compiled.pool.flat_pool` at any stride. Against the columns-first
+#: loop at 3x3/2, one thread: 832 x 14x14 157 against 238 µs, 256 x 13x13 39 against 84; from
+#: 27 columns the columns-first loop wins (256 x 27x27 114 against 126, 96 x 32x32 50 against 64).
+FLAT_MAX_WIDTH = 20
 
 
 def flat_pays(strides: list[int], width: int) -> bool:

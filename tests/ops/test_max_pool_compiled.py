@@ -134,6 +134,23 @@ def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
     assert np.isnan(got[0, 1, 1:3, 1:3]).all() and np.isnan(got).sum() == 5
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_nan_anywhere_in_a_window_wins_on_the_separable_loops(name, rng, monkeypatch):
+    """The columns-first loop takes a one-instruction max that drops a NaN it does not read
+    first, and redoes a row exactly when its input rows hold one: a NaN in any row and column of
+    a window, at each stride, still gives NaN there (as np.maximum)."""
+    shape, attrs = CASES[name]
+    x = randn(rng, *shape)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, size=max(2, flat.size // 40), replace=False)] = np.nan
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: False)
+    op = make_op("MaxPool", attrs, version=12)
+    (got,) = op(x)
+    numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
+    np.testing.assert_array_equal(got, numpy_path)
+    assert np.isnan(got).any() and not np.isnan(got).all()
+
+
 def test_tiles_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
     x = randn(rng, 2, 6, 8, 8)
     x[0, 1, 3, 2] = np.nan  # in the tile of output (1, 1), not its first element

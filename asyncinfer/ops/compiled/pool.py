@@ -135,52 +135,165 @@ def pool_tiles(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
                 dst[_U(o)] = m
 
 
+@inline
+def _larger(r: float, v: float) -> float:
+    """``max(r, v)`` as one vector instruction; a NaN in ``v`` is lost (the callers check for NaN
+    separately and then take `_max`)."""
+    return v if v > r else r
+
+
+#: How `_fold` combines: a sum, `_larger` (no NaN in sight), the exact `_max`.
+SUM, LARGER, EXACT_MAX = 0, 1, 2
+
+
+@inline
+def _fold(r: float, v: float, how: int) -> float:
+    """``r ⊕ v`` the way ``how`` says (a constant at each call: LLVM keeps one branch)."""
+    if how == SUM:
+        return r + v
+    if how == LARGER:
+        return _larger(r, v)
+    return _max(r, v)
+
+
+@inline
+def _down_rows(x: np.ndarray, p: int, rows: np.ndarray, n: int, down: np.ndarray, at: int, how: int) -> bool:
+    """``down[at:at + W]`` = the rows ``rows[:n]`` (n >= 1) of plane ``p`` combined down their
+    columns, the first three in one pass; whether any value read was NaN (with ``how`` `LARGER`,
+    the result is then not exact)."""
+    width = x.shape[2]
+    nan = False
+    if n >= 3:
+        a, b, c = x[p, rows[0]], x[p, rows[1]], x[p, rows[2]]
+        for k in range(width):
+            va, vb, vc = a[_U(k)], b[_U(k)], c[_U(k)]
+            nan |= (va != va) | (vb != vb) | (vc != vc)
+            down[_U(at + k)] = _fold(_fold(va, vb, how), vc, how)
+        first = 3
+    else:
+        a = x[p, rows[0]]
+        for k in range(width):
+            va = a[_U(k)]
+            nan |= va != va
+            down[_U(at + k)] = va
+        first = 1
+    for i in range(first, n):
+        a = x[p, rows[i]]
+        for k in range(width):
+            va = a[_U(k)]
+            nan |= va != va
+            down[_U(at + k)] = _fold(down[_U(at + k)], va, how)
+    return nan
+
+
+@inline
+def _along_phases(even: np.ndarray, odd: np.ndarray, dst: np.ndarray, kw: int, how: int) -> None:
+    """``dst[ow]`` = the taps ``D[2·ow + j]``, j < kw, of a padded row ``D`` split into its
+    ``even`` and ``odd`` columns (``D[2q] = even[q]``, ``D[2q + 1] = odd[q]``): contiguous runs
+    LLVM runs on vectors, where ``D[2·ow + j]`` itself is a strided load it does not."""
+    wo = dst.shape[0]
+    if kw == 3:
+        for ow in range(wo):
+            dst[_U(ow)] = _fold(_fold(even[_U(ow)], odd[_U(ow)], how), even[_U(ow + 1)], how)
+    elif kw == 2:
+        for ow in range(wo):
+            dst[_U(ow)] = _fold(even[_U(ow)], odd[_U(ow)], how)
+    else:
+        for ow in range(wo):
+            dst[_U(ow)] = even[_U(ow)]
+        for j in range(1, kw):
+            run = odd if j % 2 else even
+            for ow in range(wo):
+                dst[_U(ow)] = _fold(dst[_U(ow)], run[_U(ow + j // 2)], how)
+
+
+@inline
+def _along(down: np.ndarray, dst: np.ndarray, kw: int, sw: int, dw: int, how: int) -> None:
+    """``dst[ow]`` = the taps ``down[ow·sw + j·dw]``, j < kw (any strides: a pass per tap)."""
+    wo = dst.shape[0]
+    for ow in range(wo):
+        dst[_U(ow)] = down[_U(ow * sw)]
+    for j in range(1, kw):
+        for ow in range(wo):
+            dst[_U(ow)] = _fold(dst[_U(ow)], down[_U(ow * sw + j * dw)], how)
+
+
+@inline
+def _along_row(down: np.ndarray, even: np.ndarray, odd: np.ndarray, dst: np.ndarray, kw: int, sw: int, dw: int,
+               how: int) -> None:
+    """``dst[ow]`` = the taps ``down[ow·sw + j·dw]``, j < kw, of the padded row ``down``; at
+    stride 2 across, through its even and odd columns (`_along_phases`)."""
+    if sw == 2 and dw == 1:
+        split_even_odd(down, even, odd)
+        _along_phases(even, odd, dst, kw, how)
+    else:
+        _along(down, dst, kw, sw, dw, how)
+
+
+@inline
+def _columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                   dh: int, dw: int, top: int, left: int, lowest: float, how: int) -> None:
+    """The body of `pool2d_columns_first` for a sum (``how`` `SUM`) or a max (`LARGER`, each
+    output row redone with `EXACT_MAX` when its input rows hold a NaN)."""
+    _, h, wd = x.shape
+    _, ho, wo = out.shape
+    span = max(left + wd, (wo - 1) * sw + (kw - 1) * dw + 1)  # the padded row the taps read
+    half = span // 2 + 1
+    down = np.full(2 * half, lowest, x.dtype)  # pads stay ``lowest``: each row writes the same middle
+    even = np.empty(half, x.dtype)
+    odd = np.empty(half, x.dtype)
+    rows = np.empty(kh, np.int64)
+    for p in range(p0, p1):
+        for oh in range(ho):
+            dst = out[p, oh]
+            n = 0
+            for i in range(kh):
+                ih = oh * sh + i * dh - top
+                if 0 <= ih < h:
+                    rows[n] = ih
+                    n += 1
+            if n == 0:  # every window row in the padding
+                for ow in range(wo):
+                    dst[_U(ow)] = lowest
+            elif how == SUM:
+                _down_rows(x, p, rows, n, down, left, SUM)
+                _along_row(down, even, odd, dst, kw, sw, dw, SUM)
+            elif _down_rows(x, p, rows, n, down, left, LARGER):
+                _down_rows(x, p, rows, n, down, left, EXACT_MAX)
+                _along_row(down, even, odd, dst, kw, sw, dw, EXACT_MAX)
+            else:
+                _along_row(down, even, odd, dst, kw, sw, dw, LARGER)
+
+
+@kernel
+def _max_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                       dh: int, dw: int, top: int, left: int, lowest: float) -> None:
+    """`pool2d_columns_first` of a max (a kernel of its own: the sum's loops beside it in one
+    function slowed this one's by a sixth)."""
+    _columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, LARGER)
+
+
+@kernel
+def _sum_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                       dh: int, dw: int, top: int, left: int) -> None:
+    """`pool2d_columns_first` of a sum."""
+    _columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, 0.0, SUM)
+
+
 @kernel
 def pool2d_columns_first(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
                          dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
-    """`pool2d` the other way round, for vertical strides above one: per output row, the max
-    down the window's input rows first (long contiguous runs), then along that one row. At a
-    vertical stride of 2 the row-first loop reduces every input row along, twice the rows this
-    one does: 1.6-1.9x faster on SqueezeNet's and ResNet's 3x3/2 pools. (Its pass along the row
-    repeats `pool2d`'s on purpose: the two as one inlined helper measured 12-15% slower.)"""
-    _, h, wd = x.shape
-    _, ho, wo = out.shape
-    down_columns = np.empty(wd, x.dtype)
-    phases = np.empty((2, (wd + 1) // 2), x.dtype)  # at stride 2 across: its even and odd columns
-    for p in range(p0, p1):
-        for oh in range(ho):
-            first = True
-            for i in range(kh):
-                ih = oh * sh + i * dh - top
-                if ih < 0 or ih >= h:
-                    continue
-                src = x[p, ih]
-                if first:
-                    for c in range(wd):
-                        down_columns[_U(c)] = src[_U(c)]
-                    first = False
-                    continue
-                for c in range(wd):
-                    down_columns[_U(c)] = _combine(down_columns[_U(c)], src[_U(c)], summing)
-            dst = out[p, oh]
-            for ow in range(wo):
-                dst[_U(ow)] = lowest
-            if first:  # every window row in the padding
-                continue
-            if sw == 2 and dw == 1:
-                split_even_odd(down_columns, phases[0], phases[1])
-                for j in range(kw):
-                    parity, q, lo, hi = phase_tap(j - left, wd, wo)
-                    run = phases[parity]
-                    for ow in range(lo, hi):
-                        dst[_U(ow)] = _combine(dst[_U(ow)], run[_U(ow + q)], summing)
-                continue
-            for j in range(kw):
-                shift = j * dw - left
-                lo = 0 if shift >= 0 else (sw - 1 - shift) // sw
-                hi = min(wo, (wd - 1 - shift) // sw + 1)
-                for ow in range(lo, hi):
-                    dst[_U(ow)] = _combine(dst[_U(ow)], down_columns[_U(ow * sw + shift)], summing)
+    """`pool2d` the other way round, for vertical strides above one: per output row, the window's
+    input rows combined down their columns first (the first three in one pass over long
+    contiguous runs), into a row padded with ``lowest`` (0 for sums) on both sides, then along
+    that row. At stride 2 across, the padded row is split into its even and odd columns, so every
+    tap reads a contiguous run and the taps go in one pass (`_along_phases`). A max takes the
+    one-instruction `_larger` unless a NaN was read, then the exact `_max`. SqueezeNet's 3x3/2
+    pool of 64 x 111x111 on one core: 293 -> 180 µs."""
+    if summing:
+        _sum_columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left)
+    else:
+        _max_columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest)
 
 
 #: Floats of padded planes a block of `flat_pool` holds (its three buffers then stay in L2).
