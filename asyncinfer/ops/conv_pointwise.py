@@ -9,7 +9,8 @@ vector registers over the whole depth (about 105 GF/s a core on AVX-512, where s
 and apply the bias and the activation before the store:
 
 - `pointwise_conv` on maps of some size: blocks of output channels x a panel of 32 positions,
-  packed from the input per run (a map's last panel padded, computed and dropped);
+  read in place from the input at unit stride (a map's last panel packed, padded, computed and
+  dropped; a strided conv's panels packed);
 - `small_map_conv` for deep inputs on small maps (ResNet-50's 14x14 and 7x7 stages): blocks of
   8 positions x a panel of 32 output channels, the weights packed into panels once, the input
   read in place, each block stored transposed: no wasted column.
