@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -17,8 +18,10 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 
 def _nice_of_pool_thread(worker: ai.Worker) -> int:
+    nice: Future[int] = Future()
     pool = worker._backend._pool  # noqa: SLF001 - the lane threads themselves
-    return pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result(10)
+    pool.submit(lambda: nice.set_result(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    return nice.result(10)
 
 
 def _base() -> int:

@@ -38,6 +38,7 @@ from typing import Union
 import numpy as np
 
 from ...concurrency import parallel
+from ...concurrency.lanes import LanePool
 from ...concurrency.priority import lower_this_thread
 from ...concurrency.spin_team import SpinTeam
 from ...errors import AsyncInferError, DisposedError, ExecutionError
@@ -77,8 +78,8 @@ class CPUBackend(Backend):
                                            initializer=self._start_thread)
         # compiled parts (a decode step's GEMVs) go to spinning helpers that start them in microseconds
         self._team = SpinTeam(self.threads - 1, serve_parts) if self._blas_single and self.threads > 1 else None
-        self._pool = ThreadPoolExecutor(max_workers=self.lanes, thread_name_prefix="asyncinfer-cpu",
-                                        initializer=self._start_thread)
+        # the lanes: the most recently idle takes the next work, warm (`concurrency/lanes.py`)
+        self._pool = LanePool(self.lanes, "asyncinfer-cpu", self._start_thread)
         # chain: work queued on this thread; caller: in `submit_here`; counted: in `_working`
         self._local = threading.local()
         # Threads running this backend's work now (pool threads and blocking callers): from two
@@ -178,7 +179,7 @@ class CPUBackend(Backend):
         except RuntimeError as exc:
             if self._closed:  # the pool was shut down by dispose()
                 _fail(work, DisposedError("the worker was disposed before this layer could run"))
-            elif not self._pool._threads:  # noqa: SLF001 - the OS refused the pool's first thread
+            elif not self._pool.started:  # the OS refused the pool's first thread
                 # The work stays queued in the pool and may run once a thread starts: first
                 # completion wins, so failing it now loses nothing and strands no one.
                 _fail(work, ExecutionError(f"the CPU backend cannot start a thread ({exc})"))
@@ -259,7 +260,7 @@ class CPUBackend(Backend):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._pool.shutdown(wait=True, cancel_futures=False)
+            self._pool.shutdown(wait=True)
             self._helpers.shutdown(wait=True, cancel_futures=False)
             if self._team is not None:
                 self._team.close()

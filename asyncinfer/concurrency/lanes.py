@@ -1,0 +1,130 @@
+"""A pool of lane threads where the most recently idle thread takes the next piece of work.
+
+`concurrent.futures.ThreadPoolExecutor` hands work to whichever idle thread its queue wakes,
+and its threads take turns: a model awaited run after run went to one lane, then the other.
+Each lane keeps its own warm state (the kernels' per-thread scratch and padded buffers, its
+malloc arena, what its core's caches still hold), so alternating lanes ran every layer on the
+colder one. On the 2-core VM, SqueezeNet in one process, blocks of 4 runs after 50 ms pauses,
+awaited and blocking blocks in turn: the awaited runs were 0.48-1.25 ms slower than the blocking
+ones on the caller's thread in four processes, 0.19-0.35 ms with the most recently idle lane
+taking the next run (0.06 with a single lane), the layers themselves slower on the colder lane
+(a stem conv 1.08 against 0.55 ms). (`bench latency`'s own await-blocking gaps move 0-1.3 ms
+from run to run either way: too noisy to show it.)
+
+`LanePool` keeps its idle threads on a stack: `submit` wakes the one that finished last, and
+only when none is idle does work queue (first in, first out) for the next thread to finish.
+Threads start on demand, up to ``max_workers``, each running ``initializer`` first. Work
+must not raise (the CPU backend's runs report their own errors); an exception that escapes
+is logged and the thread goes on. Threads are daemons: a worker never disposed does not keep
+the interpreter from exiting.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+_log = logging.getLogger("asyncinfer")
+
+_Item = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+class _Idle:
+    """An idle thread's wake-up: the work handed to it (None: the pool shut down)."""
+
+    __slots__ = ("event", "item")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.item: _Item | None = None
+
+
+class LanePool:
+    """Threads taking work most-recently-idle first (see the module docstring)."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str,
+                 initializer: Callable[[], None] | None = None) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, not {max_workers}")
+        self._max = max_workers
+        self._prefix = thread_name_prefix
+        self._initializer = initializer
+        self._lock = threading.Lock()
+        self._idle: list[_Idle] = []      # a stack: the last to go idle is woken first
+        self._queue: deque[_Item] = deque()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    @property
+    def started(self) -> int:
+        """Threads started so far (0: none could be, or none was needed yet)."""
+        return len(self._threads)
+
+    @property
+    def idle(self) -> int:
+        """Threads waiting for work now."""
+        return len(self._idle)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the most recently idle thread, else on the next to finish (a
+        thread is started for it while fewer than ``max_workers`` run). Raises RuntimeError
+        after `shutdown`, or when the OS refuses a new thread (the work then stays queued for
+        the running threads)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot submit work to a lane pool that was shut down")
+            if self._idle:
+                idle = self._idle.pop()
+                idle.item = (fn, args)
+                idle.event.set()
+                return
+            self._queue.append((fn, args))
+            if len(self._threads) >= self._max:
+                return
+            thread = threading.Thread(target=self._work, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
+            thread.start()  # (RuntimeError if refused: not counted as started)
+            self._threads.append(thread)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuse new work; threads finish what is queued, then exit (joined with ``wait``,
+        but for the calling thread itself)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            threads = list(self._threads)
+        for sleeper in idle:
+            sleeper.event.set()  # (item None: exit)
+        if wait:
+            me = threading.current_thread()
+            for thread in threads:
+                if thread is not me:
+                    thread.join()
+
+    def _work(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
+        idle = _Idle()
+        while True:
+            with self._lock:
+                if self._queue:
+                    item: _Item | None = self._queue.popleft()
+                elif self._closed:
+                    return
+                else:
+                    idle.event.clear()
+                    self._idle.append(idle)
+                    item = None
+            if item is None:
+                idle.event.wait()
+                item, idle.item = idle.item, None
+                if item is None:
+                    return
+            fn, args = item
+            del item  # (held while idle, the last work would keep its run's graph alive)
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - a lane outlives one piece of work gone wrong
+                _log.exception("work on %s raised", threading.current_thread().name)
+            del fn, args
