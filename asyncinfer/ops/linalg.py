@@ -11,7 +11,7 @@ import numpy as np
 
 from ..concurrency import parallel, spin_team
 from .base import Op
-from .compiled import blas_call
+from .compiled import blas_call, gemm
 from .compiled.few_rows import K_UNROLL, add_parts, few_rows_matmul, finish_parts, post_parts
 from .compiled.panels import no_panels, pack_panels
 from .elementwise import compute_dtype
@@ -45,6 +45,16 @@ SPLIT_MIN_B_BYTES = 2 << 20
 FEW_ROWS_TILE_ONE, FEW_ROWS_TILE_MANY = 8192, 4096
 # Narrowest column band worth a part of its own (BLAS kernels work on column panels this wide).
 COLUMN_BAND_MIN = 64
+# A float32 product whose b's columns are whole panels runs on `compiled.gemm` (a's rows and b's
+# columns read in place) while a is at most this large: each panel of b reads all of a again,
+# from L2. On 2 cores with the team, against BLAS's bands: 128 x 128 @ 128 x 512 83 -> 135 µs,
+# 128 x 512 @ 512 x 128 83 -> 102, ConvNeXt's 784 x 768 @ 768 x 192 (a 2.4 MB) 1018 -> 1152,
+# but 3136 x 384 @ 384 x 96 (a 4.8 MB) 1443 against 1251. Larger ones keep BLAS's blocking, and
+# so do depths over `PANEL_GEMM_MAX_DEPTH`: a block sums over all of K, its panel's strip of b
+# (K x 128 bytes) read again for every block of rows (Llama's 128 x 2816 @ 2816 x 1024: 6.7
+# against 5.4 ms; its 128 x 1024 @ 1024 x 2816 4.4 against 5.2).
+PANEL_GEMM_MAX_A_BYTES = 5 << 19
+PANEL_GEMM_MAX_DEPTH = 2048
 
 
 def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
@@ -61,6 +71,8 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
     if _takes_few_rows(a, b):
         return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype),
                          no_panels(a.dtype) if panels is None else panels)
+    if _takes_panel_gemm(a, b, bias):
+        return _panel_gemm(a, b, bias)
     parts = parallel.parts_available()
     if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
         return _plus(np.matmul(a, b), bias)
@@ -151,6 +163,37 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray | Non
     if bias is None:
         return team.try_run(posted, lambda: blas_call.gemm(*own[:3], blas_call.SGEMM, blas_call.ILP64))
     return team.try_run(posted, lambda: blas_call.gemm_bias(*own, blas_call.SGEMM, blas_call.ILP64))
+
+
+def _takes_panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> bool:
+    """Whether `matmul` runs ``a @ b (+ bias)`` on `compiled.gemm`: 2-D float32, b C-contiguous
+    with whole panels of columns, a's rows contiguous and apart (not a broadcast row), a at most
+    `PANEL_GEMM_MAX_A_BYTES` and K at most `PANEL_GEMM_MAX_DEPTH`."""
+    return (a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype == np.float32 and a.shape[1] == b.shape[0]
+            and a.shape[0] > 0 and a.shape[1] > 0 and b.shape[1] % gemm.WIDTH == 0 and b.shape[1] > 0
+            and b.flags.c_contiguous and _blas_rows(a) and a.shape[0] * a.strides[0] <= PANEL_GEMM_MAX_A_BYTES
+            and a.shape[1] <= PANEL_GEMM_MAX_DEPTH
+            and (bias is None or (bias.dtype == np.float32 and bias.size == b.shape[1])))
+
+
+def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``a @ b (+ bias)`` on `compiled.gemm`, its panels of columns shared with the spin team's
+    free helpers from `TEAM_MIN_MACS` on."""
+    m, k = a.shape
+    n = b.shape[1]
+    y = np.empty((m, n), np.float32)
+    biased = bias is not None
+    row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0]  # (unread without a bias)
+    panels = n // gemm.WIDTH
+    team = parallel.team() if m * k * n >= TEAM_MIN_MACS and panels >= 2 else None
+    if team is not None:
+        count = min(team.helpers + 1, panels)
+        cuts = [panels * i // count for i in range(count + 1)]
+        posted = [gemm.part_arguments(a, b, y, row, lo, hi, biased) for lo, hi in zip(cuts[1:-1], cuts[2:])]
+        if team.try_run(posted, lambda: gemm.panel_gemm(a, b, y, row, cuts[0], cuts[1], biased)):
+            return y
+    gemm.panel_gemm(a, b, y, row, 0, panels, biased)
+    return y
 
 
 def vector_cuts(n: int, parts: int) -> list[int]:

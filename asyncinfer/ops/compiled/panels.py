@@ -116,7 +116,7 @@ class BlockIR:
         return ir.Constant(ir.IntType(64), value)
 
 
-def _register_block(rows: int, column_bias: bool = False) -> Any:
+def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
     ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
@@ -129,7 +129,12 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
 
     ``column_bias``: each of the block's columns has its own bias, ``bias[p·W + j]``, read whole
     vectors at a time (``bias`` padded to whole panels): the panels are a 1x1 conv's output
-    channels and a's rows its positions (`pointwise.small_map_conv`)."""
+    channels and a's rows its positions (`pointwise.small_map_conv`).
+
+    ``rows_in_place``: ``columns`` is a itself, rows of K (``a[r0 + r, k - k0]``, its rows a
+    row stride apart), read in place: no transposed copy (128 x 512 took 47-147 µs to
+    transpose, as long as its product), each step's values of a on ``rows`` cache lines that
+    the next 15 steps read too (`gemm.panel_gemm`)."""
 
     @intrinsic
     def block(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any, c0: Any,
@@ -147,10 +152,16 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
             prefetch = builder.module.declare_intrinsic(
                 "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [code.byte_ptr, i32, i32, i32]))
 
-            a_step = builder.extract_value(a_arr.strides, 0)
             y_stride = builder.extract_value(y_arr.strides, 0)
             panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
-            a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
+            if rows_in_place:  # a step is the next value of each row; the rows a row stride apart
+                spacing = builder.extract_value(a_arr.strides, 0)
+                a_step = const(size)
+                a_rows = at(a_arr.data, builder.mul(r0_, spacing))
+            else:  # a step is a row of ``columns``, the block's rows side by side in it
+                spacing = None
+                a_step = builder.extract_value(a_arr.strides, 0)
+                a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
             y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride), builder.mul(c0_, const(size))))
             panel = at(panel_arr.data, builder.mul(p_, panel_stride))
 
@@ -166,7 +177,7 @@ def _register_block(rows: int, column_bias: bool = False) -> Any:
                                             ir.Constant(i32, 1)])
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                         align=size) for v in range(PANEL_VECTORS)]
-                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)), columns)
+                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)), columns, spacing)
             values = [[builder.load(v) for v in row] for row in sums]
             if column_bias:
                 _store_column_biased(context, builder, sig, args, values, y_vector, p_)
@@ -333,6 +344,8 @@ def _store_column_biased(context: Any, builder: Any, sig: Any, args: Any, sums: 
 _block8, _block4, _block2, _block1 = (_register_block(rows) for rows in (8, 4, 2, 1))
 #: The same blocks with a bias per column (`_register_block`).
 _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True) for rows in (8, 4, 2, 1))
+#: Blocks with a bias per column reading a's rows in place (`_register_block`).
+_rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
 
 
 @kernel

@@ -6,7 +6,8 @@ few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attent
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
 (`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
-(`direct_panels`), a band of a GEMM (`blas_call`) and a range of a sum, activation or channel
+(`direct_panels`), a band of a GEMM (`blas_call`), a GEMM's panels (`gemm`) and a range of a sum,
+activation or channel
 affine map (`one_pass`), told apart by the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .depthwise_parts import depthwise_part
 from .winograd_bands import PART_KIND as WINOGRAD
 from .winograd_bands import band_part
 from .few_rows import few_rows_part
+from .gemm import PART_KIND as PANEL_GEMM
+from .gemm import gemm_part as panel_gemm_part
 from .pointwise import PART_KIND as POINTWISE
 from .pool import PART_KIND as POOL
 from .pool import pool_part
@@ -56,6 +59,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
             conv_part(control)
         elif control[KIND] == GEMM:
             gemm_part(control)
+        elif control[KIND] == PANEL_GEMM:
+            panel_gemm_part(control)
         elif control[KIND] == WINOGRAD:
             band_part(control)
         elif control[KIND] == DEPTHWISE:

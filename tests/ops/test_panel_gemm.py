@@ -1,0 +1,81 @@
+"""Float32 products on the panel GEMM (asyncinfer/ops/compiled/gemm.py, `linalg.matmul`'s
+`_panel_gemm`): a's rows and b's columns read in place, blocks of rows by panels of columns,
+the bias added as each block is stored, panels shared with the spin team."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from asyncinfer.concurrency import parallel
+from asyncinfer.ops import linalg
+from asyncinfer.ops.compiled import gemm
+
+from .op_testing import TeamRuns
+
+W = gemm.WIDTH
+
+
+def _exact(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    y = a.astype(np.float64) @ b.astype(np.float64)
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17, 128])
+@pytest.mark.parametrize("k, panels", [(1, 1), (7, 3), (128, 4), (300, 2)])
+@pytest.mark.parametrize("biased", [False, True])
+def test_matches_the_exact_product(m, k, panels, biased, rng):
+    """Rows in blocks of 8 (or 4 without AVX-512), 4, 2, 1; any depth; one panel or several."""
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, panels * W)).astype(np.float32)
+    bias = rng.standard_normal(panels * W).astype(np.float32) if biased else None
+    assert linalg._takes_panel_gemm(a, b, bias)
+    got = linalg.matmul(a, b, bias)
+    assert got.dtype == np.float32 and got.shape == (m, panels * W)
+    np.testing.assert_allclose(got, _exact(a, b, bias), rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_a_view_of_wider_rows_is_read_in_place(rng):
+    wide = rng.standard_normal((20, 50)).astype(np.float32)
+    a = wide[:, 3:43]
+    b = rng.standard_normal((40, 2 * W)).astype(np.float32)
+    assert linalg._takes_panel_gemm(a, b, None)
+    np.testing.assert_allclose(linalg.matmul(a, b), _exact(a, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("helpers, panels", [(1, 2), (1, 5), (2, 3), (2, 7)])
+def test_panels_shared_with_the_team_give_the_same_bits(helpers, panels, rng, monkeypatch):
+    """Each thread takes a range of panels (b's columns); every output is the same sum in the
+    same order whoever computes it."""
+    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
+    a = rng.standard_normal((37, 64)).astype(np.float32)
+    b = rng.standard_normal((64, panels * W)).astype(np.float32)
+    bias = rng.standard_normal(panels * W).astype(np.float32)
+    alone = linalg.matmul(a, b, bias)  # (no team bound: one thread)
+    runs = TeamRuns(helpers)
+    try:
+        with parallel.pool_bound(None, helpers + 1, runs.team):
+            shared = linalg.matmul(a, b, bias)
+            with runs.busy():  # the team claimed by another poster: every panel here
+                busy = linalg.matmul(a, b, bias)
+    finally:
+        runs.team.close()
+    assert runs.shared == 1
+    np.testing.assert_array_equal(shared, alone)
+    np.testing.assert_array_equal(busy, alone)
+    np.testing.assert_allclose(alone, _exact(a, b, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_other_products_keep_their_ways(rng):
+    """Columns not whole panels, a broadcast row, a transposed b, float64, an a larger than
+    `PANEL_GEMM_MAX_A_BYTES`, a depth over `PANEL_GEMM_MAX_DEPTH`: not the panel GEMM."""
+    a = rng.standard_normal((16, 32)).astype(np.float32)
+    b = rng.standard_normal((32, 2 * W)).astype(np.float32)
+    assert linalg._takes_panel_gemm(a, b, None)
+    assert not linalg._takes_panel_gemm(a, b[:, :W + 1].copy(), None)
+    assert not linalg._takes_panel_gemm(np.broadcast_to(a[:1], a.shape), b, None)
+    assert not linalg._takes_panel_gemm(a, np.asfortranarray(b), None)
+    assert not linalg._takes_panel_gemm(a.astype(np.float64), b.astype(np.float64), None)
+    big = np.zeros((linalg.PANEL_GEMM_MAX_A_BYTES // 128 + 1, 32), np.float32)
+    assert not linalg._takes_panel_gemm(big, b, None)
+    deep = linalg.PANEL_GEMM_MAX_DEPTH + 1
+    assert not linalg._takes_panel_gemm(np.zeros((2, deep), np.float32), np.zeros((deep, W), np.float32), None)
