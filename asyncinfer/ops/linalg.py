@@ -72,7 +72,9 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
         return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype),
                          no_panels(a.dtype) if panels is None else panels)
     if _takes_panel_gemm(a, b, bias):
-        return _panel_gemm(a, b, bias)
+        return _panel_gemm(a[None], b[None], bias)[0]
+    if bias is None and (batch := _panel_batch(a, b)) is not None:
+        return _panel_gemm(*batch, None).reshape(*a.shape[:-1], b.shape[-1])
     parts = parallel.parts_available()
     if parts < 2 or a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype.kind not in "fc":
         return _plus(np.matmul(a, b), bias)
@@ -166,33 +168,58 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray | Non
 
 
 def _takes_panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> bool:
-    """Whether `matmul` runs ``a @ b (+ bias)`` on `compiled.gemm`: 2-D float32, b C-contiguous
-    with whole panels of columns, a's rows contiguous and apart (not a broadcast row), a at most
+    """Whether `matmul` runs ``a @ b (+ bias)`` on `compiled.gemm`: 2-D float32, b's columns whole
+    panels, the rows of both contiguous and apart (not a broadcast row), a at most
     `PANEL_GEMM_MAX_A_BYTES` and K at most `PANEL_GEMM_MAX_DEPTH`."""
     return (a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype == np.float32 and a.shape[1] == b.shape[0]
-            and a.shape[0] > 0 and a.shape[1] > 0 and b.shape[1] % gemm.WIDTH == 0 and b.shape[1] > 0
-            and b.flags.c_contiguous and _blas_rows(a) and a.shape[0] * a.strides[0] <= PANEL_GEMM_MAX_A_BYTES
-            and a.shape[1] <= PANEL_GEMM_MAX_DEPTH
+            and _panel_shapes(*a.shape, b.shape[1]) and _blas_rows(a) and _blas_rows(b)
+            and a.shape[0] * a.strides[0] <= PANEL_GEMM_MAX_A_BYTES
             and (bias is None or (bias.dtype == np.float32 and bias.size == b.shape[1])))
 
 
+def _panel_shapes(m: int, k: int, n: int) -> bool:
+    return (m > 0 and 0 < k <= PANEL_GEMM_MAX_DEPTH and n > 0 and n % gemm.WIDTH == 0
+            and m * k * 4 <= PANEL_GEMM_MAX_A_BYTES)
+
+
+def _panel_batch(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A batch of products (..., M, K) @ (..., K, N) of the same leading shape that
+    `compiled.gemm` takes entry by entry (attention's heads), as (E, M, K) and (E, K, N) with
+    contiguous rows (a copy of an operand whose rows are not: the keys transposed); else None."""
+    if (a.ndim < 3 or b.ndim != a.ndim or a.shape[:-2] != b.shape[:-2] or a.dtype != np.float32
+            or b.dtype != np.float32 or a.shape[-1] != b.shape[-2] or not _panel_shapes(*a.shape[-2:], b.shape[-1])):
+        return None
+    count = math.prod(a.shape[:-2])
+    a3, b3 = a.reshape(count, *a.shape[-2:]), b.reshape(count, *b.shape[-2:])
+    return (a3 if _blas_rows(a3[0]) else np.ascontiguousarray(a3),
+            b3 if _blas_rows(b3[0]) else np.ascontiguousarray(b3))
+
+
 def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    """``a @ b (+ bias)`` on `compiled.gemm`, its panels of columns shared with the spin team's
-    free helpers from `TEAM_MIN_MACS` on."""
-    m, k = a.shape
-    n = b.shape[1]
-    y = np.empty((m, n), np.float32)
+    """``a @ b (+ bias)`` for a batch, (E, M, K) @ (E, K, N), on `compiled.gemm`; shared with the
+    spin team's free helpers from `TEAM_MIN_MACS` on: whole entries each where there are enough,
+    else ranges of panels."""
+    count, m, k = a.shape
+    n = b.shape[2]
+    y = np.empty((count, m, n), np.float32)
     biased = bias is not None
-    row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0]  # (unread without a bias)
+    row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0, 0]  # (unread without a bias)
     panels = n // gemm.WIDTH
-    team = parallel.team() if m * k * n >= TEAM_MIN_MACS and panels >= 2 else None
+    team = parallel.team() if count * m * k * n >= TEAM_MIN_MACS else None
     if team is not None:
-        count = min(team.helpers + 1, panels)
-        cuts = [panels * i // count for i in range(count + 1)]
-        posted = [gemm.part_arguments(a, b, y, row, lo, hi, biased) for lo, hi in zip(cuts[1:-1], cuts[2:])]
-        if team.try_run(posted, lambda: gemm.panel_gemm(a, b, y, row, cuts[0], cuts[1], biased)):
-            return y
-    gemm.panel_gemm(a, b, y, row, 0, panels, biased)
+        threads = team.helpers + 1
+        if count >= threads:
+            cuts = [count * i // threads for i in range(threads + 1)]
+            parts = [(lo, hi, 0, panels) for lo, hi in zip(cuts, cuts[1:])]
+        else:
+            threads = min(threads, panels)
+            cuts = [panels * i // threads for i in range(threads + 1)]
+            parts = [(0, count, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+        if len(parts) > 1:
+            posted = [gemm.part_arguments(a, b, y, row, *part, biased) for part in parts[1:]]
+            if team.try_run(posted, lambda: gemm.panel_gemm_batch(a, b, y, row, *parts[0], biased)):
+                return y
+    gemm.panel_gemm_batch(a, b, y, row, 0, count, 0, panels, biased)
     return y
 
 

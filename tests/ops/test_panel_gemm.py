@@ -79,3 +79,39 @@ def test_other_products_keep_their_ways(rng):
     assert not linalg._takes_panel_gemm(big, b, None)
     deep = linalg.PANEL_GEMM_MAX_DEPTH + 1
     assert not linalg._takes_panel_gemm(np.zeros((2, deep), np.float32), np.zeros((deep, W), np.float32), None)
+
+
+def _heads(rng, heads: int, m: int, k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Queries as a transposed view (rows a row of all heads apart) and keys transposed (rows
+    not contiguous: copied), as an exported attention makes them."""
+    q = rng.standard_normal((1, m, heads, k)).astype(np.float32).transpose(0, 2, 1, 3)
+    keys = rng.standard_normal((1, n, heads, k)).astype(np.float32).transpose(0, 2, 3, 1)
+    return q, keys
+
+
+@pytest.mark.parametrize("heads, helpers", [(2, 1), (3, 1), (1, 2), (4, 2)])
+def test_a_batch_of_heads_runs_entry_by_entry_with_the_same_bits_shared_or_not(heads, helpers, rng, monkeypatch):
+    """Entries split between the threads where there are as many, else panels; a view's rows
+    read in place, transposed keys copied first."""
+    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
+    q, keys = _heads(rng, heads, 24, 16, 3 * W)
+    assert linalg._panel_batch(q, keys) is not None
+    alone = linalg.matmul(q, keys)
+    runs = TeamRuns(helpers)
+    try:
+        with parallel.pool_bound(None, helpers + 1, runs.team):
+            shared = linalg.matmul(q, keys)
+    finally:
+        runs.team.close()
+    assert runs.shared == 1 and shared.shape == (1, heads, 24, 3 * W)
+    np.testing.assert_array_equal(shared, alone)
+    np.testing.assert_allclose(alone, _exact(q, keys), rtol=1e-4, atol=1e-4)
+
+
+def test_batches_that_broadcast_or_have_partial_panels_keep_numpy(rng):
+    a = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    assert linalg._panel_batch(a, rng.standard_normal((1, 8, W)).astype(np.float32)) is None  # broadcast
+    assert linalg._panel_batch(a, rng.standard_normal((2, 8, W + 3)).astype(np.float32)) is None
+    assert linalg._panel_batch(a.astype(np.float64), rng.standard_normal((2, 8, W))) is None
+    b = rng.standard_normal((2, 8, W)).astype(np.float32)
+    np.testing.assert_allclose(linalg.matmul(a, b), _exact(a, b), rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 """A float32 GEMM on the register blocks of `panels`, reading both operands in place:
-``y = a @ b (+ bias)`` for ``a`` (M, K) and ``b`` (K, N), N a multiple of the panel width.
+``y = a @ b (+ bias)`` for ``a`` (M, K) and ``b`` (K, N) with contiguous rows, N a multiple of
+the panel width.
 
 BLAS (OpenBLAS, one thread a call inside asyncinfer) ran BERT-tiny's products at 45-50 G
 multiply-adds/s a core, and two of them side by side, a team's two halves, 30-40% slower each
@@ -12,9 +13,10 @@ b: the hardware prefetcher follows it), and a's rows are read in place (`panels.
 nothing is packed or copied per call. 64 x 128 @ 128 x 512 on one core: 75 µs against BLAS's
 90-100, and 76-85 µs against 100-119 with the other core doing the same.
 
-Parts (`gemm_part`, for the spin team) are ranges of panels: each thread reads only its
-columns of b. Each output is the same sum in the same order whoever computes it: the same bits
-for any split.
+A batch of products (attention's heads) runs entry by entry. Parts (`gemm_part`, for the spin
+team) are ranges of entries where there are enough, else ranges of panels (each thread then
+reads only its columns of b). Each output is the same sum in the same order whoever computes
+it: the same bits for any split.
 """
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ WIDTH = panel_width(np.float32)
 def panel_gemm(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, p0: int, p1: int,
                biased: bool) -> None:
     """Columns ``p0·W:p1·W`` (panels ``p0:p1``) of ``y = a @ b``, plus ``bias`` (N,) with
-    ``biased``: float32, ``a`` (M, K) and ``y`` (M, N) with contiguous rows, ``b`` (K, N)
-    C-contiguous, N a multiple of W (`WIDTH`)."""
+    ``biased``: float32, ``a`` (M, K), ``b`` (K, N) and ``y`` (M, N) with contiguous rows, N a
+    multiple of W (`WIDTH`)."""
     m, k = a.shape
     n = b.shape[1]
-    columns = np.lib.stride_tricks.as_strided(b, shape=(n // WIDTH, k, WIDTH), strides=(WIDTH * 4, n * 4, 4))
+    columns = np.lib.stride_tricks.as_strided(b, shape=(n // WIDTH, k, WIDTH), strides=(WIDTH * 4, b.strides[0], 4))
     finish = BIAS if biased else RAW
     for p in range(p0, p1):
         r = 0
@@ -62,23 +64,43 @@ def panel_gemm(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, p0
             r += rows
 
 
-def part_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, p0: int, p1: int,
-                   biased: bool) -> list[int]:
-    """The integers of a part `gemm_part` runs as ``panel_gemm(a, b, y, bias, p0, p1, biased)``
-    (for `SpinTeam.try_run`); the caller keeps every array alive until the part is done."""
+@kernel(contract=False)
+def panel_gemm_batch(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int,
+                     p1: int, biased: bool) -> None:
+    """`panel_gemm` of entries ``e0:e1`` of a batch: ``a`` (E, M, K), ``b`` (E, K, N), ``y``
+    (E, M, N), each entry's rows contiguous."""
+    for e in range(e0, e1):
+        panel_gemm(a[e], b[e], y[e], bias, p0, p1, biased)
+
+
+def part_arguments(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int,
+                   p1: int, biased: bool) -> list[int]:
+    """The integers of a part `gemm_part` runs as ``panel_gemm_batch(a, b, y, bias, e0, e1, p0,
+    p1, biased)`` (for `SpinTeam.try_run`; strides in whole float32 values, y C-contiguous); the
+    caller keeps every array alive until the part is done."""
     a_at, b_at, y_at, bias_at = addresses(a, b, y, bias)[:4]
-    return [PART_KIND, *a.shape, a.strides[0] // 4, b.shape[1], y.strides[0] // 4, a_at, b_at, y_at, bias_at,
-            p0, p1, int(biased)]
+    return [PART_KIND, *a.shape, b.shape[2], a_at, a.strides[0] // 4, a.strides[1] // 4, b_at, b.strides[0] // 4,
+            b.strides[1] // 4, y_at, bias_at, e0, e1, p0, p1, int(biased)]
+
+
+@numba.njit(inline="always")
+def _strided(address: int, shape: tuple[int, int, int], outer: int, row: int) -> np.ndarray:
+    """The float32 array (E, R, C) at ``address`` with entries ``outer`` and rows ``row`` values
+    apart, its values within a row contiguous."""
+    extent = (shape[0] - 1) * outer + (shape[1] - 1) * row + shape[2]
+    flat = numba.carray(address_as_pointer(address, np.float32), (extent,))
+    return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=(outer * 4, row * 4, 4))
 
 
 @numba.njit(inline="always")
 def gemm_part(control: np.ndarray) -> None:
-    """Run the `panel_gemm` part posted in a spin team's ``control`` row (`part_arguments`): the
-    helper's side (`team_parts.serve_parts`)."""
+    """Run the `panel_gemm_batch` part posted in a spin team's ``control`` row
+    (`part_arguments`): the helper's side (`team_parts.serve_parts`)."""
     at = ARGS
-    m, k, lda, n, ldy = control[at], control[at + 1], control[at + 2], control[at + 3], control[at + 4]
-    a = numba.carray(address_as_pointer(control[at + 5], np.float32), (m, lda))[:, :k]
-    b = numba.carray(address_as_pointer(control[at + 6], np.float32), (k, n))
-    y = numba.carray(address_as_pointer(control[at + 7], np.float32), (m, ldy))[:, :n]
-    bias = numba.carray(address_as_pointer(control[at + 8], np.float32), (n,))
-    panel_gemm(a, b, y, bias, control[at + 9], control[at + 10], control[at + 11] != 0)
+    count, m, k, n = control[at], control[at + 1], control[at + 2], control[at + 3]
+    a = _strided(control[at + 4], (count, m, k), control[at + 5], control[at + 6])
+    b = _strided(control[at + 7], (count, k, n), control[at + 8], control[at + 9])
+    y = numba.carray(address_as_pointer(control[at + 10], np.float32), (count, m, n))
+    bias = numba.carray(address_as_pointer(control[at + 11], np.float32), (n,))
+    q = at + 12
+    panel_gemm_batch(a, b, y, bias, control[q], control[q + 1], control[q + 2], control[q + 3], control[q + 4] != 0)
