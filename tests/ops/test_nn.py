@@ -291,6 +291,20 @@ def test_gemm_matches_onnxruntime(attrs, c_shape, rng):
     compare_with_ort("Gemm", inputs, attrs)
 
 
+@pytest.mark.parametrize("attrs, c_shape", [
+    (dict(transB=1), (40,)), (dict(transB=1), None), (dict(transB=1, alpha=0.5, beta=2.0), (1, 40)),
+    (dict(transA=1, transB=1, beta=0.0), (40,)),
+])
+def test_one_row_by_a_transposed_weight_matches_the_reference(attrs, c_shape, rng):
+    """A Linear layer's single row (transB=1) runs as weight @ row, the weight's rows in place."""
+    a = randn(rng, 24, 1) if attrs.get("transA") else randn(rng, 1, 24)
+    inputs = [a, randn(rng, 40, 24)] + ([randn(rng, *c_shape)] if c_shape else [])
+    (got,) = make_op("Gemm", attrs, n_inputs=len(inputs))(*inputs)
+    (want,) = reference_run("Gemm", inputs, attrs)
+    assert got.shape == want.shape == (1, 40) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_gemm_keeps_inputs_intact(rng):
     a, b, c = randn(rng, 3, 4), randn(rng, 4, 5), randn(rng, 3, 5)
     before = c.copy()
