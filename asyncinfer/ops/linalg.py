@@ -47,9 +47,9 @@ FEW_ROWS_TILE_ONE, FEW_ROWS_TILE_MANY = 8192, 4096
 COLUMN_BAND_MIN = 64
 # A float32 product whose b's columns are whole panels runs on `compiled.gemm` (a's rows and b's
 # columns read in place) while a is at most this large: each panel of b reads all of a again,
-# from L2. On 2 cores with the team, against BLAS's bands: 128 x 128 @ 128 x 512 83 -> 135 µs,
-# 128 x 512 @ 512 x 128 83 -> 102, ConvNeXt's 784 x 768 @ 768 x 192 (a 2.4 MB) 1018 -> 1152,
-# but 3136 x 384 @ 384 x 96 (a 4.8 MB) 1443 against 1251. Larger ones keep BLAS's blocking, and
+# from L2. On 2 cores with the team, against BLAS's bands: 128 x 128 @ 128 x 512 83 µs against
+# 135, 128 x 512 @ 512 x 128 83 against 102, ConvNeXt's 784 x 768 @ 768 x 192 (a 2.4 MB) 1018
+# against 1152, but 3136 x 384 @ 384 x 96 (a 4.8 MB) 1443 against 1251. Larger ones keep BLAS, and
 # so do depths over `PANEL_GEMM_MAX_DEPTH`: a block sums over all of K, its panel's strip of b
 # (K x 128 bytes) read again for every block of rows (Llama's 128 x 2816 @ 2816 x 1024: 6.7
 # against 5.4 ms; its 128 x 1024 @ 1024 x 2816 4.4 against 5.2).
@@ -178,6 +178,7 @@ def _takes_panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> 
 
 
 def _panel_shapes(m: int, k: int, n: int) -> bool:
+    """Whether an (M, K) @ (K, N) product's sizes suit `compiled.gemm` (see `_takes_panel_gemm`)."""
     return (m > 0 and 0 < k <= PANEL_GEMM_MAX_DEPTH and n > 0 and n % gemm.WIDTH == 0
             and m * k * 4 <= PANEL_GEMM_MAX_A_BYTES)
 
@@ -391,14 +392,12 @@ class Gemm(Op):
             # transposed, has no contiguous rows for the spin team's bands, so the product is taken
             # the other way round, weight @ row (N x K @ K x 1), the weight's rows read in place.
             y = matmul(b.T, np.ascontiguousarray(a).reshape(-1, 1)).reshape(1, -1)
-        else:
-            y = None
-        if (y is None and alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
+        elif (alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
                 and c.shape[-1:] == b.shape[-1:] and c.size == b.shape[-1]):
             # the usual bias row: added by the GEMM kernel as it ends (the few-row one, in its pass)
             # (a transposed b is no constant: `constant_panels` packs none)
             return matmul(a, b, c.reshape(-1), constant_panels(self, a, b, 1)).astype(out_dtype, copy=False)
-        if y is None:
+        else:
             y = matmul(a, b, panels=constant_panels(self, a, b, 1))
         dt = y.dtype.type
         if alpha != 1.0:

@@ -7,7 +7,7 @@ multiply-adds/s a core, and two of them side by side, a team's two halves, 30-40
 (its packing buffers and their locks): a 128 x 128 @ 128 x 512 shared with the spin team took
 110-145 µs, against 177 on one thread and ONNX Runtime's 87. Here a block of `BLOCK_ROWS` rows
 of a by one panel of b (`panel_width` columns) is summed in vector registers over the whole
-depth, with the bias (one per column) added, or also an activation, as it is stored. b's panels
+depth, the bias (one per column) added as it is stored. b's panels
 are its own columns, a strided view (each step of depth reads one contiguous run of a row of
 b: the hardware prefetcher follows it), and a's rows are read in place (`panels._rows8`...):
 nothing is packed or copied per call. 64 x 128 @ 128 x 512 on one core: 75 µs against BLAS's
@@ -27,7 +27,7 @@ from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .panels import BIAS, BLOCK_ROWS, RAW, _rows1, _rows2, _rows4, _rows8, panel_width
 
-#: The kind of a spin-team part that is a `panel_gemm` range of panels.
+#: The kind of a spin-team part that is a `panel_gemm_batch` range of entries and panels.
 PART_KIND = 14
 
 WIDTH = panel_width(np.float32)
