@@ -71,6 +71,12 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
     if _takes_few_rows(a, b):
         return _few_rows(a, b, None if bias is None else np.ascontiguousarray(bias, a.dtype),
                          no_panels(a.dtype) if panels is None else panels)
+    if a.ndim == 2 and b.ndim == 2 and a.shape[0] == 1 and b.T.flags.c_contiguous and not b.flags.c_contiguous:
+        # One row by a transposed matrix (a Linear layer's weight (N, K) as Gemm's transB=1 gives
+        # it), whose rows are not contiguous for the spin team's bands: taken the other way round,
+        # weight @ row (N x K @ K x 1), the weight's rows read in place. MobileNetV3's classifier
+        # products on 2 cores: 111/127 -> 87/105 µs.
+        return _plus(matmul(b.T, np.ascontiguousarray(a).reshape(-1, 1)).reshape(1, -1), bias)
     if _takes_panel_gemm(a, b, bias):
         return _panel_gemm(a[None], b[None], bias)[0]
     if bias is None and (batch := _panel_batch(a, b)) is not None:
@@ -387,18 +393,12 @@ class Gemm(Op):
         alpha, beta = self.alpha, self.beta
         work, out_dtype = gemm_dtypes(a, b, c)
         a, b = a.astype(work, copy=False), b.astype(work, copy=False)
-        if self.trans_b and a.ndim == 2 and a.shape[0] == 1 and b.T.flags.c_contiguous:
-            # One row by a Linear layer's weight (N, K), as ONNX's transB=1 gives it: b, the weight
-            # transposed, has no contiguous rows for the spin team's bands, so the product is taken
-            # the other way round, weight @ row (N x K @ K x 1), the weight's rows read in place.
-            y = matmul(b.T, np.ascontiguousarray(a).reshape(-1, 1)).reshape(1, -1)
-        elif (alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
+        if (alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
                 and c.shape[-1:] == b.shape[-1:] and c.size == b.shape[-1]):
             # the usual bias row: added by the GEMM kernel as it ends (the few-row one, in its pass)
             # (a transposed b is no constant: `constant_panels` packs none)
             return matmul(a, b, c.reshape(-1), constant_panels(self, a, b, 1)).astype(out_dtype, copy=False)
-        else:
-            y = matmul(a, b, panels=constant_panels(self, a, b, 1))
+        y = matmul(a, b, panels=constant_panels(self, a, b, 1))
         dt = y.dtype.type
         if alpha != 1.0:
             y *= dt(alpha)

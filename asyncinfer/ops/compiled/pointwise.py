@@ -163,7 +163,7 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
                                                           strides=(width * 4, source.shape[1] * 4, 4))
                 if partial:
                     _pack(source, panels, s, v1, in_width, out_width, sh, sw)
-            else:
+            else:  # (the packed panels as the same kind of view: one compiled block for both)
                 columns = np.lib.stride_tricks.as_strided(panels, shape=(whole, c, width),
                                                           strides=(c * width * 4, width * 4, 4))
                 _pack(source, panels, v0, v1, in_width, out_width, sh, sw)
