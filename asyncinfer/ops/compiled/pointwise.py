@@ -142,8 +142,8 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
     ``sw`` and the input and output widths say which input position each output one reads (see
     `_pack`). ``panels`` holds at least ceil((v1 - v0) / W) panels (count, Cg, W): the packed
     positions of a strided conv, or at unit stride only the last partial panel (whole ones are
-    read in place); ``tail`` (M, W) takes the partial panel's results before their copy out. ``act``, ``a``, ``b``: the
-    epilogue (`compiled.epilogue`)."""
+    read in place); ``tail`` (M, W) takes the partial panel's results before their copy out.
+    ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`)."""
     groups, c, mg = wt.shape
     width = panels.shape[2]
     count = (v1 - v0 + width - 1) // width
