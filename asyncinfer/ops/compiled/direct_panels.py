@@ -55,64 +55,113 @@ def pack_taps(w: np.ndarray) -> np.ndarray:
     return pack_panels(columns)
 
 
-def _tap_block(rows: int) -> Any:
+def _columns_of_eight(builder: Any, rows: list[Any]) -> list[Any]:
+    """The 8x8 transpose of ``rows``, eight vectors of 8 floats: column ``j`` = ``rows[r][j]`` for
+    r < 8, in three rounds of two-vector shuffles (pairs of lanes, then of pairs, then halves)."""
+    def mix(a: Any, b: Any, picks: list[int]) -> Any:
+        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), picks))
+
+    pairs = [(mix(rows[k], rows[k + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+              mix(rows[k], rows[k + 1], [2, 10, 3, 11, 6, 14, 7, 15])) for k in range(0, 8, 2)]
+    quads = []
+    for first, second in (pairs[0:2], pairs[2:4]):
+        quads.append([mix(first[h], second[h], picks) for h in (0, 1)
+                      for picks in ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])])
+    low, high = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+    return ([mix(quads[0][j], quads[1][j], low) for j in range(4)]
+            + [mix(quads[0][j], quads[1][j], high) for j in range(4)])
+
+
+def _tap_block(rows: int, to_output: bool = False) -> Any:
     """An intrinsic ``block(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)``:
     ``y[r, j] = Σ_t image.flat[base + starts[r] + offsets[t]] · panels[p, t, j]`` for ``r < rows`` and the
     panel's ``j``, summed over ``t < taps`` in registers, then finished as ``finish`` says with a
     bias per channel, ``bias[p·W + j]`` (`panels._store_column_biased`). ``image`` is read through
     its data pointer (a zero-padded image); each position has its own start, so a block may run
-    across output rows."""
+    across output rows.
+
+    ``to_output`` (8 rows): ``y`` is an image's output (M, Ho·Wo) and a last argument ``at`` the
+    block's first position: ``y[p·W + j, at + r]`` = those sums, the block transposed in registers
+    (eight channels at a time, `_columns_of_eight`) and stored as a vector of 8 positions per
+    channel, where a store of each value took a sixth of a shallow conv's time (16 -> 64
+    channels at 55x55)."""
+    assert not to_output or rows == 8
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        image_arr, offsets_arr, starts_arr, panel_arr, y_arr = (
+            context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5, 7))
+        base_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 4, 6))
+        code = BlockIR(context, builder, sig.args[0].dtype)
+        size, vector, at, const = code.size, code.vector, code.at, code.const
+        element, lanes = vector.element, vector.count
+        i32 = ir.IntType(32)
+        undefined = ir.Constant(vector, ir.Undefined)
+        broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
+
+        panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
+        y_stride = builder.extract_value(y_arr.strides, 0)
+        panel = at(panel_arr.data, builder.mul(p_, panel_stride))
+        origins = [at(image_arr.data, builder.mul(builder.add(base_, builder.load(builder.gep(starts_arr.data,
+                                                                                              [const(r)]))),
+                                                  const(size))) for r in range(rows)]
+
+        def y_vector(r: int, v: int) -> Any:
+            return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
+                                                              const(v * VECTOR_BYTES))), vector.as_pointer())
+        if to_output:  # (direct convs never add to y)
+            zero = ir.Constant(vector, [0.0] * lanes)
+            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(PANEL_VECTORS)] for _ in range(rows)]
+        else:
+            sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
+        with cgutils.for_range(builder, taps_) as loop:
+            offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [loop.index])), const(size))
+            row = at(panel, builder.mul(loop.index, row_stride))
+            columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
+                                    align=size) for v in range(PANEL_VECTORS)]
+            for r, origin in enumerate(origins):
+                value = builder.load(builder.bitcast(at(origin, offset), element.as_pointer()), align=size)
+                spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
+                                                undefined, broadcast)
+                for v, column in enumerate(columns):
+                    # contract, like the kernels' own code: the same FMA (or not) as `compiled.direct`
+                    product = builder.fmul(spread, column, flags=("contract",))
+                    builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)), sums[r][v])
+        def write_transposed(values: list[list[Any]]) -> None:
+            first = context.cast(builder, args[12], sig.args[12], types.int64)
+            eight = ir.VectorType(element, 8)
+            for chunk in range(PANEL_VECTORS * lanes // 8):
+                def channels(row: list[Any]) -> Any:  # the chunk's 8 channels of a row, one vector
+                    v, lane = divmod(chunk * 8, lanes)
+                    second = row[v + 1] if lane + 8 > lanes else undefined
+                    picks = ir.Constant(ir.VectorType(i32, 8), [lane + k for k in range(8)])  # (past one: the next)
+                    return builder.shuffle_vector(row[v], second, picks)
+                for j, column in enumerate(_columns_of_eight(builder, [channels(row) for row in values])):
+                    channel = builder.add(builder.mul(p_, const(PANEL_VECTORS * lanes)), const(chunk * 8 + j))
+                    target = at(y_arr.data, builder.add(builder.mul(channel, y_stride), builder.mul(first, const(size))))
+                    builder.store(column, builder.bitcast(target, eight.as_pointer()), align=size)
+
+        _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
+                             y_vector, p_, write_transposed if to_output else None)
+        return context.get_dummy_value()
+
+    if to_output:
+        @intrinsic
+        def block_to_output(typingctx: Any, image: Any, offsets: Any, base: Any, starts: Any, taps: Any, panels: Any,
+                            p: Any, y: Any, finish: Any, bias: Any, lo: Any, hi: Any, first: Any) -> Any:
+            return types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi, first), codegen
+
+        return block_to_output
 
     @intrinsic
     def block(typingctx: Any, image: Any, offsets: Any, base: Any, starts: Any, taps: Any, panels: Any, p: Any,
               y: Any, finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
-        signature = types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            image_arr, offsets_arr, starts_arr, panel_arr, y_arr = (
-                context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5, 7))
-            base_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 4, 6))
-            code = BlockIR(context, builder, sig.args[0].dtype)
-            size, vector, at, const = code.size, code.vector, code.at, code.const
-            element, lanes = vector.element, vector.count
-            i32 = ir.IntType(32)
-            undefined = ir.Constant(vector, ir.Undefined)
-            broadcast = ir.Constant(ir.VectorType(i32, lanes), [0] * lanes)
-
-            panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
-            y_stride = builder.extract_value(y_arr.strides, 0)
-            panel = at(panel_arr.data, builder.mul(p_, panel_stride))
-            origins = [at(image_arr.data, builder.mul(builder.add(base_, builder.load(builder.gep(starts_arr.data,
-                                                                                                  [const(r)]))),
-                                                      const(size))) for r in range(rows)]
-
-            def y_vector(r: int, v: int) -> Any:
-                return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
-                                                                  const(v * VECTOR_BYTES))), vector.as_pointer())
-            sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
-            with cgutils.for_range(builder, taps_) as loop:
-                offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [loop.index])), const(size))
-                row = at(panel, builder.mul(loop.index, row_stride))
-                columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
-                                        align=size) for v in range(PANEL_VECTORS)]
-                for r, origin in enumerate(origins):
-                    value = builder.load(builder.bitcast(at(origin, offset), element.as_pointer()), align=size)
-                    spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
-                                                    undefined, broadcast)
-                    for v, column in enumerate(columns):
-                        # contract, like the kernels' own code: the same FMA (or not) as `compiled.direct`
-                        product = builder.fmul(spread, column, flags=("contract",))
-                        builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)), sums[r][v])
-            _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
-                                 y_vector, p_)
-            return context.get_dummy_value()
-
-        return signature, codegen
+        return types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi), codegen
 
     return block
 
 
 _block8, _block4, _block2, _block1 = (_tap_block(rows) for rows in (8, 4, 2, 1))
+_block8_to_output = _tap_block(8, to_output=True)
 
 
 @kernel(contract=False)
@@ -153,6 +202,10 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
             for r in range(rows):
                 row, column = (v + r) // out_width, (v + r) % out_width
                 starts[r] = row * row_stride * wp + column * column_stride
+            if rows == 8 and channels == width:
+                _block8_to_output(flat, offsets, base, starts, taps, panels, p, out, finish, bias, av, bv, v)
+                v += rows
+                continue
             if rows == 8:
                 _block8(flat, offsets, base, starts, taps, panels, p, block, finish, bias, av, bv)
             elif rows == 4:

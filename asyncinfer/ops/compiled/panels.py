@@ -321,23 +321,31 @@ def _store_finished(context: Any, builder: Any, sig: Any, args: Any, sums: list[
 
 
 def _store_column_biased(context: Any, builder: Any, sig: Any, args: Any, sums: list[list[Any]],
-                         y_vector: Callable[[int, int], Any], p: Any) -> None:
+                         y_vector: Callable[[int, int], Any], p: Any,
+                         write: Callable[[list[list[Any]]], None] | None = None) -> None:
     """`_store_finished` with a bias per column of the block: ``bias[p·W + j]`` (whole vectors of
-    ``bias``, which is padded to whole panels)."""
+    ``bias``, which is padded to whole panels). ``write(values)``, when given, stores the finished
+    vectors (rows x vectors) itself instead of each through ``y_vector(r, v)``."""
     finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
     lanes = finisher.vector.count
     size = context.get_abi_sizeof(finisher.vector.element)
     width = len(sums[0]) * lanes
 
     def store(activation: Callable[[Any], Any] | None) -> None:
-        for v in range(len(sums[0])):
-            if activation is not None:
+        values: list[list[Any]] = [list(row) for row in sums]
+        if activation is not None:
+            for v in range(len(sums[0])):
                 offset = builder.add(builder.mul(p, ir.Constant(p.type, width)), ir.Constant(p.type, v * lanes))
                 at = builder.gep(finisher.bias.data, [offset])
                 b = builder.load(builder.bitcast(at, finisher.vector.as_pointer()), align=size)
-            for r, row in enumerate(sums):
-                builder.store(row[v] if activation is None else activation(builder.fadd(row[v], b)), y_vector(r, v),
-                              align=size)
+                for row in values:
+                    row[v] = activation(builder.fadd(row[v], b))
+        if write is not None:
+            write(values)
+            return
+        for r, row in enumerate(values):
+            for v, value in enumerate(row):
+                builder.store(value, y_vector(r, v), align=size)
     finisher.cases(store)
 
 
