@@ -34,7 +34,7 @@ from numba.extending import intrinsic
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums,
-                     pack_panels, panel_width)
+                     pack_panels, panel_width, transposed_writer)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -55,23 +55,6 @@ def pack_taps(w: np.ndarray) -> np.ndarray:
     return pack_panels(columns)
 
 
-def _columns_of_eight(builder: Any, rows: list[Any]) -> list[Any]:
-    """The 8x8 transpose of ``rows``, eight vectors of 8 floats: column ``j`` = ``rows[r][j]`` for
-    r < 8, in three rounds of two-vector shuffles (pairs of lanes, then of pairs, then halves)."""
-    def mix(a: Any, b: Any, picks: list[int]) -> Any:
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), picks))
-
-    pairs = [(mix(rows[k], rows[k + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
-              mix(rows[k], rows[k + 1], [2, 10, 3, 11, 6, 14, 7, 15])) for k in range(0, 8, 2)]
-    quads = []
-    for first, second in (pairs[0:2], pairs[2:4]):
-        quads.append([mix(first[h], second[h], picks) for h in (0, 1)
-                      for picks in ([0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])])
-    low, high = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
-    return ([mix(quads[0][j], quads[1][j], low) for j in range(4)]
-            + [mix(quads[0][j], quads[1][j], high) for j in range(4)])
-
-
 def _tap_block(rows: int, to_output: bool = False) -> Any:
     """An intrinsic ``block(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)``:
     ``y[r, j] = Σ_t image.flat[base + starts[r] + offsets[t]] · panels[p, t, j]`` for ``r < rows`` and the
@@ -82,9 +65,7 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
 
     ``to_output`` (8 rows): ``y`` is an image's output (M, Ho·Wo) and a last argument ``at`` the
     block's first position: ``y[p·W + j, at + r]`` = those sums, the block transposed in registers
-    (eight channels at a time, `_columns_of_eight`) and stored as a vector of 8 positions per
-    channel, where a store of each value took a sixth of a shallow conv's time (16 -> 64
-    channels at 55x55)."""
+    and stored as a vector of 8 positions per channel (`panels.transposed_writer`)."""
     assert not to_output or rows == 8
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -126,22 +107,10 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
                     # contract, like the kernels' own code: the same FMA (or not) as `compiled.direct`
                     product = builder.fmul(spread, column, flags=("contract",))
                     builder.store(builder.fadd(builder.load(sums[r][v]), product, flags=("contract",)), sums[r][v])
-        def write_transposed(values: list[list[Any]]) -> None:
-            first = context.cast(builder, args[12], sig.args[12], types.int64)
-            eight = ir.VectorType(element, 8)
-            for chunk in range(PANEL_VECTORS * lanes // 8):
-                def channels(row: list[Any]) -> Any:  # the chunk's 8 channels of a row, one vector
-                    v, lane = divmod(chunk * 8, lanes)
-                    second = row[v + 1] if lane + 8 > lanes else undefined
-                    picks = ir.Constant(ir.VectorType(i32, 8), [lane + k for k in range(8)])  # (past one: the next)
-                    return builder.shuffle_vector(row[v], second, picks)
-                for j, column in enumerate(_columns_of_eight(builder, [channels(row) for row in values])):
-                    channel = builder.add(builder.mul(p_, const(PANEL_VECTORS * lanes)), const(chunk * 8 + j))
-                    target = at(y_arr.data, builder.add(builder.mul(channel, y_stride), builder.mul(first, const(size))))
-                    builder.store(column, builder.bitcast(target, eight.as_pointer()), align=size)
-
+        write = (transposed_writer(context, builder, y_arr, context.cast(builder, args[12], sig.args[12], types.int64),
+                                   builder.mul(p_, const(PANEL_VECTORS * lanes)), vector) if to_output else None)
         _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
-                             y_vector, p_, write_transposed if to_output else None)
+                             y_vector, p_, write)
         return context.get_dummy_value()
 
     if to_output:

@@ -39,7 +39,7 @@ from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _block1, _block2, _block4, _block8, _by_column1,
-                     _by_column2, _by_column4, _by_column8, pack_panels, panel_width)
+                     _by_column2, _by_column4, _by_column8, _by_column8_to_output, pack_panels, panel_width)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -345,9 +345,14 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                     gathered = g
                 source = columns
             out, group_bias, weights = y[i, g * mg:(g + 1) * mg], bias[g], panels[g]
+            full = (p + 1) * width <= mg  # a whole panel of channels: its blocks of 8 stored as they finish
             r = r0
             while r < r1:
                 rows = r1 - r
+                if rows >= 8 and full:
+                    _by_column8_to_output(source, weights, p, 0, c, out, r, p * width, finish, group_bias, av, bv)
+                    r += 8
+                    continue
                 if rows >= 8:
                     rows = 8
                     _by_column8(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
