@@ -25,18 +25,25 @@ from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_tap
                       window_geometry)
 from .registry import register
 
-#: Maps at most this wide take `compiled.pool.flat_pool` at any stride. Against the columns-first
-#: loop at 3x3/2, one thread: 832 x 14x14 157 against 238 µs, 256 x 13x13 39 against 84; from
-#: 27 columns the columns-first loop wins (256 x 27x27 114 against 126, 96 x 32x32 50 against 64).
-FLAT_MAX_WIDTH = 20
+#: Maps at most this wide take `compiled.pool.flat_pool` at any stride, through a padded copy.
+#: Against the columns-first loop at 3x3/2, one thread: 832 x 14x14 157 against 238 µs, 256 x
+#: 13x13 39 against 84, ShuffleNet's 136 x 28x28 average pool (pads of 1) 49 against 70; at 112
+#: columns the columns-first loop wins (24 x 112x112 73 against 110).
+FLAT_MAX_WIDTH = 32
+#: Maps at most this wide take it when there is nothing to pad (the passes read the input in
+#: place): SqueezeNet's 3x3/2 pools, one thread, 256 x 27x27 114 -> 54 µs, 128 x 55x55 145 ->
+#: 108; 192 x 71x71 302 -> 269; at 111 columns the columns-first loop wins (210 against 220).
+FLAT_IN_PLACE_MAX_WIDTH = 80
 
 
-def flat_pays(strides: list[int], width: int) -> bool:
+def flat_pays(strides: list[int], width: int, in_place: bool) -> bool:
     """Whether a 2-D pool whose windows do not tile the map takes the long flat passes
     (`compiled.pool.flat_pool`): at unit strides (576 x 14x14 3x3/1 on one thread 319 -> 120 µs,
-    32 x 112x112 317 -> 260), and on maps of at most `FLAT_MAX_WIDTH` columns whatever the stride;
-    else the separable loop, row by row."""
-    return all(int(s) == 1 for s in strides) or width <= FLAT_MAX_WIDTH
+    32 x 112x112 317 -> 260), and on maps of at most `FLAT_MAX_WIDTH` columns whatever the stride
+    (`FLAT_IN_PLACE_MAX_WIDTH` where nothing is padded: ``in_place``); else the separable loop,
+    row by row."""
+    return (all(int(s) == 1 for s in strides) or width <= FLAT_MAX_WIDTH
+            or (in_place and width <= FLAT_IN_PLACE_MAX_WIDTH))
 
 
 class _WindowPool(Op):
@@ -136,7 +143,11 @@ class _WindowPool(Op):
         if tiles:
             loop, geometry = TILES, (*kernel, *kernel, 1, 1, 0, 0)
         else:
-            loop = FLAT if flat_pays(strides, shape[3]) else COLUMNS_FIRST if int(strides[0]) > 1 else ROWS_FIRST
+            # nothing to pad: no leading pads, and the last window ends inside the map
+            in_place = not any(begin) and all((o - 1) * int(s) + (k - 1) * int(d) + 1 <= size for o, s, k, d, size
+                                              in zip(out, strides, kernel, dilations, shape[2:]))
+            loop = (FLAT if flat_pays(strides, shape[3], in_place) else COLUMNS_FIRST if int(strides[0]) > 1
+                    else ROWS_FIRST)
             geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]),
                         int(begin[1]))
         team = dtype == np.float32 and planes > 1 and work >= TEAM_MIN_MACS

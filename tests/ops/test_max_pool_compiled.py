@@ -30,6 +30,11 @@ CASES = {
     "3x3_s3x1_dilated_rows": ((1, 2, 14, 9), dict(kernel_shape=[3, 3], strides=[3, 1], dilations=[2, 1],
                                                   pads=[2, 1, 2, 1])),
     "s2x3_ceil": ((1, 3, 10, 13), dict(kernel_shape=[3, 2], strides=[2, 3], ceil_mode=1)),
+    # nothing to pad (the flat passes read the input in place): windows ending on the last row
+    # and column, a floor mode that leaves a row and a column unread, dilated taps, wide kernels
+    "3x3_s2_no_pads_squeezenet": ((1, 3, 13, 13), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    "3x3_s2_no_pads_floor": ((1, 2, 12, 14), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    "2x4_s1x3_no_pads_dilated": ((1, 2, 11, 16), dict(kernel_shape=[2, 4], strides=[1, 3], dilations=[3, 2])),
 }
 # windows that tile the map (kernel = stride, no pads): the tile loop; a last row or column
 # shorter than a tile is not read (floor mode)
@@ -56,7 +61,7 @@ def test_matches_reference(name, dtype, flat, rng, monkeypatch):
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: flat)
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: flat)
     (got,) = make_op("MaxPool", attrs, version=12)(x)
     (want,) = reference_run("MaxPool", [x], attrs, opset=12)
     assert set(calls) == {_expected_loop(name, attrs, flat)}
@@ -75,7 +80,7 @@ def test_average_pool_matches_reference(name, dtype, include_pad, flat, rng, mon
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: flat)
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: flat)
     (got,) = make_op("AveragePool", attrs, version=19)(x)
     (want,) = reference_run("AveragePool", [x], attrs, opset=19)
     assert set(calls) == {_expected_loop(name, attrs, flat)}
@@ -143,7 +148,23 @@ def test_nan_anywhere_in_a_window_wins_on_the_separable_loops(name, rng, monkeyp
     x = randn(rng, *shape)
     flat = x.reshape(-1)
     flat[rng.choice(flat.size, size=max(2, flat.size // 40), replace=False)] = np.nan
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: False)
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: False)
+    op = make_op("MaxPool", attrs, version=12)
+    (got,) = op(x)
+    numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
+    np.testing.assert_array_equal(got, numpy_path)
+    assert np.isnan(got).any() and not np.isnan(got).all()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_nan_anywhere_in_a_window_wins_on_the_flat_passes(name, rng, monkeypatch):
+    """The flat passes take the one-instruction max too, and redo a block exactly when it holds a
+    NaN (padded copy or in place)."""
+    shape, attrs = CASES[name]
+    x = randn(rng, *shape)
+    flat = x.reshape(-1)
+    flat[rng.choice(flat.size, size=max(2, flat.size // 40), replace=False)] = np.nan
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: True)
     op = make_op("MaxPool", attrs, version=12)
     (got,) = op(x)
     numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
@@ -203,14 +224,17 @@ def test_float64_and_tiny_pools_stay_off_the_team(rng):
 @pytest.mark.parametrize("op_type", ["MaxPool", "AveragePool"])
 def test_flat_passes_in_blocks_of_planes(op_type, rng, monkeypatch):
     """The flat passes take the planes a block at a time (`FLAT_BLOCK_FLOATS`: here 114 planes of
-    13x11, then a partial block of 56): the spare tail after a block and the stale planes of the
-    earlier one never reach an output."""
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width: True)
+    13x11, then a partial block of 56; without pads, read in place, 165 planes of 11x9, then 5):
+    the spare tail after a block, the stale planes of the earlier one, and (in place) the rows
+    past a plane's end never reach an output."""
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: True)
     x = randn(rng, 1, 170, 11, 9) * 4
     x[0, 120] += 50  # (a large plane in the second block: its neighbours' windows must not see it)
     x[0, 169] -= 50
     for attrs in (dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
-                  dict(kernel_shape=[3, 2], strides=[1, 1], dilations=[2, 1], pads=[2, 0, 2, 1])):
+                  dict(kernel_shape=[3, 2], strides=[1, 1], dilations=[2, 1], pads=[2, 0, 2, 1]),
+                  dict(kernel_shape=[3, 3], strides=[2, 2]),  # in place: rows that run into the next plane
+                  dict(kernel_shape=[2, 3], strides=[2, 1], dilations=[1, 3])):
         (got,) = make_op(op_type, attrs, version=19)(x)
         (want,) = reference_run(op_type, [x], attrs, opset=19)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)

@@ -26,9 +26,12 @@ that LLVM runs on vectors: down the window's rows, ``V[r] = ⊕_i P[r + i·dh·W
 them, ``O[r] = ⊕_j V[r + j·dw]``. Output ``(oh, ow)`` of a plane is ``O[oh·sh·Wp + ow·sw]``,
 copied out; the values between (padded columns, rows and columns a stride skips) are computed in
 vain, and no output's window crosses into the next plane. One thread, 576 x 14x14 3x3/1 319 ->
-120 µs, 1024 x 7x7 239 -> 85, 256 x 27x27 3x3/2 167 -> 123; at stride 2 on maps of 55 and more
-the work in vain costs more than it saves (64 x 112x112 237 -> 497). A max is exact; a sum adds
-down the window's rows, then along (as `pool2d_columns_first`), the pads' zeros in it.
+120 µs, 1024 x 7x7 239 -> 85. With nothing to pad (no pads, the last window inside the map:
+SqueezeNet's 3x3/2 pools) the passes read the input itself, no copy (rows that run on into the
+next plane are never read out): 256 x 27x27 114 -> 54 µs against the columns-first loop; at 111
+columns the work in vain costs more than it saves. A max takes the one-instruction `_larger` and
+redoes a block exactly when it read a NaN; a sum adds down the window's rows, then along (as
+`pool2d_columns_first`), the pads' zeros in it.
 """
 from __future__ import annotations
 
@@ -310,47 +313,92 @@ def _padded_geometry(h: int, w: int, ho: int, wo: int, kh: int, kw: int, sh: int
     return hp, wp
 
 
+@inline
+def _flat_passes(source: np.ndarray, base: int, down_count: int, count: int, down: np.ndarray, along: np.ndarray,
+                 kh: int, kw: int, dh: int, dw: int, wp: int, how: int) -> bool:
+    """`flat_pool`'s kh + kw passes over planes laid end to end from ``source[base]`` (rows ``wp``
+    wide): ``down[t]`` for ``t < down_count``, then ``along[t]`` for ``t < count``; whether a value
+    read down was NaN (every value of the block is read there)."""
+    nan = False
+    rows_apart = dh * wp
+    if kh == 3:  # (the common 3x3: one pass down)
+        for t in range(down_count):
+            a, b, c = source[_U(base + t)], source[_U(base + t + rows_apart)], source[_U(base + t + 2 * rows_apart)]
+            nan |= (a != a) | (b != b) | (c != c)
+            down[_U(t)] = _fold(_fold(a, b, how), c, how)
+    else:
+        for t in range(down_count):
+            a = source[_U(base + t)]
+            nan |= a != a
+            down[_U(t)] = a
+        for i in range(1, kh):
+            shift = base + i * rows_apart
+            for t in range(down_count):
+                a = source[_U(shift + t)]
+                nan |= a != a
+                down[_U(t)] = _fold(down[_U(t)], a, how)
+    if kw == 3:  # (one pass along)
+        for t in range(count):
+            along[_U(t)] = _fold(_fold(down[_U(t)], down[_U(t + dw)], how), down[_U(t + 2 * dw)], how)
+        return nan
+    for t in range(count):
+        along[_U(t)] = down[_U(t)]
+    for j in range(1, kw):
+        shift = j * dw
+        for t in range(count):
+            along[_U(t)] = _fold(along[_U(t)], down[_U(t + shift)], how)
+    return nan
+
+
+@inline
+def _flat_block(source: np.ndarray, base: int, down_count: int, count: int, down: np.ndarray, along: np.ndarray,
+                kh: int, kw: int, dh: int, dw: int, wp: int, summing: bool) -> None:
+    """`_flat_passes` of a sum, or of a max on the one-instruction `_larger`, again exactly when
+    the block holds a NaN."""
+    if summing:
+        _flat_passes(source, base, down_count, count, down, along, kh, kw, dh, dw, wp, SUM)
+    elif _flat_passes(source, base, down_count, count, down, along, kh, kw, dh, dw, wp, LARGER):
+        _flat_passes(source, base, down_count, count, down, along, kh, kw, dh, dw, wp, EXACT_MAX)
+
+
 @kernel
 def flat_pool(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int, dh: int,
               dw: int, top: int, left: int, fill: float, summing: bool) -> None:
     """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max (or with ``summing`` the sum) over each
     window of ``x`` (P, H, W), pads being ``fill`` (the max's neutral value, or 0 for a sum), as
-    long passes over blocks of padded planes laid end to end (see the module docstring)."""
+    long passes over blocks of padded planes laid end to end (see the module docstring). Where
+    there are no pads and the windows end inside the map, the passes read the input itself (no
+    padded copy): rows that reach into the next plane are never read out."""
     _, h, w = x.shape
     _, ho, wo = out.shape
     hp, wp = _padded_geometry(h, w, ho, wo, kh, kw, sh, sw, dh, dw, top, left)
+    in_place = top == 0 and left == 0 and hp == h and wp == w
     plane = hp * wp
     chunk = max(1, FLAT_BLOCK_FLOATS // plane)
     span = chunk * plane
-    # every pass reads a little past the block's last plane: the spare tail stays ``fill``
+    # in a padded copy every pass reads a little past the block's last plane: the spare tail stays ``fill``
     reach = (kh - 1) * dh * wp + (kw - 1) * dw
-    padded = np.full(span + reach, fill, x.dtype)
+    padded = np.full(0 if in_place else span + reach, fill, x.dtype)
     down = np.full(span + reach, fill, x.dtype)
     along = np.empty(span, x.dtype)
     flat_x = x.reshape(x.size)
     for c0 in range(p0, p1, chunk):
         planes = min(chunk, p1 - c0)
-        for k in range(planes):  # the input into its place in the padded planes
-            source = (c0 + k) * h * w
-            target = k * plane + top * wp + left
-            for r in range(h):
-                for j in range(w):
-                    padded[_U(target + j)] = flat_x[_U(source + j)]
-                source += w
-                target += wp
         n = planes * plane
-        for t in range(n):
-            down[_U(t)] = padded[_U(t)]
-        for i in range(1, kh):
-            shift = i * dh * wp
-            for t in range(n):
-                down[_U(t)] = _combine(down[_U(t)], padded[_U(t + shift)], summing)
-        for t in range(n):
-            along[_U(t)] = down[_U(t)]
-        for j in range(1, kw):
-            shift = j * dw
-            for t in range(n):
-                along[_U(t)] = _combine(along[_U(t)], down[_U(t + shift)], summing)
+        if in_place:  # the last window's rows and columns end inside the block: no pass reads past it
+            down_count = n - (kh - 1) * dh * wp
+            _flat_block(flat_x, c0 * plane, down_count, down_count - (kw - 1) * dw, down, along, kh, kw, dh, dw, wp,
+                        summing)
+        else:
+            for k in range(planes):  # the input into its place in the padded planes
+                source = (c0 + k) * h * w
+                target = k * plane + top * wp + left
+                for r in range(h):
+                    for j in range(w):
+                        padded[_U(target + j)] = flat_x[_U(source + j)]
+                    source += w
+                    target += wp
+            _flat_block(padded, 0, n, n, down, along, kh, kw, dh, dw, wp, summing)
         for k in range(planes):  # the outputs out of the virtual grid, ``sh`` rows and ``sw`` apart
             for oh in range(ho):
                 source = k * plane + oh * sh * wp
