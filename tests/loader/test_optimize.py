@@ -50,6 +50,27 @@ def test_dead_layers_and_identities_are_removed():
     assert ai.load_model(proto, optimize=False).layers.__len__() == 4
 
 
+@pytest.mark.parametrize("mask_read", [False, True])
+def test_a_dropout_whose_mask_nobody_reads_is_removed(mask_read):
+    """A named mask output that no layer and no graph output reads does not keep the Dropout;
+    one that is read does (its value, a mask of ones, is part of the result)."""
+    nodes = [helper.make_node("Dropout", ["x"], ["d", "mask"], ratio=0.5),
+             helper.make_node("Relu", ["d"], ["y"])]
+    outputs = [tensor_info("y", [2])]
+    if mask_read:
+        nodes.append(helper.make_node("Cast", ["mask"], ["m"], to=TensorProto.FLOAT))
+        outputs.append(tensor_info("m", [2]))
+    proto = make_model(nodes, [tensor_info("x", [2])], outputs, extra_domains=())
+    model = ai.load_model(proto)
+    assert ("Dropout" in [l.op_type for l in model.layers]) == mask_read
+    x = np.array([-1.0, 2.0], np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        result = worker.run_blocking(x)
+    np.testing.assert_array_equal(result["y"], [0.0, 2.0])
+    if mask_read:
+        np.testing.assert_array_equal(result["m"], [1.0, 1.0])
+
+
 def _conv_bn_relu_model(rng):
     w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
     b = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")

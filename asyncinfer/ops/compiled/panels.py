@@ -237,8 +237,8 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
                 multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)), columns, spacing)
             values = [[builder.load(v) for v in row] for row in sums]
             if column_bias:
-                _store_column_biased(context, builder, sig, args, values, y_vector, p_,
-                                     transposed_writer(context, builder, y_arr, r0_, c0_, vector) if to_output else None)
+                write = transposed_writer(context, builder, y_arr, r0_, c0_, vector) if to_output else None
+                _store_column_biased(context, builder, sig, args, values, y_vector, p_, write)
             else:
                 _store_finished(context, builder, sig, args, values, y_vector, r0_)
             return context.get_dummy_value()
