@@ -14,14 +14,15 @@ future; large kernels still split across the cores. Measured on 2 cores (``bench
 Which one a model wants depends on its kernels and the machine, so the worker measures it
 (`RunModeTuner`): its first ``run``/``run_blocking`` calls alternate the two, timing those that
 ran alone (no other run of the worker began or was in flight meanwhile), and after `SAMPLES`
-clean timings of each it keeps serial runs if their median is at least `MARGIN` faster, else
-parallel ones. Until then, runs that overlap others are parallel, as before tuning existed.
+clean timings of each it keeps serial runs if their fastest is at most `MARGIN` times the
+parallel runs' fastest, else parallel ones. The fastest, not the median: on a shared machine
+noise only adds time, in bursts, and a burst over three of SqueezeNet's five serial runs (9-11
+ms against 5.5) made medians pick parallel runs, 1.35x slower for the rest of the process. Until then, runs that overlap others are parallel, as before tuning existed.
 ``ASYNCINFER_RUN_MODE`` = ``serial`` or ``parallel`` fixes the choice (default ``auto``).
 """
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 SAMPLES = 5
 #: Runs not timed at first: a worker's first runs page in its memory and record shape plans.
 SKIPPED = 2
-#: Serial runs are kept when their median time is at most this fraction of the parallel runs'.
+#: Serial runs are kept when their fastest time is at most this fraction of the parallel runs'.
 #: A tie goes to serial runs: their GEMMs and convs still use every core (the spin team takes a
 #: part of each from about 20 µs of work on), while the side-by-side branches of parallel runs
 #: take turns at the team and wake pool threads. In the tuning runs, back to back and alternating,
@@ -117,7 +118,7 @@ class RunModeTuner:
                 return
             self._times[trial.serial].append(seconds)
             if min(len(times) for times in self._times.values()) >= SAMPLES:
-                serial, parallel = (statistics.median(self._times[mode]) for mode in (True, False))
+                serial, parallel = (min(self._times[mode]) for mode in (True, False))
                 self._chosen = serial <= MARGIN * parallel
 
     def timings(self) -> dict[str, list[float]]:
