@@ -15,6 +15,10 @@ from .shape import Array, MaybeArray, normalize_axis, op_error
 def normalize_indices(op: Op, indices: np.ndarray, dims: int | np.ndarray) -> np.ndarray:
     """int64 ``indices`` with negative values counted from the back of ``dims`` (broadcast)."""
     idx = np.asarray(indices).astype(np.int64, copy=False)
+    if isinstance(dims, (int, np.integer)) and idx.size:  # one dimension: its extremes say all
+        lo, hi = int(idx.min()), int(idx.max())  # (a Gather's indices: 8 µs of ufuncs -> 2)
+        if 0 <= lo and hi < dims:
+            return idx
     dims = np.asarray(dims, dtype=np.int64)
     bad = (idx < -dims) | (idx >= dims)
     if bad.any():
