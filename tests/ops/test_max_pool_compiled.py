@@ -139,32 +139,18 @@ def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
     assert np.isnan(got[0, 1, 1:3, 1:3]).all() and np.isnan(got).sum() == 5
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["separable", "flat"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_nan_anywhere_in_a_window_wins_on_the_separable_loops(name, rng, monkeypatch):
-    """The columns-first loop takes a one-instruction max that drops a NaN it does not read
-    first, and redoes a row exactly when its input rows hold one: a NaN in any row and column of
-    a window, at each stride, still gives NaN there (as np.maximum)."""
+def test_nan_anywhere_in_a_window_wins(name, flat, rng, monkeypatch):
+    """The columns-first loop and the flat passes take a one-instruction max that drops a NaN it
+    does not read first, and redo a row (a block of planes, padded or read in place) exactly when
+    it holds one: a NaN in any row and column of a window, at each stride, still gives NaN there
+    (as np.maximum)."""
     shape, attrs = CASES[name]
     x = randn(rng, *shape)
-    flat = x.reshape(-1)
-    flat[rng.choice(flat.size, size=max(2, flat.size // 40), replace=False)] = np.nan
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: False)
-    op = make_op("MaxPool", attrs, version=12)
-    (got,) = op(x)
-    numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
-    np.testing.assert_array_equal(got, numpy_path)
-    assert np.isnan(got).any() and not np.isnan(got).all()
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_nan_anywhere_in_a_window_wins_on_the_flat_passes(name, rng, monkeypatch):
-    """The flat passes take the one-instruction max too, and redo a block exactly when it holds a
-    NaN (padded copy or in place)."""
-    shape, attrs = CASES[name]
-    x = randn(rng, *shape)
-    flat = x.reshape(-1)
-    flat[rng.choice(flat.size, size=max(2, flat.size // 40), replace=False)] = np.nan
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: True)
+    values = x.reshape(-1)
+    values[rng.choice(values.size, size=max(2, values.size // 40), replace=False)] = np.nan
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: flat)
     op = make_op("MaxPool", attrs, version=12)
     (got,) = op(x)
     numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
