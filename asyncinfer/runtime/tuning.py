@@ -16,8 +16,10 @@ Which one a model wants depends on its kernels and the machine, so the worker me
 ran alone (no other run of the worker began or was in flight meanwhile), and after `SAMPLES`
 clean timings of each it keeps serial runs if their fastest is at most `MARGIN` (1.1) times
 the parallel runs' fastest, else parallel ones. The fastest, not the median: on a shared machine
-noise only adds time, in bursts, and a burst over three of SqueezeNet's five serial runs (9-11
-ms against 5.5) made medians pick parallel runs, 1.35x slower for the rest of the process. Until then, runs that overlap others are parallel, as before tuning existed.
+noise only adds time, in bursts (SqueezeNet's serial runs 5.5 ms, 9-11 in a burst), and a burst
+over three of five runs lets medians pick the slower mode for the rest of the process (twice a
+process A/B ran SqueezeNet 1.35x slower, the speed of its parallel runs). Until then, runs that
+overlap others are parallel, as before tuning existed.
 ``ASYNCINFER_RUN_MODE`` = ``serial`` or ``parallel`` fixes the choice (default ``auto``).
 """
 from __future__ import annotations

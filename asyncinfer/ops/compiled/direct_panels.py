@@ -63,8 +63,8 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
     its data pointer (a zero-padded image); each position has its own start, so a block may run
     across output rows.
 
-    ``to_output`` (8 rows): ``y`` is an image's output (M, Ho·Wo) and a last argument ``at`` the
-    block's first position: ``y[p·W + j, at + r]`` = those sums, the block transposed in registers
+    ``to_output`` (8 rows): ``y`` is an image's output (M, Ho·Wo) and a last argument ``first``
+    the block's first position: ``y[p·W + j, first + r]`` = those sums, the block transposed in registers
     and stored as a vector of 8 positions per channel (`panels.transposed_writer`)."""
     assert not to_output or rows == 8
 

@@ -164,7 +164,8 @@ def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channe
     return write
 
 
-def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False, to_output: bool = False) -> Any:
+def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False,
+                    to_output: bool = False) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
     ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
