@@ -89,11 +89,7 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
         def y_vector(r: int, v: int) -> Any:
             return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
                                                               const(v * VECTOR_BYTES))), vector.as_pointer())
-        if to_output:  # (direct convs never add to y)
-            zero = ir.Constant(vector, [0.0] * lanes)
-            sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(PANEL_VECTORS)] for _ in range(rows)]
-        else:
-            sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
+        sums = initial_sums(context, builder, sig, args, None if to_output else y_vector, rows, PANEL_VECTORS, vector)
         with cgutils.for_range(builder, taps_) as loop:
             offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [loop.index])), const(size))
             row = at(panel, builder.mul(loop.index, row_stride))

@@ -222,11 +222,8 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
             def y_vector(r: int, v: int) -> Any:
                 return builder.bitcast(at(y_block, builder.add(builder.mul(const(r), y_stride), const(v * VECTOR_BYTES))),
                                        vector.as_pointer())
-            if to_output:
-                zero = ir.Constant(vector, [0.0] * vector.count)
-                sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(PANEL_VECTORS)] for _ in range(rows)]
-            else:
-                sums = initial_sums(context, builder, sig, args, y_vector, rows, PANEL_VECTORS, vector)
+            sums = initial_sums(context, builder, sig, args, None if to_output else y_vector, rows, PANEL_VECTORS,
+                                vector)
             with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
                 row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
                 ahead = at(row, panel_stride)  # (a prefetch never faults, past the last panel too)
@@ -249,15 +246,18 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
     return block
 
 
-def initial_sums(context: Any, builder: Any, sig: Any, args: Any, y_vector: Callable[[int, int], Any], rows: int,
-                 vectors: int, vector: Any) -> list[list[Any]]:
+def initial_sums(context: Any, builder: Any, sig: Any, args: Any, y_vector: Callable[[int, int], Any] | None,
+                 rows: int, vectors: int, vector: Any) -> list[list[Any]]:
     """A register block's sums (rows x vectors, allocas that LLVM promotes to registers): zero,
-    or y's values where the ``finish`` code (``args[8]``) has `ADD_TO_Y`."""
+    or y's values where the ``finish`` code (``args[8]``) has `ADD_TO_Y` (never without a
+    ``y_vector``: a block stored transposed, `transposed_writer`)."""
+    zero = ir.Constant(vector, [0.0] * vector.count)
+    if y_vector is None:
+        return [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(rows)]
     size = context.get_abi_sizeof(vector.element)
     finish = context.cast(builder, args[8], sig.args[8], types.int64)
     adding = builder.icmp_unsigned("!=", builder.and_(finish, ir.Constant(ir.IntType(64), ADD_TO_Y)),
                                    ir.Constant(ir.IntType(64), 0))
-    zero = ir.Constant(vector, [0.0] * vector.count)
     return [[cgutils.alloca_once_value(builder, builder.select(adding, builder.load(y_vector(r, v), align=size), zero))
              for v in range(vectors)] for r in range(rows)]
 
