@@ -41,6 +41,15 @@ STRIDES = (1, 2, 4)
 #: Float32 lanes of one vector.
 LANES = VECTOR_BYTES // 4
 
+#: Output rows a block of channels goes through before the next block takes them (the band's
+#: input, a few channels, is read again for each block, from L1 or L2). Every block of channels
+#: at a time along one row wrote each of the M output planes a row apart: 64 store streams at a
+#: stem's 64 channels, too many for the prefetchers, so every store missed once the output had
+#: left the cache, as in a model's run (SqueezeNet's 3x3/2 3 -> 64, one core: 560 µs hot, 1040
+#: with the caches flushed first). Eight rows at a time write each plane a run of eight rows:
+#: 575 hot, 710-780 flushed.
+BAND_ROWS = 8
+
 _U = np.uint64  # (unsigned indices: no negative-index wrap test in the copy's loop)
 
 
@@ -90,28 +99,28 @@ def _direct_block(rows: int, vectors: int) -> Any:
 _wide, _narrow = (_direct_block(BLOCK_ROWS, vectors) for vectors in (2, 1))
 
 
-@kernel(contract=False)
-def _channel_blocks(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int, wide: bool,
-                    y: np.ndarray, c0: int, bias: np.ndarray, act: int, av: Any, bv: Any, spare: np.ndarray) -> None:
-    """Every channel of ``y`` (M or more rows) for one block of positions (two vectors wide or
-    one) at column ``c0``, finished; the last channels short of a block through ``spare``
-    (`BLOCK_ROWS`, two vectors), then copied. ``columns`` and ``bias`` are padded to whole blocks."""
+@numba.njit(inline="always")
+def _channel_block(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int, wide: bool,
+                   y: np.ndarray, r: int, c0: int, bias: np.ndarray, finish: int, av: Any, bv: Any,
+                   spare: np.ndarray) -> None:
+    """Channels ``r:r + BLOCK_ROWS`` of ``y`` (those it has) for one block of positions (two
+    vectors wide or one) at column ``c0``, finished; a block past ``y``'s last channel through
+    ``spare`` (`BLOCK_ROWS`, two vectors), then copied. ``columns`` and ``bias`` are padded to
+    whole blocks."""
     m = y.shape[0]
-    finish = finishing(act)
-    width = (2 if wide else 1) * LANES
-    for r in range(0, m, BLOCK_ROWS):
-        whole = r + BLOCK_ROWS <= m
-        target, at = (y[r:], c0) if whole else (spare, 0)
-        taps = offsets.shape[0]
-        if wide:
-            _wide(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
-        else:
-            _narrow(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
-        if not whole:
-            for k in range(m - r):
-                row, source = y[r + k], spare[k]
-                for j in range(width):
-                    row[c0 + j] = source[j]
+    whole = r + BLOCK_ROWS <= m
+    target, at = (y[r:], c0) if whole else (spare, 0)
+    taps = offsets.shape[0]
+    if wide:
+        _wide(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
+    else:
+        _narrow(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
+    if not whole:
+        width = (2 if wide else 1) * LANES
+        for k in range(m - r):
+            row, source = y[r + k], spare[k]
+            for j in range(width):
+                row[c0 + j] = source[j]
 
 
 @kernel(contract=False)
@@ -126,30 +135,39 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
     act(sums + ``bias``); ``columns`` and ``bias`` are padded with zeros to whole blocks of
     `BLOCK_ROWS` channels. ``tail`` (M padded so, LANES) takes a row's last positions short of a
     vector before their copy out, ``spare`` (`BLOCK_ROWS`, 2·LANES) the last channels short of a
-    block. ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`)."""
+    block. ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`).
+
+    The rows go in bands of `BAND_ROWS`, and each block of channels through a whole band before
+    the next block (see `BAND_ROWS`)."""
     av, bv = np.float32(a), np.float32(b)
+    finish = finishing(act)
     wp = padded.shape[3]
     plane = padded.shape[1] * padded.shape[2] * wp
     flat = padded.reshape(padded.shape[0] * plane)
     m = y.shape[1]
-    for q in range(q0, q1):
-        i, oy = q // out_height, q % out_height
-        image, out = flat[i * plane:(i + 1) * plane], y[i]
-        row = oy * stride * wp
-        c0 = oy * out_width
-        ox = 0
-        while ox + 2 * LANES <= out_width:
-            _channel_blocks(columns, image, offsets, row + ox, True, out, c0 + ox, bias, act, av, bv, spare)
-            ox += 2 * LANES
-        if ox + LANES <= out_width:
-            _channel_blocks(columns, image, offsets, row + ox, False, out, c0 + ox, bias, act, av, bv, spare)
-            ox += LANES
-        if ox < out_width:  # the last few positions: a vector's worth into the tail, then copied
-            _channel_blocks(columns, image, offsets, row + ox, False, tail, 0, bias, act, av, bv, spare)
-            for r in range(m):
-                target, source = out[r], tail[r]
-                for j in range(out_width - ox):
-                    target[c0 + ox + j] = source[j]
+    for band in range(q0, q1, BAND_ROWS):
+        for r in range(0, m, BLOCK_ROWS):
+            for q in range(band, min(band + BAND_ROWS, q1)):
+                i, oy = q // out_height, q % out_height
+                image, out = flat[i * plane:(i + 1) * plane], y[i]
+                row = oy * stride * wp
+                c0 = oy * out_width
+                ox = 0
+                while ox + 2 * LANES <= out_width:
+                    _channel_block(columns, image, offsets, row + ox, True, out, r, c0 + ox, bias, finish, av, bv,
+                                   spare)
+                    ox += 2 * LANES
+                if ox + LANES <= out_width:
+                    _channel_block(columns, image, offsets, row + ox, False, out, r, c0 + ox, bias, finish, av, bv,
+                                   spare)
+                    ox += LANES
+                if ox < out_width:  # the last few positions: a vector's worth into the tail, then copied
+                    _channel_block(columns, image, offsets, row + ox, False, tail, r, 0, bias, finish, av, bv,
+                                   spare)
+                    for k in range(r, min(r + BLOCK_ROWS, m)):
+                        target, source = out[k], tail[k]
+                        for j in range(out_width - ox):
+                            target[c0 + ox + j] = source[j]
 
 
 @kernel
