@@ -16,7 +16,9 @@ weights are kept transposed (``wt`` = Wᵀ per group, (G, C/G, M/G)), and each b
 ``BLOCK_ROWS`` output channels by one panel is summed in vector registers over C, then biased,
 activated and stored while it is in L1. Cache blocking: C in blocks of `DEPTH` (a panel's block,
 16 KiB, stays in L1 while every block of channels runs over it), channels in blocks of
-`CHANNELS` (their weights' block of C stays in L2). A later block of C adds to the sums the
+`CHANNELS` (their weights' block of C stays in L2), and each register block of channels goes
+through a band of `BAND_PANELS` panels before the next (a few output planes written at a time:
+store streams the prefetchers follow). A later block of C adds to the sums the
 earlier ones stored (`panels._more8`...), so each value is summed from zero along C one
 multiply-add after another, whatever the blocking: the same bits for any split between threads.
 
@@ -48,6 +50,14 @@ PART_KIND, SMALL_MAP_PART_KIND = 6, 7
 DEPTH = 128
 #: Output channels per block: their weights for one block of depth, 256 KiB at most.
 CHANNELS = 512
+
+#: Panels of positions each block of output channels goes through before the next block takes
+#: them (their input, at most 16 x `DEPTH` x 32 values, is read again from L2 for each block).
+#: Every block of channels for one panel at a time wrote each of the M output planes a panel
+#: apart: M store streams, too many for the prefetchers once the output had left the cache, as
+#: in a model's run. One core, caches flushed first (hot unchanged): 16 -> 64 at 55x55 224-232
+#: -> 132-134 µs, 32 -> 128 at 27x27 155-163 -> 114-115, 64 -> 16 at 55x55 217-232 -> 191-199.
+BAND_PANELS = 16
 
 _WIDTH = panel_width(np.float32)
 
@@ -102,7 +112,7 @@ def finishing(act: int) -> int:
     return _FINISHES[act]
 
 
-@kernel(contract=False)
+@numba.njit(inline="always")
 def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: int, y: np.ndarray, c0: int,
                     m0: int, m1: int, last: bool, bias: np.ndarray, act: int, av: float, bv: float) -> None:
     """Channels ``m0:m1`` of panel ``p`` over depth ``k0:k1`` (``cols`` = wt[k0:k1]), into ``y``'s
@@ -175,9 +185,11 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
                 for k0 in range(0, c, DEPTH):
                     k1 = min(c, k0 + DEPTH)
                     cols = weights[k0:k1]
-                    for p in range(whole):
-                        _channel_blocks(cols, columns, p, k0, k1, out, v0 + p * width, b0, b1, k1 == c, group_bias,
-                                        act, av, bv)
+                    for band in range(0, whole, BAND_PANELS):
+                        for r in range(b0, b1, BLOCK_ROWS):
+                            for p in range(band, min(band + BAND_PANELS, whole)):
+                                _channel_blocks(cols, columns, p, k0, k1, out, v0 + p * width, r,
+                                                min(b1, r + BLOCK_ROWS), k1 == c, group_bias, act, av, bv)
                     if partial:  # (through the tail)
                         _channel_blocks(cols, panels, last, k0, k1, rest, 0, b0, b1, k1 == c, group_bias, act, av,
                                         bv)
