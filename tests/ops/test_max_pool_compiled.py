@@ -1,6 +1,6 @@
 """2-D float MaxPool and AveragePool on their compiled loops (asyncinfer/ops/compiled/pool.py: the separable loops,
-rows first or columns first, the flat passes over padded planes, and the tile loop where the
-windows tile the map) against onnx's reference implementation:
+rows first or columns first, the flat passes over padded planes, the tile loop where the
+windows tile the map, and compiled/pool_three.py's 3x3/2 loop) against onnx's reference implementation:
 pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ CASES = {
     # and column, a floor mode that leaves a row and a column unread, dilated taps, wide kernels
     "3x3_s2_no_pads_squeezenet": ((1, 3, 13, 13), dict(kernel_shape=[3, 3], strides=[2, 2])),
     "3x3_s2_no_pads_floor": ((1, 2, 12, 14), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    # the 3x3/2 loop's vectors (AVX-512: 16 lanes, AVX2 and NEON: 8): whole ones and a last one
+    # overlapping the one before, half ones, down the rows and along them
+    "3x3_s2_wide_pads": ((1, 2, 9, 70), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    "3x3_s2_wide_no_pads": ((1, 3, 8, 53), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    "3x3_s2_one_vector_out": ((1, 2, 7, 33), dict(kernel_shape=[3, 3], strides=[2, 2])),
+    "3x3_s2_ceil_asym": ((2, 2, 10, 40), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[0, 1, 1, 0], ceil_mode=1)),
     "2x4_s1x3_no_pads_dilated": ((1, 2, 11, 16), dict(kernel_shape=[2, 4], strides=[1, 3], dilations=[3, 2])),
 }
 # windows that tile the map (kernel = stride, no pads): the tile loop; a last row or column
@@ -46,44 +52,62 @@ TILE_CASES = {
 }
 
 
-def _expected_loop(name: str, attrs: dict, flat: bool) -> str:
+#: The loops a case is made to take: the separable ones, the flat passes (`pool.flat_pays`
+#: forced) or the 3x3/2 loop where the window is one (`pool.takes_three_by_two` forced).
+LOOPS = ["separable", "flat", "three_by_two"]
+
+
+def _force_loop(monkeypatch, loop: str) -> None:
+    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: loop == "flat")
+    monkeypatch.setattr(pool, "takes_three_by_two", lambda kernel, strides, dilations, width, in_place: (
+        loop == "three_by_two" and _three_by_two(kernel, strides, dilations)))
+
+
+def _three_by_two(kernel, strides, dilations) -> bool:
+    return list(kernel) == [3, 3] and list(strides) == [2, 2] and all(d == 1 for d in dilations)
+
+
+def _expected_loop(name: str, attrs: dict, loop: str) -> str:
     if name in TILE_CASES:
         return "tiles"
-    return "flat" if flat else "columns" if attrs.get("strides", [1])[0] > 1 else "rows"
+    kernel, strides = attrs["kernel_shape"], attrs.get("strides", [1, 1])
+    if loop == "three_by_two" and _three_by_two(kernel, strides, attrs.get("dilations", [1, 1])):
+        return "three_by_two"
+    return "flat" if loop == "flat" else "columns" if strides[0] > 1 else "rows"
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["separable", "flat"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(TILE_CASES))
-def test_matches_reference(name, dtype, flat, rng, monkeypatch):
-    """Every case on the separable loops and on the flat passes (`pool.flat_pays` forced)."""
+def test_matches_reference(name, dtype, loop, rng, monkeypatch):
+    """Every case on the separable loops, on the flat passes and (3x3/2) on its own loop."""
     shape, attrs = CASES.get(name) or TILE_CASES[name]
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: flat)
+    _force_loop(monkeypatch, loop)
     (got,) = make_op("MaxPool", attrs, version=12)(x)
     (want,) = reference_run("MaxPool", [x], attrs, opset=12)
-    assert set(calls) == {_expected_loop(name, attrs, flat)}
+    assert set(calls) == {_expected_loop(name, attrs, loop)}
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["separable", "flat"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("include_pad", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(TILE_CASES))
-def test_average_pool_matches_reference(name, dtype, include_pad, flat, rng, monkeypatch):
+def test_average_pool_matches_reference(name, dtype, include_pad, loop, rng, monkeypatch):
     """The same loops summing (then divided by each window's count, pads counted or not)."""
     shape, attrs = CASES.get(name) or TILE_CASES[name]
     attrs = dict(attrs, count_include_pad=include_pad)
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: flat)
+    _force_loop(monkeypatch, loop)
     (got,) = make_op("AveragePool", attrs, version=19)(x)
     (want,) = reference_run("AveragePool", [x], attrs, opset=19)
-    assert set(calls) == {_expected_loop(name, attrs, flat)}
+    assert set(calls) == {_expected_loop(name, attrs, loop)}
     assert got.dtype == dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
 
@@ -116,7 +140,7 @@ def test_an_average_pool_over_the_whole_map_is_the_planes_mean(name, dtype, rng,
 
 def _spy_on_loops(monkeypatch, calls: list) -> None:
     names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles",
-             compiled_pool.FLAT: "flat"}
+             compiled_pool.FLAT: "flat", compiled_pool.THREE_BY_TWO: "three_by_two"}
     monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
 
 
@@ -139,18 +163,18 @@ def test_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
     assert np.isnan(got[0, 1, 1:3, 1:3]).all() and np.isnan(got).sum() == 5
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["separable", "flat"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_nan_anywhere_in_a_window_wins(name, flat, rng, monkeypatch):
+def test_nan_anywhere_in_a_window_wins(name, loop, rng, monkeypatch):
     """The columns-first loop and the flat passes take a one-instruction max that drops a NaN it
     does not read first, and redo a row (a block of planes, padded or read in place) exactly when
-    it holds one: a NaN in any row and column of a window, at each stride, still gives NaN there
-    (as np.maximum)."""
+    it holds one; the 3x3/2 loop's max keeps a NaN in any of its three operands: a NaN in any row
+    and column of a window, at each stride, still gives NaN there (as np.maximum)."""
     shape, attrs = CASES[name]
     x = randn(rng, *shape)
     values = x.reshape(-1)
     values[rng.choice(values.size, size=max(2, values.size // 40), replace=False)] = np.nan
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: flat)
+    _force_loop(monkeypatch, loop)
     op = make_op("MaxPool", attrs, version=12)
     (got,) = op(x)
     numpy_path = op.separable_reduce(x, np.maximum, -np.inf)[0]
@@ -213,7 +237,7 @@ def test_flat_passes_in_blocks_of_planes(op_type, rng, monkeypatch):
     13x11, then a partial block of 56; without pads, read in place, 165 planes of 11x9, then 5):
     the spare tail after a block, the stale planes of the earlier one, and (in place) the rows
     past a plane's end never reach an output."""
-    monkeypatch.setattr(pool, "flat_pays", lambda strides, width, in_place: True)
+    _force_loop(monkeypatch, "flat")
     x = randn(rng, 1, 170, 11, 9) * 4
     x[0, 120] += 50  # (a large plane in the second block: its neighbours' windows must not see it)
     x[0, 169] -= 50

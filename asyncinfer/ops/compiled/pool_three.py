@@ -1,0 +1,244 @@
+"""The 3x3/2 pool (a CNN's downsampling MaxPool, ShuffleNet's AveragePool) on explicit vectors.
+
+The general loops (`pool.pool2d_columns_first`, `pool.flat_pool`) leave vectorising to LLVM,
+whose vector loop takes 64 values an iteration (four vectors): a 56-wide row ran one vector
+iteration and 56 scalar ones, a 28- or 14-wide row only scalar ones, and the stride-2 pass along
+a row went value by value. Here each output row is two passes over vectors of `LANES` written
+in LLVM IR: the window's (up to) three input rows combined down their columns into a row
+buffer padded with the neutral value (``down``), then along it, where output ``ow`` combines
+``down[2·ow + j]``, j < 3: two vectors of ``down`` give the even and the odd columns by two
+shuffles, and the even ones shifted by one column by a third, so 16 outputs (AVX-512) take six
+loads, three shuffles and two combines. The last values short of a vector go the scalar way.
+
+A max is NaN-exact as ``np.maximum`` (a NaN in the window gives NaN): each combine is the
+compare-or-unordered select of `pool._max`, four instructions instead of one, still far from
+the loops' cost. A sum adds down the rows, then along, in window order (the pads' zeros in it),
+as `pool.pool2d_columns_first` does: the same bits.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import inline, kernel
+from .panels import VECTOR_BYTES
+
+#: How the combines go: a sum, or the NaN-exact max.
+SUM, MAX = 0, 2
+
+_U = np.uint64
+
+
+def _combine3(builder: Any, how: int, a: Any, b: Any, c: Any) -> Any:
+    """``(a ⊕ b) ⊕ c`` on vectors: ``(a + b) + c``, or the NaN-exact max. ``x > y ? x : y`` is
+    one max instruction that keeps a NaN ``y`` (only): ``c > t ? c : t`` of ``t = a > b ? a : b``
+    keeps a NaN ``b``, and a NaN ``a`` or ``c`` (one unordered compare for both) gives ``a + c``,
+    a NaN: five instructions, where a compare-or-unordered select per pair took eight."""
+    if how == SUM:
+        return builder.fadd(builder.fadd(a, b), c)
+    t = builder.select(builder.fcmp_ordered(">", a, b), a, b)
+    m = builder.select(builder.fcmp_ordered(">", c, t), c, t)
+    return builder.select(builder.fcmp_unordered("uno", a, c), builder.fadd(a, c), m)
+
+
+def _lanes(context: Any, dtype: Any, narrow: bool) -> tuple[Any, int, int]:
+    """The element type, its size and the lanes of a vector (half of one: ``narrow``)."""
+    element = context.get_value_type(dtype)
+    size = context.get_abi_sizeof(element)
+    return element, size, VECTOR_BYTES // size // (2 if narrow else 1)
+
+
+def _down_vector(how: int, narrow: bool = False) -> Any:
+    """An intrinsic ``fold(down, at, source, padding, a, b, c, missing, j)``: ``down[at + j + i] =
+    (R0[j + i] ⊕ R1[j + i]) ⊕ R2[j + i]`` for the ``i`` < one vector's lanes (half a vector's:
+    ``narrow``), where the window's rows ``R0, R1, R2`` start at offsets ``a, b, c`` of the flat
+    input ``source``, or are ``padding`` (a row of the neutral value) where bit 0, 1 or 2 of
+    ``missing`` is set (a row above or below the map). Offsets, not row views: a view costs a
+    reference count's update, a call, each."""
+
+    @intrinsic
+    def fold(typingctx: Any, down: Any, at: Any, source: Any, padding: Any, a: Any, b: Any, c: Any, missing: Any,
+             j: Any) -> Any:
+        if not all(isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" and t.dtype == down.dtype
+                   for t in (down, source, padding)):
+            return None
+        signature = types.void(down, at, source, padding, a, b, c, missing, j)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            down_arr, source_arr, padding_arr = (context.make_array(sig.args[i])(context, builder, args[i])
+                                                 for i in (0, 2, 3))
+            at_, a_, b_, c_, missing_, j_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                             for i in (1, 4, 5, 6, 7, 8))
+            element, size, lanes = _lanes(context, sig.args[0].dtype, narrow)
+            pointer = ir.VectorType(element, lanes).as_pointer()
+            i64 = ir.IntType(64)
+            pad_row = builder.gep(padding_arr.data, [j_])
+            values = []
+            for bit, offset in enumerate((a_, b_, c_)):
+                absent = builder.icmp_unsigned("!=", builder.and_(missing_, ir.Constant(i64, 1 << bit)),
+                                               ir.Constant(i64, 0))
+                row = builder.select(absent, pad_row, builder.gep(source_arr.data, [builder.add(offset, j_)]))
+                values.append(builder.load(builder.bitcast(row, pointer), align=size))
+            value = _combine3(builder, how, *values)
+            target = builder.bitcast(builder.gep(down_arr.data, [builder.add(at_, j_)]), pointer)
+            builder.store(value, target, align=size)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return fold
+
+
+def _along_vector(how: int, narrow: bool = False) -> Any:
+    """An intrinsic ``along(down, start, dst, base, o)``: ``dst[base + o + i] = (D[2(o + i)] ⊕
+    D[2(o + i) + 1]) ⊕ D[2(o + i) + 2]`` for the ``i`` < one vector's lanes (half a vector's:
+    ``narrow``), ``D`` the row of ``down`` from ``start`` (it holds at least ``2·o + 2·lanes + 1``
+    values)."""
+
+    @intrinsic
+    def along(typingctx: Any, down: Any, start: Any, dst: Any, base: Any, o: Any) -> Any:
+        if not (isinstance(down, types.Array) and isinstance(dst, types.Array) and down.dtype == dst.dtype
+                and down.layout == "C" and dst.layout == "C" and down.ndim == dst.ndim == 1):
+            return None
+        signature = types.void(down, start, dst, base, o)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            down_arr, dst_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2))
+            start_, base_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4))
+            element, size, lanes = _lanes(context, sig.args[0].dtype, narrow)
+            vector = ir.VectorType(element, lanes)
+            picks = ir.VectorType(ir.IntType(32), lanes)
+
+            def load(index: Any) -> Any:
+                return builder.load(builder.bitcast(builder.gep(down_arr.data, [index]), vector.as_pointer()),
+                                    align=size)
+            start = builder.add(start_, builder.mul(o_, ir.Constant(ir.IntType(64), 2)))
+            low = load(start)
+            high = load(builder.add(start, ir.Constant(ir.IntType(64), lanes)))
+            even = builder.shuffle_vector(low, high, ir.Constant(picks, [2 * i for i in range(lanes)]))
+            odd = builder.shuffle_vector(low, high, ir.Constant(picks, [2 * i + 1 for i in range(lanes)]))
+            # the even columns one further along: this block's from the second on, then the next block's first
+            after = builder.insert_element(ir.Constant(vector, ir.Undefined),
+                                           builder.load(builder.gep(down_arr.data, [builder.add(
+                                               start, ir.Constant(ir.IntType(64), 2 * lanes))]), align=size),
+                                           ir.Constant(ir.IntType(32), 0))
+            shifted = builder.shuffle_vector(even, after, ir.Constant(picks, list(range(1, lanes + 1))))
+            value = _combine3(builder, how, even, odd, shifted)
+            builder.store(value, builder.bitcast(builder.gep(dst_arr.data, [builder.add(base_, o_)]),
+                                                 vector.as_pointer()), align=size)
+            return context.get_dummy_value()
+
+        return signature, codegen
+
+    return along
+
+
+_add_down, _max_down, _add_down_narrow, _max_down_narrow = (_down_vector(how, narrow) for narrow in (False, True)
+                                                              for how in (SUM, MAX))
+_add_along, _max_along, _add_along_narrow, _max_along_narrow = (_along_vector(how, narrow)
+                                                                for narrow in (False, True) for how in (SUM, MAX))
+
+
+@inline
+def _fold(r: float, v: float, how: int) -> float:
+    """``r ⊕ v`` on scalars, as `_combine` on vectors."""
+    if how == SUM:
+        return r + v
+    return v if (v > r) | (v != v) else r
+
+
+@inline
+def _down(down: np.ndarray, at: int, source: np.ndarray, padding: np.ndarray, a: int, b: int, c: int, missing: int,
+          j: int, how: int, narrow: bool) -> None:
+    """One vector (half of one: ``narrow``) of the down pass (`_down_vector`)."""
+    if narrow:
+        if how == SUM:
+            _add_down_narrow(down, at, source, padding, a, b, c, missing, j)
+        else:
+            _max_down_narrow(down, at, source, padding, a, b, c, missing, j)
+    elif how == SUM:
+        _add_down(down, at, source, padding, a, b, c, missing, j)
+    else:
+        _max_down(down, at, source, padding, a, b, c, missing, j)
+
+
+@inline
+def _along(down: np.ndarray, start: int, dst: np.ndarray, base: int, o: int, how: int, narrow: bool) -> None:
+    """One vector (half of one: ``narrow``) of outputs (`_along_vector`)."""
+    if narrow:
+        if how == SUM:
+            _add_along_narrow(down, start, dst, base, o)
+        else:
+            _max_along_narrow(down, start, dst, base, o)
+    elif how == SUM:
+        _add_along(down, start, dst, base, o)
+    else:
+        _max_along(down, start, dst, base, o)
+
+
+@inline
+def _three_by_two(x: np.ndarray, out: np.ndarray, p0: int, p1: int, top: int, left: int, neutral: float,
+                  how: int) -> None:
+    _, h, wd = x.shape
+    _, ho, wo = out.shape
+    source, target = x.reshape(x.size), out.reshape(out.size)
+    lanes = VECTOR_BYTES // x.itemsize
+    half = lanes // 2
+    # the padded row, and room for a vector of outputs' reads (2·wo + 1 values)
+    down = np.full(max(left + wd, 2 * wo + 1) + 2 * lanes, neutral, x.dtype)
+    padding = np.full(wd, neutral, x.dtype)  # a window's row above or below the map
+    for p in range(p0, p1):
+        for oh in range(ho):
+            base = (p * ho + oh) * wo
+            first = (p * h + 2 * oh - top) * wd  # (the window's first row, perhaps above the map)
+            missing = 0
+            for i in range(3):
+                if not 0 <= 2 * oh - top + i < h:
+                    missing |= 1 << i
+            if missing == 7:  # (the window wholly in the padding)
+                for ow in range(wo):
+                    target[_U(base + ow)] = neutral
+                continue
+            if wd >= lanes:  # whole vectors, the last one overlapping the one before (each value stored again)
+                for j in range(0, wd - lanes, lanes):
+                    _down(down, left, source, padding, first, first + wd, first + 2 * wd, missing, j, how, False)
+                _down(down, left, source, padding, first, first + wd, first + 2 * wd, missing, wd - lanes, how, False)
+            elif wd >= half:
+                _down(down, left, source, padding, first, first + wd, first + 2 * wd, missing, 0, how, True)
+                _down(down, left, source, padding, first, first + wd, first + 2 * wd, missing, wd - half, how, True)
+            else:
+                for j in range(wd):
+                    a = padding[_U(j)] if missing & 1 else source[_U(first + j)]
+                    b = padding[_U(j)] if missing & 2 else source[_U(first + wd + j)]
+                    c = padding[_U(j)] if missing & 4 else source[_U(first + 2 * wd + j)]
+                    down[_U(left + j)] = _fold(_fold(a, b, how), c, how)
+            if wo >= lanes:  # (as above: outputs are stored, never accumulated)
+                for o in range(0, wo - lanes, lanes):
+                    _along(down, 0, target, base, o, how, False)
+                _along(down, 0, target, base, wo - lanes, how, False)
+            elif wo >= half:
+                _along(down, 0, target, base, 0, how, True)
+                _along(down, 0, target, base, wo - half, how, True)
+            else:
+                for ow in range(wo):
+                    k = _U(2 * ow)
+                    target[_U(base + ow)] = _fold(_fold(down[k], down[k + _U(1)], how), down[k + _U(2)], how)
+
+
+@kernel
+def max_three_by_two(x: np.ndarray, out: np.ndarray, p0: int, p1: int, top: int, left: int, lowest: float) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max over each 3x3 window at stride 2 of ``x``
+    (P, H, W), ``top`` and ``left`` rows and columns of padding before it (pads never win: they
+    hold ``lowest``). C-contiguous float arrays."""
+    _three_by_two(x, out, p0, p1, top, left, lowest, MAX)
+
+
+@kernel
+def sum_three_by_two(x: np.ndarray, out: np.ndarray, p0: int, p1: int, top: int, left: int) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the sum over each 3x3 window at stride 2 of ``x``
+    (P, H, W), the pads' zeros in it (an AveragePool divides it)."""
+    _three_by_two(x, out, p0, p1, top, left, 0.0, SUM)
