@@ -1,6 +1,5 @@
-"""A row split into its even and odd columns (asyncinfer/ops/compiled/phases.py), whole vectors by
-shuffles and the rest value by value, for each width around a vector's and each element type the
-strided loops use."""
+"""A row split into its even and odd columns (asyncinfer/ops/compiled/phases.py), for widths
+around a vector's and each element type the strided loops use; nothing past a phase is written."""
 from __future__ import annotations
 
 import numba

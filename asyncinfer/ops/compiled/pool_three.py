@@ -1,19 +1,19 @@
 """The 3x3/2 pool (a CNN's downsampling MaxPool, ShuffleNet's AveragePool) on explicit vectors.
 
 The general loops (`pool.pool2d_columns_first`, `pool.flat_pool`) leave vectorising to LLVM,
-whose vector loop takes 64 values an iteration (four vectors): a 56-wide row ran one vector
-iteration and 56 scalar ones, a 28- or 14-wide row only scalar ones, and the stride-2 pass along
-a row went value by value. Here each output row is two passes over vectors of `LANES` written
-in LLVM IR: the window's (up to) three input rows combined down their columns into a row
-buffer padded with the neutral value (``down``), then along it, where output ``ow`` combines
-``down[2·ow + j]``, j < 3: two vectors of ``down`` give the even and the odd columns by two
-shuffles, and the even ones shifted by one column by a third, so 16 outputs (AVX-512) take six
-loads, three shuffles and two combines. The last values short of a vector go the scalar way.
+whose vector loop takes 64 values an iteration (four vectors of AVX-512): a 111-wide row ran one
+iteration and 47 values one at a time, a 56-wide or narrower row only single values. Here each
+output row is two passes over vectors (`panels.VECTOR_BYTES`) written in LLVM IR: the window's
+(up to) three input rows combined down their columns into a row buffer padded with the neutral
+value (``down``), then along it, where output ``ow`` combines ``down[2·ow + j]``, j < 3: two
+vectors of ``down`` give the even and the odd columns by two shuffles, and the even ones shifted
+by one column by a third. A row's last values short of a vector take one more vector ending at
+the row's end (overlapping the one before: each value is stored again, never accumulated), and
+rows under a vector wide half vectors; only rows under half a vector go value by value.
 
-A max is NaN-exact as ``np.maximum`` (a NaN in the window gives NaN): each combine is the
-compare-or-unordered select of `pool._max`, four instructions instead of one, still far from
-the loops' cost. A sum adds down the rows, then along, in window order (the pads' zeros in it),
-as `pool.pool2d_columns_first` does: the same bits.
+A max is NaN-exact as ``np.maximum`` (a NaN in the window gives NaN; `_combine3`). A sum adds
+the window's rows down, then along, in window order, a row above or below the map as zeros
+(``(0 + b) + c``: the sums of `pool.pool2d_columns_first`, but for the sign of a zero sum).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from . import inline, kernel
 from .panels import VECTOR_BYTES
 
 #: How the combines go: a sum, or the NaN-exact max.
-SUM, MAX = 0, 2
+SUM, MAX = 0, 1
 
 _U = np.uint64
 
@@ -94,21 +94,20 @@ def _down_vector(how: int, narrow: bool = False) -> Any:
 
 
 def _along_vector(how: int, narrow: bool = False) -> Any:
-    """An intrinsic ``along(down, start, dst, base, o)``: ``dst[base + o + i] = (D[2(o + i)] ⊕
-    D[2(o + i) + 1]) ⊕ D[2(o + i) + 2]`` for the ``i`` < one vector's lanes (half a vector's:
-    ``narrow``), ``D`` the row of ``down`` from ``start`` (it holds at least ``2·o + 2·lanes + 1``
-    values)."""
+    """An intrinsic ``along(down, dst, base, o)``: ``dst[base + o + i] = (down[2(o + i)] ⊕
+    down[2(o + i) + 1]) ⊕ down[2(o + i) + 2]`` for the ``i`` < one vector's lanes (half a vector's:
+    ``narrow``; ``down`` holds at least ``2·o + 2·lanes + 1`` values)."""
 
     @intrinsic
-    def along(typingctx: Any, down: Any, start: Any, dst: Any, base: Any, o: Any) -> Any:
+    def along(typingctx: Any, down: Any, dst: Any, base: Any, o: Any) -> Any:
         if not (isinstance(down, types.Array) and isinstance(dst, types.Array) and down.dtype == dst.dtype
                 and down.layout == "C" and dst.layout == "C" and down.ndim == dst.ndim == 1):
             return None
-        signature = types.void(down, start, dst, base, o)
+        signature = types.void(down, dst, base, o)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            down_arr, dst_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2))
-            start_, base_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4))
+            down_arr, dst_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1))
+            base_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
             element, size, lanes = _lanes(context, sig.args[0].dtype, narrow)
             vector = ir.VectorType(element, lanes)
             picks = ir.VectorType(ir.IntType(32), lanes)
@@ -116,7 +115,7 @@ def _along_vector(how: int, narrow: bool = False) -> Any:
             def load(index: Any) -> Any:
                 return builder.load(builder.bitcast(builder.gep(down_arr.data, [index]), vector.as_pointer()),
                                     align=size)
-            start = builder.add(start_, builder.mul(o_, ir.Constant(ir.IntType(64), 2)))
+            start = builder.mul(o_, ir.Constant(ir.IntType(64), 2))
             low = load(start)
             high = load(builder.add(start, ir.Constant(ir.IntType(64), lanes)))
             even = builder.shuffle_vector(low, high, ir.Constant(picks, [2 * i for i in range(lanes)]))
@@ -145,7 +144,7 @@ _add_along, _max_along, _add_along_narrow, _max_along_narrow = (_along_vector(ho
 
 @inline
 def _fold(r: float, v: float, how: int) -> float:
-    """``r ⊕ v`` on scalars, as `_combine` on vectors."""
+    """``r ⊕ v`` on scalars, as `_combine3` on vectors."""
     if how == SUM:
         return r + v
     return v if (v > r) | (v != v) else r
@@ -167,17 +166,17 @@ def _down(down: np.ndarray, at: int, source: np.ndarray, padding: np.ndarray, a:
 
 
 @inline
-def _along(down: np.ndarray, start: int, dst: np.ndarray, base: int, o: int, how: int, narrow: bool) -> None:
+def _along(down: np.ndarray, dst: np.ndarray, base: int, o: int, how: int, narrow: bool) -> None:
     """One vector (half of one: ``narrow``) of outputs (`_along_vector`)."""
     if narrow:
         if how == SUM:
-            _add_along_narrow(down, start, dst, base, o)
+            _add_along_narrow(down, dst, base, o)
         else:
-            _max_along_narrow(down, start, dst, base, o)
+            _max_along_narrow(down, dst, base, o)
     elif how == SUM:
-        _add_along(down, start, dst, base, o)
+        _add_along(down, dst, base, o)
     else:
-        _max_along(down, start, dst, base, o)
+        _max_along(down, dst, base, o)
 
 
 @inline
@@ -218,11 +217,11 @@ def _three_by_two(x: np.ndarray, out: np.ndarray, p0: int, p1: int, top: int, le
                     down[_U(left + j)] = _fold(_fold(a, b, how), c, how)
             if wo >= lanes:  # (as above: outputs are stored, never accumulated)
                 for o in range(0, wo - lanes, lanes):
-                    _along(down, 0, target, base, o, how, False)
-                _along(down, 0, target, base, wo - lanes, how, False)
+                    _along(down, target, base, o, how, False)
+                _along(down, target, base, wo - lanes, how, False)
             elif wo >= half:
-                _along(down, 0, target, base, 0, how, True)
-                _along(down, 0, target, base, wo - half, how, True)
+                _along(down, target, base, 0, how, True)
+                _along(down, target, base, wo - half, how, True)
             else:
                 for ow in range(wo):
                     k = _U(2 * ow)
