@@ -165,16 +165,17 @@ def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channe
 
 
 def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False,
-                    to_output: bool = False) -> Any:
+                    to_output: bool = False, ahead: int = 1) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
     ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
     continuing each sum where the earlier one left it, so the bits are those of one pass), where
     ``columns`` is a's block of K transposed (``columns[k - k0, r] = a[r, k]``, so a step's values
     of a are on one cache line). The block of y is held in vector registers (allocas that LLVM
-    promotes) while k runs, and the next panel's same rows are prefetched as this one's are used
-    (a panel's rows are one sequential run, but a split along K leaves a gap between panels that
-    the hardware prefetcher does not cross).
+    promotes) while k runs, and the same rows of the panel ``ahead`` panels on are prefetched as
+    this one's are used (a panel's rows are one sequential run, but a split along K leaves a gap
+    between panels that the hardware prefetcher does not cross; `_strided8`... look two panels
+    ahead).
 
     ``column_bias``: each of the block's columns has its own bias, ``bias[p·W + j]``, read whole
     vectors at a time (``bias`` padded to whole panels): the panels are a 1x1 conv's output
@@ -226,9 +227,9 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
                                 vector)
             with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
                 row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
-                ahead = at(row, panel_stride)  # (a prefetch never faults, past the last panel too)
+                later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
                 for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64):
-                    builder.call(prefetch, [at(ahead, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                    builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
                                             ir.Constant(i32, 1)])
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                         align=size) for v in range(PANEL_VECTORS)]
@@ -409,6 +410,13 @@ def _store_column_biased(context: Any, builder: Any, sig: Any, args: Any, sums: 
 
 
 _block8, _block4, _block2, _block1 = (_register_block(rows) for rows in (8, 4, 2, 1))
+#: The same blocks prefetching two panels ahead, for panels read in place from a map's rows
+#: (`pointwise.pointwise_conv`: each panel is a run of 128 bytes in each of C input rows, C read
+#: streams the hardware prefetchers do not follow; a panel ahead arrived too late once the input
+#: was out of cache). One core, caches flushed: 64 -> 16 at 55x55 229-240 -> 122-129 µs, 128 ->
+#: 32 at 27x27 167-172 -> 105-110, 16 -> 64 at 55x55 168-175 -> 143-146; hot the same. (Packed
+#: panels, one sequential run each, keep one: two measured no better, at times worse.)
+_strided8, _strided4, _strided2, _strided1 = (_register_block(rows, ahead=2) for rows in (8, 4, 2, 1))
 #: The same blocks with a bias per column (`_register_block`).
 _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True) for rows in (8, 4, 2, 1))
 #: `_by_column8` storing its block transposed into a (channels, positions) output.

@@ -40,8 +40,8 @@ from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_co
 from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
-                     BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _block1, _block2, _block4, _block8, _by_column1,
-                     _by_column2, _by_column4, _by_column8, _by_column8_to_output, pack_panels, panel_width)
+                     BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _by_column1, _by_column2, _by_column4, _by_column8,
+                     _by_column8_to_output, _strided1, _strided2, _strided4, _strided8, pack_panels, panel_width)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -127,17 +127,17 @@ def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: i
         if rows >= BLOCK_ROWS:
             rows = BLOCK_ROWS
             if BLOCK_ROWS == 8:
-                _block8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+                _strided8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
             else:
-                _block4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+                _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         elif rows >= 4:
             rows = 4
-            _block4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         elif rows >= 2:
             rows = 2
-            _block2(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            _strided2(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         else:
-            _block1(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            _strided1(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         r += rows
 
 
