@@ -182,6 +182,7 @@ def _along(down: np.ndarray, dst: np.ndarray, base: int, o: int, how: int, narro
 @inline
 def _three_by_two(x: np.ndarray, out: np.ndarray, p0: int, p1: int, top: int, left: int, neutral: float,
                   how: int) -> None:
+    """`max_three_by_two` (``how`` `MAX`) or `sum_three_by_two` (`SUM`, ``neutral`` 0)."""
     _, h, wd = x.shape
     _, ho, wo = out.shape
     source, target = x.reshape(x.size), out.reshape(out.size)
