@@ -14,11 +14,12 @@ every panel cost a copy of the input per run, a third of a squeeze layer's time 
 read. The constant
 weights are kept transposed (``wt`` = Wᵀ per group, (G, C/G, M/G)), and each block of
 ``BLOCK_ROWS`` output channels by one panel is summed in vector registers over C, then biased,
-activated and stored while it is in L1. Cache blocking: C in blocks of `DEPTH` (a panel's block,
-16 KiB, stays in L1 while every block of channels runs over it), channels in blocks of
-`CHANNELS` (their weights' block of C stays in L2), and each register block of channels goes
-through a band of `BAND_PANELS` panels before the next (a few output planes written at a time:
-store streams the prefetchers follow). A later block of C adds to the sums the
+activated and stored while it is in L1. Cache blocking: C in blocks of `DEPTH` (a panel's block
+is 16 KiB), channels in blocks of `CHANNELS` (their weights' block of C stays in L2), and each
+register block of channels goes through a band of `BAND_PANELS` panels before the next (a few
+output planes written at a time: store streams the prefetchers follow; the band's panels, 256
+KiB at most, are read again from L2 for each block), the panels read in place prefetched two
+ahead (`panels._strided8`). A later block of C adds to the sums the
 earlier ones stored (`panels._more8`...), so each value is summed from zero along C one
 multiply-add after another, whatever the blocking: the same bits for any split between threads.
 
