@@ -41,6 +41,7 @@ import numpy as np
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import inline, kernel
 from .phases import phase_tap, split_even_odd
+from .pool_folds import EXACT_MAX, LARGER, SUM, _fold, _max
 from .pool_three import max_three_by_two, sum_three_by_two
 
 #: The kind of a spin-team part that is a `pool_range`.
@@ -50,12 +51,6 @@ PART_KIND = 8
 ROWS_FIRST, COLUMNS_FIRST, TILES, FLAT, THREE_BY_TWO = 0, 1, 2, 3, 4
 
 _U = np.uint64
-
-
-@inline
-def _max(r: float, v: float) -> float:
-    """``np.maximum(r, v)``: NaN wins (the bitwise or keeps the loop branch-free)."""
-    return v if (v > r) | (v != v) else r
 
 
 @inline
@@ -138,27 +133,6 @@ def pool_tiles(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
                 for j in range(1, kw):
                     m = _combine(m, down_columns[_U(o * kw + j)], summing)
                 dst[_U(o)] = m
-
-
-@inline
-def _larger(r: float, v: float) -> float:
-    """``max(r, v)`` as one vector instruction; a NaN in ``v`` is lost (the callers check for NaN
-    separately and then take `_max`)."""
-    return v if v > r else r
-
-
-#: How `_fold` combines: a sum, `_larger` (no NaN in sight), the exact `_max`.
-SUM, LARGER, EXACT_MAX = 0, 1, 2
-
-
-@inline
-def _fold(r: float, v: float, how: int) -> float:
-    """``r ⊕ v`` the way ``how`` says (a constant at each call: LLVM keeps one branch)."""
-    if how == SUM:
-        return r + v
-    if how == LARGER:
-        return _larger(r, v)
-    return _max(r, v)
 
 
 @inline

@@ -26,9 +26,8 @@ from numba.extending import intrinsic
 
 from . import inline, kernel
 from .panels import VECTOR_BYTES
-
-#: How the combines go: a sum, or the NaN-exact max.
-SUM, MAX = 0, 1
+from .pool_folds import EXACT_MAX as MAX
+from .pool_folds import SUM, _fold
 
 _U = np.uint64
 
@@ -140,14 +139,6 @@ _add_down, _max_down, _add_down_narrow, _max_down_narrow = (_down_vector(how, na
                                                               for how in (SUM, MAX))
 _add_along, _max_along, _add_along_narrow, _max_along_narrow = (_along_vector(how, narrow)
                                                                 for narrow in (False, True) for how in (SUM, MAX))
-
-
-@inline
-def _fold(r: float, v: float, how: int) -> float:
-    """``r ⊕ v`` on scalars, as `_combine3` on vectors."""
-    if how == SUM:
-        return r + v
-    return v if (v > r) | (v != v) else r
 
 
 @inline
