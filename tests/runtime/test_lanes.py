@@ -1,11 +1,14 @@
 """The CPU backend's lane pool (asyncinfer/concurrency/lanes.py): the most recently idle thread
-takes the next work, work queues first in, first out while every thread is busy, threads start
-on demand up to the limit, and shutdown lets queued work finish."""
+takes the next work, unless a thread said it is finishing (then that one), work queues first in,
+first out while every thread is busy, threads start on demand up to the limit, and shutdown lets
+queued work finish."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from asyncinfer.concurrency.lanes import LanePool
@@ -56,6 +59,98 @@ def test_the_most_recently_idle_thread_takes_the_next_work():
         assert ran_on == [names[1], names[1]]  # the same warm thread again, run after run
     finally:
         pool.shutdown()
+
+
+def _finishing_thread(pool: LanePool, then=None) -> tuple[threading.Event, threading.Event, list[str]]:
+    """A pool thread that calls ``pool.finishing()`` (then ``then()``, if given) and waits for
+    its gate: (the gate, an event set once it has said so, its name)."""
+    gate, said = threading.Event(), threading.Event()
+    name: list[str] = []
+
+    def finish() -> None:
+        name.append(threading.current_thread().name)
+        pool.finishing()
+        if then is not None:
+            then()
+        said.set()
+        gate.wait(10)
+
+    pool.submit(finish)
+    assert said.wait(10)
+    return gate, said, name
+
+
+def _runs_on(pool: LanePool) -> tuple[threading.Event, list[str]]:
+    ran_on: list[str] = []
+    done = threading.Event()
+    pool.submit(lambda: (ran_on.append(threading.current_thread().name), done.set()))
+    return done, ran_on
+
+
+def test_a_finishing_thread_takes_work_before_an_idle_one():
+    """The next run goes to the lane that just ran one (warm), even while the other is idle and
+    that lane has not yet come back to the pool (an awaited run's loop schedules the next first)."""
+    pool = LanePool(2, "lane-test")
+    try:
+        gates, names = _occupy(pool, 2)
+        gates[0].set()
+        _until(lambda: pool.idle == 1)  # names[0] idle
+        gate, _, finishing = _finishing_thread(pool)
+        assert finishing == [names[0]]  # (the idle one took it, then said it is finishing)
+        gates[1].set()
+        _until(lambda: pool.idle == 1)  # names[1] idle now, the most recently
+        done, ran_on = _runs_on(pool)
+        assert not done.wait(0.1)  # it waits for the finishing thread, not for the idle one
+        gate.set()
+        assert done.wait(10)
+        assert ran_on == finishing
+        done, ran_on = _runs_on(pool)  # back to normal: nobody finishing
+        assert done.wait(10)
+    finally:
+        pool.shutdown()
+
+
+def test_a_finishing_thread_that_gets_more_work_of_its_own_passes_on_what_it_was_handed():
+    pool = LanePool(2, "lane-test")
+    try:
+        gates, names = _occupy(pool, 2)
+        for gate in gates:
+            gate.set()
+        _until(lambda: pool.idle == 2)
+        handed = threading.Event()
+
+        def finishing_then_busy() -> None:
+            pool.finishing()
+            done, ran_on = _runs_on(pool)  # from itself: to the idle thread, not to itself
+            assert done.wait(10)
+            handed_ran.extend(ran_on)
+            handed.wait(10)
+            pool.busy_again()
+
+        handed_ran: list[str] = []
+        outer_done = threading.Event()
+        pool.submit(lambda: (finishing_then_busy(), outer_done.set()))
+        _until(lambda: len(handed_ran) == 1)
+        me = next(n for n in names if n != handed_ran[0])
+        done, ran_on = _runs_on(pool)  # handed to the finishing thread ...
+        assert not done.wait(0.1)
+        handed.set()  # ... which has more to do: the idle thread runs it
+        assert done.wait(10) and outer_done.wait(10)
+        assert ran_on == handed_ran and ran_on != [me]
+    finally:
+        pool.shutdown()
+
+
+def test_shutdown_runs_what_a_finishing_thread_was_handed():
+    pool = LanePool(1, "lane-test")
+    gate, _, _ = _finishing_thread(pool)
+    done: list[int] = []
+    pool.submit(done.append, 1)
+    closer = threading.Thread(target=pool.shutdown)
+    closer.start()
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and done == [1]
 
 
 def test_work_queues_in_order_while_every_thread_is_busy_and_no_thread_beyond_the_limit():
@@ -122,3 +217,33 @@ def test_shutdown_finishes_queued_work_joins_the_threads_and_refuses_more():
 def test_a_pool_needs_a_thread():
     with pytest.raises(ValueError, match="at least 1"):
         LanePool(0, "lane-test")
+
+
+@pytest.mark.asyncio
+async def test_awaited_runs_one_after_another_stay_on_one_lane(digits_model, digits_samples, monkeypatch):
+    """The CPU backend's job says it is finishing before its last layer's future wakes the loop,
+    so the loop's next run goes to that lane, not to the idle one (they alternated run after run)."""
+    monkeypatch.setenv("ASYNCINFER_QUICK_RUN_US", "0")  # (every run through the pool)
+    monkeypatch.setenv("ASYNCINFER_RUN_MODE", "serial")  # (a run's layers on one lane)
+    import asyncinfer as ai
+
+    batch = np.concatenate([digits_samples[0]] * 8)  # (a run of a millisecond or so: the loop sleeps meanwhile)
+    async with ai.Worker(digits_model, "cpu", threads=2) as worker:
+        pool = worker._backend._pool  # noqa: SLF001 - the lanes themselves
+        submit, lanes = pool.submit, []
+
+        def recording(fn, *args):
+            def run(*a):
+                lanes.append(threading.current_thread().name)
+                return fn(*a)
+            submit(run, *args)
+
+        await asyncio.gather(*(worker.run(batch) for _ in range(4)))  # (both lanes started)
+        assert pool.started == 2
+        pool.submit = recording
+        expected = None
+        for _ in range(12):
+            out = await worker.run(batch)
+            expected = out if expected is None else expected
+            np.testing.assert_array_equal(next(iter(out.values())), next(iter(expected.values())))
+    assert len(lanes) >= 12 and len(set(lanes[1:])) == 1, lanes

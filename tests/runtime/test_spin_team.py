@@ -264,20 +264,12 @@ def test_kernels_leave_the_team_alone_while_another_pool_thread_works(backend_wi
 def test_a_job_that_is_finishing_no_longer_crowds_the_next(backend_with_team):
     """A job's thread stops counting as working once the job says it is finishing (before its last
     layer's future wakes a waiter): the next run, started meanwhile on the other lane, still gets
-    the team, though the first thread has not left its job yet."""
+    the team, though the first thread has not left its job yet. (The job starts it itself: work
+    that another thread submits would wait for the finishing lane, `LanePool.finishing`.)"""
     backend = backend_with_team
     seen: list[bool] = []
     finished = threading.Event()
     next_looked = threading.Event()
-
-    class Finishing:
-        serial = False
-
-        def run(self) -> None:
-            backend.job_finishing()
-            backend.job_finishing()  # (twice: counted out once)
-            finished.set()
-            next_looked.wait(timeout=10)  # still inside its job
 
     class Next:
         serial = False
@@ -286,9 +278,18 @@ def test_a_job_that_is_finishing_no_longer_crowds_the_next(backend_with_team):
             seen.append(parallel.team() is not None)
             next_looked.set()
 
+    class Finishing:
+        serial = False
+
+        def run(self) -> None:
+            backend.job_finishing()
+            backend.job_finishing()  # (twice: counted out once)
+            backend._submit(Next())  # (from this thread: to the other lane)
+            finished.set()
+            next_looked.wait(timeout=10)  # still inside its job
+
     backend._submit(Finishing())
     assert finished.wait(timeout=10)
-    backend._submit(Next())
     assert next_looked.wait(timeout=10)
     backend.close()  # (waits for both jobs)
     assert seen == [True]

@@ -191,6 +191,10 @@ class CPUBackend(Backend):
         # this thread would make that run's first layers leave the spin team alone (measured on
         # SqueezeNet: 4 awaited runs in 10 found the team "crowded", their stem 1.2 against 0.65 ms).
         self._count_out()
+        # ... and with nothing else queued here, that next run comes to this lane, warm, not to
+        # the idle one (`LanePool.finishing`; `_run_chain` takes it back if more work comes)
+        if not getattr(self._local, "chain", None):
+            self._pool.finishing()
 
     def _count_in(self) -> None:
         local = self._local
@@ -229,6 +233,7 @@ class CPUBackend(Backend):
                         else:
                             self._submit(other)
                     self._count_in()  # (a job that ran before may have counted this thread out)
+                    self._pool.busy_again()  # (and said it was finishing)
                     self._run_one(item)
             finally:
                 self._local.chain = None
