@@ -44,11 +44,12 @@ class _StepDone:
     Its methods do the execution's work inline: they run once per layer per run, on the hot path.
     """
 
-    __slots__ = ("_execution", "_node")
+    __slots__ = ("_execution", "_node", "_last")
 
-    def __init__(self, execution: "Execution", node: Node):
+    def __init__(self, execution: "Execution", node: Node, last: bool = False):
         self._execution = execution
         self._node = node
+        self._last = last  # the last step of a job: its backend hears `job_finishing` first
 
     def begin(self) -> bool:
         if not self._execution._cancelled:
@@ -60,6 +61,8 @@ class _StepDone:
         execution, node = self._execution, self._node
         if node.release:
             execution._release_inputs(node)
+        if self._last:
+            node.backend.job_finishing()
         execution.futures[node.index].set_result(outputs)  # type: ignore[union-attr]
 
     def fail(self, error: BaseException) -> None:
@@ -82,9 +85,10 @@ class _ProfiledStepDone(_StepDone):
 
     __slots__ = ("_queued", "_start", "_thread")
 
-    def __init__(self, execution: "Execution", node: Node):
+    def __init__(self, execution: "Execution", node: Node, last: bool = False):
         self._execution = execution
         self._node = node
+        self._last = last
         # The first layer of a segment was queued when its job was; any other step, now.
         self._queued = execution._queued.pop(node.index, 0) or time.perf_counter_ns()
         self._start = 0
@@ -172,7 +176,7 @@ class _SegmentJob:
                     node.backend.job_finishing()
                 futures[node.index].set_result(outputs)  # type: ignore[union-attr]
                 continue
-            done = done_type(execution, node)
+            done = done_type(execution, node, node is last)
             if released:
                 done.fail(DisposedError("an input of this layer was released (the worker or a tensor was disposed)"))
             else:

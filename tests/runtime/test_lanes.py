@@ -220,9 +220,11 @@ def test_a_pool_needs_a_thread():
 
 
 @pytest.mark.asyncio
-async def test_awaited_runs_one_after_another_stay_on_one_lane(digits_model, digits_samples, monkeypatch):
+@pytest.mark.parametrize("profiled", [False, True])
+async def test_awaited_runs_one_after_another_stay_on_one_lane(digits_model, digits_samples, monkeypatch, profiled):
     """The CPU backend's job says it is finishing before its last layer's future wakes the loop,
-    so the loop's next run goes to that lane, not to the idle one (they alternated run after run)."""
+    so the loop's next run goes to that lane, not to the idle one (they alternated run after run).
+    Profiled runs too (their steps complete through `_ProfiledStepDone`)."""
     monkeypatch.setenv("ASYNCINFER_QUICK_RUN_US", "0")  # (every run through the pool)
     monkeypatch.setenv("ASYNCINFER_RUN_MODE", "serial")  # (a run's layers on one lane)
     import asyncinfer as ai
@@ -243,7 +245,7 @@ async def test_awaited_runs_one_after_another_stay_on_one_lane(digits_model, dig
         pool.submit = recording
         expected = None
         for _ in range(12):
-            out = await worker.run(batch)
+            out = await worker.run(batch, profile=ai.Profile() if profiled else None)
             expected = out if expected is None else expected
             np.testing.assert_array_equal(next(iter(out.values())), next(iter(expected.values())))
     assert len(lanes) >= 12 and len(set(lanes[1:])) == 1, lanes
