@@ -121,3 +121,26 @@ def test_a_dilated_or_strided_by_3_stem_takes_the_gemm_way(rng):
 def test_a_1d_conv_of_few_channels_runs_as_a_map_one_row_high(rng, monkeypatch):
     x, w, b = randn(rng, 2, 2, 3 * LANES + 5), randn(rng, 6, 2, 5), randn(rng, 6)
     assert_conv_takes(monkeypatch, "direct_plan", dict(kernel_shape=[5], pads=[2, 2]), x, w, b)
+
+
+@pytest.mark.parametrize("phases", [1, 2, 4])
+@pytest.mark.parametrize("width, left", [(1, 0), (7, 1), (2 * LANES, 0), (2 * LANES + 1, 1), (4 * LANES + 3, 2),
+                                         (6 * LANES - 1, 3)])
+def test_the_padded_copy_stores_each_row_as_its_phases(phases, width, left, rng):
+    """`copy_inside` against its definition: padded column ``phases·j + f`` of each row at
+    ``f·Wq + j``; the border is not written (the buffer keeps its zeros between runs). Widths
+    around whole vectors of pairs: the vector loop, its scalar tail and an odd last column."""
+    from asyncinfer.ops.compiled.direct import copy_inside
+
+    x = randn(rng, 2, 3, 5, width)
+    top = 2
+    wp = -(-(left + width + 1) // phases) * phases  # (room on the right, a whole number of phases)
+    padded = np.full((2, 3, top + 5 + 1, wp), -7.0, np.float32)
+    copy_inside(x, padded, top, left, phases)
+    plain = np.full_like(padded, -7.0)
+    plain[:, :, top:top + 5, left:left + width] = x
+    wq = wp // phases
+    expected = np.empty_like(plain)
+    for f in range(phases):
+        expected[..., f * wq:(f + 1) * wq] = plain[..., f::phases]
+    np.testing.assert_array_equal(padded, expected)
