@@ -14,6 +14,13 @@ from run to run either way: too noisy to show it.)
 `LanePool` keeps its idle threads on a stack: `submit` wakes the one that finished last, and
 only when none is idle does work queue (first in, first out) for the next thread to finish.
 
+A thread out of work spins a while (`spin_team.SPIN_ROUNDS` rounds, about a millisecond,
+GIL-free, yielding the core each round) before it sleeps on its event: work handed to it
+meanwhile raises a flag it polls. Waking a sleeping thread cost its submitter a system call
+(`submit` on a small VM: 20 µs, against 6) and the thread a wake-up, on every awaited run of a
+model run back to back: MobileNetV3-small, BERT-tiny and SqueezeNet 1-3% faster in one process,
+spinning and sleeping in turn.
+
 A thread about to finish its work can say so (`finishing`), and then work submitted by another
 thread goes to it rather than to an idle one. An awaited run's last layer wakes the event loop,
 which often schedules the next run before that lane is back in the pool (the loop holds the
@@ -34,6 +41,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from .spin_team import SPIN_ROUNDS, wait_for_flag
+
 _log = logging.getLogger("asyncinfer")
 
 _Item = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -41,14 +52,25 @@ _Item = tuple[Callable[..., Any], tuple[Any, ...]]
 
 class _Idle:
     """A pool thread's hand-off: the work handed to it (None: nothing, or the pool shut down),
-    the event that wakes it when idle, and whether it is among the `LanePool.finishing` ones."""
+    the event that wakes it when idle, the flag raised instead while it spins (``spinning``),
+    and whether it is among the `LanePool.finishing` ones."""
 
-    __slots__ = ("event", "item", "finishing")
+    __slots__ = ("event", "flag", "item", "spinning", "finishing")
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.flag = np.zeros(1, np.int64)
         self.item: _Item | None = None
+        self.spinning = False
         self.finishing = False
+
+    def wake(self) -> None:
+        """(Holding the pool's lock, its item set.) A spinning thread sees the flag; a sleeping
+        one needs the event (a system call that wakes it: 20 µs on a small VM)."""
+        if self.spinning:
+            self.flag[0] = 1
+        else:
+            self.event.set()
 
 
 class LanePool:
@@ -132,7 +154,7 @@ class LanePool:
         if self._idle:
             idle = self._idle.pop()
             idle.item = item
-            idle.event.set()
+            idle.wake()
             return True
         self._queue.append(item)
         return False
@@ -145,6 +167,7 @@ class LanePool:
             idle, self._idle = self._idle, []
             threads = list(self._threads)
         for sleeper in idle:
+            sleeper.flag[0] = 1
             sleeper.event.set()  # (item None: exit)
         if wait:
             me = threading.current_thread()
@@ -170,10 +193,20 @@ class LanePool:
                         return
                     else:
                         idle.event.clear()
+                        idle.flag[0] = 0
+                        idle.spinning = True
                         self._idle.append(idle)
                 idle.finishing = False
             if item is None:
-                idle.event.wait()
+                # Spin a while first (GIL-free): the next run of an awaited model back to back
+                # comes within a millisecond, and a sleeping thread costs its submitter a system
+                # call and itself a wake-up
+                wait_for_flag(idle.flag, SPIN_ROUNDS)
+                with self._lock:
+                    idle.spinning = False
+                    handed = idle.item is not None or self._closed
+                if not handed:
+                    idle.event.wait()
                 item, idle.item = idle.item, None
                 if item is None:
                     return

@@ -100,6 +100,19 @@ def next_post(control: np.ndarray, seen: int, rounds: int) -> int:
     return seen
 
 
+@numba.njit(cache=True, nogil=True)
+def wait_for_flag(flag: np.ndarray, rounds: int) -> bool:
+    """Spin, GIL-free, until another thread sets ``flag[0]``, for at most ``rounds`` rounds (a
+    yield of the core each, past the first few): whether it did (`lanes.LanePool`'s idle threads)."""
+    for i in range(rounds):
+        _fence()
+        if flag[0] != 0:
+            return True
+        if i >= 32:
+            _sched_yield()
+    return False
+
+
 @numba.njit(inline="always")
 def mark_done(control: np.ndarray, seq: int) -> None:
     """(serve loops) The part's results are visible, then it counts as done."""

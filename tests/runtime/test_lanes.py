@@ -153,6 +153,36 @@ def test_shutdown_runs_what_a_finishing_thread_was_handed():
     assert not closer.is_alive() and done == [1]
 
 
+@pytest.mark.parametrize("spin_rounds", [10**9, 0])
+def test_an_idle_thread_spins_and_takes_work_by_its_flag_then_sleeps(spin_rounds, monkeypatch):
+    """A thread out of work spins a while (`SPIN_ROUNDS`), and work handed to it meanwhile raises
+    its flag, no event (no system call to wake it); past that it sleeps on its event. Shutdown
+    ends either."""
+    from asyncinfer.concurrency import lanes
+
+    monkeypatch.setattr(lanes, "SPIN_ROUNDS", spin_rounds)
+    pool = LanePool(1, "lane-test")
+    try:
+        first = threading.Event()
+        pool.submit(first.set)
+        assert first.wait(10)
+        _until(lambda: pool.idle == 1)
+        record = pool._idle[-1]  # noqa: SLF001 - the idle thread's hand-off
+        # (billions of rounds: it spins for the whole test; none: it sleeps on its event at once)
+        sets, set_event = [], record.event.set
+        record.event.set = lambda: (sets.append(1), set_event())  # (counting the wake-ups)
+        for k in range(2):
+            _until(lambda: record.spinning == bool(spin_rounds))
+            ran = threading.Event()
+            pool.submit(ran.set)
+            assert ran.wait(10)
+            assert len(sets) == (0 if spin_rounds else k + 1)
+            _until(lambda: pool.idle == 1)
+    finally:
+        pool.shutdown()
+    assert not any(t.name.startswith("lane-test_") and t.is_alive() for t in threading.enumerate())
+
+
 def test_work_queues_in_order_while_every_thread_is_busy_and_no_thread_beyond_the_limit():
     pool = LanePool(1, "lane-test")
     try:
