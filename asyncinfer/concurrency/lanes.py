@@ -25,9 +25,10 @@ A thread about to finish its work can say so (`finishing`), and then work submit
 thread goes to it rather than to an idle one. An awaited run's last layer wakes the event loop,
 which often schedules the next run before that lane is back in the pool (the loop holds the
 GIL the lane needs to get there): the run went to the other, colder lane, and awaited runs
-alternated lanes run after run. On the 2-core VM, one process, blocks of 4 awaited runs after
-50 ms pauses, two lanes against one (the same worker otherwise): SqueezeNet 6.0-7.8 against
-5.1-5.3 ms, ShuffleNet 6.4-7.1 against 4.6-5.0, MobileNetV3-small 3.3 against 2.7-3.0.
+alternated lanes run after run. On the 2-core VM, one worker, blocks of 5 awaited runs after
+50 ms pauses, the lane saying so or not in turn: MobileNetV3-small 3.2-3.7 -> 2.4-3.0 ms, SSDlite
+11.3 -> 9.2, BERT-tiny 2.36 -> 2.12; SqueezeNet, ShuffleNet, ResNet-18 and EfficientNet-B0 the same.
+
 Threads start on demand, up to ``max_workers``, each running ``initializer`` first. Work
 must not raise (the CPU backend's runs report their own errors); an exception that escapes
 is logged and the thread goes on. Threads are daemons: a worker never disposed does not keep

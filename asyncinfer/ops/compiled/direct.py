@@ -25,9 +25,9 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from llvmlite import ir
 from numba.extending import intrinsic
 
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
