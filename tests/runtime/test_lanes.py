@@ -61,6 +61,15 @@ def test_the_most_recently_idle_thread_takes_the_next_work():
         pool.shutdown()
 
 
+def _all_idle(pool: LanePool, count: int) -> list[str]:
+    """``count`` threads started, then idle again; their names."""
+    gates, names = _occupy(pool, count)
+    for gate in gates:
+        gate.set()
+    _until(lambda: pool.idle == count)
+    return names
+
+
 def _finishing_thread(pool: LanePool, then=None) -> tuple[threading.Event, threading.Event, list[str]]:
     """A pool thread that calls ``pool.finishing()`` (then ``then()``, if given) and waits for
     its gate: (the gate, an event set once it has said so, its name)."""
@@ -113,10 +122,7 @@ def test_a_finishing_thread_takes_work_before_an_idle_one():
 def test_a_finishing_thread_that_gets_more_work_of_its_own_passes_on_what_it_was_handed():
     pool = LanePool(2, "lane-test")
     try:
-        gates, names = _occupy(pool, 2)
-        for gate in gates:
-            gate.set()
-        _until(lambda: pool.idle == 2)
+        names = _all_idle(pool, 2)
         handed = threading.Event()
 
         def finishing_then_busy() -> None:
@@ -202,10 +208,7 @@ def test_each_thread_runs_the_initializer_once_before_its_work():
     started: list[str] = []
     pool = LanePool(2, "lane-test", initializer=lambda: started.append(threading.current_thread().name))
     try:
-        gates, names = _occupy(pool, 2)
-        for gate in gates:
-            gate.set()
-        _until(lambda: pool.idle == 2)
+        names = _all_idle(pool, 2)
         ran = threading.Event()
         pool.submit(ran.set)
         assert ran.wait(10)
