@@ -87,3 +87,38 @@ def test_a_bound_run_fails_with_runs_own_error(op_type, version, constants, attr
     with pytest.raises(ExecutionError) as from_bound:
         bound([x, *constants])
     assert str(from_bound.value) == str(from_run.value) and op.layer.name in str(from_bound.value)
+
+
+@pytest.mark.parametrize("seq, batch, bias, states", [(1, 1, True, True), (2, 1, True, False), (5, 3, False, True),
+                                                     (3, 2, False, False)])
+def test_an_lstm_bound_to_its_weights_gives_runs_bits(seq, batch, bias, states, rng):
+    """An LSTM whose weights are the model's constants runs their transposes worked out once:
+    `run`'s outputs bit for bit (Y, Y_h, Y_c), the same for copies of the weights (`run` itself),
+    and `run`'s own error for a state of the wrong size."""
+    hidden, inputs = 8, 5
+
+    def randn(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+    w, r, b = randn(1, 4 * hidden, inputs), randn(1, 4 * hidden, hidden), randn(1, 8 * hidden) if bias else None
+    names = ["x", "w", "r", "b" if bias else "", "", "h" if states else "", "c" if states else ""]
+    layer = Layer(name="lstm0", op_type="LSTM", inputs=names, outputs=["y", "y_h", "y_c"],
+                  attrs={"hidden_size": hidden}, version=22)
+    op = ops.create(layer)
+    op.bind_constants({i: c for i, c in ((1, w), (2, r), (3, b)) if c is not None})
+    bound = op.bound_run()
+    x, h, c = randn(seq, batch, inputs), randn(1, batch, hidden), randn(1, batch, hidden)
+    args = [x, w, r, b, None, h if states else None, c if states else None]
+    expected = op.run(*args)
+    for operands in (args, [x, w.copy(), r.copy(), None if b is None else b.copy(), *args[4:]]):
+        got = bound(operands)
+        assert len(got) == 3
+        for g, e in zip(got, expected):
+            assert g.shape == e.shape and g.dtype == e.dtype
+            np.testing.assert_array_equal(g, e)
+    if states:  # states that do not fit the plain case: whatever `run` makes of them
+        wrong = [x, w, r, b, None, randn(1, batch, hidden + 1), c]
+        with pytest.raises(Exception) as from_run:  # (the engine names the layer: `kernel_error`)
+            op.run(*wrong)
+        with pytest.raises(Exception) as from_bound:
+            bound(wrong)
+        assert type(from_bound.value) is type(from_run.value) and str(from_bound.value) == str(from_run.value)
