@@ -70,23 +70,20 @@ def _all_idle(pool: LanePool, count: int) -> list[str]:
     return names
 
 
-def _finishing_thread(pool: LanePool, then=None) -> tuple[threading.Event, threading.Event, list[str]]:
-    """A pool thread that calls ``pool.finishing()`` (then ``then()``, if given) and waits for
-    its gate: (the gate, an event set once it has said so, its name)."""
+def _finishing_thread(pool: LanePool) -> tuple[threading.Event, list[str]]:
+    """A pool thread that calls ``pool.finishing()`` and waits for its gate: (the gate, its name)."""
     gate, said = threading.Event(), threading.Event()
     name: list[str] = []
 
     def finish() -> None:
         name.append(threading.current_thread().name)
         pool.finishing()
-        if then is not None:
-            then()
         said.set()
         gate.wait(10)
 
     pool.submit(finish)
     assert said.wait(10)
-    return gate, said, name
+    return gate, name
 
 
 def _runs_on(pool: LanePool) -> tuple[threading.Event, list[str]]:
@@ -104,7 +101,7 @@ def test_a_finishing_thread_takes_work_before_an_idle_one():
         gates, names = _occupy(pool, 2)
         gates[0].set()
         _until(lambda: pool.idle == 1)  # names[0] idle
-        gate, _, finishing = _finishing_thread(pool)
+        gate, finishing = _finishing_thread(pool)
         assert finishing == [names[0]]  # (the idle one took it, then said it is finishing)
         gates[1].set()
         _until(lambda: pool.idle == 1)  # names[1] idle now, the most recently
@@ -149,7 +146,7 @@ def test_a_finishing_thread_that_gets_more_work_of_its_own_passes_on_what_it_was
 
 def test_shutdown_runs_what_a_finishing_thread_was_handed():
     pool = LanePool(1, "lane-test")
-    gate, _, _ = _finishing_thread(pool)
+    gate, _ = _finishing_thread(pool)
     done: list[int] = []
     pool.submit(done.append, 1)
     closer = threading.Thread(target=pool.shutdown)
