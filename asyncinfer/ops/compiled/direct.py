@@ -25,7 +25,6 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -33,6 +32,7 @@ from numba.extending import intrinsic
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import kernel
 from .panels import BLOCK_ROWS, VECTOR_BYTES, BlockIR, _store_finished, initial_sums, multiply_add
+from .phases import split_pairs_at
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_conv` range.
@@ -171,36 +171,6 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
                             target[c0 + ox + j] = source[j]
 
 
-@intrinsic
-def _split_pairs(typingctx: Any, target: Any, even: Any, odd: Any, source: Any, at: Any) -> Any:
-    """``target[even + i] = source[at + 2i]`` and ``target[odd + i] = source[at + 2i + 1]`` for
-    the ``i`` < one vector's lanes: two vector loads, two shuffles, two stores (LLVM's own loop
-    moved the values one at a time, 3x as long as a plain copy)."""
-    if not (isinstance(target, types.Array) and isinstance(source, types.Array) and target.dtype == source.dtype
-            and target.ndim == source.ndim == 1 and target.layout == source.layout == "C"):
-        return None
-    signature = types.void(target, even, odd, source, at)
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        target_arr, source_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 3))
-        even_, odd_, at_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4))
-        element = context.get_value_type(sig.args[0].dtype)
-        size = context.get_abi_sizeof(element)
-        lanes = VECTOR_BYTES // size
-        vector, picks = ir.VectorType(element, lanes), ir.VectorType(ir.IntType(32), lanes)
-
-        def pointer(array: Any, index: Any) -> Any:
-            return builder.bitcast(builder.gep(array.data, [index]), vector.as_pointer())
-        low = builder.load(pointer(source_arr, at_), align=size)
-        high = builder.load(pointer(source_arr, builder.add(at_, ir.Constant(ir.IntType(64), lanes))), align=size)
-        for first, place in ((0, even_), (1, odd_)):
-            picked = builder.shuffle_vector(low, high, ir.Constant(picks, [2 * i + first for i in range(lanes)]))
-            builder.store(picked, pointer(target_arr, place), align=size)
-        return context.get_dummy_value()
-
-    return signature, codegen
-
-
 @kernel
 def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int, phases: int) -> None:
     """``padded[:, :, top:top + H, left:left + W] = x`` (N, C, H, W), leaving the border alone,
@@ -208,15 +178,13 @@ def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int, phases: 
     j`` (``Wq`` = the row's width / ``phases``; one phase: the row as it is). A compiled loop: as
     fast as NumPy's copy on long rows and 10-20x faster on a small map's (NumPy pays its per-row
     set-up on every 7- or 14-wide row: 104 µs for 192 channels of 14x14). Two phases (the stems
-    of stride 2) go a vector of pairs at a time (`_split_pairs`): SqueezeNet's, MobileNetV3's
-    224x224 RGB image, 43 -> 15 µs."""
+    of stride 2) go a vector of pairs at a time (`phases.split_pairs_at`): SqueezeNet's,
+    MobileNetV3's 224x224 RGB image, 43 -> 15 µs."""
     n, c, h, w = x.shape
     hp, wp = padded.shape[2], padded.shape[3]
     wq = wp // phases
     source, target = x.reshape(x.size), padded.reshape(padded.size)
     at = 0
-    pairs = w // 2
-    vectored = pairs // LANES * LANES
     for plane in range(n * c):
         to = (plane * hp + top) * wp
         for _ in range(h):
@@ -225,15 +193,8 @@ def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int, phases: 
                     target[_U(to + left + j)] = source[_U(at + j)]
             elif phases == 2:
                 # input column 2j goes to phase left % 2, 2j + 1 to the other, both at j from their start
-                even = to + (left % 2) * wq + left // 2
-                odd = to + ((left + 1) % 2) * wq + (left + 1) // 2
-                for j in range(0, vectored, LANES):
-                    _split_pairs(target, even + j, odd + j, source, at + 2 * j)
-                for j in range(vectored, pairs):
-                    target[_U(even + j)] = source[_U(at + 2 * j)]
-                    target[_U(odd + j)] = source[_U(at + 2 * j + 1)]
-                if w % 2:
-                    target[_U(even + pairs)] = source[_U(at + w - 1)]
+                split_pairs_at(source, at, w, target, to + (left % 2) * wq + left // 2,
+                               to + ((left + 1) % 2) * wq + (left + 1) // 2)
             else:
                 for f in range(phases):
                     first = (f - left) % phases  # the first input column of phase f
