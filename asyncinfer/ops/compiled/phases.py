@@ -65,13 +65,27 @@ def _split_pairs(typingctx: Any, target: Any, even: Any, odd: Any, source: Any, 
     return signature, codegen
 
 
+@intrinsic
+def _lanes_of(typingctx: Any, array: Any) -> Any:
+    """The values of ``array``'s type one vector holds, a constant of the compiled code (read from
+    the array at run time, it cost the split a third more time)."""
+    if not isinstance(array, types.Array):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        size = context.get_abi_sizeof(context.get_value_type(sig.args[0].dtype))
+        return ir.Constant(ir.IntType(64), VECTOR_BYTES // size)
+
+    return types.int64(array), codegen
+
+
 @inline
 def split_pairs_at(source: np.ndarray, at: int, width: int, target: np.ndarray, even: int, odd: int) -> None:
     """``target[even + q] = source[at + 2q]`` and ``target[odd + q] = source[at + 2q + 1]`` for a
     row of ``width`` values (flat arrays; the even phase one longer on odd widths), a vector of
     pairs at a time (`_split_pairs`), then the rest one pair at a time."""
     pairs = width // 2
-    lanes = VECTOR_BYTES // source.itemsize
+    lanes = _lanes_of(source)
     vectored = pairs // lanes * lanes
     for q in range(0, vectored, lanes):
         _split_pairs(target, even + q, odd + q, source, at + 2 * q)
