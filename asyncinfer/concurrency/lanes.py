@@ -16,7 +16,7 @@ only when none is idle does work queue (first in, first out) for the next thread
 
 A thread out of work spins a while (`spin_team.SPIN_ROUNDS` rounds, about a millisecond,
 GIL-free, yielding the core each round) before it sleeps on its event: work handed to it
-meanwhile raises a flag it polls. Waking a sleeping thread cost its submitter a system call
+meanwhile is posted to a row it polls (`spin_team.wait_for_post`). Waking a sleeping thread cost its submitter a system call
 (`submit` on a small VM: 20 µs, against 6) and the thread a wake-up, on every awaited run of a
 model run back to back: MobileNetV3-small, BERT-tiny and SqueezeNet 1-3% faster in one process,
 spinning and sleeping in turn.
@@ -42,9 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from .spin_team import SPIN_ROUNDS, wait_for_flag
+from .spin_team import SPIN_ROUNDS, post, signal_row, wait_for_post
 
 _log = logging.getLogger("asyncinfer")
 
@@ -53,23 +51,23 @@ _Item = tuple[Callable[..., Any], tuple[Any, ...]]
 
 class _Idle:
     """A pool thread's hand-off: the work handed to it (None: nothing, or the pool shut down),
-    the event that wakes it when idle, the flag raised instead while it spins (``spinning``),
+    the event that wakes it when idle, the row posted to instead while it spins (``spinning``),
     and whether it is among the `LanePool.finishing` ones."""
 
-    __slots__ = ("event", "flag", "item", "spinning", "finishing")
+    __slots__ = ("event", "signal", "item", "spinning", "finishing")
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.flag = np.zeros(1, np.int64)
+        self.signal = signal_row()
         self.item: _Item | None = None
         self.spinning = False
         self.finishing = False
 
     def wake(self) -> None:
-        """(Holding the pool's lock, its item set.) A spinning thread sees the flag; a sleeping
-        one needs the event (a system call that wakes it: 20 µs on a small VM)."""
+        """(Holding the pool's lock, its item set.) A spinning thread sees a post; a sleeping one
+        needs the event (a system call that wakes it: 20 µs on a small VM)."""
         if self.spinning:
-            self.flag[0] = 1
+            post(self.signal)
         else:
             self.event.set()
 
@@ -168,7 +166,7 @@ class LanePool:
             idle, self._idle = self._idle, []
             threads = list(self._threads)
         for sleeper in idle:
-            sleeper.flag[0] = 1
+            post(sleeper.signal)
             sleeper.event.set()  # (item None: exit)
         if wait:
             me = threading.current_thread()
@@ -194,7 +192,7 @@ class LanePool:
                         return
                     else:
                         idle.event.clear()
-                        idle.flag[0] = 0
+                        idle.signal[:] = 0  # (no post yet: `wait_for_post` waits for the first)
                         idle.spinning = True
                         self._idle.append(idle)
                 idle.finishing = False
@@ -202,7 +200,7 @@ class LanePool:
                 # Spin a while first (GIL-free): the next run of an awaited model back to back
                 # comes within a millisecond, and a sleeping thread costs its submitter a system
                 # call and itself a wake-up
-                wait_for_flag(idle.flag, SPIN_ROUNDS)
+                wait_for_post(idle.signal, SPIN_ROUNDS)
                 with self._lock:
                     idle.spinning = False
                     handed = idle.item is not None or self._closed

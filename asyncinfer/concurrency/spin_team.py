@@ -100,17 +100,17 @@ def next_post(control: np.ndarray, seen: int, rounds: int) -> int:
     return seen
 
 
+def signal_row() -> np.ndarray:
+    """A control row for one thread to `post` to and another to `wait_for_post` on, GIL-free
+    (`lanes.LanePool`'s idle threads; a post is seen within the waiter's spin)."""
+    return np.zeros(_ROW, np.int64)
+
+
 @numba.njit(cache=True, nogil=True)
-def wait_for_flag(flag: np.ndarray, rounds: int) -> bool:
-    """Spin, GIL-free, until another thread sets ``flag[0]``, for at most ``rounds`` rounds (a
-    yield of the core each, past the first few): whether it did (`lanes.LanePool`'s idle threads)."""
-    for i in range(rounds):
-        _fence()
-        if flag[0] != 0:
-            return True
-        if i >= 32:
-            _sched_yield()
-    return False
+def wait_for_post(control: np.ndarray, rounds: int) -> bool:
+    """`next_post` on a `signal_row` from Python: spin, GIL-free, for at most ``rounds`` rounds
+    until another thread posts to ``control`` (its first post: the row starts at 0); whether one did."""
+    return next_post(control, 0, rounds) != 0
 
 
 @numba.njit(inline="always")

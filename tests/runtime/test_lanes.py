@@ -157,9 +157,9 @@ def test_shutdown_runs_what_a_finishing_thread_was_handed():
 
 
 @pytest.mark.parametrize("spin_rounds", [10**9, 0])
-def test_an_idle_thread_spins_and_takes_work_by_its_flag_then_sleeps(spin_rounds, monkeypatch):
+def test_an_idle_thread_spins_and_takes_work_by_a_post_then_sleeps(spin_rounds, monkeypatch):
     """A thread out of work spins a while (`SPIN_ROUNDS`), and work handed to it meanwhile raises
-    its flag, no event (no system call to wake it); past that it sleeps on its event. Shutdown
+    a post to its row, no event (no system call to wake it); past that it sleeps on its event. Shutdown
     ends either."""
     from asyncinfer.concurrency import lanes
 
