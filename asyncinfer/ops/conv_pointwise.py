@@ -86,13 +86,16 @@ class PointwisePlan:
     panels: int                         # `pointwise_conv`: panels of the widest part
     buffer: int                         # float32 values of one part's scratch
     team: bool                          # offered to the spinning helpers
+    shuffled: bool                      # channels stored in a channel shuffle's order (`compiled.pointwise`)
 
 
 def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, group: int,
                    strides: tuple[int, ...], out: tuple[int, ...], epilogue: Epilogue,
-                   keep: KeepWeights = keep_nothing) -> PointwisePlan:
+                   keep: KeepWeights = keep_nothing, shuffled: bool = False) -> PointwisePlan:
     """The `PointwisePlan` of a conv `takes_pointwise` accepts, ``w`` (M, C/group, 1, 1), ``b``
-    (M,) or None; ``keep`` keeps the weights' form between runs (a model's constants)."""
+    (M,) or None; ``keep`` keeps the weights' form between runs (a model's constants);
+    ``shuffled``: the output's channels in the order of a channel shuffle of ``group`` groups
+    (`fused.ShuffledConv`)."""
     n, c, h, wd = x_shape
     m, cg = w.shape[:2]
     mg = m // group
@@ -120,7 +123,7 @@ def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None
         panels = max(-(-(part[3] - part[2]) // width) for part in parts)
         buffer = pointwise_buffer_size(panels, cg, m)
     return PointwisePlan((n, c, h * wd), (n, m, ho, wo), small, weights, bias, epilogue, (wd, wo, *strides),
-                         np.array(parts, np.int64).reshape(-1, 6), panels, buffer, team and len(parts) > 1)
+                         np.array(parts, np.int64).reshape(-1, 6), panels, buffer, team and len(parts) > 1, shuffled)
 
 
 def _panel_parts(n: int, span: int, m: int, count: int, width: int) -> list[tuple[int, ...]]:
@@ -161,7 +164,8 @@ def _small_map_parts(n: int, total: int, span: int, count: int) -> list[tuple[in
 
 
 def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
-    """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array."""
+    """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array (its
+    channels shuffled where the plan says)."""
     x = np.ascontiguousarray(x).reshape(plan.x_shape)
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(plan.y_shape[0], plan.y_shape[1], -1)
@@ -172,26 +176,28 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
     if control is None:  # alone, or the team busy (every core is): every part here
         if plan.small_map:
             small_map_parts(plan.weights, x, flat, plan.bias, own.reshape(plan.weights.shape[2], -1), parts, 0,
-                            *plan.geometry, epilogue.kind, epilogue.a, epilogue.b)
+                            *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled)
         else:
             pointwise_parts(plan.weights, x, flat, plan.bias, own, parts, 0, plan.panels, *plan.geometry,
-                            epilogue.kind, epilogue.a, epilogue.b)
+                            epilogue.kind, epilogue.a, epilogue.b, plan.shuffled)
         return y
     try:
         helpers = team.scratch((len(parts) - 1, plan.buffer), np.float32)  # type: ignore[union-attr]
         if plan.small_map:
             c = plan.weights.shape[2]
             if post_small_map(control, plan.weights, x, flat, plan.bias, helpers.reshape(len(parts) - 1, c, -1),
-                              epilogue.numbers, parts, *plan.geometry, epilogue.kind):
+                              epilogue.numbers, parts, *plan.geometry, epilogue.kind, plan.shuffled):
                 team.wake()  # type: ignore[union-attr]
             done = finish_small_map(control, plan.weights, x, flat, plan.bias, own.reshape(c, -1), parts,
-                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
+                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
+                                    spin_team.WAIT_ROUNDS)
         else:
             if post_pointwise(control, plan.weights, x, flat, plan.bias, helpers, epilogue.numbers, parts, plan.panels,
-                              *plan.geometry, epilogue.kind):
+                              *plan.geometry, epilogue.kind, plan.shuffled):
                 team.wake()  # type: ignore[union-attr]
             done = finish_pointwise(control, plan.weights, x, flat, plan.bias, own, parts, plan.panels,
-                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
+                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
+                                    spin_team.WAIT_ROUNDS)
         if not done:
             team.wait_posted(len(parts) - 1)  # type: ignore[union-attr]
     finally:

@@ -9,6 +9,7 @@ the standalone ops bit for bit; and the bits the same however the work is split.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -93,6 +94,29 @@ def test_shared_with_the_spin_team_gives_the_same_bits(name, helpers, kernel, rn
     assert runs.shared == (len(plan.parts) > 1) and (len(plan.parts) > 1 or kernel == "small_map")
     np.testing.assert_array_equal(shared, alone)
     np.testing.assert_allclose(shared, reference_run("Conv", [x, w, b], attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+def _shuffle(y: np.ndarray, group: int) -> np.ndarray:
+    """ShuffleNet's channel shuffle of ``y`` (N, M, H, W) as its layers write it."""
+    n, m, h, w = y.shape
+    return y.reshape(n, group, m // group, h, w).transpose(0, 2, 1, 3, 4).reshape(n, m, h, w)
+
+
+@pytest.mark.parametrize("name", ["grouped", "grouped_wide"])
+@pytest.mark.parametrize("helpers", [0, 1, 2])
+def test_a_shuffled_plan_stores_each_channel_in_its_shuffled_place(name, helpers, kernel, rng, monkeypatch):
+    """``shuffled``: the plain conv's very bits, channel ``g·M/G + j`` stored at ``j·G + g`` (what
+    `ShuffledConv` relies on), run alone or shared with the spin team."""
+    monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands(name, rng)
+    plain = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
+    strides, out = tuple(attrs["strides"]), plain.shape[2:]
+    with spin_team_bound(helpers) if helpers else contextlib.nullcontext() as runs:
+        plan = conv_pointwise.pointwise_plan(x.shape, w, b, attrs["group"], strides, out, NO_ACTIVATION, shuffled=True)
+        shuffled = conv_pointwise.run_pointwise(plan, x)
+    assert plan.shuffled and plan.small_map == (kernel == "small_map")
+    assert runs is None or runs.shared == (len(plan.parts) > 1)
+    np.testing.assert_array_equal(shuffled, _shuffle(plain, attrs["group"]))
 
 
 def test_parts_are_images_then_panels_then_channel_bands(kernel, rng, monkeypatch):

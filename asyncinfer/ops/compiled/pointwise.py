@@ -28,6 +28,11 @@ rows, read in place from the input, and the weights are packed once into panels 
 channels (`pack_weights`); each block is stored transposed. No position is padded (a 7x7 map is
 49 rows), at the cost of scalar stores that only a deep sum pays for.
 
+Both kernels can store the channels in a channel shuffle's order instead (``shuffled``: the
+``Reshape(N, G, M/G, H, W) → Transpose(0, 2, 1, 3, 4) → Reshape(N, M, H, W)`` that follows each
+grouped 1x1 conv of ShuffleNet): group g's channel j is output row ``j·G + g``, so each group's
+rows are a strided view of the output (`_group_rows`) and the shuffle costs no copy.
+
 The blocks apply the bias and the activation in registers (`panels.BIAS_RELU`...), each as
 `compiled.epilogue`'s loops do it, with the same comparisons, FMAs and exponential: the same bits
 as the standalone op.
@@ -114,6 +119,17 @@ def finishing(act: int) -> int:
 
 
 @numba.njit(inline="always")
+def _group_rows(y: np.ndarray, i: int, g: int, groups: int, mg: int, shuffled: bool) -> np.ndarray:
+    """Image ``i``'s output rows of group ``g`` (``mg`` channels) in ``y`` (N, M, Ho·Wo, float32):
+    rows ``g·mg …`` in order, or with ``shuffled`` rows ``g, g + groups, …`` (a channel shuffle of
+    ``groups``)."""
+    plane = y.shape[2]
+    if shuffled:
+        return np.lib.stride_tricks.as_strided(y[i, g:], shape=(mg, plane), strides=(groups * plane * 4, 4))
+    return np.lib.stride_tricks.as_strided(y[i, g * mg:], shape=(mg, plane), strides=(plane * 4, 4))
+
+
+@numba.njit(inline="always")
 def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: int, y: np.ndarray, c0: int,
                     m0: int, m1: int, last: bool, bias: np.ndarray, act: int, av: float, bv: float) -> None:
     """Channels ``m0:m1`` of panel ``p`` over depth ``k0:k1`` (``cols`` = wt[k0:k1]), into ``y``'s
@@ -145,7 +161,7 @@ def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: i
 @kernel(contract=False)
 def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, panels: np.ndarray,
                    tail: np.ndarray, i0: int, i1: int, v0: int, v1: int, m0: int, m1: int, in_width: int,
-                   out_width: int, sh: int, sw: int, act: int, a: float, b: float) -> None:
+                   out_width: int, sh: int, sw: int, act: int, a: float, b: float, shuffled: bool) -> None:
     """Output positions ``v0:v1`` of channels ``m0:m1`` of images ``i0:i1`` of a 1x1 conv of G
     groups: ``y[i, m, v] = act(wt[g, :, m - g·Mg] @ x[i, g·Cg:(g + 1)·Cg, src(v)] + bias[m])``
     with ``g = m // Mg``, float32. ``wt`` is each group's weights transposed (G, Cg, Mg),
@@ -154,7 +170,8 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
     `_pack`). ``panels`` holds at least ceil((v1 - v0) / W) panels (count, Cg, W): the packed
     positions of a strided conv, or at unit stride only the last partial panel (whole ones are
     read in place); ``tail`` (M, W) takes the partial panel's results before their copy out.
-    ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`)."""
+    ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`); ``shuffled``: channel ``m`` stored
+    as row ``(m % Mg)·G + m // Mg`` (`_group_rows`)."""
     groups, c, mg = wt.shape
     width = panels.shape[2]
     count = (v1 - v0 + width - 1) // width
@@ -179,7 +196,7 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
                                                           strides=(c * width * 4, width * 4, 4))
                 _pack(source, panels, v0, v1, in_width, out_width, sh, sw)
             last = 0 if in_place else count - 1  # the partial panel's place in ``panels``
-            out, rest, weights = y[i, g * mg:(g + 1) * mg], tail[g * mg:(g + 1) * mg], wt[g]
+            out, rest, weights = _group_rows(y, i, g, groups, mg, shuffled), tail[g * mg:(g + 1) * mg], wt[g]
             group_bias = bias[g * mg:(g + 1) * mg]
             for b0 in range(lo, hi, CHANNELS):
                 b1 = min(hi, b0 + CHANNELS)
@@ -216,31 +233,34 @@ def pointwise_buffer_size(count: int, c: int, m: int) -> int:
 @kernel(contract=False)
 def pointwise_parts(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, buffer: np.ndarray,
                     parts: np.ndarray, first: int, count: int, in_width: int, out_width: int, sh: int, sw: int,
-                    act: int, a: float, b: float) -> None:
+                    act: int, a: float, b: float, shuffled: bool) -> None:
     """`pointwise_conv` of each part from row ``first`` of ``parts`` (i0, i1, v0, v1, m0, m1) in
     turn, each part's panels and tail in ``buffer`` (`pointwise_buffer_size` values, at least
     ``count`` panels)."""
     panels, tail = _pointwise_arrays(buffer, count, wt.shape[1], y.shape[1])
     for k in range(first, parts.shape[0]):
         pointwise_conv(wt, x, y, bias, panels, tail, parts[k, 0], parts[k, 1], parts[k, 2], parts[k, 3], parts[k, 4],
-                       parts[k, 5], in_width, out_width, sh, sw, act, a, b)
+                       parts[k, 5], in_width, out_width, sh, sw, act, a, b, shuffled)
 
 
 @numba.njit(inline="always")
-def _post_range(row: np.ndarray, part: np.ndarray, in_width: int, out_width: int, sh: int, sw: int, act: int) -> int:
+def _post_range(row: np.ndarray, part: np.ndarray, in_width: int, out_width: int, sh: int, sw: int, act: int,
+                shuffled: bool) -> int:
     """The tail both kinds of 1x1 part share, from ``ARGS + 15`` of ``row``: the part's range (six
-    integers), the geometry and the epilogue's code; then post it (1: its helper was asleep)."""
+    integers), the geometry, the epilogue's code and whether the channels are stored shuffled;
+    then post it (1: its helper was asleep)."""
     at = ARGS + 15
     for j in range(6):
         row[at + j] = part[j]
     row[at + 6], row[at + 7], row[at + 8], row[at + 9], row[at + 10] = in_width, out_width, sh, sw, act
+    row[at + 11] = 1 if shuffled else 0
     return post_and_count_asleep(row)
 
 
 @kernel
 def post_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
                    buffers: np.ndarray, numbers: np.ndarray, parts: np.ndarray, count: int, in_width: int,
-                   out_width: int, sh: int, sw: int, act: int) -> int:
+                   out_width: int, sh: int, sw: int, act: int, shuffled: bool) -> int:
     """Post part ``i + 1`` of ``parts`` to helper ``i`` of a claimed team's ``control`` (its buffer
     ``buffers[i]``, as `pointwise_parts`'), for `pointwise_part` to run; the epilogue's ``a, b``
     in float64 ``numbers``. Returns how many of those helpers were asleep (the caller wakes
@@ -258,18 +278,18 @@ def post_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.nda
         row[at + 8], row[at + 9], row[at + 10], row[at + 11] = wt.ctypes.data, x.ctypes.data, y.ctypes.data, bias.ctypes.data
         row[at + 12], row[at + 13] = panels, panels + count * c * _WIDTH * 4
         row[at + 14] = numbers.ctypes.data
-        sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act)
+        sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act, shuffled)
     return sleeping
 
 
 @kernel(contract=False)
 def finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
                      buffer: np.ndarray, parts: np.ndarray, count: int, in_width: int, out_width: int, sh: int,
-                     sw: int, act: int, a: float, b: float, rounds: int) -> bool:
+                     sw: int, act: int, a: float, b: float, shuffled: bool, rounds: int) -> bool:
     """Run part 0 of ``parts`` here (``buffer`` as `pointwise_parts`'), then wait for the parts
     `post_pointwise` posted; False when a helper is not done within ``rounds`` spins (the caller
     then waits the slow way, `SpinTeam.wait`)."""
-    pointwise_parts(wt, x, y, bias, buffer, parts[:1], 0, count, in_width, out_width, sh, sw, act, a, b)
+    pointwise_parts(wt, x, y, bias, buffer, parts[:1], 0, count, in_width, out_width, sh, sw, act, a, b, shuffled)
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
@@ -292,7 +312,7 @@ def pointwise_part(control: np.ndarray) -> None:
     q = p + 7
     pointwise_conv(wt, x, y, bias, panels, tail, control[q], control[q + 1], control[q + 2], control[q + 3],
                    control[q + 4], control[q + 5], control[q + 6], control[q + 7], control[q + 8], control[q + 9],
-                   control[q + 10], numbers[0], numbers[1])
+                   control[q + 10], numbers[0], numbers[1], control[q + 11] != 0)
 
 
 def pack_weights(wt: np.ndarray) -> np.ndarray:
@@ -332,7 +352,7 @@ def _store_block(block: np.ndarray, y: np.ndarray, r0: int, rows: int, c0: int) 
 @kernel(contract=False)
 def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, columns: np.ndarray,
                    i0: int, i1: int, q0: int, q1: int, r0: int, r1: int, in_width: int, out_width: int, sh: int,
-                   sw: int, act: int, a: float, b: float) -> None:
+                   sw: int, act: int, a: float, b: float, shuffled: bool) -> None:
     """Panels ``q0:q1`` of output channels (counted through the groups: panel ``q`` is group ``q //
     P``'s panel ``q % P``) at output positions ``r0:r1`` of images ``i0:i1`` of a 1x1 conv on a
     small map, float32: the
@@ -340,7 +360,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
     packed panels (`pack_weights`, (G, P, Cg, W)), so no position is computed in vain; each block
     is finished into a small buffer and stored transposed into ``y`` (N, M, Ho·Wo). ``bias`` is
     (G, P·W), zero past each group's channels; ``columns`` (Cg, Ho·Wo) takes a strided conv's
-    gathered input."""
+    gathered input; ``shuffled`` as `pointwise_conv`'s."""
     groups, count, c, width = panels.shape
     mg = y.shape[1] // groups
     strided = sh != 1 or sw != 1 or in_width != out_width
@@ -357,7 +377,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                     _gather(source, columns, in_width, out_width, sh, sw)
                     gathered = g
                 source = columns
-            out, group_bias, weights = y[i, g * mg:(g + 1) * mg], bias[g], panels[g]
+            out, group_bias, weights = _group_rows(y, i, g, groups, mg, shuffled), bias[g], panels[g]
             full = (p + 1) * width <= mg  # a whole panel of channels: its blocks of 8 stored as they finish
             r = r0
             while r < r1:
@@ -386,17 +406,17 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
 @kernel(contract=False)
 def small_map_parts(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, columns: np.ndarray,
                     parts: np.ndarray, first: int, in_width: int, out_width: int, sh: int, sw: int, act: int, a: float,
-                    b: float) -> None:
+                    b: float, shuffled: bool) -> None:
     """`small_map_conv` of each part from row ``first`` of ``parts`` (i0, i1, q0, q1, r0, r1) in turn."""
     for k in range(first, parts.shape[0]):
         small_map_conv(panels, x, y, bias, columns, parts[k, 0], parts[k, 1], parts[k, 2], parts[k, 3], parts[k, 4],
-                       parts[k, 5], in_width, out_width, sh, sw, act, a, b)
+                       parts[k, 5], in_width, out_width, sh, sw, act, a, b, shuffled)
 
 
 @kernel
 def post_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
                    columns: np.ndarray, numbers: np.ndarray, parts: np.ndarray, in_width: int, out_width: int,
-                   sh: int, sw: int, act: int) -> int:
+                   sh: int, sw: int, act: int, shuffled: bool) -> int:
     """`post_pointwise` for `small_map_conv`: part ``i + 1`` of ``parts`` to helper ``i``, with
     ``columns[i]`` for its strided input, for `small_map_part` to run."""
     groups, count, c = panels.shape[:3]
@@ -410,16 +430,16 @@ def post_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: np
         row[at + 8] = columns.shape[2]
         row[at + 9], row[at + 10], row[at + 11] = panels.ctypes.data, x.ctypes.data, y.ctypes.data
         row[at + 12], row[at + 13], row[at + 14] = bias.ctypes.data, columns[i].ctypes.data, numbers.ctypes.data
-        sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act)
+        sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act, shuffled)
     return sleeping
 
 
 @kernel(contract=False)
 def finish_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
                      columns: np.ndarray, parts: np.ndarray, in_width: int, out_width: int, sh: int, sw: int,
-                     act: int, a: float, b: float, rounds: int) -> bool:
+                     act: int, a: float, b: float, shuffled: bool, rounds: int) -> bool:
     """`finish_pointwise` for `small_map_conv` (``columns`` this thread's)."""
-    small_map_parts(panels, x, y, bias, columns, parts[:1], 0, in_width, out_width, sh, sw, act, a, b)
+    small_map_parts(panels, x, y, bias, columns, parts[:1], 0, in_width, out_width, sh, sw, act, a, b, shuffled)
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
@@ -440,4 +460,4 @@ def small_map_part(control: np.ndarray) -> None:
     q = p + 6
     small_map_conv(panels, x, y, bias, columns, control[q], control[q + 1], control[q + 2], control[q + 3],
                    control[q + 4], control[q + 5], control[q + 6], control[q + 7], control[q + 8], control[q + 9],
-                   control[q + 10], numbers[0], numbers[1])
+                   control[q + 10], numbers[0], numbers[1], control[q + 11] != 0)
