@@ -12,7 +12,8 @@ The attention of exported decoders (scores, scale, masks, softmax, values: seven
 squeeze-and-excitation block (pool, two convs, Mul) ``SqueezeExcite``; a backend without such a
 kernel runs the layers it keeps (``Layer.expansion``). Layout layers that only serve a GEMM or
 split attention heads go into one layer with it (``ReshapedGemm``, ``ReshapeTranspose``: passes
-run late by ``optimize``, after the activations are fused).
+run late by ``optimize``, after the activations are fused), and so does the channel shuffle after
+a grouped conv (``ShuffledConv``).
 
 A pattern is fused only when it is exactly the function: the constants are checked (√2, 1, ½,
 ε…), every intermediate value has no consumer outside the pattern and is no graph output, and
@@ -41,6 +42,7 @@ RESHAPED_GEMM, RESHAPE_TRANSPOSE = ("ReshapedGemm", 1), ("ReshapeTranspose", 1) 
 SPLIT_HEADS = ("SplitHeads", 1)  # in FUSED_DOMAIN
 SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
 MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
+SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -747,6 +749,53 @@ def _one_pixel_conv(g: _Graph, name: str) -> Layer | None:
             or any(int(v) != 0 for v in attrs.get("pads", ())) or list(attrs.get("kernel_shape", [1, 1])) != [1, 1]):
         return None
     return conv
+
+
+def fuse_channel_shuffles(model: Model) -> int:
+    """``Reshape(Transpose(Reshape(Conv(x), shape), perm), shape_after)`` → ``ShuffledConv``
+    (``ops/shuffled_conv.py``): ShuffleNet's grouped 1x1 conv and the channel shuffle after it,
+    which the conv's GEMM then stores in place (no copy of the map). Runs after
+    ``fuse_activations`` (the conv's activations go with the fused layer, in the expansion too)
+    and before ``fuse_reshape_transposes`` would take the Reshape and the Transpose.
+
+    Taken when the conv has groups and constant 4-D weights, the Transpose's ``perm`` is the
+    shuffle's ``(0, 2, 1, 3, 4)``, both Reshape targets are constants, and each result has no
+    other reader; the fused op checks at run time that the targets shuffle the conv's groups
+    (else it runs the layers)."""
+    g, count = _Graph(model), 0
+    for transpose in g.candidates("Transpose"):
+        if [int(p) for p in transpose.attrs.get("perm", ())] != [0, 2, 1, 3, 4]:
+            continue
+        before = _constant_reshape(g, g.producers.get(transpose.inputs[0]))
+        conv = None if before is None else g.producers.get(before.inputs[0])
+        after = _constant_reshape(g, g.only_consumer(transpose.outputs[0], "Reshape"))
+        if (conv is None or after is None or id(conv) in g.removed or conv.op_type != "Conv" or conv.domain
+                or len(conv.inputs) < 2 or len([o for o in conv.outputs if o]) != 1 or int(conv.attrs.get("group", 1)) < 2
+                or not g.private(conv.outputs[0]) or not g.private(before.outputs[0])
+                or getattr(g.model.constants.get(conv.inputs[1]), "ndim", 0) != 4):
+            continue
+        pattern = [conv, before, transpose, after]
+        attrs = {**conv.attrs, "group": int(conv.attrs.get("group", 1)), "auto_pad": conv.attrs.get("auto_pad", "NOTSET"),
+                 "perm": [0, 2, 1, 3, 4], "allowzero": int(before.attrs.get("allowzero", 0)),
+                 "allowzero_after": int(after.attrs.get("allowzero", 0))}
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``after``
+        fused = Layer(name=conv.name, op_type=SHUFFLED_CONV[0],
+                      inputs=(conv.inputs + [""])[:3] + [before.inputs[1], after.inputs[1]], outputs=[after.outputs[0]],
+                      attrs=attrs, domain=FUSED_DOMAIN, version=SHUFFLED_CONV[1], fused=list(conv.fused),
+                      expansion=expansion)
+        g.replace(pattern, after, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _constant_reshape(g: _Graph, layer: Layer | None) -> Layer | None:
+    """``layer`` when it is a live Reshape (opset 5 on) of the default domain, nothing fused into
+    it, whose target is a constant."""
+    if (layer is None or id(layer) in g.removed or layer.op_type != "Reshape" or layer.domain or layer.fused
+            or layer.version < 5 or len(layer.inputs) != 2 or layer.inputs[1] not in g.model.constants):
+        return None
+    return layer
 
 
 def fuse_reshape_transposes(model: Model) -> int:

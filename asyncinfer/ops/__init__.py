@@ -28,6 +28,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     rnn,
     sequence,
     shape,
+    shuffled_conv,
     signal,
     softmax,
     text,

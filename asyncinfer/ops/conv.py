@@ -245,16 +245,39 @@ def _conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, group: int, stri
     """2-D: depthwise on its compiled loops (`conv_kernels`), a float32 stem on the direct kernel
     (`conv_direct`), float32 1x1 on the panel GEMM (`conv_pointwise`; ``keep`` keeps each one's
     form of constant weights), any other as tiled GEMM (`conv_gemm`)."""
-    if w.shape[1] == 1 and group > 1:
+    route = route_2d(x.shape, w.shape, group, tuple(strides), tuple(dilations), tuple(begin), tuple(end), tuple(out),
+                     x.dtype)
+    if route == DEPTHWISE:
         return depthwise2d(x, w, b, strides, dilations, begin, out, keep, epilogue)
-    if takes_direct(x.shape, w.shape, group, tuple(strides), tuple(dilations), tuple(out), x.dtype):
+    if route == DIRECT:
         return run_direct(direct_plan(x.shape, w, b, tuple(strides), tuple(begin), tuple(out), epilogue, keep), x)
-    if takes_direct_panels(x.shape, w.shape, group, tuple(strides), x.dtype):
+    if route == DIRECT_PANELS:
         return run_direct_panels(panel_plan(x.shape, w, b, tuple(strides), tuple(dilations), tuple(begin), tuple(out),
                                             epilogue, keep), x)
-    if takes_pointwise(x.shape, w.shape, group, tuple(begin), tuple(end), tuple(out), x.dtype):
+    if route == POINTWISE:
         return run_pointwise(pointwise_plan(x.shape, w, b, group, tuple(strides), tuple(out), epilogue, keep), x)
     return conv2d_gemm(x, w, b, group, strides, dilations, begin, end, out, epilogue)
+
+
+#: The kernels of a 2-D conv (`route_2d`).
+DEPTHWISE, DIRECT, DIRECT_PANELS, POINTWISE, GEMM = "depthwise", "direct", "direct panels", "pointwise", "gemm"
+
+
+def route_2d(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
+             dilations: tuple[int, ...], begin: tuple[int, ...], end: tuple[int, ...], out: tuple[int, ...],
+             dtype: np.dtype) -> str:
+    """Which kernel a 2-D conv runs on, the first that takes it of: `DEPTHWISE` (one input channel
+    a group), `DIRECT` (a stem), `DIRECT_PANELS`, `POINTWISE` (a 1x1 conv on the panel GEMM), else
+    `GEMM` (tiled im2col)."""
+    if w_shape[1] == 1 and group > 1:
+        return DEPTHWISE
+    if takes_direct(x_shape, w_shape, group, strides, dilations, out, dtype):
+        return DIRECT
+    if takes_direct_panels(x_shape, w_shape, group, strides, dtype):
+        return DIRECT_PANELS
+    if takes_pointwise(x_shape, w_shape, group, begin, end, out, dtype):
+        return POINTWISE
+    return GEMM
 
 
 def _same_case(known: tuple, case: tuple) -> bool:
@@ -275,16 +298,17 @@ def _shortcut_2d(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, 
     (`conv_pointwise.pointwise_plan`); a smaller 1x1 conv of one image, stride 1, no padding, one
     group as `conv_gemm.conv2d`'s pointwise path does it (one GEMM, then bias and activation in
     place); else `conv_gemm.small_conv`, else `conv_gemm.conv2d`."""
-    if w.shape[1] == 1 and group > 1:
+    route = route_2d(x_shape, w.shape, group, strides, dilations, begin, end, out, np.dtype(np.float32))
+    if route == DEPTHWISE:
         plan = depthwise_plan(x_shape, np.dtype(np.float32), w, b, strides, dilations, begin, out, keep)
         return lambda x: run_depthwise(plan, x, epilogue)
-    if takes_direct(x_shape, w.shape, group, strides, dilations, out, np.dtype(np.float32)):
+    if route == DIRECT:
         direct = direct_plan(x_shape, w, b, strides, begin, out, epilogue, keep)
         return lambda x: run_direct(direct, x)
-    if takes_direct_panels(x_shape, w.shape, group, strides, np.dtype(np.float32)):
+    if route == DIRECT_PANELS:
         panels = panel_plan(x_shape, w, b, strides, dilations, begin, out, epilogue, keep)
         return lambda x: run_direct_panels(panels, x)
-    if takes_pointwise(x_shape, w.shape, group, begin, end, out, np.dtype(np.float32)):
+    if route == POINTWISE:
         planned = pointwise_plan(x_shape, w, b, group, strides, out, epilogue, keep)
         return lambda x: run_pointwise(planned, x)
     if (x_shape[0] == 1 and w.shape[2:] == (1, 1) and group == 1 and strides == (1, 1) and not any(begin)

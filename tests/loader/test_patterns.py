@@ -850,6 +850,95 @@ def test_squeeze_excite_on_gpu_pixel_runs_the_layers_it_replaced_there():
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=2e-4, atol=2e-4)
 
 
+# -- channel shuffle after a grouped conv --------------------------------------------------------
+SH_C, SH_M, SH_G = 24, 48, 4
+
+
+def _shuffle_model(*, target=(0, SH_G, -1, 10, 12), target_after=(0, -1, 10, 12), perm=(0, 2, 1, 3, 4),
+                   batch: int | str = "N", bias: bool = True) -> onnx.ModelProto:
+    """x (N, 24, 10, 12) → grouped 1x1 Conv (4 groups, 48 channels) + Relu → Reshape(target) →
+    Transpose(perm) → Reshape(target_after) → y: ShuffleNet's unit as exported."""
+    rng = np.random.default_rng(11)
+    consts = [_const("w", rng.standard_normal((SH_M, SH_C // SH_G, 1, 1)) * 0.3),
+              numpy_helper.from_array(np.array(target, np.int64), "target"),
+              numpy_helper.from_array(np.array(target_after, np.int64), "target_after")]
+    if bias:
+        consts.append(_const("b", rng.standard_normal(SH_M)))
+    nodes = [helper.make_node("Conv", ["x", "w", "b"] if bias else ["x", "w"], ["c"], group=SH_G, kernel_shape=[1, 1]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Reshape", ["r", "target"], ["g"]),
+             helper.make_node("Transpose", ["g"], ["t"], perm=list(perm)),
+             helper.make_node("Reshape", ["t", "target_after"], ["y"])]
+    return make_model(nodes, [tensor_info("x", [batch, SH_C, 10, 12])], [tensor_info("y", None)], consts)
+
+
+def _shuffled_convs(worker: ai.Worker) -> list:
+    return [node.step.op for segment in worker._plan.segments for node in segment.nodes
+            if node.layer.op_type == "ShuffledConv"]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_channel_shuffle_fuses_into_the_grouped_conv_which_stores_it(bias):
+    """The four layers become one ``ShuffledConv+Relu`` whose GEMM stores the shuffled channels:
+    the definition's values, and the very bits of the layers unfused, for one batch after another."""
+    proto = _shuffle_model(bias=bias)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_channel_shuffles"] == 1
+    assert [l.kind for l in model.layers] == ["ShuffledConv+Relu"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Conv", "Reshape", "Transpose", "Reshape"]
+    with ai.Worker(model, "cpu") as worker, ai.Worker(ai.load_model(proto, optimize=False), "cpu") as plain:
+        for images in (1, 3, 1):
+            x = RNG.standard_normal((images, SH_C, 10, 12)).astype(np.float32)
+            got = worker.run_blocking(x)["y"]
+            np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got, plain.run_blocking(x)["y"])
+        [op] = _shuffled_convs(worker)
+    assert op._shuffled is not None and op._layers is None  # (the GEMM stored it: no layer ran)
+
+
+@pytest.mark.parametrize("variant", [dict(target=(0, 2, -1, 10, 12)),             # 2 groups shuffled, the conv has 4
+                                     dict(target=(0, SH_G, -1, 120), target_after=(0, -1, 10, 12),
+                                          perm=(0, 2, 1, 3))])                     # no shuffle of 5 axes
+def test_reshapes_that_do_not_shuffle_the_convs_groups_run_as_the_layers(variant):
+    proto = _shuffle_model(**variant)
+    model = ai.load_model(proto)
+    x = RNG.standard_normal((2, SH_C, 10, 12)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)["y"]
+        ops = _shuffled_convs(worker)
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    if len(variant["target"]) == 5:  # fused (the loader cannot tell), the layers' way at run time
+        assert model.optimizations["fuse_channel_shuffles"] == 1 and ops[0]._shuffled is None and ops[0]._layers
+    else:
+        assert model.optimizations["fuse_channel_shuffles"] == 0 and not ops
+
+
+def test_a_shuffle_target_that_does_not_fit_the_input_is_the_layers_error():
+    proto = _shuffle_model(target=(5, SH_G, -1, 10, 12))  # batch 5 written in: batch 1 cannot take it
+    with ai.Worker(ai.load_model(proto), "cpu") as worker:
+        with pytest.raises(ai.AsyncInferError, match="cannot reshape"):
+            worker.run_blocking(RNG.standard_normal((1, SH_C, 10, 12)).astype(np.float32))
+        x = RNG.standard_normal((5, SH_C, 10, 12)).astype(np.float32)  # (the worker still runs)
+        np.testing.assert_allclose(worker.run_blocking(x)["y"], ReferenceEvaluator(proto).run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-5)
+        [op] = _shuffled_convs(worker)
+    assert op._shuffled is not None  # (batch 5: the shuffle of the conv's groups)
+
+
+def test_channel_shuffle_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """gpu_pixel has no ShuffledConv kernel: its plan takes the expansion."""
+    require_pixel()
+    proto = _shuffle_model(batch=1)
+    x = RNG.standard_normal((1, SH_C, 10, 12)).astype(np.float32)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_channel_shuffles"] == 1
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(x)["y"]
+    assert not placement.fallback, placement.fallback
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=2e-4, atol=2e-4)
+
+
 # -- MatMul + bias row ---------------------------------------------------------------------------
 def _linear_model(*, bias_first: bool = False, gelu: bool = False, bias_shape: tuple[int, ...] = (12,),
                   product_read_elsewhere: bool = False, bias_input: bool = False) -> onnx.ModelProto:
