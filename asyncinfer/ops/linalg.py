@@ -213,21 +213,41 @@ def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.nda
     row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0, 0]  # (unread without a bias)
     panels = n // gemm.WIDTH
     team = parallel.team() if count * m * k * n >= TEAM_MIN_MACS else None
-    if team is not None:
-        threads = team.helpers + 1
+    parts = None if team is None else _gemm_parts(count, panels, team.helpers + 1)
+    control = None if parts is None or len(parts) < 2 else team.claim()  # type: ignore[union-attr]
+    if control is None:  # alone, too small to share, or the team busy (every core is)
+        gemm.panel_gemm_batch(a, b, y, row, 0, count, 0, panels, biased)
+        return y
+    try:  # posted, run and waited for in compiled code
+        if gemm.post_gemm(control, a, b, y, row, parts, biased):
+            team.wake()  # type: ignore[union-attr]
+        if not gemm.finish_gemm(control, a, b, y, row, parts, biased, spin_team.WAIT_ROUNDS):
+            team.wait_posted(len(parts) - 1)  # type: ignore[union-attr, arg-type]
+    finally:
+        team.release()  # type: ignore[union-attr]
+    return y
+
+
+_gemm_parts_kept: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _gemm_parts(count: int, panels: int, threads: int) -> np.ndarray:
+    """`_panel_gemm`'s parts for ``threads`` sharers, rows ``(e0, e1, p0, p1)``: whole entries
+    each where there are enough, else ranges of panels (one row: nothing to share)."""
+    key = (count, panels, threads)
+    parts = _gemm_parts_kept.get(key)
+    if parts is None:
         if count >= threads:
             cuts = [count * i // threads for i in range(threads + 1)]
-            parts = [(lo, hi, 0, panels) for lo, hi in zip(cuts, cuts[1:])]
+            rows = [(lo, hi, 0, panels) for lo, hi in zip(cuts, cuts[1:])]
         else:
             threads = min(threads, panels)
             cuts = [panels * i // threads for i in range(threads + 1)]
-            parts = [(0, count, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
-        if len(parts) > 1:
-            posted = [gemm.part_arguments(a, b, y, row, *part, biased) for part in parts[1:]]
-            if team.try_run(posted, lambda: gemm.panel_gemm_batch(a, b, y, row, *parts[0], biased)):
-                return y
-    gemm.panel_gemm_batch(a, b, y, row, 0, count, 0, panels, biased)
-    return y
+            rows = [(0, count, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+        parts = np.array(rows, np.int64).reshape(-1, 4)
+        if len(_gemm_parts_kept) < 256:
+            _gemm_parts_kept[key] = parts
+    return parts
 
 
 def vector_cuts(n: int, parts: int) -> list[int]:

@@ -3,6 +3,8 @@
 the bias added as each block is stored, panels shared with the spin team."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,28 @@ def test_panels_shared_with_the_team_give_the_same_bits(helpers, panels, rng, mo
     np.testing.assert_array_equal(shared, alone)
     np.testing.assert_array_equal(busy, alone)
     np.testing.assert_allclose(alone, _exact(a, b, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(rng, monkeypatch):
+    """`finish_gemm` giving up at once (no spin rounds) leaves the caller to wait through
+    `SpinTeam.wait_posted`: the same bits as the product alone."""
+    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
+    a = rng.standard_normal((37, 64)).astype(np.float32)
+    b = rng.standard_normal((64, 4 * W)).astype(np.float32)
+    alone = linalg.matmul(a, b)
+    # (the compiled wait's rounds only: the team's own wait spins)
+    monkeypatch.setattr(linalg, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0, addresses=linalg.spin_team.addresses))
+    runs = TeamRuns(1)
+    waited = []
+    real = runs.team.wait_posted
+    runs.team.wait_posted = lambda helpers: (waited.append(helpers), real(helpers))
+    try:
+        with parallel.pool_bound(None, 2, runs.team):
+            shared = linalg.matmul(a, b)
+    finally:
+        runs.team.close()
+    assert runs.shared == 1 and waited == [1]
+    np.testing.assert_array_equal(shared, alone)
 
 
 def test_other_products_keep_their_ways(rng):
