@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from ..concurrency.spin_team import SpinTeam
-from .compiled.one_pass import (activate_arguments, activate_range, add_range, affine_arguments, affine_rows,
-                                part_arguments)
+from .compiled.one_pass import (activate_range, add_range, affine_rows, finish_activate, finish_add, finish_affine,
+                                post_activate, post_add, post_affine)
 from .epilogue import Activations, Epilogue
 
 #: From this many values a pass is offered to the spinning helpers (about 10 µs on one core:
@@ -50,8 +50,8 @@ def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations) -> np.ndar
     out = np.empty(a.shape, np.float32)
     x, y, z = a.reshape(-1), b.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
-    numbers = np.array([av, bv], np.float64)
-    _in_ranges(n, team, ALIGN, lambda lo, hi: part_arguments(x, y, z, lo, hi, kind, numbers),
+    _in_ranges(n, team, ALIGN, lambda control, cuts: post_add(control, x, y, z, cuts, kind, epilogue.numbers),
+               lambda control, cuts, rounds: finish_add(control, x, y, z, cuts, kind, av, bv, rounds),
                lambda lo, hi: add_range(x, y, z, lo, hi, kind, av, bv))
     return out
 
@@ -67,25 +67,48 @@ def activated(x: np.ndarray, epilogue: Epilogue | None) -> np.ndarray | None:
     out = np.empty(x.shape, np.float32)
     src, dst = x.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
-    numbers = np.array([av, bv], np.float64)
     _in_ranges(n, parallel.team() if n >= TEAM_MIN_VALUES else None, ALIGN,
-               lambda lo, hi: activate_arguments(src, dst, lo, hi, kind, numbers),
+               lambda control, cuts: post_activate(control, src, dst, cuts, kind, epilogue.numbers),
+               lambda control, cuts, rounds: finish_activate(control, src, dst, cuts, kind, av, bv, rounds),
                lambda lo, hi: activate_range(src, dst, lo, hi, kind, av, bv))
     return out
 
 
-def _in_ranges(n: int, team: SpinTeam | None, align: int, post: Callable[[int, int], list[int]],
-               own: Callable[[int, int], None]) -> None:
-    """Run ``[0, n)`` as ``own(lo, hi)`` here, in ranges (starting on multiples of ``align``)
-    shared with ``team``'s helpers, each posted as ``post(lo, hi)``, when there is a team, it
-    is free and ``n`` makes a range for each."""
+def _in_ranges(n: int, team: SpinTeam | None, align: int, post: Callable[[np.ndarray, np.ndarray], int],
+               finish: Callable[[np.ndarray, np.ndarray, int], bool], own: Callable[[int, int], None]) -> None:
+    """Run ``[0, n)``: in ranges (starting on multiples of ``align``) shared with ``team``'s
+    helpers when there is a team, it is free and ``n`` makes a range for each (``post(control,
+    cuts)`` posts the helpers' ranges, 1 to ``len(cuts) - 2``, from compiled code and says whether
+    one was asleep; ``finish(control, cuts, rounds)`` runs range 0 here and waits for theirs,
+    False when it gave up spinning); else as ``own(0, n)`` here."""
     count = 1 if team is None else min(team.helpers + 1, n // align)
-    if count > 1:
-        cuts = [0] + [n * i // count // align * align for i in range(1, count)] + [n]
-        if team.try_run([post(cuts[i], cuts[i + 1]) for i in range(1, count)],  # type: ignore[union-attr]
-                        lambda: own(cuts[0], cuts[1])):
-            return
-    own(0, n)
+    control = team.claim() if count > 1 else None  # type: ignore[union-attr]
+    if control is None:
+        own(0, n)
+        return
+    try:
+        cuts = _cuts(n, count, align)
+        if post(control, cuts):
+            team.wake()  # type: ignore[union-attr]
+        if not finish(control, cuts, spin_team.WAIT_ROUNDS):
+            team.wait_posted(count - 1)  # type: ignore[union-attr]
+    finally:
+        team.release()  # type: ignore[union-attr]
+
+
+_cuts_kept: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _cuts(n: int, count: int, align: int) -> np.ndarray:
+    """The bounds of ``count`` ranges of ``[0, n)``, each but the first starting on a multiple of
+    ``align`` (int64, ``count + 1`` values), kept per size: a layer sees the same size run after run."""
+    key = (n, count, align)
+    cuts = _cuts_kept.get(key)
+    if cuts is None:
+        cuts = np.array([0] + [n * i // count // align * align for i in range(1, count)] + [n], np.int64)
+        if len(_cuts_kept) < 256:
+            _cuts_kept[key] = cuts
+    return cuts
 
 
 #: Fewest values a channel plane needs for `fused_affine` (a row loop over shorter planes is
@@ -112,8 +135,9 @@ def fused_affine(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activation
     rows = x.shape[0] * x.shape[1]
     planes, results = x.reshape(rows, width), out.reshape(rows, width)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
-    numbers = np.array([av, bv], np.float64)
     _in_ranges(rows, parallel.team() if x.size >= TEAM_MIN_VALUES else None, 1,
-               lambda r0, r1: affine_arguments(planes, scale, shift, results, r0, r1, kind, numbers),
+               lambda control, cuts: post_affine(control, planes, scale, shift, results, cuts, kind, epilogue.numbers),
+               lambda control, cuts, rounds: finish_affine(control, planes, scale, shift, results, cuts, kind, av, bv,
+                                                           rounds),
                lambda r0, r1: affine_rows(planes, scale, shift, results, r0, r1, kind, av, bv))
     return out

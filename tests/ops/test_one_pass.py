@@ -3,6 +3,8 @@ activation, in one compiled pass (`compiled.sums`), alone and shared with the sp
 bits of NumPy's add followed by the standalone activation op, and the other cases left to NumPy."""
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -38,6 +40,23 @@ def test_the_fused_activation_gives_the_bits_of_the_standalone_op(op_type, activ
     assert fused.dtype == np.float32 and fused.shape == a.shape
     np.testing.assert_array_equal(fused, separate)
     np.testing.assert_array_equal(np.signbit(fused), np.signbit(separate))
+
+
+def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(rng, monkeypatch):
+    """`finish_add` giving up at once (no spin rounds) leaves the caller to wait through
+    `SpinTeam.wait_posted`: the same bits as the sum alone."""
+    a, b = _strewn(rng, (TEAM_MIN_VALUES * 2,)), _strewn(rng, (TEAM_MIN_VALUES * 2,))
+    act, extras = activation_op("Relu")
+    alone = fused_add(a, b, [(act, extras)])
+    # (the compiled wait's rounds only: the team's own wait spins)
+    monkeypatch.setattr(fused_add_module, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))
+    with spin_team_bound(1) as runs:
+        waited = []
+        real = runs.team.wait_posted
+        runs.team.wait_posted = lambda helpers: (waited.append(helpers), real(helpers))
+        shared = fused_add(a, b, [(act, extras)])
+    assert runs.shared == 1 and waited == [1]
+    np.testing.assert_array_equal(shared, alone)
 
 
 @pytest.mark.parametrize("op_type", ["Add", "Sum"])

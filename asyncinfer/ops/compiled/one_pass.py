@@ -22,7 +22,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import inline, kernel
 from .activations import hard_sigmoid1, hard_swish1, sigmoid1, swish1
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, RELU, SIGMOID, SWISH
@@ -130,17 +130,38 @@ def activate_range(x: np.ndarray, out: np.ndarray, lo: int, hi: int, act: int, a
         _activate_run(dst, act, af, bf)
 
 
-def part_arguments(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, act: int,
-                   numbers: np.ndarray) -> list[int]:
-    """The integers of a part `add_part` runs as ``add_range(a, b, out, lo, hi, act, *numbers)``
-    on flat float32 arrays (``numbers``: the epilogue's two parameters as a float64 array), for
-    `SpinTeam.try_run`; the caller keeps every array alive until the part is done."""
-    return [ADD_PART_KIND, a.size, *addresses(a, b, out, numbers)[:4], lo, hi, act]
+@kernel(contract=False)
+def post_add(control: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray, cuts: np.ndarray, act: int,
+             numbers: np.ndarray) -> int:
+    """Post range ``i + 1`` of ``cuts`` (``cuts[i + 1]:cuts[i + 2]``) to helper ``i`` of a claimed
+    team's ``control``, for `add_part` to run as ``add_range(a, b, out, lo, hi, act, *numbers)`` on
+    flat float32 arrays (``numbers``: the epilogue's two parameters, float64); how many of those
+    helpers were asleep (the caller wakes them). The caller keeps the arrays alive until the parts
+    are done. Posted in one compiled call, as `finish_add` runs and waits: the parts' integers
+    built in Python and posted through `SpinTeam.try_run` cost several microseconds a layer."""
+    sleeping = 0
+    for i in range(cuts.shape[0] - 2):
+        row = control[i]
+        row[KIND] = ADD_PART_KIND
+        at = ARGS
+        row[at], row[at + 1], row[at + 2], row[at + 3] = a.size, a.ctypes.data, b.ctypes.data, out.ctypes.data
+        row[at + 4], row[at + 5], row[at + 6], row[at + 7] = numbers.ctypes.data, cuts[i + 1], cuts[i + 2], act
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel(contract=False)
+def finish_add(control: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarray, cuts: np.ndarray, act: int,
+               av: float, bv: float, rounds: int) -> bool:
+    """Run range 0 of ``cuts`` here, then wait for the ranges `post_add` posted; False when a
+    helper is not done within ``rounds`` spins (the caller then waits the slow way)."""
+    add_range(a, b, out, cuts[0], cuts[1], act, av, bv)
+    return wait_all(control, cuts.shape[0] - 2, rounds)
 
 
 @numba.njit(inline="always")
 def add_part(control: np.ndarray) -> None:
-    """Run the `add_range` part posted in a spin team's ``control`` row (`part_arguments`): the
+    """Run the `add_range` part posted in a spin team's ``control`` row (`post_add`): the
     helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     n = control[at]
@@ -151,17 +172,35 @@ def add_part(control: np.ndarray) -> None:
     add_range(a, b, out, control[at + 5], control[at + 6], control[at + 7], numbers[0], numbers[1])
 
 
-def affine_arguments(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray, r0: int, r1: int,
-                     act: int, numbers: np.ndarray) -> list[int]:
-    """The integers of a part `affine_part` runs as ``affine_rows(x, scale, shift, out, r0, r1,
-    act, *numbers)`` on C-contiguous float32 arrays (``x`` and ``out`` (rows, width)), for
-    `SpinTeam.try_run`; the caller keeps every array alive until the part is done."""
-    return [AFFINE_PART_KIND, *x.shape, scale.shape[0], *addresses(x, scale, shift, out, numbers)[:5], r0, r1, act]
+@kernel(contract=False)
+def post_affine(control: np.ndarray, x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray,
+                cuts: np.ndarray, act: int, numbers: np.ndarray) -> int:
+    """`post_add` for `affine_rows` (rows ``cuts[i + 1]:cuts[i + 2]`` of ``x`` and ``out`` (rows,
+    width), C-contiguous float32), for `affine_part` to run."""
+    sleeping = 0
+    for i in range(cuts.shape[0] - 2):
+        row = control[i]
+        row[KIND] = AFFINE_PART_KIND
+        at = ARGS
+        row[at], row[at + 1], row[at + 2] = x.shape[0], x.shape[1], scale.shape[0]
+        row[at + 3], row[at + 4], row[at + 5] = x.ctypes.data, scale.ctypes.data, shift.ctypes.data
+        row[at + 6], row[at + 7] = out.ctypes.data, numbers.ctypes.data
+        row[at + 8], row[at + 9], row[at + 10] = cuts[i + 1], cuts[i + 2], act
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel(contract=False)
+def finish_affine(control: np.ndarray, x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray,
+                  cuts: np.ndarray, act: int, av: float, bv: float, rounds: int) -> bool:
+    """`finish_add` for `affine_rows`."""
+    affine_rows(x, scale, shift, out, cuts[0], cuts[1], act, av, bv)
+    return wait_all(control, cuts.shape[0] - 2, rounds)
 
 
 @numba.njit(inline="always")
 def affine_part(control: np.ndarray) -> None:
-    """Run the `affine_rows` part posted in a spin team's ``control`` row (`affine_arguments`)."""
+    """Run the `affine_rows` part posted in a spin team's ``control`` row (`post_affine`)."""
     at = ARGS
     rows, width, channels = control[at], control[at + 1], control[at + 2]
     x = numba.carray(address_as_pointer(control[at + 3], np.float32), (rows, width))
@@ -172,16 +211,32 @@ def affine_part(control: np.ndarray) -> None:
     affine_rows(x, scale, shift, out, control[at + 8], control[at + 9], control[at + 10], numbers[0], numbers[1])
 
 
-def activate_arguments(x: np.ndarray, out: np.ndarray, lo: int, hi: int, act: int, numbers: np.ndarray) -> list[int]:
-    """The integers of a part `activate_part` runs as ``activate_range(x, out, lo, hi, act,
-    *numbers)`` on flat float32 arrays, for `SpinTeam.try_run`; the caller keeps every array
-    alive until the part is done."""
-    return [ACTIVATE_PART_KIND, x.size, *addresses(x, out, numbers)[:3], lo, hi, act]
+@kernel(contract=False)
+def post_activate(control: np.ndarray, x: np.ndarray, out: np.ndarray, cuts: np.ndarray, act: int,
+                  numbers: np.ndarray) -> int:
+    """`post_add` for `activate_range`, for `activate_part` to run."""
+    sleeping = 0
+    for i in range(cuts.shape[0] - 2):
+        row = control[i]
+        row[KIND] = ACTIVATE_PART_KIND
+        at = ARGS
+        row[at], row[at + 1], row[at + 2], row[at + 3] = x.size, x.ctypes.data, out.ctypes.data, numbers.ctypes.data
+        row[at + 4], row[at + 5], row[at + 6] = cuts[i + 1], cuts[i + 2], act
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel(contract=False)
+def finish_activate(control: np.ndarray, x: np.ndarray, out: np.ndarray, cuts: np.ndarray, act: int, av: float,
+                    bv: float, rounds: int) -> bool:
+    """`finish_add` for `activate_range`."""
+    activate_range(x, out, cuts[0], cuts[1], act, av, bv)
+    return wait_all(control, cuts.shape[0] - 2, rounds)
 
 
 @numba.njit(inline="always")
 def activate_part(control: np.ndarray) -> None:
-    """Run the `activate_range` part posted in a spin team's ``control`` row (`activate_arguments`)."""
+    """Run the `activate_range` part posted in a spin team's ``control`` row (`post_activate`)."""
     at = ARGS
     n = control[at]
     x = numba.carray(address_as_pointer(control[at + 1], np.float32), (n,))
