@@ -770,13 +770,15 @@ def fuse_channel_shuffles(model: Model) -> int:
         conv = None if before is None else g.producers.get(before.inputs[0])
         after = _constant_reshape(g, g.only_consumer(transpose.outputs[0], "Reshape"))
         if (conv is None or after is None or id(conv) in g.removed or conv.op_type != "Conv" or conv.domain
-                or len(conv.inputs) < 2 or len([o for o in conv.outputs if o]) != 1 or int(conv.attrs.get("group", 1)) < 2
-                or not g.private(conv.outputs[0]) or not g.private(before.outputs[0])
+                or len(conv.inputs) < 2 or len([o for o in conv.outputs if o]) != 1
+                or int(conv.attrs.get("group", 1)) < 2 or not g.private(conv.outputs[0])
+                or not g.private(before.outputs[0])
                 or getattr(g.model.constants.get(conv.inputs[1]), "ndim", 0) != 4):
             continue
         pattern = [conv, before, transpose, after]
-        attrs = {**conv.attrs, "group": int(conv.attrs.get("group", 1)), "auto_pad": conv.attrs.get("auto_pad", "NOTSET"),
-                 "perm": [0, 2, 1, 3, 4], "allowzero": int(before.attrs.get("allowzero", 0)),
+        attrs = {**conv.attrs, "group": int(conv.attrs.get("group", 1)),
+                 "auto_pad": conv.attrs.get("auto_pad", "NOTSET"), "perm": [0, 2, 1, 3, 4],
+                 "allowzero": int(before.attrs.get("allowzero", 0)),
                  "allowzero_after": int(after.attrs.get("allowzero", 0))}
         expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``after``
         fused = Layer(name=conv.name, op_type=SHUFFLED_CONV[0],

@@ -84,8 +84,9 @@ class ShuffledConv(Conv):
         if math.prod(out) == 0 or n == 0 or route_2d(x.shape, w.shape, group, strides, dilations, begin, end, out,
                                                     x.dtype) != POINTWISE:
             return None
-        if (_resolved((n, m, *out), int_list(shape), self.allowzero) != [n, group, m // group, *out]
-                or _resolved((n, m // group, group, *out), int_list(shape_after), self.allowzero_after) != [n, m, *out]):
+        grouped = _resolved((n, m, *out), int_list(shape), self.allowzero)
+        after = _resolved((n, m // group, group, *out), int_list(shape_after), self.allowzero_after)
+        if grouped != [n, group, m // group, *out] or after != [n, m, *out]:
             return None
         keep: Callable = lambda name, work_out: self.derived(name, {1: w}, work_out)  # noqa: E731
         return pointwise_plan(x.shape, w, b, group, strides, out, epilogue, keep, shuffled=True)
@@ -95,10 +96,10 @@ def _resolved(shape: tuple[int, ...], target: list[int], allowzero: bool) -> lis
     """Reshape's ``target`` for an input of ``shape`` with its 0s and a -1 resolved, or None where
     it cannot be (the layers then say why)."""
     dims = reshape_dims(shape, target, allowzero)
-    known = math.prod(d for d in dims if d != -1)
-    if dims.count(-1) > 1 or any(d < -1 for d in dims) or (dims.count(-1) == 1 and (known == 0 or math.prod(shape) % known)):
+    known, total = math.prod(d for d in dims if d != -1), math.prod(shape)
+    if dims.count(-1) > 1 or any(d < -1 for d in dims) or (-1 in dims and (known == 0 or total % known)):
         return None
-    return [math.prod(shape) // known if d == -1 else d for d in dims]
+    return [total // known if d == -1 else d for d in dims]
 
 
 def _same(known: tuple, case: tuple) -> bool:
