@@ -192,6 +192,22 @@ def _store(control: np.ndarray, index: int, value: int) -> None:
     _fence()
 
 
+_range_cuts_kept: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def range_cuts(n: int, count: int, align: int) -> np.ndarray:
+    """The bounds of ``count`` ranges of ``[0, n)`` for a caller and its helpers, each but the
+    first starting on a multiple of ``align`` (int64, ``count + 1`` values; for the compiled
+    ``post_...``/``finish_...`` pairs), kept per size: a layer sees the same size run after run."""
+    key = (n, count, align)
+    cuts = _range_cuts_kept.get(key)
+    if cuts is None:
+        cuts = np.array([0] + [n * i // count // align * align for i in range(1, count)] + [n], np.int64)
+        if len(_range_cuts_kept) < 256:
+            _range_cuts_kept[key] = cuts
+    return cuts
+
+
 class SpinTeam:
     """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from ..concurrency.spin_team import SpinTeam
 from .compiled import blas_call
 from .compiled.winograd import gather_slabs, input_transform, non_finite_mark, output_transform
-from .compiled.winograd_bands import band_arguments, scratch_size, winograd_bands
+from .compiled.winograd_bands import finish_bands, post_bands, scratch_size
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
 from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS
@@ -165,24 +165,42 @@ def conv2d_winograd(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin
 def _on_team(team: SpinTeam, algorithm: _Algorithm, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray,
              top: int, left: int, tw: int, edges: list[int], epilogue: Epilogue) -> bool:
     """The bands (each image cut at tile rows ``edges``) on `compiled.winograd_bands`, shared
-    between this thread and the team's helpers, about the same number of tiles each; False,
-    having done nothing, when there are fewer bands than sharers or the team is busy."""
-    bands = np.array([(i, edges[j], edges[j + 1]) for i in range(x.shape[0]) for j in range(len(edges) - 1)
-                      if edges[j + 1] > edges[j]], np.int64)
+    between this thread and the team's helpers, about the same number of tiles each, posted, run
+    and waited for in compiled code; False, having done nothing, when there are fewer bands than
+    sharers or the team is busy."""
     parts = team.helpers + 1
+    bands, cuts, rows = _shared_bands(x.shape[0], tuple(edges), parts)
     if len(bands) < parts:
         return False
-    cuts = [len(bands) * i // parts for i in range(parts + 1)]
-    rows = int((bands[:, 2] - bands[:, 1]).max())
-    size = scratch_size(algorithm.window, x.shape[1], u.shape[1], rows * (tw + 1), tw)
-    own = scratch((size,), np.float32, "winograd_team")
-    helpers = team.scratch((parts - 1, size), np.float32)
-    numbers = epilogue.numbers
-    fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
-    posted = [band_arguments(x, u, bias, y, bands, cuts[j], cuts[j + 1], top, left, tw, helpers[j - 1],
-                             epilogue.kind, numbers, fn, ilp64) for j in range(1, parts)]
-    return team.try_run(posted, lambda: winograd_bands(x, u, bias, y, bands, 0, cuts[1], top, left, tw, own,
-                                                       epilogue.kind, epilogue.a, epilogue.b, fn, ilp64))
+    control = team.claim()
+    if control is None:
+        return False
+    try:
+        size = scratch_size(algorithm.window, x.shape[1], u.shape[1], rows * (tw + 1), tw)
+        own = scratch((size,), np.float32, "winograd_team")
+        helpers = team.scratch((parts - 1, size), np.float32)
+        fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
+        if post_bands(control, x, u, bias, y, bands, cuts, top, left, tw, helpers, epilogue.kind, epilogue.numbers,
+                      fn, ilp64):
+            team.wake()
+        if not finish_bands(control, x, u, bias, y, bands, cuts, top, left, tw, own, epilogue.kind, epilogue.a,
+                            epilogue.b, fn, ilp64, spin_team.WAIT_ROUNDS):
+            team.wait_posted(parts - 1)
+    finally:
+        team.release()
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_bands(images: int, edges: tuple[int, ...], parts: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The bands of `_on_team` (rows: image, first and end tile row; int64), the cuts giving
+    ``parts`` sharers about as many bands each, and the tallest band's tile rows: worked out once
+    per geometry (a layer sees the same one run after run)."""
+    bands = np.array([(i, edges[j], edges[j + 1]) for i in range(images) for j in range(len(edges) - 1)
+                      if edges[j + 1] > edges[j]], np.int64).reshape(-1, 3)
+    cuts = np.array([len(bands) * i // parts for i in range(parts + 1)], np.int64)
+    rows = int((bands[:, 2] - bands[:, 1]).max()) if len(bands) else 0
+    return bands, cuts, rows
 
 
 def _part(algorithm: _Algorithm, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, top: int,

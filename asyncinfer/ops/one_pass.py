@@ -87,28 +87,13 @@ def _in_ranges(n: int, team: SpinTeam | None, align: int, post: Callable[[np.nda
         own(0, n)
         return
     try:
-        cuts = _cuts(n, count, align)
+        cuts = spin_team.range_cuts(n, count, align)
         if post(control, cuts):
             team.wake()  # type: ignore[union-attr]
         if not finish(control, cuts, spin_team.WAIT_ROUNDS):
             team.wait_posted(count - 1)  # type: ignore[union-attr]
     finally:
         team.release()  # type: ignore[union-attr]
-
-
-_cuts_kept: dict[tuple[int, int, int], np.ndarray] = {}
-
-
-def _cuts(n: int, count: int, align: int) -> np.ndarray:
-    """The bounds of ``count`` ranges of ``[0, n)``, each but the first starting on a multiple of
-    ``align`` (int64, ``count + 1`` values), kept per size: a layer sees the same size run after run."""
-    key = (n, count, align)
-    cuts = _cuts_kept.get(key)
-    if cuts is None:
-        cuts = np.array([0] + [n * i // count // align * align for i in range(1, count)] + [n], np.int64)
-        if len(_cuts_kept) < 256:
-            _cuts_kept[key] = cuts
-    return cuts
 
 
 #: Fewest values a channel plane needs for `fused_affine` (a row loop over shorter planes is

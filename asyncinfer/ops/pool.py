@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from .base import Op
-from .compiled.pool import COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_TWO, TILES, part_arguments, pool_range
+from .compiled.pool import (COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_TWO, TILES, finish_pool, pool_range,
+                            post_pool)
 from .compiled.rows import row_means
 from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -123,17 +124,23 @@ class _WindowPool(Op):
         return y.reshape(n, c, *plan.out)
 
     def _on_team(self, plan: "_Plan2d", planes: np.ndarray, y: np.ndarray) -> bool:
-        """The planes in one share per sharer, this thread's and each spinning helper's; False,
-        having done nothing, when no team is free."""
+        """The planes in one share per sharer, this thread's and each spinning helper's, posted,
+        run and waited for in compiled code; False, having done nothing, when no team is free."""
         team = parallel.team()
-        if team is None:
+        control = None if team is None else team.claim()
+        if control is None:
             return False
-        count = team.helpers + 1
-        cuts = [len(planes) * i // count for i in range(count + 1)]
-        posted = [part_arguments(plan.loop, planes, y, cuts[i], cuts[i + 1], plan.geometry, plan.lowest, self.summing)
-                  for i in range(1, count)]
-        return team.try_run(posted, lambda: pool_range(plan.loop, planes, y, cuts[0], cuts[1], *plan.geometry,
-                                                       plan.lowest[0], self.summing))
+        try:
+            count = team.helpers + 1  # type: ignore[union-attr]
+            cuts = spin_team.range_cuts(len(planes), count, 1)
+            if post_pool(control, plan.loop, planes, y, cuts, plan.geometry_array, plan.lowest, self.summing):
+                team.wake()  # type: ignore[union-attr]
+            if not finish_pool(control, plan.loop, planes, y, cuts, plan.geometry_array, plan.lowest, self.summing,
+                               spin_team.WAIT_ROUNDS):
+                team.wait_posted(count - 1)  # type: ignore[union-attr]
+        finally:
+            team.release()  # type: ignore[union-attr]
+        return True
 
     def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> "_Plan2d":
         """For one input shape: the output size, the loop and its geometry, the parts of the
@@ -166,7 +173,8 @@ class _WindowPool(Op):
             geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]),
                         int(begin[1]))
         team = dtype == np.float32 and planes > 1 and work >= TEAM_MIN_MACS
-        return _Plan2d(tuple(int(o) for o in out), loop, geometry, lowest, parts, threads, team)
+        return _Plan2d(tuple(int(o) for o in out), loop, geometry, np.array(geometry, np.int64), lowest, parts, threads,
+                       team)
 
     def tap_sum(self, x: np.ndarray, win: FlatWindows, fn=None) -> np.ndarray:
         """Sum over each window of ``fn(x)`` (zero padding), still on the virtual output grid."""
@@ -184,6 +192,7 @@ class _Plan2d:
     out: tuple[int, int]
     loop: int                      # `compiled.pool`'s ROWS_FIRST, COLUMNS_FIRST or TILES
     geometry: tuple[int, ...]      # kh, kw, sh, sw, dh, dw, top, left
+    geometry_array: np.ndarray     # the same, int64 (for the compiled posting)
     lowest: np.ndarray             # (1,) float64: what a window wholly in the padding gives
     parts: tuple[tuple[int, int], ...]  # planes, for the pool's threads
     threads: int

@@ -4,6 +4,7 @@ and padded; its fused activations bit for bit against the standalone ops; and th
 leaves to the GEMM (non-finite values, small maps, other geometries)."""
 from __future__ import annotations
 
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -99,6 +100,26 @@ def test_bands_shared_with_the_spin_team_have_the_bits_of_one_thread(name, helpe
     np.testing.assert_array_equal(shared, alone)
     want = reference_run("Conv", inputs, attrs)[0]
     np.testing.assert_allclose(shared, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
+
+
+def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(rng, monkeypatch):
+    """`finish_bands` giving up at once (no spin rounds) leaves the caller to wait through
+    `SpinTeam.wait_posted`: the same bits as the bands alone."""
+    inputs, attrs = _operands("batch_of_three", rng)
+    conv = make_op("Conv", attrs, n_inputs=len(inputs))
+    monkeypatch.setattr(conv_winograd, "MIN_PART_TILES", 1)
+    monkeypatch.setattr(conv_winograd, "PART_BYTES", 1)
+    alone = conv(*inputs)[0]
+    monkeypatch.setattr(conv_winograd, "TEAM_MIN_MACS", 0)
+    # (the compiled wait's rounds only: the team's own wait spins)
+    monkeypatch.setattr(conv_winograd, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))
+    with spin_team_bound(1) as runs:
+        waited = []
+        real = runs.team.wait_posted
+        runs.team.wait_posted = lambda helpers: (waited.append(helpers), real(helpers))
+        shared = conv(*inputs)[0]
+    assert runs.shared == 1 and waited == [1]
+    np.testing.assert_array_equal(shared, alone)
 
 
 def test_agrees_with_the_gemm_conv(rng, monkeypatch):

@@ -4,6 +4,7 @@ windows tile the map, and compiled/pool_three.py's 3x3/2 loop) against onnx's re
 pads, strides, dilations, ceil_mode, auto_pad, NaN, threads."""
 from __future__ import annotations
 
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -213,6 +214,23 @@ def test_planes_shared_with_the_spin_team_give_the_same_bits(op_type, attrs, hel
     assert runs.shared == 1
     np.testing.assert_array_equal(shared, alone)  # (the loops themselves are checked against the reference above)
     assert np.isnan(shared).any()
+
+
+def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(rng, monkeypatch):
+    """`finish_pool` giving up at once (no spin rounds) leaves the caller to wait through
+    `SpinTeam.wait_posted`: the same bits as the pool alone."""
+    x = randn(rng, 2, 8, 80, 80)
+    op = make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)
+    alone = op(x)[0]
+    # (the compiled wait's rounds only: the team's own wait spins)
+    monkeypatch.setattr(pool, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0, range_cuts=pool.spin_team.range_cuts))
+    with spin_team_bound(1) as runs:
+        waited = []
+        real = runs.team.wait_posted
+        runs.team.wait_posted = lambda helpers: (waited.append(helpers), real(helpers))
+        shared = make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)(x)[0]
+    assert runs.shared == 1 and waited == [1]
+    np.testing.assert_array_equal(shared, alone)
 
 
 def test_pool_with_the_team_busy_runs_here(rng):

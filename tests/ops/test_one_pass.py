@@ -49,7 +49,8 @@ def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(r
     act, extras = activation_op("Relu")
     alone = fused_add(a, b, [(act, extras)])
     # (the compiled wait's rounds only: the team's own wait spins)
-    monkeypatch.setattr(fused_add_module, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))
+    monkeypatch.setattr(fused_add_module, "spin_team",
+                        types.SimpleNamespace(WAIT_ROUNDS=0, range_cuts=fused_add_module.spin_team.range_cuts))
     with spin_team_bound(1) as runs:
         waited = []
         real = runs.team.wait_posted

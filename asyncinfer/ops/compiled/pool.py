@@ -38,7 +38,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import inline, kernel
 from .phases import phase_tap, split_even_odd
 from .pool_folds import EXACT_MAX, LARGER, SUM, _fold, _max
@@ -405,19 +405,43 @@ def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: 
         pool2d(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
 
 
-def part_arguments(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, geometry: tuple[int, ...],
-                   lowest: np.ndarray, summing: bool) -> list[int]:
-    """The integers of a part `pool_part` runs as ``pool_range(loop, x, out, p0, p1, *geometry,
-    lowest[0], summing)`` on C-contiguous float32 ``x`` (P, H, W) and ``out`` (P, Ho, Wo)
-    (``geometry`` = kh, kw, sh, sw, dh, dw, top, left; ``lowest`` a float64 array of one), for
-    `SpinTeam.try_run`; the caller keeps every array alive until the part is done."""
-    x_at, out_at, lowest_at = addresses(x, out, lowest)[:3]
-    return [PART_KIND, loop, *x.shape, *out.shape[1:], x_at, out_at, lowest_at, p0, p1, *geometry, int(summing)]
+@kernel
+def post_pool(control: np.ndarray, loop: int, x: np.ndarray, out: np.ndarray, cuts: np.ndarray,
+              geometry: np.ndarray, lowest: np.ndarray, summing: bool) -> int:
+    """Post planes ``cuts[i + 1]:cuts[i + 2]`` to helper ``i`` of a claimed team's ``control``, for
+    `pool_part` to run as ``pool_range(loop, x, out, p0, p1, *geometry, lowest[0], summing)`` on
+    C-contiguous float32 ``x`` (P, H, W) and ``out`` (P, Ho, Wo) (``geometry``: kh, kw, sh, sw, dh,
+    dw, top, left, int64; ``lowest`` a float64 array of one); how many of those helpers were
+    asleep (the caller wakes them). The caller keeps the arrays alive until the parts are done."""
+    sleeping = 0
+    for i in range(cuts.shape[0] - 2):
+        row = control[i]
+        row[KIND] = PART_KIND
+        at = ARGS
+        row[at], row[at + 1], row[at + 2], row[at + 3] = loop, x.shape[0], x.shape[1], x.shape[2]
+        row[at + 4], row[at + 5] = out.shape[1], out.shape[2]
+        row[at + 6], row[at + 7], row[at + 8] = x.ctypes.data, out.ctypes.data, lowest.ctypes.data
+        row[at + 9], row[at + 10] = cuts[i + 1], cuts[i + 2]
+        for j in range(8):
+            row[at + 11 + j] = geometry[j]
+        row[at + 19] = 1 if summing else 0
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel
+def finish_pool(control: np.ndarray, loop: int, x: np.ndarray, out: np.ndarray, cuts: np.ndarray,
+                geometry: np.ndarray, lowest: np.ndarray, summing: bool, rounds: int) -> bool:
+    """Pool planes ``cuts[0]:cuts[1]`` here, then wait for the parts `post_pool` posted; False when
+    a helper is not done within ``rounds`` spins (the caller then waits the slow way)."""
+    pool_range(loop, x, out, cuts[0], cuts[1], geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
+               geometry[5], geometry[6], geometry[7], lowest[0], summing)
+    return wait_all(control, cuts.shape[0] - 2, rounds)
 
 
 @numba.njit(inline="always")
 def pool_part(control: np.ndarray) -> None:
-    """Run the `pool_range` part posted in a spin team's ``control`` row (`part_arguments`): the
+    """Run the `pool_range` part posted in a spin team's ``control`` row (`post_pool`): the
     helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     planes = control[at + 1]

@@ -4,7 +4,7 @@ its parts run on the CPU backend's spinning helpers (`concurrency/spin_team.py`)
 `winograd_bands` runs what `conv_winograd._part` runs in Python for each band: gather the input
 rows into slabs, transform them, the α² GEMMs (BLAS's sgemm from compiled code: `blas_call`),
 the output transform, bias and activation. The calling thread takes some bands and a helper the
-others (`band_arguments`, `band_part`), starting in microseconds where a pool thread takes
+others (`post_bands`, `band_part`), starting in microseconds where a pool thread takes
 100-300 µs to wake, so mid-sized layers (SqueezeNet's, ResNet's 28x28 stage) run on every core.
 Each value is computed as in `_part`: the same transforms, one sgemm per ξ, the same epilogue.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import kernel
 from .blas_call import sgemm
 from .epilogue import apply_rows
@@ -68,21 +68,48 @@ def scratch_size(window: int, c: int, m: int, tiles: int, tw: int) -> int:
     return (c * window * (step * tiles + 8) + window * window * (c + m + 1) * tiles + step * window * tw)
 
 
-def band_arguments(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, bands: np.ndarray, b0: int,
-                   b1: int, top: int, left: int, tw: int, scratch: np.ndarray, act: int, numbers: np.ndarray,
-                   fn: int, ilp64: bool) -> list[int]:
-    """The integers of a part `band_part` runs as ``winograd_bands(...)`` on the same arguments
-    (for `SpinTeam.try_run`): C-contiguous arrays, int64 ``bands``, the epilogue's ``a, b`` as
-    float64 ``numbers``; the caller keeps every array alive until the part is done."""
-    at = addresses(x, u, bias, y, bands, scratch, numbers)
-    return [PART_KIND, *x.shape, *u.shape, *y.shape[2:], *at[:5], bands.shape[0], b0, b1, top, left, tw, at[5],
-            scratch.size, act, at[6], fn, int(ilp64)]
+@kernel
+def post_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, bands: np.ndarray,
+               cuts: np.ndarray, top: int, left: int, tw: int, scratch: np.ndarray, act: int, numbers: np.ndarray,
+               fn: int, ilp64: bool) -> int:
+    """Post bands ``cuts[i + 1]:cuts[i + 2]`` to helper ``i`` of a claimed team's ``control``
+    (its scratch ``scratch[i]``), for `band_part` to run as `winograd_bands` on the same
+    arguments: C-contiguous arrays, int64 ``bands``, the epilogue's ``a, b`` as float64
+    ``numbers``; how many of those helpers were asleep (the caller wakes them). The caller keeps
+    every array alive until the parts are done."""
+    sleeping = 0
+    for i in range(cuts.shape[0] - 2):
+        row = control[i]
+        row[KIND] = PART_KIND
+        at = ARGS
+        row[at], row[at + 1], row[at + 2], row[at + 3] = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+        row[at + 4], row[at + 5], row[at + 6] = u.shape[0], u.shape[1], u.shape[2]
+        row[at + 7], row[at + 8] = y.shape[2], y.shape[3]
+        row[at + 9], row[at + 10], row[at + 11] = x.ctypes.data, u.ctypes.data, bias.ctypes.data
+        row[at + 12], row[at + 13], row[at + 14] = y.ctypes.data, bands.ctypes.data, bands.shape[0]
+        row[at + 15], row[at + 16] = cuts[i + 1], cuts[i + 2]
+        row[at + 17], row[at + 18], row[at + 19] = top, left, tw
+        row[at + 20], row[at + 21], row[at + 22] = scratch[i].ctypes.data, scratch.shape[1], act
+        row[at + 23], row[at + 24], row[at + 25] = numbers.ctypes.data, fn, 1 if ilp64 else 0
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel
+def finish_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray,
+                 bands: np.ndarray, cuts: np.ndarray, top: int, left: int, tw: int, scratch: np.ndarray, act: int,
+                 a: float, b: float, fn: int, ilp64: bool, rounds: int) -> bool:
+    """Run bands ``cuts[0]:cuts[1]`` here (``scratch`` this thread's), then wait for the parts
+    `post_bands` posted; False when a helper is not done within ``rounds`` spins (the caller then
+    waits the slow way)."""
+    winograd_bands(x, u, bias, y, bands, cuts[0], cuts[1], top, left, tw, scratch, act, a, b, fn, ilp64)
+    return wait_all(control, cuts.shape[0] - 2, rounds)
 
 
 @numba.njit(inline="always")
 def band_part(control: np.ndarray) -> None:
-    """Run the `winograd_bands` part posted in a spin team's ``control`` row (`band_arguments`):
-    the helper's side (`team_parts.serve_parts`)."""
+    """Run the `winograd_bands` part posted in a spin team's ``control`` row (`post_bands`): the
+    helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     n, c, h, w = control[at], control[at + 1], control[at + 2], control[at + 3]
     xi, m = control[at + 4], control[at + 5]
