@@ -835,19 +835,24 @@ def test_squeeze_excite_that_is_not_exactly_the_block_is_left_alone(variant):
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
 
 
-def test_squeeze_excite_on_gpu_pixel_runs_the_layers_it_replaced_there():
-    """gpu_pixel has no SqueezeExcite kernel: its plan takes the expansion (pool, convs, Mul)."""
+def _runs_its_expansion_on_gpu_pixel(proto: onnx.ModelProto, x: np.ndarray, fusion: str) -> None:
+    """gpu_pixel has no kernel for the layer ``fusion`` made: its plan takes the expansion there,
+    every layer on gpu_pixel, and the result is the definition's."""
     require_pixel()
-    proto = _se_model()
-    x = RNG.standard_normal((1, 3, 9, 11)).astype(np.float32)
     model = ai.load_model(proto)
-    assert model.optimizations["fuse_squeeze_excite"] == 1
+    assert model.optimizations[fusion] == 1
     with ai.Worker(model, "gpu_pixel") as worker:
         placement = worker.placement
         got = worker.run_blocking(x)["y"]
     assert not placement.fallback, placement.fallback
     assert set(placement.layers.values()) == {"gpu_pixel"}
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=2e-4, atol=2e-4)
+
+
+def test_squeeze_excite_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """(pool, convs, Mul)"""
+    _runs_its_expansion_on_gpu_pixel(_se_model(), RNG.standard_normal((1, 3, 9, 11)).astype(np.float32),
+                                     "fuse_squeeze_excite")
 
 
 # -- channel shuffle after a grouped conv --------------------------------------------------------
@@ -926,17 +931,9 @@ def test_a_shuffle_target_that_does_not_fit_the_input_is_the_layers_error():
 
 
 def test_channel_shuffle_on_gpu_pixel_runs_the_layers_it_replaced_there():
-    """gpu_pixel has no ShuffledConv kernel: its plan takes the expansion."""
-    require_pixel()
-    proto = _shuffle_model(batch=1)
-    x = RNG.standard_normal((1, SH_C, 10, 12)).astype(np.float32)
-    model = ai.load_model(proto)
-    assert model.optimizations["fuse_channel_shuffles"] == 1
-    with ai.Worker(model, "gpu_pixel") as worker:
-        placement = worker.placement
-        got = worker.run_blocking(x)["y"]
-    assert not placement.fallback, placement.fallback
-    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=2e-4, atol=2e-4)
+    """(the conv, the Reshapes and the Transpose)"""
+    _runs_its_expansion_on_gpu_pixel(_shuffle_model(batch=1), RNG.standard_normal((1, SH_C, 10, 12)).astype(np.float32),
+                                     "fuse_channel_shuffles")
 
 
 # -- MatMul + bias row ---------------------------------------------------------------------------
