@@ -42,6 +42,8 @@ class ShuffledConv(Conv):
 
     def check(self) -> None:
         super().check()
+        if len(self.layer.inputs) != 5 or not all(self.layer.inputs[3:]):
+            self.unsupported("a ShuffledConv layer is made by the loader, with both Reshape targets")
         self.perm = [int(p) for p in self.attr("perm")]
         self.allowzero = bool(int(self.attr("allowzero", 0)))
         self.allowzero_after = bool(int(self.attr("allowzero_after", 0)))
@@ -50,8 +52,8 @@ class ShuffledConv(Conv):
         self._shuffled: tuple | None = None
         self._layers: tuple | None = None
 
-    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, shape: np.ndarray | None = None,
-            shape_after: np.ndarray | None = None, *, activations: Activations = ()) -> np.ndarray:
+    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, shape: np.ndarray,  # type: ignore[override]
+            shape_after: np.ndarray, *, activations: Activations = ()) -> np.ndarray:
         case = (x.shape, x.dtype, w, b, activations, shape, shape_after)
         known = self._shuffled
         if known is not None and _same(known[0], case):
@@ -63,18 +65,16 @@ class ShuffledConv(Conv):
                 return run_pointwise(plan, x)
             self._layers = case
         y = Conv.run(self, x, w, b, activations=activations)
-        if shape is None or shape_after is None:
-            self.unsupported("a ShuffledConv layer is made by the loader, with both Reshape targets")
         y = transpose_by(self, reshape_to(self, y, int_list(shape), self.allowzero), self.perm)
         return reshape_to(self, y, int_list(shape_after), self.allowzero_after)
 
-    def _plan(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, shape: np.ndarray | None,
-              shape_after: np.ndarray | None, activations: Activations) -> PointwisePlan | None:
+    def _plan(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, shape: np.ndarray, shape_after: np.ndarray,
+              activations: Activations) -> PointwisePlan | None:
         """The panel GEMM's plan storing the shuffled channels, or None where the layers do not
         shuffle the conv's groups or the conv takes another kernel."""
         group = int(self.attr("group"))
         epilogue = Epilogue.of(activations, np.dtype(np.float32))
-        if (shape is None or shape_after is None or epilogue is None or group < 2 or self.perm != SHUFFLE_PERM
+        if (epilogue is None or group < 2 or self.perm != SHUFFLE_PERM
                 or x.ndim != 4 or w.ndim != 4 or x.dtype != np.float32 or w.dtype != np.float32
                 or (b is not None and (b.dtype != np.float32 or b.shape != (w.shape[0],)))
                 or x.shape[1] != w.shape[1] * group or w.shape[0] % group):
