@@ -29,6 +29,7 @@ written by a part are seen by the caller, on x86 and ARM alike.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -192,20 +193,13 @@ def _store(control: np.ndarray, index: int, value: int) -> None:
     _fence()
 
 
-_range_cuts_kept: dict[tuple[int, int, int], np.ndarray] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def range_cuts(n: int, count: int, align: int) -> np.ndarray:
     """The bounds of ``count`` ranges of ``[0, n)`` for a caller and its helpers, each but the
     first starting on a multiple of ``align`` (int64, ``count + 1`` values; for the compiled
-    ``post_...``/``finish_...`` pairs), kept per size: a layer sees the same size run after run."""
-    key = (n, count, align)
-    cuts = _range_cuts_kept.get(key)
-    if cuts is None:
-        cuts = np.array([0] + [n * i // count // align * align for i in range(1, count)] + [n], np.int64)
-        if len(_range_cuts_kept) < 256:
-            _range_cuts_kept[key] = cuts
-    return cuts
+    ``post_...``/``finish_...`` pairs), kept per size: a layer sees the same size run after run.
+    Shared: never written."""
+    return np.array([0] + [n * i // count // align * align for i in range(1, count)] + [n], np.int64)
 
 
 class SpinTeam:

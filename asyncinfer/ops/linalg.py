@@ -1,6 +1,7 @@
 """Linear algebra ops: MatMul, Gemm and Einsum (all land in BLAS, which releases the GIL)."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -228,26 +229,19 @@ def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.nda
     return y
 
 
-_gemm_parts_kept: dict[tuple[int, int, int], np.ndarray] = {}
-
-
+@functools.lru_cache(maxsize=256)
 def _gemm_parts(count: int, panels: int, threads: int) -> np.ndarray:
     """`_panel_gemm`'s parts for ``threads`` sharers, rows ``(e0, e1, p0, p1)``: whole entries
-    each where there are enough, else ranges of panels (one row: nothing to share)."""
-    key = (count, panels, threads)
-    parts = _gemm_parts_kept.get(key)
-    if parts is None:
-        if count >= threads:
-            cuts = [count * i // threads for i in range(threads + 1)]
-            rows = [(lo, hi, 0, panels) for lo, hi in zip(cuts, cuts[1:])]
-        else:
-            threads = min(threads, panels)
-            cuts = [panels * i // threads for i in range(threads + 1)]
-            rows = [(0, count, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
-        parts = np.array(rows, np.int64).reshape(-1, 4)
-        if len(_gemm_parts_kept) < 256:
-            _gemm_parts_kept[key] = parts
-    return parts
+    each where there are enough, else ranges of panels (one row: nothing to share). Kept per
+    shape and shared: never written."""
+    if count >= threads:
+        cuts = [count * i // threads for i in range(threads + 1)]
+        rows = [(lo, hi, 0, panels) for lo, hi in zip(cuts, cuts[1:])]
+    else:
+        threads = min(threads, panels)
+        cuts = [panels * i // threads for i in range(threads + 1)]
+        rows = [(0, count, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    return np.array(rows, np.int64).reshape(-1, 4)
 
 
 def vector_cuts(n: int, parts: int) -> list[int]:
@@ -350,17 +344,13 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.
 
 
 _NO_BIAS = np.empty(0, np.float32)
-_bounds_kept: dict[tuple[int, int], np.ndarray] = {}
 
 
+@functools.lru_cache(maxsize=256)
 def _k_bounds(k: int, parts: int) -> np.ndarray:
-    """Where a K of ``k`` rows splits into ``parts`` blocks of whole K_UNROLL rows."""
-    bounds = _bounds_kept.get((k, parts))
-    if bounds is None:
-        bounds = np.array([round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k], np.int64)
-        if len(_bounds_kept) < 256:
-            _bounds_kept[(k, parts)] = bounds
-    return bounds
+    """Where a K of ``k`` rows splits into ``parts`` blocks of whole K_UNROLL rows (kept per
+    size, shared: never written)."""
+    return np.array([round(k * i / parts / K_UNROLL) * K_UNROLL for i in range(parts)] + [k], np.int64)
 
 
 @register("MatMul", versions=(1, 9, 13))
