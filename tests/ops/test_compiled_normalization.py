@@ -54,6 +54,20 @@ def test_softmax_rows_of_every_width_with_nan_and_inf(width, rng):
 
 
 @pytest.mark.parametrize("width", [1, 15, 16, 33, 200])
+def test_softmax_rows_in_place_have_the_bits_of_a_separate_output(width, rng):
+    """`softmax_rows(x, x)` (attention's scores, normalised where they are) takes its own loop,
+    one LLVM can vectorise without an aliasing guard; its results must be the other loop's."""
+    from asyncinfer.ops.compiled.normalization import softmax_rows
+    x = randn(rng, 6, width) * 30
+    x[1, width // 2] = np.nan
+    x[3, 0] = -np.inf
+    apart = np.empty_like(x)
+    softmax_rows(x, apart)
+    softmax_rows(x, x)
+    np.testing.assert_array_equal(x, apart)
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 33, 200])
 def test_layer_norm_rows_of_every_width(width, rng):
     x = randn(rng, 5, width) * 4 + 100  # a large mean: the variance must not cancel away
     scale, b = randn(rng, width), randn(rng, width)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kernel
+from . import inline, kernel
 from .activations import _exp
 from .rows import row_max, row_sum, row_sum_squares
 
@@ -51,12 +51,27 @@ def softmax_row(row: np.ndarray, out: np.ndarray) -> None:
     top = row_max(row)
     if top == -np.inf:  # every value -inf or NaN: NaN, as e^(x - max) gives
         top = row[0]
-    d = row.shape[0]
-    for i in range(d):
+    if out.ctypes.data == row.ctypes.data:  # in place: one array (``out``: ``row`` may be read-only), so
+        _exp_shifted(out, top, out)  # LLVM sees no aliasing to guard against (a guarded loop falls
+        _normalise(out)  # back to scalar code: 3.7x slower)
+    else:
+        _exp_shifted(row, top, out)
+        _normalise(out)
+
+
+@inline
+def _exp_shifted(row: np.ndarray, top: float, out: np.ndarray) -> None:
+    """``out[i] = e^(row[i] - top)``."""
+    for i in range(row.shape[0]):
         out[i] = _exp(row[i] - top)
-    inv = np.float32(1.0 / row_sum(out))
-    for i in range(d):
-        out[i] = out[i] * inv
+
+
+@inline
+def _normalise(row: np.ndarray) -> None:
+    """``row /= Σ row`` (as a product by the float32 reciprocal)."""
+    inv = np.float32(1.0 / row_sum(row))
+    for i in range(row.shape[0]):
+        row[i] = row[i] * inv
 
 
 @kernel
