@@ -473,19 +473,30 @@ def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], dict[
     if transpose is None or product.inputs[0] == product.inputs[1]:
         return None
     perm = [int(p) for p in transpose.attrs.get("perm", [])]
-    if len(perm) < 2 or perm != list(range(len(perm) - 2)) + [len(perm) - 1, len(perm) - 2]:
+    if len(perm) < 2 or sorted(perm) != list(range(len(perm))):
         return None
     for constant in (scale, fill):  # scalars that do not raise the scores' rank
         if constant and np.ndim(g.model.constants[constant]) > len(perm):
             return None
     chain += [product, transpose]
     inputs = [product.inputs[0], transpose.inputs[0], out.inputs[1], scale, keep, fill, bias]
-    attrs = {"scale_divides": int(divides)}
+    attrs: dict[str, object] = {"scale_divides": int(divides)}
+    k_perm = perm[:-2] + [perm[-1], perm[-2]]  # K itself from the Transpose's input (Kᵀ: the last two swapped)
+    if k_perm != list(range(len(perm))):  # an encoder's (B, S, H, D) → (B, H, D, S) in one Transpose
+        attrs["k_perm"] = k_perm
+    for slot, key in ((0, "q_perm"), (2, "v_perm")):  # the heads' split of Q and V, read through views
+        split = _heads_split(g, inputs[slot])
+        if split is not None:
+            inputs[slot] = split.inputs[0]
+            attrs[key] = [int(p) for p in split.attrs["perm"]]
+            chain.append(split)
     merge = g.only_consumer(out.outputs[0], "Transpose")
     if merge is not None and "perm" in merge.attrs:  # the heads' merge (B, H, S, D) -> (B, S, H, D)
         attrs["out_perm"] = [int(p) for p in merge.attrs["perm"]]
         chain.append(merge)
     repeats = [_head_repeat(g, name) for name in (transpose.inputs[0], out.inputs[1])]
+    if all(repeats) and len(attrs) > 1:  # (the repeats come before any perm: not this op's order)
+        return None
     if all(repeats):  # grouped-query attention: take K and V before their heads are repeated
         for (source, expand, shape, allowzero, layers), slot, key in zip(repeats, (1, 2), ("k", "v")):  # type: ignore[misc]
             inputs[slot] = source
@@ -493,6 +504,20 @@ def _attention(g: _Graph, softmax: Layer) -> tuple[list[Layer], list[str], dict[
             attrs[f"{key}_allowzero"] = allowzero
             chain += layers  # (only when nothing else reads the repeated heads: else they stay)
     return sorted(chain, key=g.model.layers.index), inputs, attrs
+
+
+def _heads_split(g: _Graph, name: str) -> Layer | None:
+    """The ``Transpose`` with an explicit ``perm`` that makes ``name``, read by nothing else, for
+    `_attention` to take in; None for none, or for one that splits a ``Split``'s part (after a
+    ``Reshape``) into heads: ``fuse_split_heads`` takes those with the Split."""
+    transpose = g.op(name, "Transpose") if g.private(name) else None
+    if transpose is None or "perm" not in transpose.attrs:
+        return None
+    reshape = g.op(transpose.inputs[0], "Reshape")
+    source = None if reshape is None else g.producers.get(reshape.inputs[0])
+    if source is not None and source.op_type == "Split":
+        return None
+    return transpose
 
 
 def _head_repeat(g: _Graph, name: str) -> tuple[str, str, str, int, list[Layer]] | None:

@@ -11,9 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..concurrency import parallel
+from ..concurrency.spin_team import addresses
 from .base import Op
 from .cache_append import concat_growing
-from .compiled.attention import attention_heads, head_arguments, masked_attention
+from .compiled import blas_call
+from .compiled.attention import (attention_heads, head_arguments, masked_attention, product_arguments,
+                                 products_from)
 from .compiled.normalization import softmax_rows
 from .compiled.squeeze_excite import squeeze_excite
 from .epilogue import Epilogue, apply_activations
@@ -30,6 +33,10 @@ FUSED_DOMAIN = "ai.asyncinfer"
 #: Posting a part costs ~13 µs of Python: a GPT-2 decode step's one row (12 heads x 65 keys x
 #: (64 + 64), 20 µs on one thread) took 33 µs split; eight rows (97 keys) 221 -> 160 µs.
 ATTENTION_SPLIT_MIN_MACS = 1 << 19
+#: Up to this many query rows an attention runs a compiled pass per row; from more on, two BLAS
+#: products per head (`compiled.attention.attention_products`). Keys 128, 2 heads of 64: 1 row
+#: 7 against 23 µs, 8 rows 27 against 32, 16 rows 79 against 43, 128 rows 619 against 202.
+FEW_QUERY_ROWS = 8
 
 
 @register("MaskedAttention", versions=(1,), domain=FUSED_DOMAIN)
@@ -50,11 +57,18 @@ class MaskedAttention(Op):
 
     Attribute ``out_perm``: the ``Transpose`` that merges the heads back (``(B, H, S, D)`` →
     ``(B, S, H, D)``), when it is the attention's only reader, is applied to the result (a view).
+    Attributes ``q_perm``, ``k_perm``, ``v_perm``: the ``Transpose`` that split Q, K or V into
+    heads, taken in (an encoder's ``(B, S, H, D)`` → ``(B, H, S, D)``; for K, the perm that gives
+    K itself, its ``Transpose`` to ``Kᵀ`` with the last two axes swapped back): the input is the
+    tensor before it, and the op reads it through a transposed view, never a copy.
 
-    Float32 Q, K and V of shape ``(B, H, S, D)`` (a decode step's) run in one compiled pass per
-    query row (``compiled/attention.py``); its dot products are SIMD partial sums, so it differs
-    from the unfused layers by rounding alone. Other shapes take the unfused layers' arithmetic
-    step by step; narrower floats are computed in float32 and rounded once, at the output.
+    Float32 Q, K and V of shape ``(B, H, S, D)`` run compiled (``compiled/attention.py``): up to
+    `FEW_QUERY_ROWS` query rows (a decode step) in one pass per row, dot products as SIMD partial
+    sums; more (an encoder, a prefill) as two BLAS products a block of rows per head, the
+    masking and softmax in between, the result written in the merged heads' layout when
+    ``out_perm`` asks for it. Either differs from the unfused layers by rounding alone. Other
+    shapes take the unfused layers' arithmetic step by step; narrower floats are computed in
+    float32 and rounded once, at the output.
     """
 
     multithreaded = True  # two batched GEMMs, as the MatMuls it replaces
@@ -70,10 +84,21 @@ class MaskedAttention(Op):
         self.allowzero = (bool(int(self.attr("k_allowzero", 0))), bool(int(self.attr("v_allowzero", 0))))
         perm = self.attr("out_perm", None)
         self.out_perm = None if perm is None else [int(p) for p in perm]
+        self.in_perms = [(slot, [int(p) for p in perm]) for slot, perm in
+                         enumerate(self.attr(f"{x}_perm", None) for x in "qkv") if perm is not None]
+        for _, perm in self.in_perms + ([(3, self.out_perm)] if self.out_perm is not None else []):
+            if sorted(perm) != list(range(len(perm))):
+                self.unsupported(f"perm {perm} is not a permutation")
+        self._out_inverse = None if self.out_perm is None else [int(p) for p in np.argsort(self.out_perm)]
         # The last compiled run's case (see `_remember`): the same case again takes the short way.
         self._known: tuple | None = None
 
     def run(self, *inputs: np.ndarray | None) -> np.ndarray:
+        if self.in_perms:
+            taken = list(inputs)
+            for slot, perm in self.in_perms:
+                taken[slot] = self._permuted(np.asarray(taken[slot]), perm, "QKV"[slot])
+            inputs = tuple(taken)
         known = self._known
         if known is not None:
             y = self._again(known, inputs)
@@ -83,7 +108,13 @@ class MaskedAttention(Op):
         if isinstance(y, tuple):  # (a compiled run: its case is remembered)
             self._remember(inputs, *y[1:])
         y = y[0] if isinstance(y, tuple) else y
-        return y if self.out_perm is None else transpose_by(self, y, self.out_perm)
+        return y if self.out_perm is None else self._permuted(y, self.out_perm, "the result")
+
+    def _permuted(self, x: np.ndarray, perm: list[int], what: str) -> np.ndarray:
+        """``x`` transposed by ``perm`` (a view; `check` made sure it is a permutation)."""
+        if x.ndim != len(perm):
+            raise op_error(self, f"{what} of rank {x.ndim} cannot take the perm {perm}")
+        return x.transpose(perm)
 
     def _attend(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: np.ndarray | None = None,
                 keep: np.ndarray | None = None, fill: np.ndarray | None = None, bias: np.ndarray | None = None,
@@ -105,6 +136,8 @@ class MaskedAttention(Op):
             raise op_error(self, f"shapes Q {q.shape}, K {k.shape}, V {v.shape} do not make an attention")
         if work == np.float32 and out_dtype == np.float32:
             y = self._compiled(q, k, v, scale, keep, fill, bias, group)
+            if y is not None and q.shape[2] > FEW_QUERY_ROWS:
+                return y  # (two products: nothing to remember, see `_remember`)
             if y is not None:
                 return y, q, k, v
         k, v = _repeat_heads(k, group), _repeat_heads(v, group)  # the general path's MatMuls need them
@@ -176,13 +209,53 @@ class MaskedAttention(Op):
             if mask.ndim > 4 or any(d not in (1, f) for d, f in zip(mask.shape[::-1], full[::-1])):
                 return None  # a mask that widens the scores (or does not fit): the general path
             masks.append(mask.astype(dtype, copy=False).reshape((1,) * (4 - mask.ndim) + mask.shape))
-        y = np.empty((batch, heads, queries, v.shape[3]), np.float32)
         scale_value = 1.0 if scale is None else float(np.asarray(scale).item())
         fill_value = 0.0 if fill is None else float(np.asarray(fill).item())
+        if queries > FEW_QUERY_ROWS and v.shape[3] and blas_call.available():
+            return self._by_products(q, k, v, scale_value, scale is not None, masks[0], fill_value,
+                                     keep is not None, masks[1], bias is not None, kv_heads)
+        y = np.empty((batch, heads, queries, v.shape[3]), np.float32)
         if not _heads_on_team(q, k, v, scale_value, self.divides, scale is not None, masks[0], fill_value,
                               keep is not None, masks[1], bias is not None, y):
             masked_attention(q, k, v, scale_value, self.divides, scale is not None, masks[0], fill_value,
                              keep is not None, masks[1], bias is not None, y)
+        return y
+
+    def _by_products(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, use_scale: bool,
+                     keep: np.ndarray, fill: float, use_keep: bool, bias: np.ndarray, use_bias: bool,
+                     kv_heads: int) -> np.ndarray:
+        """`_compiled` for many query rows: `compiled.attention.attention_products`, its heads
+        shared with the spin team's free helpers. Q, K and V are read in place where BLAS can
+        (rows of unit stride); the result is made in ``out_perm``'s layout and returned as its
+        ``(B, H, S, Dv)`` view, so that `run`'s transpose gives back a contiguous array."""
+        batch, heads, queries, depth = q.shape
+        keys, width = k.shape[2], v.shape[3]
+        q, k, v = (x if _rows_in_place(x) else np.ascontiguousarray(x) for x in (q, k, v))
+        full = (batch, heads, queries, width)
+        perm = self.out_perm
+        if perm is not None and len(perm) == 4:
+            y = np.empty(tuple(full[p] for p in perm), np.float32).transpose(self._out_inverse)
+        else:
+            y = np.empty(full, np.float32)
+        places = [at for x, at in zip((q, k, v, y), addresses(q, k, v, y)[:4]) for at in (at, *x.strides[:3])]
+        shape = np.array([batch, heads, kv_heads, queries, keys, depth, width], np.int64)
+        numbers = np.array([scale, fill], np.float64)
+        keep = np.ascontiguousarray(keep).view(np.uint8)
+        bias = np.ascontiguousarray(bias)
+        team = parallel.team()
+        parts = 1
+        if team is not None and heads >= 2 and batch * heads * queries * keys * (depth + width) >= ATTENTION_SPLIT_MIN_MACS:
+            parts = min(team.helpers + 1, heads)
+        bounds = [heads * i // parts for i in range(parts + 1)]
+        first = product_arguments(places, shape, numbers, self.divides, use_scale, keep, use_keep, bias, use_bias,
+                                  0, bounds[1])
+        own = np.array(first[1:], np.int64)  # (after the part's kind)
+        if parts > 1:
+            posted = [first[:-2] + [bounds[i], bounds[i + 1]] for i in range(1, parts)]
+            if team.try_run(posted, lambda: products_from(own, 0)):  # type: ignore[union-attr]
+                return y
+            own[-1] = heads  # (the team was taken meanwhile: every head here)
+        products_from(own, 0)
         return y
 
     def _remember(self, inputs: tuple, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
@@ -195,7 +268,7 @@ class MaskedAttention(Op):
         computes afresh; the scale and fill values are read again each call.)"""
         padded = inputs + (None,) * 7
         masks = padded[4], padded[6]
-        if (q is not inputs[0] or k is not inputs[1] or v is not inputs[2]
+        if (q is not inputs[0] or k is not inputs[1] or v is not inputs[2] or q.shape[2] > FEW_QUERY_ROWS
                 or any(m is not None and (m.ndim != 4 or m.dtype != d) for m, d in zip(masks, (np.bool_, np.float32)))
                 or (self.out_perm is not None and sorted(self.out_perm) != [0, 1, 2, 3])):
             return
@@ -267,6 +340,13 @@ def _heads_on_team(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, di
     return team.try_run(posted, lambda: attention_heads(
         q, k.ctypes.data, *k.strides[:3], v.ctypes.data, *v.strides[:3], k.shape[1], k.shape[2], v.shape[3], scale,
         divides, use_scale, keep, fill, use_keep, bias, use_bias, y, 0, bounds[1]))
+
+
+def _rows_in_place(x: np.ndarray) -> bool:
+    """Whether BLAS reads the rows of the 4-D float32 ``x`` in place: unit last stride, row
+    strides of at least a row, every stride a whole number of non-negative elements."""
+    return (x.strides[3] == 4 and x.strides[2] >= 4 * x.shape[3]
+            and all(st >= 0 and st % 4 == 0 for st in x.strides))
 
 
 def _repeat_heads(x: np.ndarray, group: int) -> np.ndarray:

@@ -280,6 +280,67 @@ def test_the_heads_merge_after_attention_goes_into_it_when_it_is_the_only_reader
     assert got["y"].shape == (B, S, H, D)
 
 
+def _encoder_attention_model(queries: int) -> onnx.ModelProto:
+    """A BERT export's attention: Q, K and V projected as ``(B, S, H·D)``, reshaped to
+    ``(B, S, H, D)`` and split into heads by Transposes (K's straight to ``(B, H, D, S)``), the
+    heads merged back after ``Softmax(Add(Div(q @ kᵀ, √D), bias)) @ v``."""
+    shape = numpy_helper.from_array(np.array([B, queries, H, D], np.int64), "heads")
+    merged = numpy_helper.from_array(np.array([B, queries, H * D], np.int64), "merged")
+    nodes = [helper.make_node("Reshape", [x, "heads"], [f"{x}4"]) for x in "qkv"]
+    nodes += [helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+              helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+              helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+              helper.make_node("MatMul", ["qh", "kt"], ["s0"]), helper.make_node("Div", ["s0", "root"], ["s1"]),
+              helper.make_node("Add", ["s1", "bias"], ["s2"]), helper.make_node("Softmax", ["s2"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vh"], ["o"]),
+              helper.make_node("Transpose", ["o"], ["om"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["om", "merged"], ["y"])]
+    inputs = [tensor_info(x, [B, queries, H * D]) for x in "qkv"] + [tensor_info("bias", [B, 1, 1, queries])]
+    root = numpy_helper.from_array(np.asarray(math.sqrt(D), np.float32), "root")
+    return make_model(nodes, inputs, [tensor_info("y", [B, queries, H * D])], [shape, merged, root],
+                      extra_domains=())
+
+
+@pytest.mark.parametrize("queries", [3, 24])  # a compiled pass per query row; two products per head
+def test_encoder_attention_takes_in_the_heads_split_and_matches_the_definition(queries):
+    """The Transposes that split Q, K and V into heads go into the fused layer (it reads their
+    inputs through views), and so does the merge: only the Reshapes stay, each a view."""
+    proto = _encoder_attention_model(queries)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_attention"] == 1
+    assert [l.op_type for l in model.layers] == ["Reshape"] * 3 + ["MaskedAttention", "Reshape"]
+    attrs = next(l.attrs for l in model.layers if l.op_type == "MaskedAttention")
+    assert (attrs["q_perm"], attrs["k_perm"], attrs["v_perm"], attrs["out_perm"]) == ([0, 2, 1, 3],) * 4
+    bias = np.where(RNG.random((B, 1, 1, queries)) < 0.3, -10000.0, 0).astype(np.float32)
+    feeds = {x: RNG.standard_normal((B, queries, H * D)).astype(np.float32) for x in "qkv"} | {"bias": bias}
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_heads_split_after_a_split_stays_for_split_heads():
+    """A Q/K/V split into heads after a ``Split`` (GPT-2's fused projection) is left to
+    ``fuse_split_heads``: the attention does not take that Transpose in."""
+    nodes = [helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=2)]
+    nodes += [helper.make_node("Reshape", [x, "heads"], [f"{x}4"]) for x in "qkv"]
+    nodes += [helper.make_node("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]),
+              helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+              helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]),
+              helper.make_node("MatMul", ["qh", "kt"], ["s0"]), helper.make_node("Softmax", ["s0"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vh"], ["y"])]
+    shape = numpy_helper.from_array(np.array([B, S, H, D], np.int64), "heads")
+    proto = make_model(nodes, [tensor_info("qkv", [B, S, 3 * H * D])], [tensor_info("y", [B, H, S, D])], [shape],
+                       extra_domains=())
+    model = ai.load_model(proto)
+    attention = next(l for l in model.layers if l.op_type == "MaskedAttention")
+    assert "q_perm" not in attention.attrs and "v_perm" not in attention.attrs and attention.attrs["k_perm"]
+    feeds = {"qkv": RNG.standard_normal((B, S, 3 * H * D)).astype(np.float32)}
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_attention_whose_scores_are_also_an_output_is_left_alone():
     model = ai.load_model(_attention_model(extra_outputs=("s1",)))
     assert model.optimizations["fuse_attention"] == 0

@@ -117,6 +117,106 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
                                rtol=1e-5, atol=1e-5)
 
 
+def _requires_blas_call():
+    from asyncinfer.ops.compiled import blas_call
+    if not blas_call.available():
+        pytest.skip("NumPy's BLAS exports no cblas_sgemm asyncinfer can call: many query rows take the general path")
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,queries,keys", [(1, 2, 2, 128, 128), (2, 4, 2, 9, 40), (1, 3, 1, 40, 1)])
+@pytest.mark.parametrize("masks", ["both", "bias", "none"])
+def test_many_query_rows_take_two_products_per_head_and_match_the_definition(batch, heads, kv_heads, queries, keys,
+                                                                               masks, monkeypatch):
+    """More than `FEW_QUERY_ROWS` query rows (an encoder, a prefill) run as BLAS products a head
+    with the masking and softmax between them. Q, K and V heads of one count are read in place
+    from ``(B, S, H, D)`` tensors through the op's perms, the result made in the merged heads'
+    layout; grouped K/V heads come as a head repeat's inputs, shared, never copied."""
+    from asyncinfer.ops import fused
+    _requires_blas_call()
+    depth, group = 16, heads // kv_heads
+    perms = {"q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3]}
+    names = ["q", "k", "v", "scale", "keep", "fill", "bias"] + (["ke", "ks", "ve", "vs"] if group > 1 else [])
+    layer = Layer(name="attention", op_type="MaskedAttention", domain=FUSED_DOMAIN, version=1, inputs=names,
+                  outputs=["y"], attrs={"scale_divides": 1} | ({} if group > 1 else perms))
+    q = RNG.standard_normal((batch, heads, queries, depth)).astype(np.float32)
+    k, v = (RNG.standard_normal((batch, kv_heads, keys, depth)).astype(np.float32) for _ in range(2))
+    keep, bias = _masks(batch, queries, keys)
+    keep, bias = (keep if masks == "both" else None), (None if masks == "none" else bias)
+    repeats = []
+    if group > 1:
+        repeats = [np.array([batch, kv_heads, group, keys, depth]), np.array([batch, heads, keys, depth])] * 2
+        feeds = (q, k, v)
+    else:
+        feeds = tuple(x.transpose(0, 2, 1, 3).copy() for x in (q, k, v))  # (B, S, H, D), as projected
+    calls: list[int] = []
+    products = fused.products_from
+    monkeypatch.setattr(fused, "products_from", lambda *args: calls.append(1) or products(*args))
+    got = ops.create(layer).run(*feeds, np.float32(4.0), keep, None if keep is None else FILL, bias, *repeats)
+    assert calls, "the two-product path did not run"
+    expected = _definition(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), np.float32(4.0), True, keep,
+                           bias)
+    if group == 1:
+        assert got.shape == (batch, queries, heads, depth) and got.flags.c_contiguous  # (the merge's Reshape: a view)
+        expected = expected.transpose(0, 2, 1, 3)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("helpers", [1, 3])
+def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(helpers, monkeypatch):
+    """Bands of heads on the spinning helpers give the one-thread result bit for bit, and a team
+    another caller holds leaves every head on this thread."""
+    from asyncinfer.concurrency import parallel
+    from asyncinfer.concurrency.spin_team import SpinTeam
+    from asyncinfer.ops.compiled.team_parts import serve_parts
+    _requires_blas_call()
+    q = RNG.standard_normal((2, 6, 33, 32)).astype(np.float32)
+    k, v = (RNG.standard_normal((2, 6, 50, 32)).astype(np.float32) for _ in range(2))
+    keep, bias = _masks(2, 33, 50)
+    op = _op()
+
+    def attend() -> np.ndarray:
+        return op.run(q, k, v, np.float32(8.0), keep, FILL, bias)
+
+    alone = attend()
+    team = SpinTeam(helpers, serve_parts, name="test-team")
+    try:
+        with parallel.pool_bound(None, helpers + 1, team):
+            shared = attend()
+            assert team._threads, "the helpers never ran a part"
+            np.testing.assert_array_equal(shared, alone)
+            held = team.claim()
+            try:
+                np.testing.assert_array_equal(attend(), alone)
+            finally:
+                team.release()
+    finally:
+        team.close()
+    np.testing.assert_allclose(alone, _definition(q, k, v, np.float32(8.0), True, keep, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_callable_blas_many_query_rows_keep_a_compiled_pass_per_row(monkeypatch):
+    from asyncinfer.ops.compiled import blas_call
+    q = RNG.standard_normal((1, 2, 20, 8)).astype(np.float32)
+    k, v = (RNG.standard_normal((1, 2, 30, 8)).astype(np.float32) for _ in range(2))
+    _, bias = _masks(1, 20, 30)
+    expected = _definition(q, k, v, np.float32(2.0), True, None, bias)
+    monkeypatch.setattr(blas_call, "available", lambda: False)
+    got = _op().run(q, k, v, np.float32(2.0), None, None, bias)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_perm_that_does_not_fit_the_input_is_a_clear_error():
+    from asyncinfer.errors import AsyncInferError
+    layer = Layer(name="attention", op_type="MaskedAttention", domain=FUSED_DOMAIN, version=1,
+                  inputs=["q", "k", "v"], outputs=["y"], attrs={"q_perm": [0, 2, 1, 3]})
+    x = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(AsyncInferError, match="Q of rank 3 cannot take the perm"):
+        ops.create(layer).run(x, x, x)
+    layer.attrs["q_perm"] = [0, 2, 2, 3]
+    with pytest.raises(AsyncInferError, match="not a permutation"):
+        ops.create(layer)
+
+
 @pytest.mark.parametrize("case", ["three_d", "float64", "mask_widens_scores"])
 def test_general_path_matches_the_definition(case):
     q = RNG.standard_normal((2, 3, 4)).astype(np.float32)

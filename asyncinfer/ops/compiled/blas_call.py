@@ -34,8 +34,8 @@ from . import kernel
 #: The kind of a spin-team part that is one `sgemm` (`gemm_part`).
 PART_KIND = 3
 
-# CBLAS enums: row-major storage, no transposition
-_ROW_MAJOR, _NO_TRANS = 101, 111
+# CBLAS enums: row-major storage, no transposition, transposition
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
 # (symbol, 64-bit integers) in the order tried
 _SYMBOLS = (("scipy_cblas_sgemm64_", True), ("cblas_sgemm64_", True), ("scipy_cblas_sgemm", False),
             ("cblas_sgemm", False))
@@ -66,10 +66,10 @@ SGEMM, ILP64 = _find()
 
 
 def _call(int_type: ir.IntType) -> Any:
-    """codegen of ``cblas_sgemm(RowMajor, NoTrans, NoTrans, m, n, k, 1, a, lda, b, ldb, 0, c, ldc)``
+    """codegen of ``cblas_sgemm(RowMajor, NoTrans, trans_b, m, n, k, 1, a, lda, b, ldb, 0, c, ldc)``
     through the address in the first argument, with BLAS integers of ``int_type``."""
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        fn, m, n, k, a, lda, b, ldb, c, ldc = args
+        fn, trans_b, m, n, k, a, lda, b, ldb, c, ldc = args
         f32, i32 = ir.FloatType(), ir.IntType(32)
         ptr = f32.as_pointer()
         fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, int_type, int_type, int_type, f32, ptr, int_type, ptr,
@@ -79,7 +79,7 @@ def _call(int_type: ir.IntType) -> Any:
         def blas_int(v: Any) -> Any:
             return v if int_type.width == 64 else builder.trunc(v, int_type)
 
-        builder.call(callee, [ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS), ir.Constant(i32, _NO_TRANS),
+        builder.call(callee, [ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS), builder.trunc(trans_b, i32),
                               blas_int(m), blas_int(n), blas_int(k), ir.Constant(f32, 1.0),
                               builder.inttoptr(a, ptr), blas_int(lda), builder.inttoptr(b, ptr), blas_int(ldb),
                               ir.Constant(f32, 0.0), builder.inttoptr(c, ptr), blas_int(ldc)])
@@ -87,18 +87,18 @@ def _call(int_type: ir.IntType) -> Any:
     return codegen
 
 
-_ARGS = (types.int64,) * 10
+_ARGS = (types.int64,) * 11
 
 
 @intrinsic
-def _sgemm64(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any, ldb: Any, c: Any,
-             ldc: Any) -> Any:
+def _sgemm64(typingctx: Any, fn: Any, trans_b: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any, ldb: Any,
+             c: Any, ldc: Any) -> Any:
     return types.void(*_ARGS), _call(ir.IntType(64))
 
 
 @intrinsic
-def _sgemm32(typingctx: Any, fn: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any, ldb: Any, c: Any,
-             ldc: Any) -> Any:
+def _sgemm32(typingctx: Any, fn: Any, trans_b: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any, ldb: Any,
+             c: Any, ldc: Any) -> Any:
     return types.void(*_ARGS), _call(ir.IntType(32))
 
 
@@ -108,9 +108,20 @@ def sgemm(fn: int, ilp64: bool, m: int, n: int, k: int, a: int, lda: int, b: int
     (`SGEMM`, `ILP64`): ``A`` is m×k at address ``a`` with row stride ``lda`` (elements), ``B``
     k×n at ``b`` (``ldb``), ``C`` m×n at ``c`` (``ldc``). Compiled code only."""
     if ilp64:
-        _sgemm64(fn, m, n, k, a, lda, b, ldb, c, ldc)
+        _sgemm64(fn, _NO_TRANS, m, n, k, a, lda, b, ldb, c, ldc)
     else:
-        _sgemm32(fn, m, n, k, a, lda, b, ldb, c, ldc)
+        _sgemm32(fn, _NO_TRANS, m, n, k, a, lda, b, ldb, c, ldc)
+
+
+@numba.njit(inline="always")
+def sgemm_bt(fn: int, ilp64: bool, m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int,
+             ldc: int) -> None:
+    """``C = A @ Bᵀ``, as `sgemm` but ``B`` given as its n×k transpose at ``b`` (row stride
+    ``ldb``): attention's scores, each query row against each key row read in place."""
+    if ilp64:
+        _sgemm64(fn, _TRANS, m, n, k, a, lda, b, ldb, c, ldc)
+    else:
+        _sgemm32(fn, _TRANS, m, n, k, a, lda, b, ldb, c, ldc)
 
 
 def gemm_arguments(m: int, n: int, k: int, a: int, lda: int, b: int, ldb: int, c: int, ldc: int,

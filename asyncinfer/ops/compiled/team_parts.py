@@ -2,7 +2,8 @@
 
 A `concurrency.spin_team.SpinTeam` helper runs a compiled serve loop that never returns to
 Python between parts; this one runs the parts of the kernels that split across the team: a
-few-row GEMM's block of K (`few_rows`), a decode step's attention heads (`attention`), a tiled
+few-row GEMM's block of K (`few_rows`), an attention's heads (`attention`: a decode step's, or
+an encoder's as two products a head), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
 (`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
@@ -17,7 +18,8 @@ import numpy as np
 from ...concurrency.spin_team import KIND, mark_done, next_post
 from . import kernel
 from .attention import PART_KIND as ATTENTION
-from .attention import attention_part
+from .attention import PRODUCTS_PART_KIND as ATTENTION_PRODUCTS
+from .attention import attention_part, products_part
 from .blas_call import PART_KIND as GEMM
 from .blas_call import gemm_part
 from .conv_blocks import PART_KIND as CONV
@@ -55,6 +57,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int) -> int:
         seen = seq
         if control[KIND] == ATTENTION:
             attention_part(control)
+        elif control[KIND] == ATTENTION_PRODUCTS:
+            products_part(control)
         elif control[KIND] == CONV:
             conv_part(control)
         elif control[KIND] == GEMM:
