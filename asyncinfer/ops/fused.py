@@ -18,6 +18,7 @@ from .compiled import blas_call
 from .compiled.attention import (attention_heads, head_arguments, masked_attention, product_arguments,
                                  products_from)
 from .compiled.normalization import softmax_rows
+from .compiled.rotary import rotate_half
 from .compiled.squeeze_excite import squeeze_excite
 from .epilogue import Epilogue, apply_activations
 from .linalg import Gemm, MatMul, constant_panels, matmul
@@ -397,9 +398,34 @@ class RotaryHalfEmbedding(Op):
     def run(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         if x.ndim < 1:
             raise op_error(self, "X must have at least one axis")
+        y = self._compiled(x, cos, sin)
+        if y is not None:
+            return y
         rotated = np.concatenate([np.negative(x[..., self.split:self.end]), x[..., :self.split]], axis=-1)
         with np.errstate(all="ignore"):
             return np.add(np.multiply(x, cos), np.multiply(rotated, sin))
+
+
+    def _compiled(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
+        """The float32 case in one pass (`compiled.rotary`): X of rank 4 at most, its last axis
+        the slices' whole (``end`` reaches it), cos and sin broadcasting to X's shape with a unit
+        last stride; None for any other case (the layers' NumPy arithmetic)."""
+        width = x.shape[-1]
+        if (x.dtype != np.float32 or cos.dtype != np.float32 or sin.dtype != np.float32 or x.ndim > 4
+                or min(self.end, width) != width or self.split > width or not x.size):
+            return None
+        shape = (1,) * (4 - x.ndim) + x.shape
+        try:
+            views = [np.broadcast_to(t.reshape((1,) * (4 - t.ndim) + t.shape), shape) if t.ndim <= 4 else None
+                     for t in (cos, sin)]
+        except ValueError:
+            return None  # (a shape that widens X or does not fit: the layers say so)
+        if any(v is None or v.strides[3] != 4 for v in views):
+            return None
+        x4 = np.ascontiguousarray(x).reshape(shape)
+        y = np.empty(shape, np.float32)
+        rotate_half(x4, views[0], views[1], self.split, y)  # type: ignore[arg-type]
+        return y.reshape(x.shape)
 
 
 @register("ReshapedGemm", versions=(1,), domain=FUSED_DOMAIN)

@@ -294,12 +294,29 @@ def test_mismatched_shapes_are_a_clear_error():
         _op().run(q, np.zeros((1, 2, 5, 3), np.float32), np.zeros((1, 2, 5, 4), np.float32))
 
 
-@pytest.mark.parametrize("split,end,width", [(4, 8, 8), (4, 1 << 62, 8), (3, 8, 6)])
-def test_rotary_half_embedding_is_its_layers(split, end, width):
-    """``x·cos + Concat(-x[..., split:end], x[..., :split])·sin``, bounds clamped as Slice clamps them."""
+@pytest.mark.parametrize("split,end,width", [(4, 8, 8), (4, 1 << 62, 8), (3, 8, 6), (0, 6, 6), (6, 6, 6)])
+@pytest.mark.parametrize("x_shape,table_shape,compiled", [
+    ((2, 3, 5, None), (2, 1, 5, None), True),  # cos/sin broadcast over heads, as Llama's
+    ((3, 5, None), (5, None), True),           # lower ranks
+    ((2, 2, 3, 5, None), (5, None), False),    # rank 5: NumPy, as the layers
+    ((2, 3, 5, None), (2, 3, 5, 1), False),    # tables of one column: NumPy
+])
+def test_rotary_half_embedding_is_its_layers(split, end, width, x_shape, table_shape, compiled, monkeypatch):
+    """``x·cos + Concat(-x[..., split:end], x[..., :split])·sin``, bounds clamped as Slice clamps
+    them, bit for bit, on the compiled pass (`compiled.rotary`) and off it."""
+    from asyncinfer.ops import fused
+    from asyncinfer.ops.compiled import rotary
     layer = Layer(name="rope", op_type="RotaryHalfEmbedding", domain=FUSED_DOMAIN, version=1,
                   inputs=["x", "cos", "sin"], outputs=["y"], attrs={"split": split, "end": end})
-    x = RNG.standard_normal((2, 3, 5, width)).astype(np.float32)
-    cos, sin = (RNG.standard_normal((2, 1, 5, width)).astype(np.float32) for _ in range(2))
+    x = RNG.standard_normal(tuple(width if d is None else d for d in x_shape)).astype(np.float32)
+    cos, sin = (RNG.standard_normal(tuple(width if d is None else d for d in table_shape)).astype(np.float32)
+                for _ in range(2))
+    x.reshape(-1)[:6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38]  # (IEEE specials: the layers' results too)
     rotated = np.concatenate([-x[..., split:min(end, width)], x[..., :split]], axis=-1)
-    np.testing.assert_array_equal(ops.create(layer).run(x, cos, sin), x * cos + rotated * sin)
+    op = ops.create(layer)
+    calls: list[int] = []
+    monkeypatch.setattr(fused, "rotate_half", lambda *args: calls.append(1) or rotary.rotate_half(*args))
+    with np.errstate(all="ignore"):
+        got, expected = op.run(x, cos, sin), x * cos + rotated * sin
+    np.testing.assert_array_equal(got, expected)
+    assert bool(calls) == compiled
