@@ -43,6 +43,7 @@ SPLIT_HEADS = ("SplitHeads", 1)  # in FUSED_DOMAIN
 SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
 MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
 SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
+ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -706,6 +707,40 @@ def fuse_matmul_bias(model: Model) -> int:
             g.replace([matmul, add], add, fused)
             count += 1
             break
+    g.commit()
+    return count
+
+
+def fuse_add_layer_norm(model: Model) -> int:
+    """``LayerNormalization(Add(A, B), scale, bias)`` over the last axis → ``AddLayerNormalization``
+    (``ops/normalization.py``): a transformer block's residual sum and the normalisation after
+    it, twice a block, one pass over the rows. Where the sum has other readers (a pre-norm
+    block's residual stream) it becomes the fused layer's second output. Taken when the Add has
+    no fused activations of its own and the LayerNormalization only its first output; runs after
+    ``fuse_matmul_bias`` (a projection's bias Add is that fusion's). The two layers stay as the
+    expansion, for backends without the fused kernel."""
+    g, count = _Graph(model), 0
+    order = {id(layer): i for i, layer in enumerate(model.layers)}
+    for norm in g.candidates("LayerNormalization"):
+        axis = int(norm.attrs.get("axis", -1))
+        if len([o for o in norm.outputs if o]) != 1 or (axis != -1 and axis != (g.rank(norm.inputs[0]) or 0) - 1):
+            continue
+        add = g.op(norm.inputs[0], "Add")
+        if add is None or len(add.inputs) != 2 or not all(add.inputs) or len(norm.inputs) < 2 or not norm.inputs[1]:
+            continue
+        total = add.outputs[0]
+        shared = not g.private(total)
+        if any(order[id(reader)] < order[id(norm)] for reader in g.consumers.get(total, [])):
+            continue  # (a reader before the normalisation: the fused layer, in its place, comes too late)
+        outputs = [norm.outputs[0]] + ([total] if shared else [])
+        attrs = {"axis": -1, "epsilon": float(norm.attrs.get("epsilon", 1e-5))}
+        if "stash_type" in norm.attrs:
+            attrs["stash_type"] = int(norm.attrs["stash_type"])
+        fused = Layer(name=norm.name, op_type=ADD_LAYER_NORM[0], inputs=[*add.inputs, *norm.inputs[1:]],
+                      outputs=outputs, attrs=attrs, domain=FUSED_DOMAIN, version=ADD_LAYER_NORM[1],
+                      expansion=[replace(add), replace(norm)])
+        g.replace([add, norm], norm, fused)
+        count += 1
     g.commit()
     return count
 

@@ -13,10 +13,12 @@ import onnx.defs
 from onnx import TensorProto, helper
 
 from .base import Op
-from .compiled.normalization import layer_norm_rows, rms_norm_rows
+from ..model.ir import Layer
+from .compiled.normalization import add_layer_norm_rows, layer_norm_rows, rms_norm_rows
 from .epilogue import Activations, apply_activations
 from .one_pass import fused_affine
-from .registry import register
+from .fused import FUSED_DOMAIN
+from .registry import create, register
 from .shape import op_error
 
 
@@ -169,6 +171,45 @@ class LayerNormalization(Op):
         layer_norm_rows(np.ascontiguousarray(rows), np.ascontiguousarray(scale).reshape(-1), flat_bias,
                         bias is not None, eps, y.reshape(rows.shape), mean.reshape(-1), inv_std.reshape(-1))
         return y, mean, inv_std
+
+
+@register("AddLayerNormalization", versions=(1,), domain=FUSED_DOMAIN)
+class AddLayerNormalization(LayerNormalization):
+    """``LayerNormalization(Add(A, B), scale, bias)`` over the last axis: the residual sum of a
+    transformer block and the normalisation after it (``fuse_add_layer_norm``). Output 0 is the
+    normalised sum; output 1, when the layer names one, the sum itself (the residual stream that
+    a pre-norm block reads again). Attributes: LayerNormalization's ``epsilon`` and
+    ``stash_type`` (``axis`` is -1).
+
+    Float32 A and B of one shape, with float32 scale (and bias) of the last axis' size, take one
+    pass over the rows (`compiled.normalization.add_layer_norm_rows`), the Add's float32 sums and
+    the normalisation's arithmetic, so the bits of the two layers; any other case runs the
+    ``Add`` and then the ``LayerNormalization``."""
+
+    def check(self) -> None:
+        if int(self.attr("axis", -1)) != -1 or len(self.layer.inputs) < 3 or not all(self.layer.inputs[:3]):
+            self.unsupported("an AddLayerNormalization layer is made by the loader: A, B and scale, axis -1")
+        super().check()
+        self.keeps_sum = len(self.layer.outputs) > 1 and bool(self.layer.outputs[1])
+        self._add = create(Layer(name=self.layer.name, op_type="Add", inputs=self.layer.inputs[:2],
+                                 outputs=[self.layer.name + "/sum"], version=14), self.limits)
+
+    def run(self, a: np.ndarray, b: np.ndarray, scale: np.ndarray,  # type: ignore[override]
+            bias: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        d = a.shape[-1] if a.ndim else 0
+        if (a.dtype == b.dtype == self.stash == scale.dtype == np.float32 and a.shape == b.shape and a.size
+                and scale.size == d and (bias is None or (bias.dtype == np.float32 and bias.size == d))):
+            y = np.empty(a.shape, np.float32)
+            total = np.empty(a.shape, np.float32) if self.keeps_sum else y
+            rows = (-1, d)
+            add_layer_norm_rows(np.ascontiguousarray(a).reshape(rows), np.ascontiguousarray(b).reshape(rows),
+                                np.ascontiguousarray(scale).reshape(-1),
+                                scale.reshape(-1) if bias is None else np.ascontiguousarray(bias).reshape(-1),
+                                bias is not None, self.eps, y.reshape(rows), total.reshape(rows), self.keeps_sum)
+            return (y, total) if self.keeps_sum else y
+        total = self._add.run(a, b)
+        y = LayerNormalization.run(self, total, scale, bias)[0]
+        return (y, total) if self.keeps_sum else y
 
 
 @register("GroupNormalization", versions=(18, 21))

@@ -190,6 +190,89 @@ def test_silu_whose_sigmoid_is_shared_is_left_alone():
     _check(proto, None)
 
 
+# -- residual sum and LayerNormalization -------------------------------------------------------
+def _add_layer_norm_model(*, sum_read_after: bool = False, addend_shape: tuple[int, ...] = (2, 5, C),
+                          with_bias: bool = True, dtype: int = onnx.TensorProto.FLOAT) -> onnx.ModelProto:
+    """``y = LayerNormalization(x + r)`` (a block's residual and its norm); with ``sum_read_after``
+    the sum is read again after the norm (``y + s``: a pre-norm block's residual stream)."""
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    nodes = [helper.make_node("Add", ["x", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "gamma"] + (["beta"] if with_bias else []),
+                              ["n" if sum_read_after else "y"], axis=-1, epsilon=1e-5)]
+    if sum_read_after:
+        nodes.append(helper.make_node("Add", ["n", "s"], ["y"]))
+    consts = [numpy_helper.from_array(RNG.standard_normal(C).astype(np_type), "gamma"),
+              numpy_helper.from_array(RNG.standard_normal(C).astype(np_type), "beta")]
+    return make_model(nodes, [tensor_info("x", [2, 5, C], dtype), tensor_info("r", list(addend_shape), dtype)],
+                      [tensor_info("y", [2, 5, C], dtype)], consts if with_bias else consts[:1], extra_domains=())
+
+
+@pytest.mark.parametrize("sum_read_after,addend_shape,with_bias,compiled", [
+    (False, (2, 5, C), True, True), (True, (2, 5, C), True, True), (False, (2, 5, C), False, True),
+    (False, (C,), True, False)])  # an addend that broadcasts: the Add, then the norm
+def test_residual_add_and_layer_norm_fuse_and_match_the_layers(sum_read_after, addend_shape, with_bias, compiled,
+                                                               monkeypatch):
+    """The sum and its normalisation in one pass, with the bits of the two layers (unfused, on the
+    same worker kind); a sum read again after the norm is the fused layer's second output."""
+    from asyncinfer.ops import normalization
+    proto = _add_layer_norm_model(sum_read_after=sum_read_after, addend_shape=addend_shape, with_bias=with_bias)
+    model = ai.load_model(proto)
+    fused = [l for l in model.layers if l.op_type == "AddLayerNormalization"]
+    assert len(fused) == 1 and len(fused[0].outputs) == (2 if sum_read_after else 1)
+    feeds = {"x": RNG.standard_normal((2, 5, C)).astype(np.float32) * 3,
+             "r": RNG.standard_normal(addend_shape).astype(np.float32)}
+    calls: list[int] = []
+    kernel = normalization.add_layer_norm_rows
+    monkeypatch.setattr(normalization, "add_layer_norm_rows", lambda *args: calls.append(1) or kernel(*args))
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    assert bool(calls) == compiled
+    unfused, layers = _load_and_run(proto, feeds, without="fuse_add_layer_norm")
+    assert "AddLayerNormalization" not in [l.op_type for l in unfused.layers]
+    np.testing.assert_array_equal(got, layers)
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_residual_add_and_layer_norm_in_float16_run_the_layers():
+    proto = _add_layer_norm_model(dtype=onnx.TensorProto.FLOAT16)
+    model = ai.load_model(proto)
+    feeds = {n: RNG.standard_normal((2, 5, C)).astype(np.float16) for n in ("x", "r")}
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    assert got.dtype == np.float16
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("relu_first", [False, True])
+def test_a_sum_read_before_its_norm_is_left_alone(relu_first):
+    """The fused layer takes the norm's place: a reader of the sum that comes before the norm
+    would read it before it is made, so then nothing fuses."""
+    add = helper.make_node("Add", ["x", "r"], ["s"])
+    relu = helper.make_node("Relu", ["s"], ["t"])
+    norm = helper.make_node("LayerNormalization", ["s", "gamma"], ["n"], axis=-1)
+    nodes = [add, relu, norm] if relu_first else [add, norm, relu]
+    gamma = numpy_helper.from_array(np.ones(C, np.float32), "gamma")
+    proto = make_model(nodes + [helper.make_node("Add", ["n", "t"], ["y"])],
+                       [tensor_info("x", [2, 5, C]), tensor_info("r", [2, 5, C])], [tensor_info("y", [2, 5, C])],
+                       [gamma], extra_domains=())
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_add_layer_norm"] == (0 if relu_first else 1)
+    feeds = {n: RNG.standard_normal((2, 5, C)).astype(np.float32) for n in ("x", "r")}
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_residual_add_and_layer_norm_on_gpu_pixel_run_the_layers():
+    require_pixel()
+    proto = _add_layer_norm_model(sum_read_after=True)
+    feeds = {n: RNG.standard_normal((2, 5, C)).astype(np.float32) for n in ("x", "r")}
+    with ai.Worker(ai.load_model(proto), "gpu_pixel") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
 # -- attention ---------------------------------------------------------------------------------
 B, H, S, T, D = 2, 4, 3, 7, 8
 

@@ -191,6 +191,7 @@ def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread
                 team.release()
     finally:
         team.close()
+    assert held is not None
     np.testing.assert_allclose(alone, _definition(q, k, v, np.float32(8.0), True, keep, bias), rtol=1e-5, atol=1e-5)
 
 

@@ -20,21 +20,47 @@ def layer_norm_rows(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, has_bias
                     y: np.ndarray, mean: np.ndarray, inv_std: np.ndarray) -> None:
     """Each row of ``x`` (R, D) normalised to ``y`` (R, D): ``(x - mean)·inv_std·scale + bias``
     with ``scale``/``bias`` of D values; ``mean`` and ``inv_std`` (R,) receive the statistics."""
-    rows, d = x.shape
-    for r in range(rows):
-        row = x[r]
-        m = np.float32(row_sum(row) / d)
-        sq = row_sum_squares(row, m)
-        inv = np.float32(1.0) / np.sqrt(np.float32(sq / d) + np.float32(epsilon))
-        mean[r] = m
-        inv_std[r] = inv
-        out = y[r]
-        if has_bias:
+    for r in range(x.shape[0]):
+        mean[r], inv_std[r] = _normalise_row(x[r], scale, bias, has_bias, epsilon, y[r])
+
+
+@kernel
+def add_layer_norm_rows(a: np.ndarray, b: np.ndarray, scale: np.ndarray, bias: np.ndarray, has_bias: bool,
+                        epsilon: float, y: np.ndarray, total: np.ndarray, keep_total: bool) -> None:
+    """Each row of ``a + b`` (R, D, float32 additions: an ``Add``'s bits) normalised to ``y`` as
+    `layer_norm_rows` normalises it: a residual sum and the LayerNormalization after it in one
+    pass. With ``keep_total`` the sums are written to ``total`` (R, D) for its other readers;
+    without, they are made in ``y``'s row and normalised there."""
+    d = a.shape[1]
+    for r in range(a.shape[0]):
+        ar, br = a[r], b[r]
+        if keep_total:
+            row = total[r]
             for i in range(d):
-                out[i] = (row[i] - m) * inv * scale[i] + bias[i]
+                row[i] = ar[i] + br[i]
+            _normalise_row(row, scale, bias, has_bias, epsilon, y[r])
         else:
+            out = y[r]
             for i in range(d):
-                out[i] = (row[i] - m) * inv * scale[i]
+                out[i] = ar[i] + br[i]
+            _normalise_row(out, scale, bias, has_bias, epsilon, out)  # (one array: no aliasing guard)
+
+
+@inline
+def _normalise_row(row: np.ndarray, scale: np.ndarray, bias: np.ndarray, has_bias: bool, epsilon: float,
+                   out: np.ndarray) -> tuple[np.float32, np.float32]:
+    """``out = (row - mean)·inv_std·scale (+ bias)``; (mean, inv_std)."""
+    d = row.shape[0]
+    m = np.float32(row_sum(row) / d)
+    sq = row_sum_squares(row, m)
+    inv = np.float32(1.0) / np.sqrt(np.float32(sq / d) + np.float32(epsilon))
+    if has_bias:
+        for i in range(d):
+            out[i] = (row[i] - m) * inv * scale[i] + bias[i]
+    else:
+        for i in range(d):
+            out[i] = (row[i] - m) * inv * scale[i]
+    return m, inv
 
 
 @kernel
