@@ -113,6 +113,30 @@ def test_average_pool_matches_reference(name, dtype, include_pad, loop, rng, mon
     np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(1, 5, 28, 28), (2, 3, 14, 9), (1, 2, 1, 7), (1, 3, 6, 1), (1, 2, 1, 1)])
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_three_by_three_unit_stride_average_pool_sums_plane_by_plane(shape, include_pad, dtype, rng, monkeypatch):
+    """A 3x3/1 average pool with a pad of one all round (Inception's) sums each plane in two flat
+    passes (`pool_three.sum_three_by_one`): the bits of the flat passes over padded planes it
+    replaced there (signed zeros, NaN and inf included), and the reference's values."""
+    from asyncinfer.ops.compiled.pool_three import sum_three_by_one
+    attrs = dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1], count_include_pad=include_pad)
+    x = randn(rng, *shape, dtype=dtype)
+    calls = []
+    _spy_on_loops(monkeypatch, calls)
+    (got,) = make_op("AveragePool", attrs, version=19)(x)
+    assert set(calls) == {"three_by_one_sum"}
+    (want,) = reference_run("AveragePool", [x], attrs, opset=19)
+    np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
+    x.reshape(-1)[:3] = [-0.0, np.nan, np.inf][:x.size]  # (the reference skips NaN as it skips pads: bits only)
+    planes = x.reshape(-1, *shape[2:])
+    flat, plane_by_plane = np.empty_like(planes), np.empty_like(planes)
+    compiled_pool.flat_pool(planes, flat, 0, len(planes), 3, 3, 1, 1, 1, 1, 1, 1, 0.0, True)
+    sum_three_by_one(planes, plane_by_plane, 0, len(planes))
+    np.testing.assert_array_equal(plane_by_plane.view(np.uint8), flat.view(np.uint8))
+
+
 WHOLE_MAP_CASES = {
     "7x7_on_7x7": ((1, 6, 7, 7), dict(kernel_shape=[7, 7])),
     "strided_on_5x3": ((2, 3, 5, 3), dict(kernel_shape=[5, 3], strides=[2, 2], count_include_pad=1)),
@@ -141,7 +165,8 @@ def test_an_average_pool_over_the_whole_map_is_the_planes_mean(name, dtype, rng,
 
 def _spy_on_loops(monkeypatch, calls: list) -> None:
     names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles",
-             compiled_pool.FLAT: "flat", compiled_pool.THREE_BY_TWO: "three_by_two"}
+             compiled_pool.FLAT: "flat", compiled_pool.THREE_BY_TWO: "three_by_two",
+             compiled_pool.THREE_BY_ONE_SUM: "three_by_one_sum"}
     monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
 
 
@@ -200,6 +225,7 @@ def test_tiles_nan_wins_and_planes_split_between_threads(rng, monkeypatch):
     ("MaxPool", dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),    # rows first
     ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2])),                       # tiles
     ("AveragePool", dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
+    ("AveragePool", dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])),  # the 3x3/1 sum's planes
 ])
 @pytest.mark.parametrize("helpers", [1, 2])
 def test_planes_shared_with_the_spin_team_give_the_same_bits(op_type, attrs, helpers, rng):

@@ -1,4 +1,6 @@
-"""The 3x3/2 pool (a CNN's downsampling MaxPool, ShuffleNet's AveragePool) on explicit vectors.
+"""The 3x3 pools: at stride 2 (a CNN's downsampling MaxPool, ShuffleNet's AveragePool) on
+explicit vectors; the 3x3/1 sum with a pad of one all round (Inception's average pools) in flat
+passes over each plane (`sum_three_by_one`, below).
 
 The general loops (`pool.pool2d_columns_first`, `pool.flat_pool`) leave vectorising to LLVM,
 whose vector loop takes 64 values an iteration (four vectors of AVX-512): a 111-wide row ran one
@@ -233,3 +235,42 @@ def sum_three_by_two(x: np.ndarray, out: np.ndarray, p0: int, p1: int, top: int,
     """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the sum over each 3x3 window at stride 2 of ``x``
     (P, H, W), the pads' zeros in it (an AveragePool divides it)."""
     _three_by_two(x, out, p0, p1, top, left, 0.0, SUM)
+
+
+@kernel
+def sum_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, H, W) = the sum over each 3x3 window of ``x`` (P, H, W), a
+    pad of one (zeros) all round, stride 1: the sums of `pool.flat_pool` (down the window's rows,
+    then along, in window order, a pad taken as ``0 +`` or ``+ 0``: the same bits) in two passes
+    over one plane at a time. The plane (Inception's 28x28 and 14x14: 3 KB and 0.8 KB) stays in
+    L1, and each pass is one loop over the whole plane, which LLVM vectorises where a row of 28
+    would have run value by value; the along pass's sums across a row's ends are written over
+    after it. (Indices are unsigned: a signed ``k - w`` costs a wraparound test that stops the
+    vectorising.)"""
+    _, h, w = x.shape
+    n = h * w
+    zero = x.dtype.type(0.0)
+    down = np.empty(n, x.dtype)
+    for p in range(p0, p1):
+        src = x[p].reshape(n)
+        dst = out[p].reshape(n)
+        if h == 1:
+            for k in range(n):
+                down[k] = (zero + src[k]) + zero
+        else:
+            for j in range(w):  # the top row: a pad above
+                down[j] = (zero + src[j]) + src[w + j]
+            for k in range(_U(w), _U(n - w)):
+                down[k] = (src[k - _U(w)] + src[k]) + src[k + _U(w)]
+            for k in range(n - w, n):  # the bottom row: a pad below
+                down[k] = (src[k - w] + src[k]) + zero
+        if w == 1:
+            for k in range(n):
+                dst[k] = (zero + down[k]) + zero
+            continue
+        for k in range(_U(1), _U(n - 1)):
+            dst[k] = (down[k - _U(1)] + down[k]) + down[k + _U(1)]
+        for r in range(h):  # each row's ends, whose neighbours across the row's end are pads
+            first, last = r * w, r * w + w - 1
+            dst[first] = (zero + down[first]) + down[first + 1]
+            dst[last] = (down[last - 1] + down[last]) + zero
