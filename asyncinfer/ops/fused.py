@@ -408,21 +408,22 @@ class RotaryHalfEmbedding(Op):
 
     def _compiled(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
         """The float32 case in one pass (`compiled.rotary`): X of rank 4 at most, its last axis
-        the slices' whole (``end`` reaches it), cos and sin broadcasting to X's shape with a unit
-        last stride; None for any other case (the layers' NumPy arithmetic)."""
+        the slices' whole (``end`` reaches it), cos and sin broadcasting to X's shape along a last
+        axis of X's width; None for any other case (the layers' NumPy arithmetic). X is read in
+        place, whatever its strides (Llama's Q: a transposed view); tables whose rows are not
+        contiguous (a transposed table) are copied first, being a position's worth of X at most."""
         width = x.shape[-1]
         if (x.dtype != np.float32 or cos.dtype != np.float32 or sin.dtype != np.float32 or x.ndim > 4
-                or min(self.end, width) != width or self.split > width or not x.size):
+                or min(self.end, width) != width or self.split > width or not x.size
+                or cos.ndim > 4 or sin.ndim > 4 or cos.shape[-1:] != (width,) or sin.shape[-1:] != (width,)):
             return None
         shape = (1,) * (4 - x.ndim) + x.shape
         try:
-            views = [np.broadcast_to(t.reshape((1,) * (4 - t.ndim) + t.shape), shape) if t.ndim <= 4 else None
-                     for t in (cos, sin)]
+            views = [np.broadcast_to((t if t.strides[-1] == 4 else np.ascontiguousarray(t)).reshape(
+                (1,) * (4 - t.ndim) + t.shape), shape) for t in (cos, sin)]
         except ValueError:
             return None  # (a shape that widens X or does not fit: the layers say so)
-        if any(v is None or v.strides[3] != 4 for v in views):
-            return None
-        x4 = np.ascontiguousarray(x).reshape(shape)
+        x4 = (x if x.strides[-1] == 4 else np.ascontiguousarray(x)).reshape(shape)
         y = np.empty(shape, np.float32)
         rotate_half(x4, views[0], views[1], self.split, y)  # type: ignore[arg-type]
         return y.reshape(x.shape)

@@ -301,6 +301,7 @@ def test_mismatched_shapes_are_a_clear_error():
     ((3, 5, None), (5, None), True),           # lower ranks
     ((2, 2, 3, 5, None), (5, None), False),    # rank 5: NumPy, as the layers
     ((2, 3, 5, None), (2, 3, 5, 1), False),    # tables of one column: NumPy
+    ("heads_view", "transposed", True),        # Llama's: Q a transposed view, the tables transposed
 ])
 def test_rotary_half_embedding_is_its_layers(split, end, width, x_shape, table_shape, compiled, monkeypatch):
     """``x·cos + Concat(-x[..., split:end], x[..., :split])·sin``, bounds clamped as Slice clamps
@@ -309,10 +310,16 @@ def test_rotary_half_embedding_is_its_layers(split, end, width, x_shape, table_s
     from asyncinfer.ops.compiled import rotary
     layer = Layer(name="rope", op_type="RotaryHalfEmbedding", domain=FUSED_DOMAIN, version=1,
                   inputs=["x", "cos", "sin"], outputs=["y"], attrs={"split": split, "end": end})
-    x = RNG.standard_normal(tuple(width if d is None else d for d in x_shape)).astype(np.float32)
-    cos, sin = (RNG.standard_normal(tuple(width if d is None else d for d in table_shape)).astype(np.float32)
-                for _ in range(2))
-    x.reshape(-1)[:6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38]  # (IEEE specials: the layers' results too)
+    if x_shape == "heads_view":  # (B, S, H, D) split into heads by a view, the tables (D, S) transposed
+        x = RNG.standard_normal((1, 5, 3, width)).astype(np.float32).transpose(0, 2, 1, 3)
+        cos, sin = (RNG.standard_normal((width, 5)).astype(np.float32).T[None, None] for _ in range(2))
+    else:
+        x = RNG.standard_normal(tuple(width if d is None else d for d in x_shape)).astype(np.float32)
+        cos, sin = (RNG.standard_normal(tuple(width if d is None else d for d in table_shape)).astype(np.float32)
+                    for _ in range(2))
+    x[(0,) * x.ndim] = np.nan  # (IEEE specials: the layers' results too)
+    x[(0,) * (x.ndim - 1) + (1,)] = np.inf
+    x[(0,) * (x.ndim - 1) + (-1,)] = -0.0
     rotated = np.concatenate([-x[..., split:min(end, width)], x[..., :split]], axis=-1)
     op = ops.create(layer)
     calls: list[int] = []
