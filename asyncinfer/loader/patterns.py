@@ -411,8 +411,12 @@ def fuse_silu(model: Model) -> int:
 def fuse_attention(model: Model) -> int:
     """``Softmax(Add(Where(keep, Div(MatMul(Q, Transpose(K)), scale), fill), bias)) @ V``, each of
     the Div (or Mul), Where and Add optional, → ``MaskedAttention`` (``ops/fused.py``): the
-    attention of exported decoders, seven layers a block that a decode step ran one by one. The
-    fused layer keeps them as its expansion, for backends without the fused kernel."""
+    attention of exported decoders, seven layers a block that a decode step ran one by one. An
+    encoder's too: K's Transpose may go straight from ``(B, S, H, D)`` to ``(B, H, D, S)``
+    (``k_perm``), and the Transposes splitting Q and V into heads are taken in (``q_perm``,
+    ``v_perm``: read through views), but for a head split after a ``Split``, left to
+    ``fuse_split_heads``. The fused layer keeps them all as its expansion, for backends without
+    the fused kernel."""
     g, count = _Graph(model), 0
     for softmax in g.candidates("Softmax"):
         match = _attention(g, softmax)

@@ -405,7 +405,6 @@ class RotaryHalfEmbedding(Op):
         with np.errstate(all="ignore"):
             return np.add(np.multiply(x, cos), np.multiply(rotated, sin))
 
-
     def _compiled(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
         """The float32 case in one pass (`compiled.rotary`): X of rank 4 at most, its last axis
         the slices' whole (``end`` reaches it), cos and sin broadcasting to X's shape along a last

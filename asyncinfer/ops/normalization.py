@@ -12,12 +12,12 @@ import numpy as np
 import onnx.defs
 from onnx import TensorProto, helper
 
-from .base import Op
 from ..model.ir import Layer
+from .base import Op
 from .compiled.normalization import add_layer_norm_rows, layer_norm_rows, rms_norm_rows
 from .epilogue import Activations, apply_activations
-from .one_pass import fused_affine
 from .fused import FUSED_DOMAIN
+from .one_pass import fused_affine
 from .registry import create, register
 from .shape import op_error
 
