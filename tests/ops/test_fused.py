@@ -77,7 +77,6 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
     enough is cut into bands of heads, one per thread: every value must equal the one-thread
     result bit for bit (a view of the cache arena, grouped K/V heads, both masks), and a team
     another caller holds leaves the whole attention on this thread."""
-    from asyncinfer.concurrency import parallel
     from asyncinfer.concurrency.spin_team import SpinTeam
     from asyncinfer.ops import fused
     from asyncinfer.ops.compiled.team_parts import serve_parts
@@ -99,19 +98,8 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
     split: list[int] = []
     heads_on_team = fused._heads_on_team
     monkeypatch.setattr(fused, "_heads_on_team", lambda *args: split.append(1) or heads_on_team(*args))
-    try:
-        with parallel.pool_bound(None, helpers + 1, team):
-            shared = attend()
-            assert team._threads, "the helpers never ran a part"
-            np.testing.assert_array_equal(shared, alone)
-            held = team.claim()  # another caller holds the team: this one runs every head itself
-            try:
-                np.testing.assert_array_equal(attend(), alone)
-            finally:
-                team.release()
-    finally:
-        team.close()
-    assert held is not None and len(split) == 2
+    _shared_and_held_alike(attend, alone, team)
+    assert len(split) == 2
     k_full, v_full = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     np.testing.assert_allclose(alone, _definition(q, k_full, v_full, np.float32(8.0), True, keep, bias),
                                rtol=1e-5, atol=1e-5)
@@ -165,7 +153,6 @@ def test_many_query_rows_take_two_products_per_head_and_match_the_definition(bat
 def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(helpers, monkeypatch):
     """Bands of heads on the spinning helpers give the one-thread result bit for bit, and a team
     another caller holds leaves every head on this thread."""
-    from asyncinfer.concurrency import parallel
     from asyncinfer.concurrency.spin_team import SpinTeam
     from asyncinfer.ops.compiled.team_parts import serve_parts
     _requires_blas_call()
@@ -178,20 +165,7 @@ def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread
         return op.run(q, k, v, np.float32(8.0), keep, FILL, bias)
 
     alone = attend()
-    team = SpinTeam(helpers, serve_parts, name="test-team")
-    try:
-        with parallel.pool_bound(None, helpers + 1, team):
-            shared = attend()
-            assert team._threads, "the helpers never ran a part"
-            np.testing.assert_array_equal(shared, alone)
-            held = team.claim()
-            try:
-                np.testing.assert_array_equal(attend(), alone)
-            finally:
-                team.release()
-    finally:
-        team.close()
-    assert held is not None
+    _shared_and_held_alike(attend, alone, SpinTeam(helpers, serve_parts, name="test-team"))
     np.testing.assert_allclose(alone, _definition(q, k, v, np.float32(8.0), True, keep, bias), rtol=1e-5, atol=1e-5)
 
 
@@ -216,6 +190,26 @@ def test_a_perm_that_does_not_fit_the_input_is_a_clear_error():
     layer.attrs["q_perm"] = [0, 2, 2, 3]
     with pytest.raises(AsyncInferError, match="not a permutation"):
         ops.create(layer)
+
+
+def _shared_and_held_alike(attend, alone: np.ndarray, team) -> None:
+    """``attend()`` with ``team`` bound (as on the CPU backend's pool threads) gives ``alone``, the
+    one-thread result, bit for bit; so does it while another caller holds the team (every head
+    then runs on this thread). Closes the team."""
+    from asyncinfer.concurrency import parallel
+    try:
+        with parallel.pool_bound(None, team.helpers + 1, team):
+            shared = attend()
+            assert team._threads, "the helpers never ran a part"
+            np.testing.assert_array_equal(shared, alone)
+            held = team.claim()
+            assert held is not None
+            try:
+                np.testing.assert_array_equal(attend(), alone)
+            finally:
+                team.release()
+    finally:
+        team.close()
 
 
 @pytest.mark.parametrize("case", ["three_d", "float64", "mask_widens_scores"])

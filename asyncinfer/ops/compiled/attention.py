@@ -138,15 +138,23 @@ def attention_part(control: np.ndarray) -> None:
     y = numba.carray(address_as_pointer(control[ARGS + 8], np.float32), (batch, heads, queries, width))
     k_at, ks0, ks1, ks2 = control[ARGS + 9], control[ARGS + 10], control[ARGS + 11], control[ARGS + 12]
     v_at, vs0, vs1, vs2 = control[ARGS + 13], control[ARGS + 14], control[ARGS + 15], control[ARGS + 16]
-    keep = numba.carray(address_as_pointer(control[ARGS + 17], np.uint8),
-                        (control[ARGS + 18], control[ARGS + 19], control[ARGS + 20], control[ARGS + 21]))
-    bias = numba.carray(address_as_pointer(control[ARGS + 22], np.float32),
-                        (control[ARGS + 23], control[ARGS + 24], control[ARGS + 25], control[ARGS + 26]))
-    numbers = numba.carray(address_as_pointer(control[ARGS + 27], np.float64), (2,))  # scale, fill
-    flags = control[ARGS + 28]
+    keep, bias, numbers, flags = _masks_at(control, ARGS)
     attention_heads(q, k_at, ks0, ks1, ks2, v_at, vs0, vs1, vs2, kv_heads, keys, width, numbers[0],
                     (flags & 1) != 0, (flags & 2) != 0, keep, numbers[1], (flags & 4) != 0, bias,
                     (flags & 8) != 0, y, control[ARGS + 29], control[ARGS + 30])
+
+
+@inline
+def _masks_at(args: np.ndarray, at: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """The masks, numbers and flags both parts' integers hold from ``args[at + 17]`` on (see
+    `head_arguments`, `product_arguments`): keep (4-D bytes), bias (4-D float32), [scale, fill]
+    (float64) and the flags (1 divides, 2 scales, 4 keep, 8 bias)."""
+    keep = numba.carray(address_as_pointer(args[at + 17], np.uint8),
+                        (args[at + 18], args[at + 19], args[at + 20], args[at + 21]))
+    bias = numba.carray(address_as_pointer(args[at + 22], np.float32),
+                        (args[at + 23], args[at + 24], args[at + 25], args[at + 26]))
+    numbers = numba.carray(address_as_pointer(args[at + 27], np.float64), (2,))
+    return keep, bias, numbers, args[at + 28]
 
 
 def head_arguments(q: np.ndarray, k: np.ndarray, v: np.ndarray, numbers: np.ndarray, divides: bool, use_scale: bool,
@@ -214,12 +222,7 @@ def products_from(args: np.ndarray, at: int) -> None:
     start at ``args[at]``: a helper's control row, or the caller's own part in one array (one
     compiled call from Python, where 30 arguments cost microseconds to type)."""
     shape = numba.carray(address_as_pointer(args[at + 16], np.int64), (7,))
-    keep = numba.carray(address_as_pointer(args[at + 17], np.uint8),
-                        (args[at + 18], args[at + 19], args[at + 20], args[at + 21]))
-    bias = numba.carray(address_as_pointer(args[at + 22], np.float32),
-                        (args[at + 23], args[at + 24], args[at + 25], args[at + 26]))
-    numbers = numba.carray(address_as_pointer(args[at + 27], np.float64), (2,))  # scale, fill
-    flags = args[at + 28]
+    keep, bias, numbers, flags = _masks_at(args, at)
     attention_products(args[at], args[at + 1], args[at + 2], args[at + 3], args[at + 4], args[at + 5], args[at + 6],
                        args[at + 7], args[at + 8], args[at + 9], args[at + 10], args[at + 11], args[at + 12],
                        args[at + 13], args[at + 14], args[at + 15], shape, numbers[0], (flags & 1) != 0,
