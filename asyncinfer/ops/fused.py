@@ -21,7 +21,7 @@ from .compiled.normalization import softmax_rows
 from .compiled.rotary import rotate_half
 from .compiled.squeeze_excite import squeeze_excite
 from .epilogue import Epilogue, apply_activations
-from .linalg import Gemm, MatMul, constant_panels, matmul
+from .linalg import Gemm, MatMul, blas_rows, constant_panels, matmul
 from .one_pass import fused_affine
 from .pool import global_average
 from .registry import create, register
@@ -344,10 +344,9 @@ def _heads_on_team(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, di
 
 
 def _rows_in_place(x: np.ndarray) -> bool:
-    """Whether BLAS reads the rows of the 4-D float32 ``x`` in place: unit last stride, row
-    strides of at least a row, every stride a whole number of non-negative elements."""
-    return (x.strides[3] == 4 and x.strides[2] >= 4 * x.shape[3]
-            and all(st >= 0 and st % 4 == 0 for st in x.strides))
+    """Whether BLAS reads the rows of each head of the 4-D float32 ``x`` in place (`blas_rows`
+    of one head), the heads and batch entries a whole number of non-negative elements apart."""
+    return blas_rows(x[0, 0]) and all(st >= 0 and st % 4 == 0 for st in x.strides[:2])
 
 
 def _repeat_heads(x: np.ndarray, group: int) -> np.ndarray:

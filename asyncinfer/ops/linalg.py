@@ -148,7 +148,7 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray | Non
     adds the bias to its band while it is in cache); False, having done nothing, when there is
     no free team or no compiled sgemm (`compiled.blas_call`)."""
     team = parallel.team()
-    if team is None or not blas_call.available() or not (_blas_rows(a) and _blas_rows(b)):
+    if team is None or not blas_call.available() or not (blas_rows(a) and blas_rows(b)):
         return False
     m, k = a.shape
     n = b.shape[1]
@@ -179,7 +179,7 @@ def _takes_panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> 
     panels, the rows of both contiguous and apart (not a broadcast row), a at most
     `PANEL_GEMM_MAX_A_BYTES` and K at most `PANEL_GEMM_MAX_DEPTH`."""
     return (a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype == np.float32 and a.shape[1] == b.shape[0]
-            and _panel_shapes(*a.shape, b.shape[1]) and _blas_rows(a) and _blas_rows(b)
+            and _panel_shapes(*a.shape, b.shape[1]) and blas_rows(a) and blas_rows(b)
             and a.shape[0] * a.strides[0] <= PANEL_GEMM_MAX_A_BYTES
             and (bias is None or (bias.dtype == np.float32 and bias.size == b.shape[1])))
 
@@ -199,8 +199,8 @@ def _panel_batch(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] 
         return None
     count = math.prod(a.shape[:-2])
     a3, b3 = a.reshape(count, *a.shape[-2:]), b.reshape(count, *b.shape[-2:])
-    return (a3 if _blas_rows(a3[0]) else np.ascontiguousarray(a3),
-            b3 if _blas_rows(b3[0]) else np.ascontiguousarray(b3))
+    return (a3 if blas_rows(a3[0]) else np.ascontiguousarray(a3),
+            b3 if blas_rows(b3[0]) else np.ascontiguousarray(b3))
 
 
 def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -250,7 +250,7 @@ def vector_cuts(n: int, parts: int) -> list[int]:
     return [min(n, -(-n * i // parts) // 16 * 16) for i in range(parts)] + [n]
 
 
-def _blas_rows(x: np.ndarray) -> bool:
+def blas_rows(x: np.ndarray) -> bool:
     """Whether BLAS reads the 2-D float32 ``x`` in place: contiguous rows, a row stride of at least a row."""
     return x.strides[1] == 4 and x.strides[0] % 4 == 0 and x.strides[0] >= 4 * x.shape[1]
 
