@@ -6,8 +6,9 @@ which layers take it and with which tile (`winograd_tile`, and `winograd_runs_on
 of a run), the weights' transform (`transform_weights`, done once per constant weight by the
 layer's `Op.derived`) and the convolution itself (`conv2d_winograd`): per part of the map, gather
 the input rows into slabs, transform them into ``V`` (α², C, tiles), run the α² GEMMs
-``U[ξ] @ V[ξ]`` in BLAS, transform the products back into the output, then add the bias and the
-fused activation (the `Epilogue`) over the part's rows while they are in cache.
+``U[ξ] @ V[ξ]`` (in BLAS, or on the panel GEMM: `PANEL_PRODUCTS`), transform the products back
+into the output, then add the bias and the fused activation (the `Epilogue`) over the part's rows
+while they are in cache.
 
 Parts are bands of tile rows (per image), independent from gather to store: a layer split across
 the pool's threads waits for them once. From `linalg.TEAM_MIN_MACS` on, the bands are first
@@ -42,7 +43,8 @@ from ..concurrency import parallel, spin_team
 from ..concurrency.spin_team import SpinTeam
 from .compiled import blas_call
 from .compiled.winograd import gather_slabs, input_transform, non_finite_mark, output_transform
-from .compiled.winograd_bands import finish_bands, post_bands, scratch_size
+from .compiled.gemm import WIDTH
+from .compiled.winograd_bands import finish_bands, panel_products, post_bands, scratch_size
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
 from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS
@@ -62,6 +64,13 @@ MIN_PRODUCT = 4096
 # MIN_PART_TILES tiles for its GEMMs.
 PART_BYTES = 8 << 20
 MIN_PART_TILES = 64
+# The α² products on asyncinfer's panel GEMM (`compiled.gemm`, V's columns padded to whole panels)
+# rather than BLAS: on AVX-512 (32-column panels) it ran them 1.1-2.5x faster on the 2-core Zen 5
+# VM, one core, all 36 products of a band: 64 -> 64 ch x 210 tiles 312 µs against 612 with
+# OpenBLAS's Haswell kernels and 272 with its SkylakeX ones; 128 -> 128 x 56 tiles 315 / 635 / 320;
+# 256 -> 256 x 20 tiles 640 / 1590 / 681. Its bits do not depend on a band's width. Elsewhere
+# (AVX2, NEON) unmeasured: BLAS.
+PANEL_PRODUCTS = WIDTH == 32
 
 
 @dataclass(frozen=True)
@@ -179,12 +188,12 @@ def _on_team(team: SpinTeam, algorithm: _Algorithm, x: np.ndarray, u: np.ndarray
         size = scratch_size(algorithm.window, x.shape[1], u.shape[1], rows * (tw + 1), tw)
         own = scratch((size,), np.float32, "winograd_team")
         helpers = team.scratch((parts - 1, size), np.float32)
-        fn, ilp64 = blas_call.SGEMM, blas_call.ILP64
+        fn, ilp64, panels = blas_call.SGEMM, blas_call.ILP64, PANEL_PRODUCTS
         if post_bands(control, x, u, bias, y, bands, cuts, top, left, tw, helpers, epilogue.kind, epilogue.numbers,
-                      fn, ilp64):
+                      fn, ilp64, panels):
             team.wake()
         if not finish_bands(control, x, u, bias, y, bands, cuts, top, left, tw, own, epilogue.kind, epilogue.a,
-                            epilogue.b, fn, ilp64, spin_team.WAIT_ROUNDS):
+                            epilogue.b, fn, ilp64, panels, spin_team.WAIT_ROUNDS):
             team.wait_posted(parts - 1)
     finally:
         team.release()
@@ -215,7 +224,11 @@ def _part(algorithm: _Algorithm, x: np.ndarray, u: np.ndarray, bias: np.ndarray,
     v = scratch((window * window, c, tiles), np.float32, "winograd_v")
     algorithm.input_transform(slabs, v, scratch((window, window, tiles), np.float32, "winograd_e"))
     products = scratch((window * window, m, tiles), np.float32, "winograd_m")
-    np.matmul(u, v, out=products)
+    if PANEL_PRODUCTS:
+        panel_products(u, v, products, scratch((c, WIDTH), np.float32, "winograd_tail_b"),
+                       scratch((m, WIDTH), np.float32, "winograd_tail_y"))
+    else:
+        np.matmul(u, v, out=products)
     oh0, oh1 = step * ti0, min(y.shape[1], step * ti1)
     algorithm.output_transform(products, y, tw, oh0, scratch((step, window, tw), np.float32, "winograd_t"))
     epilogue.apply(y[:, oh0:oh1].reshape(m, -1), bias)

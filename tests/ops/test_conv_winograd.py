@@ -12,6 +12,8 @@ import pytest
 
 from asyncinfer.concurrency import parallel
 from asyncinfer.ops import conv_winograd
+from asyncinfer.ops.compiled.gemm import WIDTH
+from asyncinfer.ops.compiled.winograd_bands import panel_products
 from asyncinfer.ops.epilogue import Epilogue
 
 from .op_testing import activation_op, make_op, randn, reference_run, spin_team_bound
@@ -26,6 +28,14 @@ def _small_cases_take_winograd(monkeypatch):
     take Winograd all the same."""
     monkeypatch.setattr(conv_winograd, "MIN_PRODUCT", 0)
     monkeypatch.setattr(conv_winograd, "MIN_CHANNELS", 32)
+
+
+@pytest.fixture(autouse=True, params=["blas", "panels"])
+def products(request, monkeypatch):
+    """Every case with the α² products in BLAS and on the panel GEMM (`PANEL_PRODUCTS`: the
+    panels where the CPU has AVX-512, BLAS elsewhere; both run on any CPU)."""
+    monkeypatch.setattr(conv_winograd, "PANEL_PRODUCTS", request.param == "panels")
+    return request.param
 
 
 # name: (x shape, output channels, attrs, the tile it takes)
@@ -100,6 +110,27 @@ def test_bands_shared_with_the_spin_team_have_the_bits_of_one_thread(name, helpe
     np.testing.assert_array_equal(shared, alone)
     want = reference_run("Conv", inputs, attrs)[0]
     np.testing.assert_allclose(shared, want, rtol=1e-4, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("tiles", [5, WIDTH, WIDTH + 7, 3 * WIDTH + 1])
+def test_panel_products_do_not_depend_on_the_band_width(tiles, rng):
+    """`panel_products` gives each column the same bits whether it sits in a whole panel or in
+    the padded last one, so bands cut anywhere agree; and the products are U @ V."""
+    u, v = randn(rng, 36, 24, 40), randn(rng, 36, 40, tiles)
+
+    def products(v: np.ndarray) -> np.ndarray:
+        out = np.empty((36, 24, v.shape[2]), np.float32)
+        panel_products(u, v, out, np.empty((40, WIDTH), np.float32), np.empty((24, WIDTH), np.float32))
+        return out
+
+    whole = products(v)
+    for cut in (1, tiles // 2, tiles - 1):
+        if 0 < cut < tiles:
+            halves = np.concatenate([products(np.ascontiguousarray(v[:, :, :cut])),
+                                     products(np.ascontiguousarray(v[:, :, cut:]))], axis=2)
+            np.testing.assert_array_equal(halves, whole)
+    want = np.matmul(u.astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(whole, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(rng, monkeypatch):

@@ -2,11 +2,11 @@
 its parts run on the CPU backend's spinning helpers (`concurrency/spin_team.py`).
 
 `winograd_bands` runs what `conv_winograd._part` runs in Python for each band: gather the input
-rows into slabs, transform them, the α² GEMMs (BLAS's sgemm from compiled code: `blas_call`),
-the output transform, bias and activation. The calling thread takes some bands and a helper the
+rows into slabs, transform them, the α² GEMMs (BLAS's sgemm from compiled code: `blas_call`, or
+asyncinfer's panel GEMM: `panel_products`), the output transform, bias and activation. The calling thread takes some bands and a helper the
 others (`post_bands`, `band_part`), starting in microseconds where a pool thread takes
 100-300 µs to wake, so mid-sized layers (SqueezeNet's, ResNet's 28x28 stage) run on every core.
-Each value is computed as in `_part`: the same transforms, one sgemm per ξ, the same epilogue.
+Each value is computed as in `_part`: the same transforms, one product per ξ, the same epilogue.
 """
 from __future__ import annotations
 
@@ -17,20 +17,53 @@ from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_co
 from . import kernel
 from .blas_call import sgemm
 from .epilogue import apply_rows
+from .gemm import WIDTH, panel_gemm
 from .winograd import gather_slabs, input_transform, output_transform
 
 PART_KIND = 4
 
 
 @kernel
+def panel_products(u: np.ndarray, v: np.ndarray, products: np.ndarray, tail_b: np.ndarray,
+                   tail_y: np.ndarray) -> None:
+    """``products[ξ] = u[ξ] @ v[ξ]`` for every ξ on `gemm.panel_gemm`: ``u`` (α², M, C), ``v``
+    (α², C, Q), ``products`` (α², M, Q), float32, C-contiguous. V's whole panels of columns are
+    read in place; its last ``Q mod W`` columns go through ``tail_b`` (C, W) into ``tail_y`` (M,
+    W), a panel padded with zeros. Every value is the one sum `panel_gemm` makes for it, whatever
+    Q and wherever its column falls: bands of any size give the same bits."""
+    alphas, m, c = u.shape
+    tiles = v.shape[2]
+    full = tiles // WIDTH
+    tail = tiles - full * WIDTH
+    no_bias = tail_y[0]  # (unread: ``biased`` is False)
+    if tail:
+        for k in range(c):
+            for j in range(tail, WIDTH):
+                tail_b[k, j] = 0.0
+    for xi in range(alphas):
+        if full:
+            panel_gemm(u[xi], v[xi], products[xi], no_bias, 0, full, False)
+        if tail:
+            start = full * WIDTH
+            for k in range(c):
+                for j in range(tail):
+                    tail_b[k, j] = v[xi, k, start + j]
+            panel_gemm(u[xi], tail_b, tail_y, no_bias, 0, 1, False)
+            for r in range(m):
+                for j in range(tail):
+                    products[xi, r, start + j] = tail_y[r, j]
+
+
+@kernel
 def winograd_bands(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, bands: np.ndarray, b0: int,
                    b1: int, top: int, left: int, tw: int, scratch: np.ndarray, act: int, a: float, b: float, fn: int,
-                   ilp64: bool) -> None:
+                   ilp64: bool, on_panels: bool) -> None:
     """Bands ``b0:b1`` of ``bands`` (rows: image, first and end tile row) of the Winograd conv
     of ``x`` (N, C, H, W) by ``u`` (α², M, C: `conv_winograd.transform_weights`) into ``y`` (N,
     M, Ho, Wo), float32, with ``top``/``left`` pads and ``tw`` tiles a row; ``scratch`` holds at
     least `scratch_size` values for the largest band. ``act``, ``a``, ``b``: the epilogue;
-    ``fn``, ``ilp64``: `blas_call.SGEMM`, `blas_call.ILP64`."""
+    ``fn``, ``ilp64``: `blas_call.SGEMM`, `blas_call.ILP64`; ``on_panels``: the products by
+    `panel_products` instead."""
     c = x.shape[1]
     m = u.shape[1]
     window = 6  # (F(4x4, 3x3): a tile reads 6x6 inputs)
@@ -51,11 +84,16 @@ def winograd_bands(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray
         products = scratch[at:at + sizes[3]].reshape(window * window, m, tiles)
         at += sizes[3]
         t = scratch[at:at + step * window * tw].reshape(step, window, tw)
+        at += step * window * tw
         gather_slabs(x[i], slabs, step, top, left, step * (tw + 1), ti0, ti1 - ti0)
         input_transform(slabs, v, e)
-        for xi in range(window * window):
-            sgemm(fn, ilp64, m, tiles, c, u[xi].ctypes.data, c, v[xi].ctypes.data, tiles, products[xi].ctypes.data,
-                  tiles)
+        if on_panels:
+            panel_products(u, v, products, scratch[at:at + c * WIDTH].reshape(c, WIDTH),
+                           scratch[at + c * WIDTH:at + (c + m) * WIDTH].reshape(m, WIDTH))
+        else:
+            for xi in range(window * window):
+                sgemm(fn, ilp64, m, tiles, c, u[xi].ctypes.data, c, v[xi].ctypes.data, tiles,
+                      products[xi].ctypes.data, tiles)
         oh0, oh1 = step * ti0, min(ho, step * ti1)
         output_transform(products, y[i], tw, oh0, t)
         for ch in range(m):
@@ -65,13 +103,14 @@ def winograd_bands(x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray
 def scratch_size(window: int, c: int, m: int, tiles: int, tw: int) -> int:
     """Floats of scratch `winograd_bands` needs for a band of ``tiles`` virtual tiles."""
     step = window - 2
-    return (c * window * (step * tiles + 8) + window * window * (c + m + 1) * tiles + step * window * tw)
+    return (c * window * (step * tiles + 8) + window * window * (c + m + 1) * tiles + step * window * tw
+            + (c + m) * WIDTH)
 
 
 @kernel
 def post_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray, bands: np.ndarray,
                cuts: np.ndarray, top: int, left: int, tw: int, scratch: np.ndarray, act: int, numbers: np.ndarray,
-               fn: int, ilp64: bool) -> int:
+               fn: int, ilp64: bool, on_panels: bool) -> int:
     """Post bands ``cuts[i + 1]:cuts[i + 2]`` to helper ``i`` of a claimed team's ``control``
     (its scratch ``scratch[i]``), for `band_part` to run as `winograd_bands` on the same
     arguments: C-contiguous arrays, int64 ``bands``, the epilogue's ``a, b`` as float64
@@ -91,6 +130,7 @@ def post_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.ndarr
         row[at + 17], row[at + 18], row[at + 19] = top, left, tw
         row[at + 20], row[at + 21], row[at + 22] = scratch[i].ctypes.data, scratch.shape[1], act
         row[at + 23], row[at + 24], row[at + 25] = numbers.ctypes.data, fn, 1 if ilp64 else 0
+        row[at + 26] = 1 if on_panels else 0
         sleeping += post_and_count_asleep(row)
     return sleeping
 
@@ -98,11 +138,11 @@ def post_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.ndarr
 @kernel
 def finish_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.ndarray, y: np.ndarray,
                  bands: np.ndarray, cuts: np.ndarray, top: int, left: int, tw: int, scratch: np.ndarray, act: int,
-                 a: float, b: float, fn: int, ilp64: bool, rounds: int) -> bool:
+                 a: float, b: float, fn: int, ilp64: bool, on_panels: bool, rounds: int) -> bool:
     """Run bands ``cuts[0]:cuts[1]`` here (``scratch`` this thread's), then wait for the parts
     `post_bands` posted; False when a helper is not done within ``rounds`` spins (the caller then
     waits the slow way)."""
-    winograd_bands(x, u, bias, y, bands, cuts[0], cuts[1], top, left, tw, scratch, act, a, b, fn, ilp64)
+    winograd_bands(x, u, bias, y, bands, cuts[0], cuts[1], top, left, tw, scratch, act, a, b, fn, ilp64, on_panels)
     return wait_all(control, cuts.shape[0] - 2, rounds)
 
 
@@ -123,4 +163,4 @@ def band_part(control: np.ndarray) -> None:
     numbers = numba.carray(address_as_pointer(control[at + 23], np.float64), (2,))
     winograd_bands(x, u, bias, y, bands, control[at + 15], control[at + 16], control[at + 17], control[at + 18],
                    control[at + 19], scratch, control[at + 22], numbers[0], numbers[1], control[at + 24],
-                   control[at + 25] != 0)
+                   control[at + 25] != 0, control[at + 26] != 0)
