@@ -248,6 +248,7 @@ def render_markdown(data: Mapping[str, Any], env: Mapping[str, Any]) -> str:
         f"- Machine: {env['cpu_model']}, {env['cpu_count']} cores ({env['platform']})",
         f"- Python {env['python']}, numpy {env['numpy']}, onnx {env['onnx']}, "
         f"onnxruntime {env['onnxruntime']}, asyncinfer {env['asyncinfer']}",
+        f"- BLAS: {env.get('blas', 'unknown')}",
         f"- Date: {env['timestamp']}",
         f"- Command: `{data['command']}` ({data['profile']} profile, {data['threads']} threads)", "",
         "Ratios are asyncinfer / ONNX Runtime measured in the same process: below 1 is faster for "
