@@ -43,7 +43,7 @@ from ..concurrency import parallel, spin_team
 from ..concurrency.spin_team import SpinTeam
 from .compiled import blas_call
 from .compiled.winograd import gather_slabs, input_transform, non_finite_mark, output_transform
-from .compiled.gemm import WIDTH
+from .compiled.gemm import PANELS_OVER_BLAS, WIDTH
 from .compiled.winograd_bands import finish_bands, panel_products, post_bands, scratch_size
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
@@ -65,12 +65,11 @@ MIN_PRODUCT = 4096
 PART_BYTES = 8 << 20
 MIN_PART_TILES = 64
 # The α² products on asyncinfer's panel GEMM (`compiled.gemm`, V's columns padded to whole panels)
-# rather than BLAS: on AVX-512 (32-column panels) it ran them 1.1-2.5x faster on the 2-core Zen 5
-# VM, one core, all 36 products of a band: 64 -> 64 ch x 210 tiles 312 µs against 612 with
-# OpenBLAS's Haswell kernels and 272 with its SkylakeX ones; 128 -> 128 x 56 tiles 315 / 635 / 320;
-# 256 -> 256 x 20 tiles 640 / 1590 / 681. Its bits do not depend on a band's width. Elsewhere
-# (AVX2, NEON) unmeasured: BLAS.
-PANEL_PRODUCTS = WIDTH == 32
+# rather than BLAS, where it is the faster (`gemm.PANELS_OVER_BLAS`): on the 2-core Zen 5 VM, one
+# core, all 36 products of a band: 64 -> 64 ch x 210 tiles 312 µs against 612 with OpenBLAS's
+# Haswell kernels and 272 with its SkylakeX ones; 128 -> 128 x 56 tiles 315 / 635 / 320; 256 ->
+# 256 x 20 tiles 640 / 1590 / 681. Its bits do not depend on a band's width.
+PANEL_PRODUCTS = PANELS_OVER_BLAS
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from ..concurrency.spin_team import addresses
 from .base import Op
 from .cache_append import concat_growing
 from .compiled import blas_call
+from .compiled.gemm import PANELS_OVER_BLAS
 from .compiled.attention import (attention_heads, head_arguments, masked_attention, product_arguments,
                                  products_from)
 from .compiled.normalization import softmax_rows
@@ -38,6 +39,10 @@ ATTENTION_SPLIT_MIN_MACS = 1 << 19
 #: products per head (`compiled.attention.attention_products`). Keys 128, 2 heads of 64: 1 row
 #: 7 against 23 µs, 8 rows 27 against 32, 16 rows 79 against 43, 128 rows 619 against 202.
 FEW_QUERY_ROWS = 8
+# Attention's two products a head on asyncinfer's panel GEMM rather than BLAS where it is the
+# faster (`compiled.gemm.PANELS_OVER_BLAS`): BERT-tiny's 128 x 64 @ 64 x 128 scores and 128 x 128
+# @ 128 x 64 values 8.7 µs each on one core, 19 with OpenBLAS's Haswell kernels.
+PANEL_PRODUCTS = PANELS_OVER_BLAS
 
 
 @register("MaskedAttention", versions=(1,), domain=FUSED_DOMAIN)
@@ -249,7 +254,7 @@ class MaskedAttention(Op):
             parts = min(team.helpers + 1, heads)
         bounds = [heads * i // parts for i in range(parts + 1)]
         first = product_arguments(places, shape, numbers, self.divides, use_scale, keep, use_keep, bias, use_bias,
-                                  0, bounds[1])
+                                  0, bounds[1], PANEL_PRODUCTS)
         own = np.array(first[1:], np.int64)  # (after the part's kind)
         if parts > 1:
             posted = [first[:-2] + [bounds[i], bounds[i + 1]] for i in range(1, parts)]

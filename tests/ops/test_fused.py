@@ -105,6 +105,15 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["blas", "panels"])
+def products(request, monkeypatch):
+    """The two products a head in BLAS and on the panel GEMM (`fused.PANEL_PRODUCTS`: the panels
+    where the CPU has AVX-512, BLAS elsewhere; both run on any CPU)."""
+    from asyncinfer.ops import fused
+    monkeypatch.setattr(fused, "PANEL_PRODUCTS", request.param == "panels")
+    return request.param
+
+
 def _requires_blas_call():
     from asyncinfer.ops.compiled import blas_call
     if not blas_call.available():
@@ -114,7 +123,7 @@ def _requires_blas_call():
 @pytest.mark.parametrize("batch,heads,kv_heads,queries,keys", [(1, 2, 2, 128, 128), (2, 4, 2, 9, 40), (1, 3, 1, 40, 1)])
 @pytest.mark.parametrize("masks", ["both", "bias", "none"])
 def test_many_query_rows_take_two_products_per_head_and_match_the_definition(batch, heads, kv_heads, queries, keys,
-                                                                               masks, monkeypatch):
+                                                                               masks, products, monkeypatch):
     """More than `FEW_QUERY_ROWS` query rows (an encoder, a prefill) run as BLAS products a head
     with the masking and softmax between them. Q, K and V heads of one count are read in place
     from ``(B, S, H, D)`` tensors through the op's perms, the result made in the merged heads'
@@ -137,8 +146,8 @@ def test_many_query_rows_take_two_products_per_head_and_match_the_definition(bat
     else:
         feeds = tuple(x.transpose(0, 2, 1, 3).copy() for x in (q, k, v))  # (B, S, H, D), as projected
     calls: list[int] = []
-    products = fused.products_from
-    monkeypatch.setattr(fused, "products_from", lambda *args: calls.append(1) or products(*args))
+    run_products = fused.products_from
+    monkeypatch.setattr(fused, "products_from", lambda *args: calls.append(1) or run_products(*args))
     got = ops.create(layer).run(*feeds, np.float32(4.0), keep, None if keep is None else FILL, bias, *repeats)
     assert calls, "the two-product path did not run"
     expected = _definition(q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), np.float32(4.0), True, keep,
@@ -150,7 +159,7 @@ def test_many_query_rows_take_two_products_per_head_and_match_the_definition(bat
 
 
 @pytest.mark.parametrize("helpers", [1, 3])
-def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(helpers, monkeypatch):
+def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(helpers, products, monkeypatch):
     """Bands of heads on the spinning helpers give the one-thread result bit for bit, and a team
     another caller holds leaves every head on this thread."""
     from asyncinfer.concurrency.spin_team import SpinTeam

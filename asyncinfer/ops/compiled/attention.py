@@ -19,6 +19,7 @@ import numpy as np
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import inline, kernel, reduction
 from .blas_call import ILP64, SGEMM, sgemm, sgemm_bt
+from .gemm import WIDTH, panel_gemm
 from .normalization import softmax_row
 
 
@@ -175,11 +176,15 @@ def attention_products(q_at: int, qs0: int, qs1: int, qs2: int, k_at: int, ks0: 
                        v_at: int, vs0: int, vs1: int, vs2: int, y_at: int, ys0: int, ys1: int, ys2: int,
                        shape: np.ndarray, scale: float, divides: bool, use_scale: bool, keep: np.ndarray,
                        fill: float, use_keep: bool, bias: np.ndarray, use_bias: bool, fn: int, ilp64: bool,
-                       h0: int, h1: int) -> None:
+                       h0: int, h1: int, on_panels: bool) -> None:
     """`masked_attention` for query heads ``h0:h1`` of every batch entry as two BLAS products a
     block of query rows: ``scores = Q Kᵀ`` (`sgemm_bt`), each row masked and normalised
     (`_mask_and_softmax`), ``Y = scores V`` (`sgemm`). For many query rows (an encoder, a
     prefill), where `attention_heads`' dot product per key is 2-3x slower than BLAS.
+
+    ``on_panels``: both products on `gemm.panel_gemm` instead (K's head transposed once into
+    whole panels of keys, the padding's scores never read; ``Y = scores V`` by BLAS still where
+    the value width is no whole number of panels).
 
     Q, K, V and Y are given by address and byte strides (their last stride 4: unit), so a head's
     rows are read and written in place whatever the layout: ``(B, S, H, D)`` tensors before the
@@ -190,23 +195,49 @@ def attention_products(q_at: int, qs0: int, qs1: int, qs2: int, k_at: int, ks0: 
     group = heads // kv_heads
     s32, f32 = np.float32(scale), np.float32(fill)
     block = max(1, min(queries, PRODUCT_SCORES // max(keys, 1)))
-    scores = np.empty((block, keys), np.float32)
+    padded = -(-keys // WIDTH) * WIDTH if on_panels else keys  # (a row of scores, a whole number of panels)
+    scores = np.empty((block, padded), np.float32)
     at = scores.ctypes.data
+    k_t = np.zeros((depth if on_panels else 0, padded), np.float32)  # a head's keys transposed
+    values_on_panels = on_panels and width % WIDTH == 0
+    no_bias = scores[0]  # (unread: the products have no bias)
     for b in range(batch):
         for h in range(h0, h1):
             kh = h // group
             k_head, v_head = k_at + b * ks0 + kh * ks1, v_at + b * vs0 + kh * vs1
+            if on_panels and (h == h0 or group == 1 or h % group == 0):
+                k_rows = _rows_at(k_head, keys, depth, ks2)
+                for j in range(keys):
+                    for d in range(depth):
+                        k_t[d, j] = k_rows[j, d]
             for s0 in range(0, queries, block):
                 rows = min(block, queries - s0)
-                sgemm_bt(fn, ilp64, rows, keys, depth, q_at + b * qs0 + h * qs1 + s0 * qs2, qs2 // 4, k_head,
-                         ks2 // 4, at, keys)
+                q_rows = q_at + b * qs0 + h * qs1 + s0 * qs2
+                if on_panels:
+                    panel_gemm(_rows_at(q_rows, rows, depth, qs2), k_t, scores[:rows], no_bias, 0, padded // WIDTH,
+                               False)
+                else:
+                    sgemm_bt(fn, ilp64, rows, keys, depth, q_rows, qs2 // 4, k_head, ks2 // 4, at, keys)
                 for r in range(rows):
                     s = s0 + r
                     keep_row = keep[min(b, keep.shape[0] - 1), min(h, keep.shape[1] - 1), min(s, keep.shape[2] - 1)]
                     bias_row = bias[min(b, bias.shape[0] - 1), min(h, bias.shape[1] - 1), min(s, bias.shape[2] - 1)]
-                    _mask_and_softmax(scores[r], s32, divides, use_scale, keep_row, f32, use_keep, bias_row, use_bias)
-                sgemm(fn, ilp64, rows, width, keys, at, keys, v_head, vs2 // 4, y_at + b * ys0 + h * ys1 + s0 * ys2,
-                      ys2 // 4)
+                    _mask_and_softmax(scores[r, :keys], s32, divides, use_scale, keep_row, f32, use_keep, bias_row,
+                                      use_bias)
+                y_rows = y_at + b * ys0 + h * ys1 + s0 * ys2
+                if values_on_panels:
+                    panel_gemm(_rows_at(at, rows, keys, padded * 4), _rows_at(v_head, keys, width, vs2),
+                               _rows_at(y_rows, rows, width, ys2), no_bias, 0, width // WIDTH, False)
+                else:
+                    sgemm(fn, ilp64, rows, width, keys, at, padded, v_head, vs2 // 4, y_rows, ys2 // 4)
+
+
+@numba.njit(inline="always")
+def _rows_at(address: int, rows: int, columns: int, row_bytes: int) -> np.ndarray:
+    """The float32 (rows, columns) array at ``address``, its rows ``row_bytes`` apart, each
+    contiguous: a head's rows read in place."""
+    flat = numba.carray(address_as_pointer(address, np.float32), ((rows - 1) * (row_bytes // 4) + columns,))
+    return np.lib.stride_tricks.as_strided(flat, shape=(rows, columns), strides=(row_bytes, 4))
 
 
 @kernel
@@ -227,12 +258,12 @@ def products_from(args: np.ndarray, at: int) -> None:
                        args[at + 7], args[at + 8], args[at + 9], args[at + 10], args[at + 11], args[at + 12],
                        args[at + 13], args[at + 14], args[at + 15], shape, numbers[0], (flags & 1) != 0,
                        (flags & 2) != 0, keep, numbers[1], (flags & 4) != 0, bias, (flags & 8) != 0, args[at + 29],
-                       args[at + 30] != 0, args[at + 31], args[at + 32])
+                       args[at + 30] != 0, args[at + 31], args[at + 32], (flags & 16) != 0)
 
 
 def product_arguments(places: list[int], shape: np.ndarray, numbers: np.ndarray, divides: bool, use_scale: bool,
                       keep: np.ndarray, use_keep: bool, bias: np.ndarray, use_bias: bool, h0: int,
-                      h1: int) -> list[int]:
+                      h1: int, on_panels: bool = False) -> list[int]:
     """The integers of a part `products_part` runs as heads ``h0:h1`` (for `SpinTeam.try_run`,
     or, after the kind, `products_from`): ``places`` the 16 addresses and byte strides of Q, K, V
     and Y as `attention_products` takes them, ``shape`` its 7 sizes (int64), ``keep`` as
@@ -240,4 +271,5 @@ def product_arguments(places: list[int], shape: np.ndarray, numbers: np.ndarray,
     BLAS is `blas_call.SGEMM`. The caller keeps every array alive until the part is done."""
     shape_at, keep_at, bias_at, numbers_at = addresses(shape, keep, bias, numbers)[:4]
     return [PRODUCTS_PART_KIND, *places, shape_at, keep_at, *keep.shape, bias_at, *bias.shape, numbers_at,
-            int(divides) | int(use_scale) << 1 | int(use_keep) << 2 | int(use_bias) << 3, SGEMM, int(ILP64), h0, h1]
+            int(divides) | int(use_scale) << 1 | int(use_keep) << 2 | int(use_bias) << 3 | int(on_panels) << 4, SGEMM,
+            int(ILP64), h0, h1]

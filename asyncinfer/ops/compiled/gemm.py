@@ -31,6 +31,12 @@ from .panels import BIAS, BLOCK_ROWS, RAW, _rows1, _rows2, _rows4, _rows8, panel
 PART_KIND = 14
 
 WIDTH = panel_width(np.float32)
+#: Whether products that BLAS would run go here instead where this GEMM suits them (Winograd's α²
+#: products, attention's two per head): with AVX-512's 32-column panels it ran them 1.1-2.5x
+#: faster than OpenBLAS on the 2-core Zen 5 VM (2.2x its AVX2 Haswell kernels, 1.3x its
+#: SkylakeX ones on a 128 x 64 @ 64 x 128: 8.7 against 19.1 and 11.2 µs). Elsewhere (AVX2,
+#: NEON) unmeasured: BLAS.
+PANELS_OVER_BLAS = WIDTH == 32
 
 
 @kernel(contract=False)
