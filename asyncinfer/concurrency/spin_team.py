@@ -30,6 +30,7 @@ written by a part are seen by the caller, on x86 and ARM alike.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +40,7 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from . import placement
 from .aligned import aligned_bytes
 from .priority import lower_this_thread
 
@@ -49,8 +51,24 @@ WAIT_ROUNDS = 1 << 16
 # A control row per helper: the posted sequence number, the done one, the stop flag and the
 # asleep flag on cache lines of their own, then the part's kind and its arguments (room for 95).
 _POSTED, _DONE, _STOP, _ASLEEP, KIND, ARGS, _ROW = 0, 8, 16, 24, 32, 33, 128
+# The core the last post came from (beside the sequence number the poster writes with it)
+_POSTER_CPU = 1
+#: A serve loop's return for a post from its own core: the helper moves off it (`placement.py`).
+MOVE = -2
 
 _sched_yield = types.ExternalFunction("sched_yield", types.int32())
+if sys.platform.startswith("linux"):
+    _sched_getcpu = types.ExternalFunction("sched_getcpu", types.int32())
+
+    @numba.njit(inline="always")
+    def current_cpu() -> int:
+        """The core the calling thread runs on (compiled code; -1 where the OS does not say)."""
+        return _sched_getcpu()
+else:
+    @numba.njit(inline="always")
+    def current_cpu() -> int:
+        """The core the calling thread runs on (compiled code; -1 where the OS does not say)."""
+        return -1
 
 
 @intrinsic
@@ -115,6 +133,18 @@ def wait_for_post(control: np.ndarray, rounds: int) -> bool:
 
 
 @numba.njit(inline="always")
+def beside_poster(control: np.ndarray, seq: int, exempt: int) -> bool:
+    """(serve loops, a post ``seq`` just seen) Whether this helper runs on the core the post came
+    from, so that the two would take turns on it: its serve loop then returns `MOVE`, without
+    running the part, for `SpinTeam` to move it (`placement.move_away`) and serve again, with
+    that post as ``exempt``. ``exempt`` < -1: never (the moves are off)."""
+    if exempt < -1 or seq == exempt:
+        return False
+    cpu = control[_POSTER_CPU]
+    return cpu >= 0 and cpu == current_cpu()
+
+
+@numba.njit(inline="always")
 def mark_done(control: np.ndarray, seq: int) -> None:
     """(serve loops) The part's results are visible, then it counts as done."""
     _fence()
@@ -124,7 +154,8 @@ def mark_done(control: np.ndarray, seq: int) -> None:
 @numba.njit(cache=True, nogil=True)
 def post(control: np.ndarray) -> int:
     """(callers) Post the part written in ``control[KIND]`` and ``control[ARGS:]`` to its helper;
-    the part's sequence number."""
+    the part's sequence number. The post carries the caller's core (see `beside_poster`)."""
+    control[_POSTER_CPU] = current_cpu()
     _fence()
     seq = control[_POSTED] + 1
     control[_POSTED] = seq
@@ -205,9 +236,13 @@ def range_cuts(n: int, count: int, align: int) -> np.ndarray:
 class SpinTeam:
     """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
 
-    def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int], int], name: str = "asyncinfer-team"):
+    def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, int], int],
+                 name: str = "asyncinfer-team"):
         self.helpers = helpers
         self._serve = serve
+        # the cores a helper may move to, off its poster's (`placement.py`); [] where it never moves
+        cores = placement.allowed_cores() if placement.enabled() else []
+        self._cores = cores if len(cores) >= 2 else []
         self._control = np.zeros((helpers, _ROW), dtype=np.int64)
         self._busy = threading.Lock()
         self._cond = threading.Condition()
@@ -316,8 +351,13 @@ class SpinTeam:
     def _loop(self, index: int, seen: int) -> None:
         lower_this_thread()  # a compute thread: see concurrency/priority.py
         control = self._control[index]
+        exempt = -1 if self._cores else -2  # (see `beside_poster`)
         while True:
-            last = self._serve(control, seen, SPIN_ROUNDS)
+            last = self._serve(control, seen, SPIN_ROUNDS, exempt)
+            if last == MOVE:  # the post came from this core: off it, then run the part anyway
+                placement.move_away(int(control[_POSTER_CPU]), self._cores)
+                exempt = int(_load(control, _POSTED))
+                continue
             if last < 0 or self._stopped:
                 return
             seen = last

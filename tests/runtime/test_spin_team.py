@@ -2,6 +2,7 @@
 parts run and are waited for, a busy or closed team declines, idle helpers sleep and wake."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from asyncinfer.concurrency import parallel, spin_team
+from asyncinfer.concurrency import parallel, placement, spin_team
 from asyncinfer.concurrency.spin_team import SpinTeam
 from asyncinfer.ops import linalg
 from asyncinfer.ops.compiled.few_rows import PART_KIND, few_rows_matmul, post_arguments
@@ -294,3 +295,72 @@ def test_a_job_that_is_finishing_no_longer_crowds_the_next(backend_with_team):
     backend.close()  # (waits for both jobs)
     assert seen == [True]
     assert backend._working == 0
+
+
+_CORES = placement.allowed_cores()
+_needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(_CORES) < 2,
+                                      reason="binding threads to cores needs Linux and two cores to run on")
+
+
+def test_move_away_binds_the_thread_to_the_other_cores():
+    """`placement.move_away` leaves the poster's core, and declines where no other is left."""
+    assert not placement.move_away(3, [3])
+    assert not placement.move_away(0, [])
+    if hasattr(os, "sched_setaffinity") and len(_CORES) >= 2:
+        def moved() -> set[int]:
+            before = os.sched_getaffinity(0)
+            try:
+                assert placement.move_away(_CORES[0], _CORES)
+                return os.sched_getaffinity(0)
+            finally:
+                os.sched_setaffinity(0, before)
+        result = [None]
+        thread = threading.Thread(target=lambda: result.__setitem__(0, moved()))
+        thread.start()
+        thread.join()
+        assert result[0] == set(_CORES[1:])
+
+
+def _helper_beside_the_caller(team: SpinTeam) -> tuple[set[int], np.ndarray]:
+    """Bind this thread and the team's helper to one core, post a part, return the helper's cores
+    after it ran and the part's result."""
+    a, b = _operands(3, 64, 40)
+    y = np.zeros((3, 40), np.float32)
+    assert team.try_run([post_arguments(a, b, y, 0, 64, 32, _NONE)], lambda: None)  # (the helper starts)
+    helper = team._threads[0].native_id
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {_CORES[0]})
+        os.sched_setaffinity(helper, {_CORES[0]})
+        y[:] = 0
+        assert team.try_run([post_arguments(a, b, y, 0, 64, 32, _NONE)], lambda: None)
+        return os.sched_getaffinity(helper), y
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@_needs_two_cores
+def test_a_helper_on_its_posters_core_moves_off_it_and_runs_the_part():
+    """A post from the helper's own core makes it bind itself to the other cores (the two would
+    take turns on one core: `placement.py`), then run the part all the same."""
+    team = SpinTeam(1, serve_parts, name="test-team")
+    try:
+        cores, y = _helper_beside_the_caller(team)
+    finally:
+        team.close()
+    assert cores == set(_CORES[1:])
+    a, b = _operands(3, 64, 40)
+    expected = np.empty((3, 40), np.float32)
+    few_rows_matmul(a, b, expected, 0, 64, 32, _NONE)
+    np.testing.assert_array_equal(y, expected)
+
+
+@_needs_two_cores
+def test_with_pinning_off_a_helper_stays_where_it_is(monkeypatch):
+    monkeypatch.setenv("ASYNCINFER_PIN_THREADS", "0")
+    team = SpinTeam(1, serve_parts, name="test-team")
+    try:
+        cores, _ = _helper_beside_the_caller(team)
+    finally:
+        team.close()
+    assert cores == {_CORES[0]}

@@ -3,9 +3,10 @@ its parts run on the CPU backend's spinning helpers (`concurrency/spin_team.py`)
 
 `winograd_bands` runs what `conv_winograd._part` runs in Python for each band: gather the input
 rows into slabs, transform them, the α² GEMMs (BLAS's sgemm from compiled code: `blas_call`, or
-asyncinfer's panel GEMM: `panel_products`), the output transform, bias and activation. The calling thread takes some bands and a helper the
-others (`post_bands`, `band_part`), starting in microseconds where a pool thread takes
-100-300 µs to wake, so mid-sized layers (SqueezeNet's, ResNet's 28x28 stage) run on every core.
+asyncinfer's panel GEMM: `panel_products`), the output transform, bias and activation. The
+calling thread takes some bands and a helper the others (`post_bands`, `band_part`), starting in
+microseconds where a pool thread takes 100-300 µs to wake, so mid-sized layers (SqueezeNet's,
+ResNet's 28x28 stage) run on every core.
 Each value is computed as in `_part`: the same transforms, one product per ξ, the same epilogue.
 """
 from __future__ import annotations

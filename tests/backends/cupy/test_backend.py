@@ -531,15 +531,31 @@ def _refused(backend, layer, types_) -> list[str]:
     return [layer.kind]
 
 
+def _compared_values(model) -> list[str]:
+    """The model's outputs, a final Softmax's input in place of its output: these zoo models'
+    random weights make logits of about 1e9 whose float32 rounding differs between two correct
+    backends by hundreds, which a softmax turns into whole probabilities (0 against 1/996 on the
+    2-core Zen 5 VM, with OpenBLAS's Haswell kernels)."""
+    producers = {out: layer for layer in model.layers for out in layer.outputs}
+    names = []
+    for out in model.outputs:
+        layer = producers.get(out.name)
+        names.append(layer.inputs[0] if layer is not None and layer.op_type == "Softmax" else out.name)
+    return names
+
+
 @pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "inception_v1"])
 def test_light_models_match_the_cpu(runtimes, rng, name):
     model = _light_model(name)
     x = rng.standard_normal((1, 3, 224, 224)).astype(np.float32)
+    names = _compared_values(model)
     with ai.Worker(model, "gpu_compute") as worker:
         assert worker.placement.fallback == []
-        got = worker.run_blocking(x)
-    for key, want in _cpu_outputs(model, x).items():
-        np.testing.assert_allclose(got[key], want, rtol=1e-3, atol=1e-5)
+        got = worker.run_blocking(x, outputs=names)
+    with ai.Worker(model, "cpu") as worker:
+        want = worker.run_blocking(x, outputs=names)
+    for key in names:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-3, atol=1e-5 * np.abs(want[key]).max())
 
 
 def _transformer_block(rng, vocab=11, d=8, heads=2, t=5):
