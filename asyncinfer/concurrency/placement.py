@@ -10,22 +10,27 @@ run took 1.6-2.3 ms where the lane and the helper happened to share a core, agai
 where they did not (BERT-tiny 1.19 against 0.89 ms).
 
 So each post carries the poster's core (`spin_team.post`), and a helper that finds itself on
-that core binds itself to the process's other cores (`move_away`) before it runs the part: one
-system call, made only when the two met, after which the OS can no longer put them together
-until the poster itself moves. Binding every compute thread to a fixed core instead stacked a
-parallel run's second lane on the helper's core (ResNet-18 10.6 -> 20 ms).
+that core binds itself to the process's other cores before it runs the part
+(`spin_team.keep_off_poster`: a system call from compiled code, made only when the two met;
+made from Python it first waited for the GIL, which the lanes hold under load). The OS can then
+no longer put them together until the poster itself moves. A helper going to sleep (idle a
+millisecond) is unbound again: kept bound, it spun on its one core beside a busy lane under 8
+concurrent requests (8-10% fewer runs/s).
 
-The lanes that run layers (`lanes.LanePool`) are left to the OS: bound to a core each (lane
-``i`` to the ``i``-th), 8 tasks awaiting SqueezeNet ran no faster (354 against 366 runs/s) and
-the event loop, which must then wait for a core a lane holds, lagged more (p99 4.9 against
-1.8 ms).
+Binding every compute thread to a fixed core instead stacked a parallel run's second lane on
+the helper's core (ResNet-18 10.6 -> 20 ms); binding the lanes alone (lane ``i`` to the
+``i``-th core), 8 tasks awaiting SqueezeNet ran no faster (354 against 366 runs/s) and the event
+loop, which must then wait for the core a lane holds, lagged more (p99 4.9 against 1.8 ms): the
+lanes are left to the OS.
 
-``ASYNCINFER_PIN_THREADS=0`` leaves the helpers where the OS puts them. Elsewhere
-than Linux, or with a single core to run on, nothing is bound.
+``ASYNCINFER_PIN_THREADS=0`` leaves the helpers where the OS puts them. Elsewhere than Linux,
+or with a single core to run on, nothing is bound.
 """
 from __future__ import annotations
 
 import os
+
+import numpy as np
 
 
 def enabled() -> bool:
@@ -44,15 +49,36 @@ def allowed_cores() -> list[int]:
         return []
 
 
-def move_away(core: int, cores: list[int]) -> bool:
-    """Bind the calling thread to ``cores`` but ``core`` (it moves at once); False, having done
-    nothing, when no other core is left or the OS refuses."""
-    others = [c for c in cores if c != core]
-    if not others:
-        return False
-    try:
-        os.sched_setaffinity(0, others)
-    except OSError:  # a core taken away since, or a sandbox refusing it: left to the OS
-        return False
-    return True
+#: Cores an affinity mask covers (Linux's ``cpu_set_t``: 1024 bits).
+MASK_CORES = 1024
+
+
+def off_core_masks(cores: list[int]) -> np.ndarray:
+    """Affinity masks (rows of ``MASK_CORES / 64`` words): row ``c`` every core of ``cores`` but
+    ``c``, the last row all of them, for `spin_team.keep_off_poster`; no rows (no moves) with
+    fewer than two cores, or a core past `MASK_CORES`."""
+    words = MASK_CORES // 64
+    if len(cores) < 2 or max(cores) >= MASK_CORES:
+        return np.zeros((0, words), np.uint64)
+    masks = np.zeros((max(cores) + 2, words), np.uint64)
+    for core in cores:
+        masks[:, core // 64] |= np.uint64(1 << (core % 64))
+    for core in range(max(cores) + 1):
+        masks[core, core // 64] &= ~np.uint64(1 << (core % 64))
+    return masks
+
+
+def cores_of(mask: np.ndarray) -> set[int]:
+    """The cores a row of `off_core_masks` covers."""
+    return {w * 64 + b for w in range(mask.shape[0]) for b in range(64) if int(mask[w]) >> b & 1}
+
+
+def bind_all(masks: np.ndarray) -> None:
+    """Unbind the calling thread (a helper gone idle) back to every allowed core: the last row of
+    ``masks``. A sandbox refusing it leaves the thread where it was."""
+    if masks.shape[0]:
+        try:
+            os.sched_setaffinity(0, cores_of(masks[-1]))
+        except OSError:
+            pass
 

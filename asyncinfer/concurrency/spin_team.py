@@ -51,24 +51,33 @@ WAIT_ROUNDS = 1 << 16
 # A control row per helper: the posted sequence number, the done one, the stop flag and the
 # asleep flag on cache lines of their own, then the part's kind and its arguments (room for 95).
 _POSTED, _DONE, _STOP, _ASLEEP, KIND, ARGS, _ROW = 0, 8, 16, 24, 32, 33, 128
-# The core the last post came from (beside the sequence number the poster writes with it)
-_POSTER_CPU = 1
-#: A serve loop's return for a post from its own core: the helper moves off it (`placement.py`).
-MOVE = -2
+# The core the last post came from (beside the sequence number the poster writes with it), and
+# whether the helper moved off a poster's core since it last slept (`keep_off_poster`)
+_POSTER_CPU, _MOVED = 1, 2
 
 _sched_yield = types.ExternalFunction("sched_yield", types.int32())
 if sys.platform.startswith("linux"):
     _sched_getcpu = types.ExternalFunction("sched_getcpu", types.int32())
+    _sched_setaffinity = types.ExternalFunction("sched_setaffinity",
+                                                types.int32(types.int32, types.uint64, types.CPointer(types.uint64)))
 
     @numba.njit(inline="always")
     def current_cpu() -> int:
         """The core the calling thread runs on (compiled code; -1 where the OS does not say)."""
         return _sched_getcpu()
+
+    @numba.njit(inline="always")
+    def _bind_to(mask: np.ndarray) -> bool:
+        return _sched_setaffinity(0, mask.shape[0] * 8, address_as_pointer(mask.ctypes.data, np.uint64)) == 0
 else:
     @numba.njit(inline="always")
     def current_cpu() -> int:
         """The core the calling thread runs on (compiled code; -1 where the OS does not say)."""
         return -1
+
+    @numba.njit(inline="always")
+    def _bind_to(mask: np.ndarray) -> bool:
+        return False
 
 
 @intrinsic
@@ -133,15 +142,14 @@ def wait_for_post(control: np.ndarray, rounds: int) -> bool:
 
 
 @numba.njit(inline="always")
-def beside_poster(control: np.ndarray, seq: int, exempt: int) -> bool:
-    """(serve loops, a post ``seq`` just seen) Whether this helper runs on the core the post came
-    from, so that the two would take turns on it: its serve loop then returns `MOVE`, without
-    running the part, for `SpinTeam` to move it (`placement.move_away`) and serve again, with
-    that post as ``exempt``. ``exempt`` < -1: never (the moves are off)."""
-    if exempt < -1 or seq == exempt:
-        return False
+def keep_off_poster(control: np.ndarray, masks: np.ndarray) -> None:
+    """(serve loops, a post just seen) Where this helper runs on the core the post came from, so
+    that the two would take turns on it, bind it to the other cores first (``masks[c]``: the
+    affinity mask of every allowed core but ``c``, `placement.off_core_masks`; none: the moves
+    are off). A system call without the GIL, made only when the two met (`placement.py`)."""
     cpu = control[_POSTER_CPU]
-    return cpu >= 0 and cpu == current_cpu()
+    if 0 <= cpu < masks.shape[0] - 1 and cpu == current_cpu() and _bind_to(masks[cpu]):
+        control[_MOVED] = 1
 
 
 @numba.njit(inline="always")
@@ -154,7 +162,7 @@ def mark_done(control: np.ndarray, seq: int) -> None:
 @numba.njit(cache=True, nogil=True)
 def post(control: np.ndarray) -> int:
     """(callers) Post the part written in ``control[KIND]`` and ``control[ARGS:]`` to its helper;
-    the part's sequence number. The post carries the caller's core (see `beside_poster`)."""
+    the part's sequence number. The post carries the caller's core (see `keep_off_poster`)."""
     control[_POSTER_CPU] = current_cpu()
     _fence()
     seq = control[_POSTED] + 1
@@ -236,13 +244,13 @@ def range_cuts(n: int, count: int, align: int) -> np.ndarray:
 class SpinTeam:
     """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
 
-    def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, int], int],
+    def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, np.ndarray], int],
                  name: str = "asyncinfer-team"):
         self.helpers = helpers
         self._serve = serve
-        # the cores a helper may move to, off its poster's (`placement.py`); [] where it never moves
-        cores = placement.allowed_cores() if placement.enabled() else []
-        self._cores = cores if len(cores) >= 2 else []
+        # the affinity masks a helper moves off its poster's core with (`placement.py`), the last
+        # one every allowed core; none where it never moves
+        self._masks = placement.off_core_masks(placement.allowed_cores() if placement.enabled() else [])
         self._control = np.zeros((helpers, _ROW), dtype=np.int64)
         self._busy = threading.Lock()
         self._cond = threading.Condition()
@@ -351,16 +359,14 @@ class SpinTeam:
     def _loop(self, index: int, seen: int) -> None:
         lower_this_thread()  # a compute thread: see concurrency/priority.py
         control = self._control[index]
-        exempt = -1 if self._cores else -2  # (see `beside_poster`)
         while True:
-            last = self._serve(control, seen, SPIN_ROUNDS, exempt)
-            if last == MOVE:  # the post came from this core: off it, then run the part anyway
-                placement.move_away(int(control[_POSTER_CPU]), self._cores)
-                exempt = int(_load(control, _POSTED))
-                continue
+            last = self._serve(control, seen, SPIN_ROUNDS, self._masks)
             if last < 0 or self._stopped:
                 return
             seen = last
+            if control[_MOVED]:  # idle: free to run anywhere again (8 concurrent requests: more runs/s)
+                control[_MOVED] = 0
+                placement.bind_all(self._masks)
             with self._cond:  # idle for a while: sleep until a caller posts
                 self._sleeping[index] = True
                 _store(control, _ASLEEP, 1)  # then look for a post: see `asleep`

@@ -302,23 +302,17 @@ _needs_two_cores = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or le
                                       reason="binding threads to cores needs Linux and two cores to run on")
 
 
-def test_move_away_binds_the_thread_to_the_other_cores():
-    """`placement.move_away` leaves the poster's core, and declines where no other is left."""
-    assert not placement.move_away(3, [3])
-    assert not placement.move_away(0, [])
-    if hasattr(os, "sched_setaffinity") and len(_CORES) >= 2:
-        def moved() -> set[int]:
-            before = os.sched_getaffinity(0)
-            try:
-                assert placement.move_away(_CORES[0], _CORES)
-                return os.sched_getaffinity(0)
-            finally:
-                os.sched_setaffinity(0, before)
-        result = [None]
-        thread = threading.Thread(target=lambda: result.__setitem__(0, moved()))
-        thread.start()
-        thread.join()
-        assert result[0] == set(_CORES[1:])
+def test_off_core_masks_leave_out_one_core_each():
+    """Row ``c`` of `placement.off_core_masks` holds every allowed core but ``c``, the last row
+    all of them; fewer than two cores make no masks (no moves)."""
+    masks = placement.off_core_masks([0, 2, 65, 70])
+    assert masks.shape == (72, placement.MASK_CORES // 64)
+    assert placement.cores_of(masks[2]) == {0, 65, 70}
+    assert placement.cores_of(masks[65]) == {0, 2, 70}
+    assert placement.cores_of(masks[1]) == {0, 2, 65, 70}  # (a core not allowed: nothing to leave)
+    assert placement.cores_of(masks[-1]) == {0, 2, 65, 70}
+    assert placement.off_core_masks([3]).shape[0] == 0
+    assert placement.off_core_masks([]).shape[0] == 0
 
 
 def _helper_beside_the_caller(team: SpinTeam) -> tuple[set[int], np.ndarray]:
@@ -340,15 +334,22 @@ def _helper_beside_the_caller(team: SpinTeam) -> tuple[set[int], np.ndarray]:
 
 
 @_needs_two_cores
-def test_a_helper_on_its_posters_core_moves_off_it_and_runs_the_part():
+def test_a_helper_on_its_posters_core_moves_off_it_and_runs_the_part(monkeypatch):
     """A post from the helper's own core makes it bind itself to the other cores (the two would
-    take turns on one core: `placement.py`), then run the part all the same."""
+    take turns on one core: `placement.py`), then run the part all the same; gone idle, it asks
+    to be unbound again."""
+    unbound = []
+    monkeypatch.setattr(placement, "bind_all", lambda masks: unbound.append(placement.cores_of(masks[-1])))
     team = SpinTeam(1, serve_parts, name="test-team")
     try:
         cores, y = _helper_beside_the_caller(team)
+        deadline = time.monotonic() + 30
+        while not unbound and time.monotonic() < deadline:  # (its spin after the part: about 1 ms)
+            time.sleep(0.01)
     finally:
         team.close()
     assert cores == set(_CORES[1:])
+    assert unbound == [set(_CORES)]
     a, b = _operands(3, 64, 40)
     expected = np.empty((3, 40), np.float32)
     few_rows_matmul(a, b, expected, 0, 64, 32, _NONE)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...concurrency.spin_team import KIND, MOVE, beside_poster, mark_done, next_post
+from ...concurrency.spin_team import KIND, keep_off_poster, mark_done, next_post
 from . import kernel
 from .attention import PART_KIND as ATTENTION
 from .attention import PRODUCTS_PART_KIND as ATTENTION_PRODUCTS
@@ -47,16 +47,15 @@ from .one_pass import activate_part, add_part, affine_part
 
 
 @kernel
-def serve_parts(control: np.ndarray, seen: int, rounds: int, exempt: int) -> int:
+def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray) -> int:
     """Run the parts posted to this helper's ``control`` row until none came for ``rounds``
-    rounds (returns the last sequence number), the team stops (returns -1) or a post came from
-    this helper's own core (returns `MOVE`, the post not run: see `beside_poster`, ``exempt``)."""
+    rounds (returns the last sequence number) or the team stops (returns -1); each off its
+    poster's core (`keep_off_poster`, ``masks``)."""
     while True:
         seq = next_post(control, seen, rounds)
         if seq == seen or seq < 0:
             return seq
-        if beside_poster(control, seq, exempt):
-            return MOVE
+        keep_off_poster(control, masks)
         seen = seq
         if control[KIND] == ATTENTION:
             attention_part(control)
