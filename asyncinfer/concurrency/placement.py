@@ -73,12 +73,12 @@ def cores_of(mask: np.ndarray) -> set[int]:
     return {w * 64 + b for w in range(mask.shape[0]) for b in range(64) if int(mask[w]) >> b & 1}
 
 
-def bind_all(masks: np.ndarray) -> None:
-    """Unbind the calling thread (a helper gone idle) back to every allowed core: the last row of
-    ``masks``. A sandbox refusing it leaves the thread where it was."""
-    if masks.shape[0]:
+def bind_all(cores: list[int]) -> None:
+    """Unbind the calling thread (a helper gone idle) back to every one of ``cores`` (the
+    allowed ones). A sandbox refusing it leaves the thread where it was."""
+    if cores:
         try:
-            os.sched_setaffinity(0, cores_of(masks[-1]))
+            os.sched_setaffinity(0, cores)
         except OSError:
             pass
 

@@ -248,9 +248,10 @@ class SpinTeam:
                  name: str = "asyncinfer-team"):
         self.helpers = helpers
         self._serve = serve
-        # the affinity masks a helper moves off its poster's core with (`placement.py`), the last
-        # one every allowed core; none where it never moves
-        self._masks = placement.off_core_masks(placement.allowed_cores() if placement.enabled() else [])
+        # the cores a helper may run on, and the affinity masks it moves off its poster's core with
+        # (`placement.py`); none where it never moves
+        self._cores = placement.allowed_cores() if placement.enabled() else []
+        self._masks = placement.off_core_masks(self._cores)
         self._control = np.zeros((helpers, _ROW), dtype=np.int64)
         self._busy = threading.Lock()
         self._cond = threading.Condition()
@@ -366,7 +367,7 @@ class SpinTeam:
             seen = last
             if control[_MOVED]:  # idle: free to run anywhere again (8 concurrent requests: more runs/s)
                 control[_MOVED] = 0
-                placement.bind_all(self._masks)
+                placement.bind_all(self._cores)
             with self._cond:  # idle for a while: sleep until a caller posts
                 self._sleeping[index] = True
                 _store(control, _ASLEEP, 1)  # then look for a post: see `asleep`

@@ -339,7 +339,7 @@ def test_a_helper_on_its_posters_core_moves_off_it_and_runs_the_part(monkeypatch
     take turns on one core: `placement.py`), then run the part all the same; gone idle, it asks
     to be unbound again."""
     unbound = []
-    monkeypatch.setattr(placement, "bind_all", lambda masks: unbound.append(placement.cores_of(masks[-1])))
+    monkeypatch.setattr(placement, "bind_all", lambda cores: unbound.append(set(cores)))
     team = SpinTeam(1, serve_parts, name="test-team")
     try:
         cores, y = _helper_beside_the_caller(team)
