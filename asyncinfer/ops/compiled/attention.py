@@ -19,7 +19,7 @@ import numpy as np
 from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
 from . import inline, kernel, reduction
 from .blas_call import ILP64, SGEMM, sgemm, sgemm_bt
-from .gemm import WIDTH, panel_gemm
+from .gemm import WIDTH, panel_gemm, strided
 from .normalization import softmax_row
 
 
@@ -206,7 +206,7 @@ def attention_products(q_at: int, qs0: int, qs1: int, qs2: int, k_at: int, ks0: 
             kh = h // group
             k_head, v_head = k_at + b * ks0 + kh * ks1, v_at + b * vs0 + kh * vs1
             if on_panels and (h == h0 or group == 1 or h % group == 0):
-                k_rows = _rows_at(k_head, keys, depth, ks2)
+                k_rows = strided(k_head, (1, keys, depth), 0, ks2 // 4)[0]
                 for j in range(keys):
                     for d in range(depth):
                         k_t[d, j] = k_rows[j, d]
@@ -214,8 +214,8 @@ def attention_products(q_at: int, qs0: int, qs1: int, qs2: int, k_at: int, ks0: 
                 rows = min(block, queries - s0)
                 q_rows = q_at + b * qs0 + h * qs1 + s0 * qs2
                 if on_panels:
-                    panel_gemm(_rows_at(q_rows, rows, depth, qs2), k_t, scores[:rows], no_bias, 0, padded // WIDTH,
-                               False)
+                    panel_gemm(strided(q_rows, (1, rows, depth), 0, qs2 // 4)[0], k_t, scores[:rows], no_bias, 0,
+                               padded // WIDTH, False)
                 else:
                     sgemm_bt(fn, ilp64, rows, keys, depth, q_rows, qs2 // 4, k_head, ks2 // 4, at, keys)
                 for r in range(rows):
@@ -226,18 +226,11 @@ def attention_products(q_at: int, qs0: int, qs1: int, qs2: int, k_at: int, ks0: 
                                       use_bias)
                 y_rows = y_at + b * ys0 + h * ys1 + s0 * ys2
                 if values_on_panels:
-                    panel_gemm(_rows_at(at, rows, keys, padded * 4), _rows_at(v_head, keys, width, vs2),
-                               _rows_at(y_rows, rows, width, ys2), no_bias, 0, width // WIDTH, False)
+                    panel_gemm(strided(at, (1, rows, keys), 0, padded)[0],
+                               strided(v_head, (1, keys, width), 0, vs2 // 4)[0],
+                               strided(y_rows, (1, rows, width), 0, ys2 // 4)[0], no_bias, 0, width // WIDTH, False)
                 else:
                     sgemm(fn, ilp64, rows, width, keys, at, padded, v_head, vs2 // 4, y_rows, ys2 // 4)
-
-
-@numba.njit(inline="always")
-def _rows_at(address: int, rows: int, columns: int, row_bytes: int) -> np.ndarray:
-    """The float32 (rows, columns) array at ``address``, its rows ``row_bytes`` apart, each
-    contiguous: a head's rows read in place."""
-    flat = numba.carray(address_as_pointer(address, np.float32), ((rows - 1) * (row_bytes // 4) + columns,))
-    return np.lib.stride_tricks.as_strided(flat, shape=(rows, columns), strides=(row_bytes, 4))
 
 
 @kernel

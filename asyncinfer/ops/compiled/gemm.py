@@ -70,6 +70,31 @@ def panel_gemm(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, p0
             r += rows
 
 
+@kernel
+def panel_gemm_any_width(a: np.ndarray, b: np.ndarray, y: np.ndarray, tail_b: np.ndarray, tail_y: np.ndarray) -> None:
+    """``y = a @ b`` as `panel_gemm` for any N: b's whole panels read in place, its last ``N mod
+    W`` columns through ``tail_b`` (K, W) into ``tail_y`` (M, W), a panel padded with zeros
+    (scratch of the caller's). Every value is the sum `panel_gemm` makes for it wherever its
+    column falls, so products cut into any widths give the same bits."""
+    n = b.shape[1]
+    full = n // WIDTH
+    tail = n - full * WIDTH
+    no_bias = tail_y[0]  # (unread: ``biased`` is False)
+    if full:
+        panel_gemm(a, b, y, no_bias, 0, full, False)
+    if tail:
+        start = full * WIDTH
+        for k in range(b.shape[0]):
+            for j in range(tail):
+                tail_b[k, j] = b[k, start + j]
+            for j in range(tail, WIDTH):
+                tail_b[k, j] = 0.0
+        panel_gemm(a, tail_b, tail_y, no_bias, 0, 1, False)
+        for r in range(y.shape[0]):
+            for j in range(tail):
+                y[r, start + j] = tail_y[r, j]
+
+
 @kernel(contract=False)
 def panel_gemm_batch(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int,
                      p1: int, biased: bool) -> None:
@@ -115,9 +140,9 @@ def finish_gemm(control: np.ndarray, a: np.ndarray, b: np.ndarray, y: np.ndarray
 
 
 @numba.njit(inline="always")
-def _strided(address: int, shape: tuple[int, int, int], outer: int, row: int) -> np.ndarray:
+def strided(address: int, shape: tuple[int, int, int], outer: int, row: int) -> np.ndarray:
     """The float32 array (E, R, C) at ``address`` with entries ``outer`` and rows ``row`` values
-    apart, its values within a row contiguous."""
+    apart, its values within a row contiguous (compiled code: operands posted by address)."""
     extent = (shape[0] - 1) * outer + (shape[1] - 1) * row + shape[2]
     flat = numba.carray(address_as_pointer(address, np.float32), (extent,))
     return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=(outer * 4, row * 4, 4))
@@ -129,8 +154,8 @@ def gemm_part(control: np.ndarray) -> None:
     helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     count, m, k, n = control[at], control[at + 1], control[at + 2], control[at + 3]
-    a = _strided(control[at + 4], (count, m, k), control[at + 5], control[at + 6])
-    b = _strided(control[at + 7], (count, k, n), control[at + 8], control[at + 9])
+    a = strided(control[at + 4], (count, m, k), control[at + 5], control[at + 6])
+    b = strided(control[at + 7], (count, k, n), control[at + 8], control[at + 9])
     y = numba.carray(address_as_pointer(control[at + 10], np.float32), (count, m, n))
     bias = numba.carray(address_as_pointer(control[at + 11], np.float32), (n,))
     q = at + 12

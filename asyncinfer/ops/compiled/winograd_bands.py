@@ -18,7 +18,7 @@ from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_co
 from . import kernel
 from .blas_call import sgemm
 from .epilogue import apply_rows
-from .gemm import WIDTH, panel_gemm
+from .gemm import WIDTH, panel_gemm_any_width
 from .winograd import gather_slabs, input_transform, output_transform
 
 PART_KIND = 4
@@ -27,32 +27,11 @@ PART_KIND = 4
 @kernel
 def panel_products(u: np.ndarray, v: np.ndarray, products: np.ndarray, tail_b: np.ndarray,
                    tail_y: np.ndarray) -> None:
-    """``products[ξ] = u[ξ] @ v[ξ]`` for every ξ on `gemm.panel_gemm`: ``u`` (α², M, C), ``v``
-    (α², C, Q), ``products`` (α², M, Q), float32, C-contiguous. V's whole panels of columns are
-    read in place; its last ``Q mod W`` columns go through ``tail_b`` (C, W) into ``tail_y`` (M,
-    W), a panel padded with zeros. Every value is the one sum `panel_gemm` makes for it, whatever
-    Q and wherever its column falls: bands of any size give the same bits."""
-    alphas, m, c = u.shape
-    tiles = v.shape[2]
-    full = tiles // WIDTH
-    tail = tiles - full * WIDTH
-    no_bias = tail_y[0]  # (unread: ``biased`` is False)
-    if tail:
-        for k in range(c):
-            for j in range(tail, WIDTH):
-                tail_b[k, j] = 0.0
-    for xi in range(alphas):
-        if full:
-            panel_gemm(u[xi], v[xi], products[xi], no_bias, 0, full, False)
-        if tail:
-            start = full * WIDTH
-            for k in range(c):
-                for j in range(tail):
-                    tail_b[k, j] = v[xi, k, start + j]
-            panel_gemm(u[xi], tail_b, tail_y, no_bias, 0, 1, False)
-            for r in range(m):
-                for j in range(tail):
-                    products[xi, r, start + j] = tail_y[r, j]
+    """``products[ξ] = u[ξ] @ v[ξ]`` for every ξ on `gemm.panel_gemm_any_width` (``tail_b`` (C,
+    W), ``tail_y`` (M, W): its scratch): ``u`` (α², M, C), ``v`` (α², C, Q), ``products`` (α², M,
+    Q), float32, C-contiguous. Bands of any size give the same bits."""
+    for xi in range(u.shape[0]):
+        panel_gemm_any_width(u[xi], v[xi], products[xi], tail_b, tail_y)
 
 
 @kernel
