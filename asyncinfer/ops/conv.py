@@ -273,7 +273,7 @@ def route_2d(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, str
         return DEPTHWISE
     if takes_direct(x_shape, w_shape, group, strides, dilations, out, dtype):
         return DIRECT
-    if takes_direct_panels(x_shape, w_shape, group, strides, dtype):
+    if takes_direct_panels(x_shape, w_shape, group, strides, out, dtype):
         return DIRECT_PANELS
     if takes_pointwise(x_shape, w_shape, group, begin, end, out, dtype):
         return POINTWISE

@@ -52,6 +52,11 @@ MAX_SHALLOW_OUTPUTS = 32
 #: `PANEL_MAX_STRIDE`, where Winograd does not take them (`conv_winograd.winograd_tile`).
 PANEL_MIN_DEPTH = 64
 PANEL_MAX_STRIDE = 2
+#: ... and at any stride a conv of at most this many output positions an image, whose im2col
+#: GEMM would be as narrow (BLAS runs far below speed on a few columns): a voice detector's
+#: STFT, 258 filters of 256 taps at stride 128 over 640 samples (4 frames), took 23.5 µs in
+#: sgemm (Haswell kernels) and takes 8-9 here.
+PANEL_FEW_POSITIONS = 16
 
 
 def takes_direct(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
@@ -200,11 +205,13 @@ def _run_parts(parts: tuple[tuple[int, int], ...], on_team: bool, size: int,
 
 
 def takes_direct_panels(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
-                        dtype: np.dtype) -> bool:
-    """Whether a 2-D conv runs on `compiled.direct_panels`: float32, one group, a window larger
-    than 1x1 of at least `PANEL_MIN_DEPTH` taps (C·kh·kw), strides of at most `PANEL_MAX_STRIDE`."""
+                        out: tuple[int, ...], dtype: np.dtype) -> bool:
+    """Whether a 2-D conv with output map ``out`` runs on `compiled.direct_panels`: float32, one
+    group, a window larger than 1x1 of at least `PANEL_MIN_DEPTH` taps (C·kh·kw), strides of at
+    most `PANEL_MAX_STRIDE` or at most `PANEL_FEW_POSITIONS` output positions."""
     return (dtype == np.float32 and len(x_shape) == 4 and group == 1 and tuple(w_shape[2:]) != (1, 1)
-            and math.prod(w_shape[1:]) >= PANEL_MIN_DEPTH and max(strides) <= PANEL_MAX_STRIDE)
+            and math.prod(w_shape[1:]) >= PANEL_MIN_DEPTH
+            and (max(strides) <= PANEL_MAX_STRIDE or math.prod(out) <= PANEL_FEW_POSITIONS))
 
 
 @dataclass(frozen=True)

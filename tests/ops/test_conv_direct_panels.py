@@ -33,6 +33,7 @@ CASES = {
     "dilated": ((1, 9, 10, 12), 33, (3, 3), (1, 1), (2, 3), [2, 3, 2, 3]),
     "no_pads": ((1, 10, 9, 9), 7, (3, 3), (1, 1), (1, 1), [0, 0, 0, 0]),
     "images": ((3, 16, 5, 6), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
+    "few_positions_large_stride": ((2, 3, 4, 70), 37, (3, 9), (3, 20), (1, 1), [1, 2, 0, 1]),  # 2x4 positions
 }
 
 
@@ -136,17 +137,28 @@ def test_a_1d_conv_runs_as_a_map_one_row_high(rng, monkeypatch):
 
 def test_which_convs_take_the_panel_kernel():
     f32 = np.dtype(np.float32)
-    deep = ((1, 128, 14, 14), (32, 128, 3, 3), 1, (1, 1))
+    deep = ((1, 128, 14, 14), (32, 128, 3, 3), 1, (1, 1), (14, 14))
     assert conv_direct.takes_direct_panels(*deep, f32)
     assert not conv_direct.takes_direct_panels(*deep, np.dtype(np.float64))
-    x, w, group, strides = deep
-    assert not conv_direct.takes_direct_panels(x, (128, 1, 3, 3), 128, strides, f32)  # depthwise
-    assert not conv_direct.takes_direct_panels(x, (64, 64, 3, 3), 2, strides, f32)    # grouped
-    assert not conv_direct.takes_direct_panels(x, (32, 128, 1, 1), group, strides, f32)  # 1x1
-    assert not conv_direct.takes_direct_panels(x, (32, 7, 3, 3), group, strides, f32)    # 63 taps: too shallow
-    assert conv_direct.takes_direct_panels(x, (32, 8, 3, 3), group, (2, 2), f32)
-    assert not conv_direct.takes_direct_panels(x, w, group, (3, 3), f32)
-    assert not conv_direct.takes_direct_panels((1, 128, 14), (32, 128, 3), group, (1,), f32)  # (2-D operands)
+    x, w, group, strides, out = deep
+    assert not conv_direct.takes_direct_panels(x, (128, 1, 3, 3), 128, strides, out, f32)  # depthwise
+    assert not conv_direct.takes_direct_panels(x, (64, 64, 3, 3), 2, strides, out, f32)    # grouped
+    assert not conv_direct.takes_direct_panels(x, (32, 128, 1, 1), group, strides, out, f32)  # 1x1
+    assert not conv_direct.takes_direct_panels(x, (32, 7, 3, 3), group, strides, out, f32)    # 63 taps: too shallow
+    assert conv_direct.takes_direct_panels(x, (32, 8, 3, 3), group, (2, 2), (7, 7), f32)
+    assert not conv_direct.takes_direct_panels(x, w, group, (3, 3), (5, 5), f32)  # strided, 25 positions
+    assert not conv_direct.takes_direct_panels((1, 128, 14), (32, 128, 3), group, (1,), (14,), f32)  # (2-D operands)
+    # few positions: any stride (an STFT's 4 frames of 256 taps at stride 128)
+    assert conv_direct.takes_direct_panels(x, w, group, (3, 3), (4, 4), f32)
+    stft = ((1, 1, 1, 640), (258, 1, 1, 256), 1, (1, 128), (1, 4))
+    assert conv_direct.takes_direct_panels(*stft, f32)
+
+
+def test_an_stft_like_1d_conv_takes_the_panels(rng, monkeypatch):
+    """A 1-D conv of one input channel, a long window at a large stride and a few frames (a voice
+    detector's STFT as a conv) runs on the panel kernel, not on the im2col GEMM."""
+    x, w, b = randn(rng, 1, 1, 640), randn(rng, 2 * WIDTH + 2, 1, 256), randn(rng, 2 * WIDTH + 2)
+    assert_conv_takes(monkeypatch, "panel_plan", dict(kernel_shape=[256], pads=[0, 0], strides=[128]), x, w, b)
 
 
 def test_small_maps_are_left_to_the_panels_by_winograd():
@@ -161,4 +173,4 @@ def test_small_maps_are_left_to_the_panels_by_winograd():
     assert tile(128, 32, 28) == 0  # (56 tiles x 32 channels: GEMM products too small)
     assert tile(32, 128, 27) == 0 and tile(48, 192, 27) == 4  # (SqueezeNet's expand layers)
     f32 = np.dtype(np.float32)
-    assert conv_direct.takes_direct_panels((1, 256, 14, 14), (256, 256, 3, 3), 1, (1, 1), f32)
+    assert conv_direct.takes_direct_panels((1, 256, 14, 14), (256, 256, 3, 3), 1, (1, 1), (14, 14), f32)
