@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..concurrency import parallel
-from .compiled.direct import LANES, STRIDES, copy_inside, direct_conv, part_arguments
+from .compiled.direct import LANES, STRIDES, WIDE_VECTORS, copy_inside, direct_conv, part_arguments
 from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_taps
 from .compiled.direct_panels import WIDTH as PANEL_WIDTH
 from .compiled.direct_panels import part_arguments as panel_part_arguments
@@ -184,7 +184,7 @@ def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     def posted(part: tuple[int, int], buffer: np.ndarray) -> list[int]:
         return part_arguments(plan.columns, padded, plan.offsets, flat, plan.bias, *arrays(buffer), plan.numbers,
                               *part, ho, wo, plan.stride, epilogue.kind)
-    _run_parts(plan.parts, plan.team, padded_m * LANES + BLOCK_ROWS * 2 * LANES, run, posted)
+    _run_parts(plan.parts, plan.team, padded_m * LANES + BLOCK_ROWS * WIDE_VECTORS * LANES, run, posted)
     return y
 
 

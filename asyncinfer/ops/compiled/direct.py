@@ -96,8 +96,12 @@ def _direct_block(rows: int, vectors: int) -> Any:
     return block
 
 
-# the blocks of `BLOCK_ROWS` channels x two vectors of positions (wide) and one (narrow)
-_wide, _narrow = (_direct_block(BLOCK_ROWS, vectors) for vectors in (2, 1))
+#: Vectors of positions of a wide block: three with AVX-512's 32 vector registers (8 channels x 3
+#: = 24 sums; a 27-tap stem sums so few taps a block that its set-up and stores weigh: one core,
+#: 3x3/2 on 224x224, 3 -> 64 338 -> 320 µs, 3 -> 24 123 -> 114, 3 -> 16 86 -> 82), two with 16.
+WIDE_VECTORS = 3 if BLOCK_ROWS == 8 else 2
+# the blocks of `BLOCK_ROWS` channels x `WIDE_VECTORS` vectors of positions (wide) and one (narrow)
+_wide, _narrow = (_direct_block(BLOCK_ROWS, vectors) for vectors in (WIDE_VECTORS, 1))
 
 
 @numba.njit(inline="always")
@@ -106,7 +110,7 @@ def _channel_block(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, 
                    spare: np.ndarray) -> None:
     """Channels ``r:r + BLOCK_ROWS`` of ``y`` (those it has) for one block of positions (two
     vectors wide or one) at column ``c0``, finished; a block past ``y``'s last channel through
-    ``spare`` (`BLOCK_ROWS`, two vectors), then copied. ``columns`` and ``bias`` are padded to
+    ``spare`` (`BLOCK_ROWS`, `WIDE_VECTORS` vectors), then copied. ``columns`` and ``bias`` are padded to
     whole blocks."""
     m = y.shape[0]
     whole = r + BLOCK_ROWS <= m
@@ -117,7 +121,7 @@ def _channel_block(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, 
     else:
         _narrow(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
     if not whole:
-        width = (2 if wide else 1) * LANES
+        width = (WIDE_VECTORS if wide else 1) * LANES
         for k in range(m - r):
             row, source = y[r + k], spare[k]
             for j in range(width):
@@ -135,7 +139,7 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
     oy·stride·Wp + ox]`` (its phase's value for output column ``ox``): ``y`` (N, M, Ho·Wo) =
     act(sums + ``bias``); ``columns`` and ``bias`` are padded with zeros to whole blocks of
     `BLOCK_ROWS` channels. ``tail`` (M padded so, LANES) takes a row's last positions short of a
-    vector before their copy out, ``spare`` (`BLOCK_ROWS`, 2·LANES) the last channels short of a
+    vector before their copy out, ``spare`` (`BLOCK_ROWS`, `WIDE_VECTORS`·LANES) the last channels short of a
     block. ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`).
 
     The rows go in bands of `BAND_ROWS`, and each block of channels through a whole band before
@@ -154,11 +158,11 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
                 row = oy * stride * wp
                 c0 = oy * out_width
                 ox = 0
-                while ox + 2 * LANES <= out_width:
+                while ox + WIDE_VECTORS * LANES <= out_width:
                     _channel_block(columns, image, offsets, row + ox, True, out, r, c0 + ox, bias, finish, av, bv,
                                    spare)
-                    ox += 2 * LANES
-                if ox + LANES <= out_width:
+                    ox += WIDE_VECTORS * LANES
+                while ox + LANES <= out_width:  # (up to WIDE_VECTORS - 1 of them)
                     _channel_block(columns, image, offsets, row + ox, False, out, r, c0 + ox, bias, finish, av, bv,
                                    spare)
                     ox += LANES
@@ -230,7 +234,7 @@ def direct_part(control: np.ndarray) -> None:
     y = numba.carray(address_as_pointer(control[p + 3], np.float32), (n, m, span))
     bias = numba.carray(address_as_pointer(control[p + 4], np.float32), (mp,))
     tail = numba.carray(address_as_pointer(control[p + 5], np.float32), (mp, LANES))
-    spare = numba.carray(address_as_pointer(control[p + 6], np.float32), (BLOCK_ROWS, 2 * LANES))
+    spare = numba.carray(address_as_pointer(control[p + 6], np.float32), (BLOCK_ROWS, WIDE_VECTORS * LANES))
     numbers = numba.carray(address_as_pointer(control[p + 7], np.float64), (2,))
     q = p + 8
     direct_conv(columns, padded, offsets, y, bias, tail, spare, control[q], control[q + 1], control[q + 2],
