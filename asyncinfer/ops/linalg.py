@@ -56,6 +56,12 @@ COLUMN_BAND_MIN = 64
 # against 5.4 ms; its 128 x 1024 @ 1024 x 2816 4.4 against 5.2).
 PANEL_GEMM_MAX_A_BYTES = 5 << 19
 PANEL_GEMM_MAX_DEPTH = 2048
+# With b packed (a model's constant weight, `constant_panels`), each strip is read as one stream
+# and a large a goes in bands that stay in L2 (`gemm.A_BAND_BYTES`): one core made 118-132 G
+# multiply-adds/s on every product measured, where BLAS's Haswell kernels made 115-127 on two
+# (Llama's 128 x 2816 @ 2816 x 1024 3.1 ms, ConvNeXt's 49 x 3072 @ 3072 x 768 1.08, its 3136 x 384
+# @ 384 x 96, a 4.8 MB, 0.91 against BLAS's 0.95 on two cores); such products have no bound on a.
+PANEL_GEMM_MAX_PACKED_DEPTH = 4096
 
 
 def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
@@ -78,8 +84,8 @@ def matmul(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None,
         # weight @ row (N x K @ K x 1), the weight's rows read in place. MobileNetV3's classifier
         # products on 2 cores: 111/127 -> 87/105 µs.
         return _plus(matmul(b.T, np.ascontiguousarray(a).reshape(-1, 1)).reshape(1, -1), bias)
-    if _takes_panel_gemm(a, b, bias):
-        return _panel_gemm(a[None], b[None], bias)[0]
+    if _takes_panel_gemm(a, b, bias, panels):
+        return _panel_gemm(a[None], b[None], bias, panels)[0]
     if bias is None and (batch := _panel_batch(a, b)) is not None:
         return _panel_gemm(*batch, None).reshape(*a.shape[:-1], b.shape[-1])
     parts = parallel.parts_available()
@@ -174,20 +180,32 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray | Non
     return team.try_run(posted, lambda: blas_call.gemm_bias(*own, blas_call.SGEMM, blas_call.ILP64))
 
 
-def _takes_panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> bool:
+def _takes_panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None,
+                      packed: np.ndarray | None = None) -> bool:
     """Whether `matmul` runs ``a @ b (+ bias)`` on `compiled.gemm`: 2-D float32, b's columns whole
-    panels, the rows of both contiguous and apart (not a broadcast row), a at most
-    `PANEL_GEMM_MAX_A_BYTES` and K at most `PANEL_GEMM_MAX_DEPTH`."""
-    return (a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype == np.float32 and a.shape[1] == b.shape[0]
-            and _panel_shapes(*a.shape, b.shape[1]) and blas_rows(a) and blas_rows(b)
-            and a.shape[0] * a.strides[0] <= PANEL_GEMM_MAX_A_BYTES
-            and (bias is None or (bias.dtype == np.float32 and bias.size == b.shape[1])))
+    panels, a's rows contiguous and apart (not a broadcast row); b ``packed`` (`constant_panels`)
+    and K at most `PANEL_GEMM_MAX_PACKED_DEPTH`, or b's rows contiguous, K at most
+    `PANEL_GEMM_MAX_DEPTH` and a at most `PANEL_GEMM_MAX_A_BYTES`."""
+    if not (a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype == np.float32 and a.shape[1] == b.shape[0]
+            and blas_rows(a) and (bias is None or (bias.dtype == np.float32 and bias.size == b.shape[1]))):
+        return False
+    if _packed_fits(packed, *b.shape):
+        return a.shape[0] > 0 and 0 < a.shape[1] <= PANEL_GEMM_MAX_PACKED_DEPTH
+    return (blas_rows(b) and _panel_shapes(*a.shape, b.shape[1])
+            and a.shape[0] * a.strides[0] <= PANEL_GEMM_MAX_A_BYTES)
 
 
 def _panel_shapes(m: int, k: int, n: int) -> bool:
-    """Whether an (M, K) @ (K, N) product's sizes suit `compiled.gemm` (see `_takes_panel_gemm`)."""
+    """Whether an (M, K) @ (K, N) product's sizes suit `compiled.gemm` with b read in place (see
+    `_takes_panel_gemm`)."""
     return (m > 0 and 0 < k <= PANEL_GEMM_MAX_DEPTH and n > 0 and n % gemm.WIDTH == 0
             and m * k * 4 <= PANEL_GEMM_MAX_A_BYTES)
+
+
+def _packed_fits(packed: np.ndarray | None, k: int, n: int) -> bool:
+    """Whether ``packed`` holds the whole panels of a (K, N) float32 b (`pack_panels`), all of them."""
+    return (packed is not None and packed.dtype == np.float32 and n % gemm.WIDTH == 0
+            and packed.shape == (n // gemm.WIDTH, k, gemm.WIDTH))
 
 
 def _panel_batch(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -203,12 +221,14 @@ def _panel_batch(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray] 
             b3 if blas_rows(b3[0]) else np.ascontiguousarray(b3))
 
 
-def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None,
+                packed: np.ndarray | None = None) -> np.ndarray:
     """``a @ b (+ bias)`` for a batch, (E, M, K) @ (E, K, N), on `compiled.gemm`; shared with the
     spin team's free helpers from `TEAM_MIN_MACS` on: whole entries each where there are enough,
-    else ranges of panels."""
+    else ranges of panels. ``packed``: the one b's panels (`constant_panels`), else read in place."""
     count, m, k = a.shape
     n = b.shape[2]
+    columns = packed[None] if count == 1 and _packed_fits(packed, k, n) else gemm.batch_panels(b)
     y = np.empty((count, m, n), np.float32)
     biased = bias is not None
     row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0, 0]  # (unread without a bias)
@@ -217,12 +237,12 @@ def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None) -> np.nda
     parts = None if team is None else _gemm_parts(count, panels, team.helpers + 1)
     control = None if parts is None or len(parts) < 2 else team.claim()  # type: ignore[union-attr]
     if control is None:  # alone, too small to share, or the team busy (every core is)
-        gemm.panel_gemm_batch(a, b, y, row, 0, count, 0, panels, biased)
+        gemm.panel_gemm_batch(a, columns, y, row, 0, count, 0, panels, biased)
         return y
     try:  # posted, run and waited for in compiled code
-        if gemm.post_gemm(control, a, b, y, row, parts, biased):
+        if gemm.post_gemm(control, a, columns, y, row, parts, biased):
             team.wake()  # type: ignore[union-attr]
-        if not gemm.finish_gemm(control, a, b, y, row, parts, biased, spin_team.WAIT_ROUNDS):
+        if not gemm.finish_gemm(control, a, columns, y, row, parts, biased, spin_team.WAIT_ROUNDS):
             team.wait_posted(len(parts) - 1)  # type: ignore[union-attr, arg-type]
     finally:
         team.release()  # type: ignore[union-attr]
@@ -284,18 +304,39 @@ def packing_weights() -> Iterator[None]:
         _packing.allowed = before
 
 
-def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int) -> np.ndarray | None:
-    """``b`` packed in column panels for `matmul` (`compiled.panels`), kept by ``op``, when ``b``
-    is the model's constant at input ``index`` and ``a @ b`` runs the few-row kernel on two rows
-    or more; else None. Packed only inside `packing_weights`, and never with
-    ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the row-wise loop, the same bits): the
-    packed copy sits beside the model's own, as ONNX Runtime's prepacked weights do."""
-    rows = math.prod(a.shape[:-1]) if a.ndim >= 2 else 1
-    if not 2 <= rows <= FEW_ROWS or not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
-        return None  # (most products, one row or many, leave before the reshape: every GEMM asks)
+def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int, given: np.ndarray | None = None
+                    ) -> np.ndarray | None:
+    """``b`` packed in column panels for `matmul` (`compiled.panels.pack_panels`), kept by ``op``,
+    when ``b`` is the model's constant at input ``index`` (``given``: that input as the op got it,
+    where ``b`` is made from it: transposed, widened) and ``a @ b`` runs
+
+    - the few-row kernel on two rows or more: packed only inside `packing_weights` (elsewhere
+      used where it exists but never made, so a model run otherwise, one stream's prompts and
+      steps, a batch of requests, keeps a single copy of its weights);
+    - the panel GEMM (`compiled.gemm`): packed at its first run. Read in place, b's panels take
+      128 bytes a row of b for each step of depth, a row apart: a wide b's rows (Llama's 2816
+      columns, 11 KiB) fall into a few cache sets, and one core made 58-97 G multiply-adds/s on
+      its products against 118-129 packed (128 x 1024 @ 1024 x 2816: 5.3 -> 2.9 ms);
+
+    else None. Never with ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the same bits,
+    the kernels reading b in place). The packed copy sits beside the model's own, as ONNX
+    Runtime's prepacked weights do."""
+    if b.ndim != 2 or a.ndim == 0 or a.shape[-1] != b.shape[0]:
+        return None
+    rows = math.prod(a.shape[:-1])
+    if 2 <= rows <= FEW_ROWS:
+        if not _takes_few_rows(a.reshape(rows, a.shape[-1]), b):
+            return None  # (most products, one row or many, leave before the reshape: every GEMM asks)
+        create = _packing.allowed
+    elif (rows > FEW_ROWS and a.dtype == b.dtype == np.float32 and 0 < b.shape[0] <= PANEL_GEMM_MAX_PACKED_DEPTH
+          and b.shape[1] > 0 and b.shape[1] % gemm.WIDTH == 0):
+        create = True
+    else:
+        return None
     if os.environ.get("ASYNCINFER_PACKED_WEIGHTS", "").strip() == "0":
         return None
-    return op.derived_constant("panels", index, b, lambda: pack_panels(b), create=_packing.allowed)
+    return op.derived_constant("panels", index, b if given is None else given, lambda: pack_panels(b),
+                               create=create)
 
 
 def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.ndarray) -> np.ndarray:
@@ -396,6 +437,7 @@ class Gemm(Op):
         self.alpha, self.beta = float(self.attr("alpha")), float(self.attr("beta"))
 
     def run(self, a: np.ndarray, b: np.ndarray, c: np.ndarray | None = None) -> np.ndarray:
+        given = b
         if self.trans_a:
             a = a.T
         if self.trans_b:
@@ -403,12 +445,12 @@ class Gemm(Op):
         alpha, beta = self.alpha, self.beta
         work, out_dtype = gemm_dtypes(a, b, c)
         a, b = a.astype(work, copy=False), b.astype(work, copy=False)
+        panels = constant_panels(self, a, b, 1, given)
         if (alpha == 1.0 and beta == 1.0 and c is not None and c.dtype == work and a.ndim == 2
                 and c.shape[-1:] == b.shape[-1:] and c.size == b.shape[-1]):
             # the usual bias row: added by the GEMM kernel as it ends (the few-row one, in its pass)
-            # (a transposed b is no constant: `constant_panels` packs none)
-            return matmul(a, b, c.reshape(-1), constant_panels(self, a, b, 1)).astype(out_dtype, copy=False)
-        y = matmul(a, b, panels=constant_panels(self, a, b, 1))
+            return matmul(a, b, c.reshape(-1), panels).astype(out_dtype, copy=False)
+        y = matmul(a, b, panels=panels)
         dt = y.dtype.type
         if alpha != 1.0:
             y *= dt(alpha)

@@ -139,3 +139,92 @@ def test_batches_that_broadcast_or_have_partial_panels_keep_numpy(rng):
     assert linalg._panel_batch(a.astype(np.float64), rng.standard_normal((2, 8, W))) is None
     b = rng.standard_normal((2, 8, W)).astype(np.float32)
     np.testing.assert_allclose(linalg.matmul(a, b), _exact(a, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["", "0"])
+def test_a_constant_weight_is_packed_at_its_first_product(monkeypatch, rng, setting):
+    """MatMul's and Gemm's constant B (transposed too) is packed in panels at the first product
+    the panel GEMM takes (no `packing_weights` needed), unless ASYNCINFER_PACKED_WEIGHTS=0, and
+    the packed panels give the very bits of b read in place; a B fed as an input packs nothing."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import asyncinfer as ai
+
+    monkeypatch.setenv("ASYNCINFER_PACKED_WEIGHTS", setting)
+    packs = setting != "0"
+    k, n = 48, 3 * W
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["a", "w"], ["y_const"], name="with_constant"),
+             helper.make_node("Gemm", ["a", "wt"], ["y_gemm"], name="gemm", transB=1),
+             helper.make_node("MatMul", ["a", "b"], ["y_fed"], name="with_input")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", onnx.TensorProto.FLOAT, ["m", k]),
+                     helper.make_tensor_value_info("b", onnx.TensorProto.FLOAT, [k, n])],
+        [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["m", n]) for name in ("y_const", "y_gemm", "y_fed")],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ascontiguousarray(w.T), "wt")])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    a = rng.standard_normal((40, k)).astype(np.float32)
+    with ai.Worker(model) as worker:
+        ops = {node.layer.name: node.step.op for node in worker._plan.nodes}
+        y = ops["with_constant"].run(a, model.constants["w"])
+        y_gemm = ops["gemm"].run(a, model.constants["wt"])
+        y_fed = ops["with_input"].run(a, w.copy())
+        assert ("panels" in ops["with_constant"]._derived) is packs and ("panels" in ops["gemm"]._derived) is packs
+        assert not ops["with_input"]._derived
+        np.testing.assert_array_equal(y, y_fed)  # packed or read in place: the same bits
+        np.testing.assert_array_equal(y_gemm, y_fed)
+        np.testing.assert_allclose(y, _exact(a, w), rtol=1e-4, atol=1e-4)
+        outputs = worker.run_blocking({"a": a, "b": w})
+        for name in ("y_const", "y_gemm", "y_fed"):
+            np.testing.assert_array_equal(outputs[name], y_fed)
+
+
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_packed_panels_shared_with_the_team_give_the_same_bits(helpers, rng, monkeypatch):
+    """b packed (`pack_panels`) takes the panel GEMM beyond `PANEL_GEMM_MAX_DEPTH` (up to
+    `PANEL_GEMM_MAX_PACKED_DEPTH`), alone or in ranges of panels on the team: the same bits as b
+    read in place."""
+    from asyncinfer.ops.compiled.panels import pack_panels
+
+    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
+    monkeypatch.setattr(linalg, "PANEL_GEMM_MAX_DEPTH", 16)
+    a = rng.standard_normal((21, 40)).astype(np.float32)
+    b = rng.standard_normal((40, 5 * W)).astype(np.float32)
+    bias = rng.standard_normal(5 * W).astype(np.float32)
+    packed = pack_panels(b)
+    assert not linalg._takes_panel_gemm(a, b, bias) and linalg._takes_panel_gemm(a, b, bias, packed)
+    assert not linalg._takes_panel_gemm(a, b, bias, packed[:4])  # (not all of b's panels)
+    in_place = linalg._panel_gemm(a[None], b[None], bias)[0]
+    alone = linalg.matmul(a, b, bias, packed)
+    runs = TeamRuns(helpers)
+    try:
+        with parallel.pool_bound(None, helpers + 1, runs.team):
+            shared = linalg.matmul(a, b, bias, packed)
+    finally:
+        runs.team.close()
+    assert runs.shared == 1
+    np.testing.assert_array_equal(alone, in_place)
+    np.testing.assert_array_equal(shared, in_place)
+    np.testing.assert_allclose(alone, _exact(a, b, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_a_large_a_goes_in_bands_with_the_bits_of_one(rng):
+    """An a larger than a band (`gemm.A_BAND_BYTES`) runs band after band through every panel;
+    packed, it takes the panel GEMM whatever its size (`PANEL_GEMM_MAX_A_BYTES` bounds only an a
+    whose b is read in place). Each value is still one block's sum: the same bits either way."""
+    from asyncinfer.ops.compiled.panels import pack_panels
+
+    k = 1024
+    m = 3 * (gemm.A_BAND_BYTES // (4 * k)) + 5  # three whole bands and a few rows
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, 2 * W)).astype(np.float32)
+    packed = pack_panels(b)
+    assert a.nbytes > linalg.PANEL_GEMM_MAX_A_BYTES
+    assert not linalg._takes_panel_gemm(a, b, None) and linalg._takes_panel_gemm(a, b, None, packed)
+    banded = linalg.matmul(a, b, None, packed)
+    whole = np.empty_like(banded)
+    for r in range(0, m, 64):  # (blocks of rows small enough to be one band each)
+        gemm.panel_gemm(a[r:r + 64], b, whole[r:r + 64], np.zeros(2 * W, np.float32), 0, 2, False)
+    np.testing.assert_array_equal(banded, whole)
+    np.testing.assert_allclose(banded, _exact(a, b), rtol=1e-4, atol=1e-3)

@@ -100,6 +100,7 @@ def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch
     monkeypatch.setenv("ASYNCINFER_CPU_LANES", "1")
     monkeypatch.setattr(linalg, "SPLIT_MIN_MACS", 0)
     monkeypatch.setattr(linalg, "PANEL_GEMM_MAX_A_BYTES", 0)  # the BLAS way, split across the pool
+    monkeypatch.setenv("ASYNCINFER_PACKED_WEIGHTS", "0")  # (a packed weight takes the panel GEMM at any size)
     lane_threads, part_threads = set(), set()
     run_parts = linalg.parallel.run_parts
 

@@ -31,6 +31,10 @@ from .panels import BIAS, BLOCK_ROWS, RAW, _rows1, _rows2, _rows4, _rows8, panel
 PART_KIND = 14
 
 WIDTH = panel_width(np.float32)
+#: Rows of a taken through every panel before the next rows (`gemm_on_panels`): a band of a this
+#: large stays in L2 while each panel reads it, and b (packed) is read once a band. An a that
+#: fits is one band, read again from L2 for each panel.
+A_BAND_BYTES = 1 << 20
 #: Whether products that BLAS would run go here instead where this GEMM suits them (Winograd's α²
 #: products, attention's two per head): with AVX-512's 32-column panels it ran them 1.1-2.5x
 #: faster than OpenBLAS on the 2-core Zen 5 VM (2.2x its AVX2 Haswell kernels, 1.3x its
@@ -44,29 +48,54 @@ def panel_gemm(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, p0
                biased: bool) -> None:
     """Columns ``p0·W:p1·W`` (panels ``p0:p1``) of ``y = a @ b``, plus ``bias`` (N,) with
     ``biased``: float32, ``a`` (M, K), ``b`` (K, N) and ``y`` (M, N) with contiguous rows, N a
-    multiple of W (`WIDTH`)."""
+    multiple of W (`WIDTH`). b's panels are read in place (`own_panels`)."""
+    gemm_on_panels(a, own_panels(b), y, bias, p0, p1, biased)
+
+
+@numba.njit(inline="always")
+def own_panels(b: np.ndarray) -> np.ndarray:
+    """b (K, N)'s whole panels as a strided view (N / W, K, W): panel p is ``b[:, p·W:(p + 1)·W]``."""
+    return np.lib.stride_tricks.as_strided(b, shape=(b.shape[1] // WIDTH, b.shape[0], WIDTH),
+                                           strides=(WIDTH * 4, b.strides[0], 4))
+
+
+@kernel(contract=False)
+def gemm_on_panels(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, p0: int, p1: int,
+                   biased: bool) -> None:
+    """`panel_gemm` of b given as its panels (P, K, W), each with contiguous rows: b's own columns
+    in place (`own_panels`), or b packed once (`panels.pack_panels`: a model's constant weight,
+    whose panels then stream from memory; read in place, each step of depth reads 128 bytes of a
+    row of b a row apart, a stride at which a wide b's rows share a few cache sets)."""
     m, k = a.shape
-    n = b.shape[1]
-    columns = np.lib.stride_tricks.as_strided(b, shape=(n // WIDTH, k, WIDTH), strides=(WIDTH * 4, b.strides[0], 4))
     finish = BIAS if biased else RAW
+    band = max(BLOCK_ROWS, A_BAND_BYTES // (k * 4) // BLOCK_ROWS * BLOCK_ROWS)
+    for r0 in range(0, m, band):
+        _band(a, panels, y, bias, p0, p1, finish, r0, min(m, r0 + band))
+
+
+@numba.njit(inline="always")
+def _band(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, p0: int, p1: int, finish: int,
+          r0: int, r1: int) -> None:
+    """Rows ``r0:r1`` of `gemm_on_panels`'s product, panel after panel."""
+    k = a.shape[1]
     for p in range(p0, p1):
-        r = 0
-        while r < m:
-            rows = m - r
+        r = r0
+        while r < r1:
+            rows = r1 - r
             if rows >= BLOCK_ROWS:
                 rows = BLOCK_ROWS
                 if BLOCK_ROWS == 8:
-                    _rows8(a, columns, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
+                    _rows8(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
                 else:
-                    _rows4(a, columns, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
+                    _rows4(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
             elif rows >= 4:
                 rows = 4
-                _rows4(a, columns, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
+                _rows4(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
             elif rows >= 2:
                 rows = 2
-                _rows2(a, columns, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
+                _rows2(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
             else:
-                _rows1(a, columns, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
+                _rows1(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)
             r += rows
 
 
@@ -96,46 +125,54 @@ def panel_gemm_any_width(a: np.ndarray, b: np.ndarray, y: np.ndarray, tail_b: np
 
 
 @kernel(contract=False)
-def panel_gemm_batch(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int,
+def panel_gemm_batch(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int,
                      p1: int, biased: bool) -> None:
-    """`panel_gemm` of entries ``e0:e1`` of a batch: ``a`` (E, M, K), ``b`` (E, K, N), ``y``
-    (E, M, N), each entry's rows contiguous."""
+    """`gemm_on_panels` of entries ``e0:e1`` of a batch: ``a`` (E, M, K) with contiguous rows,
+    ``panels`` (E, P, K, W) each b's panels (`batch_panels`), ``y`` (E, M, N)."""
     for e in range(e0, e1):
-        panel_gemm(a[e], b[e], y[e], bias, p0, p1, biased)
+        gemm_on_panels(a[e], panels[e], y[e], bias, p0, p1, biased)
+
+
+def batch_panels(b: np.ndarray) -> np.ndarray:
+    """A batch of b (E, K, N), rows contiguous, as its entries' panels in place, (E, N / W, K, W)."""
+    count, k, n = b.shape
+    return np.lib.stride_tricks.as_strided(b, shape=(count, n // WIDTH, k, WIDTH),
+                                           strides=(b.strides[0], WIDTH * 4, b.strides[1], 4))
 
 
 @kernel(contract=False)
-def post_gemm(control: np.ndarray, a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray,
+def post_gemm(control: np.ndarray, a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray,
               parts: np.ndarray, biased: bool) -> int:
     """Post part ``i + 1`` of ``parts`` (rows ``e0, e1, p0, p1``) to helper ``i`` of a claimed
-    team's ``control``, for `gemm_part` to run as ``panel_gemm_batch(a, b, y, bias, e0, e1, p0,
-    p1, biased)``; how many of those helpers were asleep (the caller wakes them). ``a`` (E, M, K)
-    and ``b`` (E, K, N) with contiguous rows, ``y`` C-contiguous; the caller keeps them alive
-    until the parts are done. Posted in one compiled call: building the parts' integers in Python
-    cost about 5 µs a product (BERT-tiny's 128 x 128 @ 128 x 128 takes 20 µs a half)."""
+    team's ``control``, for `gemm_part` to run as ``panel_gemm_batch(a, panels, y, bias, e0, e1,
+    p0, p1, biased)``; how many of those helpers were asleep (the caller wakes them). ``a`` (E, M,
+    K) and ``panels`` (E, P, K, W) with contiguous rows, ``y`` C-contiguous; the caller keeps them
+    alive until the parts are done. Posted in one compiled call: building the parts' integers in
+    Python cost about 5 µs a product (BERT-tiny's 128 x 128 @ 128 x 128 takes 20 µs a half)."""
     count, m, k = a.shape
     sleeping = 0
     for i in range(parts.shape[0] - 1):
         row = control[i]
         row[KIND] = PART_KIND
         at = ARGS
-        row[at], row[at + 1], row[at + 2], row[at + 3] = count, m, k, b.shape[2]
+        row[at], row[at + 1], row[at + 2], row[at + 3] = count, m, k, panels.shape[1]
         row[at + 4], row[at + 5], row[at + 6] = a.ctypes.data, a.strides[0] // 4, a.strides[1] // 4
-        row[at + 7], row[at + 8], row[at + 9] = b.ctypes.data, b.strides[0] // 4, b.strides[1] // 4
-        row[at + 10], row[at + 11] = y.ctypes.data, bias.ctypes.data
+        row[at + 7], row[at + 8] = panels.ctypes.data, panels.strides[0] // 4
+        row[at + 9], row[at + 10] = panels.strides[1] // 4, panels.strides[2] // 4
+        row[at + 11], row[at + 12] = y.ctypes.data, bias.ctypes.data
         for j in range(4):
-            row[at + 12 + j] = parts[i + 1, j]
-        row[at + 16] = 1 if biased else 0
+            row[at + 13 + j] = parts[i + 1, j]
+        row[at + 17] = 1 if biased else 0
         sleeping += post_and_count_asleep(row)
     return sleeping
 
 
 @kernel(contract=False)
-def finish_gemm(control: np.ndarray, a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray,
+def finish_gemm(control: np.ndarray, a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray,
                 parts: np.ndarray, biased: bool, rounds: int) -> bool:
     """Run part 0 of ``parts`` here, then wait for the parts `post_gemm` posted; False when a
     helper is not done within ``rounds`` spins (the caller then waits the slow way)."""
-    panel_gemm_batch(a, b, y, bias, parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3], biased)
+    panel_gemm_batch(a, panels, y, bias, parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3], biased)
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
@@ -149,14 +186,25 @@ def strided(address: int, shape: tuple[int, int, int], outer: int, row: int) -> 
 
 
 @numba.njit(inline="always")
+def _strided_panels(address: int, shape: tuple[int, int, int, int], entry: int, panel: int,
+                    row: int) -> np.ndarray:
+    """`strided` of a batch of panels (E, P, K, W): entries, panels and rows that many values apart."""
+    extent = (shape[0] - 1) * entry + (shape[1] - 1) * panel + (shape[2] - 1) * row + shape[3]
+    flat = numba.carray(address_as_pointer(address, np.float32), (extent,))
+    return np.lib.stride_tricks.as_strided(flat, shape=shape, strides=(entry * 4, panel * 4, row * 4, 4))
+
+
+@numba.njit(inline="always")
 def gemm_part(control: np.ndarray) -> None:
     """Run the `panel_gemm_batch` part posted in a spin team's ``control`` row (`post_gemm`): the
     helper's side (`team_parts.serve_parts`)."""
     at = ARGS
-    count, m, k, n = control[at], control[at + 1], control[at + 2], control[at + 3]
+    count, m, k, p = control[at], control[at + 1], control[at + 2], control[at + 3]
     a = strided(control[at + 4], (count, m, k), control[at + 5], control[at + 6])
-    b = strided(control[at + 7], (count, k, n), control[at + 8], control[at + 9])
-    y = numba.carray(address_as_pointer(control[at + 10], np.float32), (count, m, n))
-    bias = numba.carray(address_as_pointer(control[at + 11], np.float32), (n,))
-    q = at + 12
-    panel_gemm_batch(a, b, y, bias, control[q], control[q + 1], control[q + 2], control[q + 3], control[q + 4] != 0)
+    panels = _strided_panels(control[at + 7], (count, p, k, WIDTH), control[at + 8], control[at + 9],
+                             control[at + 10])
+    y = numba.carray(address_as_pointer(control[at + 11], np.float32), (count, m, p * WIDTH))
+    bias = numba.carray(address_as_pointer(control[at + 12], np.float32), (p * WIDTH,))
+    q = at + 13
+    panel_gemm_batch(a, panels, y, bias, control[q], control[q + 1], control[q + 2], control[q + 3],
+                     control[q + 4] != 0)
