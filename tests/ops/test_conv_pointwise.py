@@ -30,6 +30,8 @@ CASES = {
     "leftover_rows": ((1, 6, 10, 20), 15, (1, 1), 1),      # 15 channels: blocks of 8 (or 4), 4, 2, 1
     "deep": ((1, 300, 8, 16), 50, (1, 1), 1),              # depth in three blocks (DEPTH 128)
     "many_channels": ((1, 4, 5, 8), 1100, (1, 1), 1),      # channels in three blocks (CHANNELS 512)
+    # from PACK_MIN_CHANNELS output channels a unit-stride conv packs its panels (two whole, one partial)
+    "packed_unit_stride": ((1, 20, 8, 9), pointwise.PACK_MIN_CHANNELS + 3, (1, 1), 1),
     "strided": ((1, 7, 25, 37), 60, (2, 3), 1),
     "images": ((3, 6, 10, 10), 20, (1, 1), 1),
     "wide_map": ((1, 16, 40, 41), 24, (1, 1), 1),          # 1640 positions: panels to share out

@@ -11,7 +11,8 @@ run of the input's row); only a map's last, partial panel is packed (padded with
 every panel cost a copy of the input per run, a third of a squeeze layer's time (SqueezeNet's
 64 -> 16 at 55x55 on one core: 85 -> 61 µs, 128 -> 16 168 -> 120, ResNet-50's 512 -> 128 at
 28x28 1031 -> 895). Strided 1x1 convs (ResNet's downsampling shortcut) pack the positions they
-read. The constant
+read, and so do unit-stride convs of many output channels (`PACK_MIN_CHANNELS`: the copy then
+pays for itself). The constant
 weights are kept transposed (``wt`` = Wᵀ per group, (G, C/G, M/G)), and each block of
 ``BLOCK_ROWS`` output channels by one panel is summed in vector registers over C, then biased,
 activated and stored while it is in L1. Cache blocking: C in blocks of `DEPTH` (a panel's block
@@ -56,6 +57,14 @@ PART_KIND, SMALL_MAP_PART_KIND = 6, 7
 DEPTH = 128
 #: Output channels per block: their weights for one block of depth, 256 KiB at most.
 CHANNELS = 512
+
+#: From this many output channels (of a group, in a part) a unit-stride conv packs its input's
+#: panels too, as a strided one does, instead of reading them in place: each is read once for
+#: every block of 8 channels, and read in place a panel's rows are a map's plane apart, so that
+#: a deep one's share a few cache sets (at 56x56, 12.5 KiB apart). One core: 64 -> 256 at 56x56
+#: 558 -> 514 µs, 128 -> 512 at 28x28 550 -> 439; with fewer channels the copy costs more than
+#: it saves (64 -> 64 at 56x56 105 against 115).
+PACK_MIN_CHANNELS = 128
 
 #: Panels of positions each block of output channels goes through before the next block takes
 #: them (their input, at most 16 x `DEPTH` x 32 values, is read again from L2 for each block).
@@ -178,13 +187,14 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
     s = v0 + (count - 1) * width
     partial = count > 0 and s + width > v1
     whole = count - 1 if partial else count
-    in_place = sh == 1 and sw == 1 and in_width == out_width
+    unit = sh == 1 and sw == 1 and in_width == out_width
     av, bv = np.float32(a), np.float32(b)
     for i in range(i0, i1):
         for g in range(groups):
             lo, hi = max(m0, g * mg) - g * mg, min(m1, (g + 1) * mg) - g * mg  # the group's channels, in it
             if lo >= hi:
                 continue
+            in_place = unit and hi - lo < PACK_MIN_CHANNELS
             source = x[i, g * c:(g + 1) * c]
             if in_place:  # whole panels are the input's own columns; only a partial one is packed
                 columns = np.lib.stride_tricks.as_strided(source[:, v0:], shape=(whole, c, width),
