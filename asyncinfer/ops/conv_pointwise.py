@@ -53,6 +53,13 @@ MAX_WASTE = 1.35
 #: 72 at 28x28 0.071 against 0.037.
 SMALL_MAP_DEPTH = 256
 SMALL_MAP = 1024
+#: ... and from this depth on the maps of at most `SMALL_MAP` positions where it wastes less of its
+#: panels of output channels than `pointwise_conv` would of its panels of positions (EfficientNet's
+#: and MobileNetV3's expansions on 7x7 and 14x14 maps: 64 columns for 49 positions, 224 for 196,
+#: against whole panels of 576-1152 channels). One core: 192 -> 1152 at 7x7 126 -> 110 µs, 96 ->
+#: 576 at 7x7 34 -> 27, 112 -> 672 at 14x14 140 -> 123, 128 -> 512 at 28x28 500 -> 421; shallower
+#: inputs lose their transposed stores' cost (24 -> 144 at 14x14 10 against 12).
+SMALL_MAP_WASTE_DEPTH = 32
 
 
 def takes_pointwise(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, begin: tuple[int, ...],
@@ -63,11 +70,18 @@ def takes_pointwise(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: i
     positions, width = math.prod(out), panel_width(np.float32)
     return (dtype == np.float32 and len(x_shape) == 4 and w_shape[2:] == (1, 1) and (group == 1 or w_shape[1] > 1)
             and not any(begin) and not any(end) and positions >= MIN_POSITIONS
-            and (_small_map(w_shape[1], positions) or -(-positions // width) * width <= MAX_WASTE * positions))
+            and (_small_map(w_shape[1], positions, w_shape[0] // group)
+                 or -(-positions // width) * width <= MAX_WASTE * positions))
 
 
-def _small_map(depth: int, positions: int) -> bool:
-    return depth >= SMALL_MAP_DEPTH and positions <= SMALL_MAP
+def _small_map(depth: int, positions: int, channels: int) -> bool:
+    """Whether a 1x1 conv of ``depth`` input and ``channels`` output channels a group on a map of
+    ``positions`` takes `small_map_conv` (`SMALL_MAP_DEPTH`, `SMALL_MAP_WASTE_DEPTH`)."""
+    if positions > SMALL_MAP:
+        return False
+    width = panel_width(np.float32)
+    return depth >= SMALL_MAP_DEPTH or (depth >= SMALL_MAP_WASTE_DEPTH
+                                        and -(-channels // width) * positions < -(-positions // width) * channels)
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,7 @@ def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None
     ho, wo = out
     span = ho * wo
     width = panel_width(np.float32)
-    small = _small_map(cg, span)
+    small = _small_map(cg, span, mg)
 
     def transposed() -> np.ndarray:
         return np.ascontiguousarray(w.reshape(group, mg, cg).transpose(0, 2, 1), dtype=np.float32)

@@ -51,6 +51,7 @@ def kernel(request, monkeypatch):
     monkeypatch.setattr(conv_pointwise, "MIN_POSITIONS", 1)
     small = request.param == "small_map"
     monkeypatch.setattr(conv_pointwise, "SMALL_MAP_DEPTH", 1 if small else 1 << 40)
+    monkeypatch.setattr(conv_pointwise, "SMALL_MAP_WASTE_DEPTH", 1 if small else 1 << 40)
     monkeypatch.setattr(conv_pointwise, "SMALL_MAP", 1 << 40)
     return request.param
 
@@ -226,16 +227,21 @@ def test_which_kernel_takes_a_1x1_conv(monkeypatch):
     """With the module's thresholds: deep inputs on small maps go to `small_map_conv`, maps whose
     padding to whole panels wastes little to `pointwise_conv`, the rest (a 1x1 map, a 1x17 map of
     a shallow input) to BLAS."""
-    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 16), ("SMALL_MAP_DEPTH", 256), ("SMALL_MAP", 1024)):
+    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 16), ("SMALL_MAP_DEPTH", 256), ("SMALL_MAP", 1024),
+                        ("SMALL_MAP_WASTE_DEPTH", 32)):
         monkeypatch.setattr(conv_pointwise, name, value)
     f32 = np.dtype(np.float32)
 
-    def kind(c: int, size: int, width: int | None = None) -> str | None:
+    def kind(c: int, size: int, width: int | None = None, m: int = 8) -> str | None:
         out = (size, size if width is None else width)
-        x_shape, w_shape = (1, c, *out), (8, c, 1, 1)
+        x_shape, w_shape = (1, c, *out), (m, c, 1, 1)
         if not conv_pointwise.takes_pointwise(x_shape, w_shape, 1, (0, 0), (0, 0), out, f32):
             return None
-        return "small_map" if conv_pointwise._small_map(c, out[0] * out[1]) else "panels"
+        return "small_map" if conv_pointwise._small_map(c, out[0] * out[1], m) else "panels"
+    # shallower, on small maps: whichever wastes less of its panels (from 32 input channels)
+    assert kind(192, 7, m=1152) == "small_map" and kind(112, 14, m=672) == "small_map"  # (64 columns for 49)
+    assert kind(96, 14, m=24) == "panels"  # (24 channels of a 32-wide panel, 224 columns for 196 positions)
+    assert kind(24, 14, m=144) == "panels" and kind(40, 28, m=240) == "panels"  # (too shallow; 800 for 784)
     assert kind(8, 28) == "panels" and kind(8, 7) == "panels"  # (7x7: 64 columns for 49 positions)
     assert kind(256, 14) == "small_map" and kind(1024, 7) == "small_map" and kind(512, 28) == "small_map"
     assert kind(256, 56) == "panels"
