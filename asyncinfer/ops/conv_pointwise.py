@@ -40,10 +40,13 @@ from .conv_kernels import KeepWeights, keep_nothing, scratch
 from .epilogue import Epilogue
 from .linalg import TEAM_MIN_MACS
 
-#: Fewest output positions for the panel GEMMs (a squeeze-and-excitation 1x1 on a 1x1 map is left
-#: to BLAS), and the most `pointwise_conv` may compute per position it keeps: a map's last panel
-#: is padded, computed and dropped (at 7x7, 64 columns for 49: 1.31).
-MIN_POSITIONS = panel_width(np.float32) // 2
+#: Fewest output positions an image for these kernels: any. `MAX_WASTE` keeps `pointwise_conv` off
+#: maps under 24 positions, and `small_map_conv` takes the smaller ones where its channels waste
+#: less of its panels (`_small_map`): SSDlite's extra layers and heads on 3x3 to 1x1 maps, left
+#: to BLAS below 16 positions before, in one process 0.93-0.96x. And the most `pointwise_conv` may
+#: compute per position it keeps: a map's last panel is padded, computed and dropped (at 7x7, 64
+#: columns for 49: 1.31).
+MIN_POSITIONS = 1
 MAX_WASTE = 1.35
 #: Which kernel: `small_map_conv` (positions as the blocks' rows, channels as the panels, each
 #: block stored transposed) from this input depth a group on maps of at most `SMALL_MAP`

@@ -225,9 +225,9 @@ def test_float64_padded_and_depthwise_1x1_convs_take_other_ways(rng):
 
 def test_which_kernel_takes_a_1x1_conv(monkeypatch):
     """With the module's thresholds: deep inputs on small maps go to `small_map_conv`, maps whose
-    padding to whole panels wastes little to `pointwise_conv`, the rest (a 1x1 map, a 1x17 map of
-    a shallow input) to BLAS."""
-    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 16), ("SMALL_MAP_DEPTH", 256), ("SMALL_MAP", 1024),
+    padding to whole panels wastes little to `pointwise_conv`, the rest (a 1x1 or 1x17 map of a
+    shallow input) to BLAS."""
+    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 1), ("SMALL_MAP_DEPTH", 256), ("SMALL_MAP", 1024),
                         ("SMALL_MAP_WASTE_DEPTH", 32)):
         monkeypatch.setattr(conv_pointwise, name, value)
     f32 = np.dtype(np.float32)
@@ -246,4 +246,6 @@ def test_which_kernel_takes_a_1x1_conv(monkeypatch):
     assert kind(256, 14) == "small_map" and kind(1024, 7) == "small_map" and kind(512, 28) == "small_map"
     assert kind(256, 56) == "panels"
     assert kind(8, 1, 17) is None and kind(256, 1, 17) == "small_map"  # (17 positions: 32 columns)
-    assert kind(8, 1) is None and kind(512, 1) is None
+    # a map too small for panels of positions: the small-map kernel where it applies, else BLAS
+    assert kind(8, 1) is None and kind(512, 1) == "small_map" and kind(128, 3, m=256) == "small_map"
+    assert kind(16, 3, m=256) is None  # (too shallow)
