@@ -52,17 +52,21 @@ MAX_WASTE = 1.35
 #: block stored transposed) from this input depth a group on maps of at most `SMALL_MAP`
 #: positions, where its 256 scalar stores a block are few against the block's multiply-adds and
 #: no column is wasted. Measured on one core: ResNet-50's 1024 -> 256 at 14x14 1.06 ms against
-#: `pointwise_conv`'s 1.43, 512 -> 2048 at 7x7 1.22 against 2.32 (BLAS and a pass 1.73); a 24 ->
-#: 72 at 28x28 0.071 against 0.037.
+#: `pointwise_conv`'s 1.43, 512 -> 2048 at 7x7 1.22 against 2.32 (BLAS and a pass 1.73), its 256
+#: -> 64 at 56x56 454 against 515 µs; a 24 -> 72 at 28x28 0.071 against 0.037.
 SMALL_MAP_DEPTH = 256
-SMALL_MAP = 1024
-#: ... and from this depth on the maps of at most `SMALL_MAP` positions where it wastes less of its
-#: panels of output channels than `pointwise_conv` would of its panels of positions (EfficientNet's
+SMALL_MAP = 4096
+#: ... and from `SMALL_MAP_WASTE_DEPTH` on, the maps where it wastes less of its panels of output
+#: channels than `pointwise_conv` would of its panels of positions, counting its blocks as
+#: `SMALL_MAP_DEEP_COST` of the others' from `SMALL_MAP_DEEP` input channels on (EfficientNet's
 #: and MobileNetV3's expansions on 7x7 and 14x14 maps: 64 columns for 49 positions, 224 for 196,
 #: against whole panels of 576-1152 channels). One core: 192 -> 1152 at 7x7 126 -> 110 µs, 96 ->
-#: 576 at 7x7 34 -> 27, 112 -> 672 at 14x14 140 -> 123, 128 -> 512 at 28x28 500 -> 421; shallower
-#: inputs lose their transposed stores' cost (24 -> 144 at 14x14 10 against 12).
+#: 576 at 7x7 34 -> 27, 112 -> 672 at 14x14 140 -> 123, 128 -> 512 at 28x28 500 -> 421, 64 -> 256
+#: at 56x56 472 -> 424; shallower inputs lose their transposed stores' cost (24 -> 144 at 14x14 10
+#: against 12), and few channels their panel's padding (144 -> 24 at 56x56 101 against 162).
 SMALL_MAP_WASTE_DEPTH = 32
+SMALL_MAP_DEEP = 64
+SMALL_MAP_DEEP_COST = 0.9
 
 
 def takes_pointwise(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, begin: tuple[int, ...],
@@ -82,9 +86,12 @@ def _small_map(depth: int, positions: int, channels: int) -> bool:
     ``positions`` takes `small_map_conv` (`SMALL_MAP_DEPTH`, `SMALL_MAP_WASTE_DEPTH`)."""
     if positions > SMALL_MAP:
         return False
+    if depth >= SMALL_MAP_DEPTH:
+        return True
     width = panel_width(np.float32)
-    return depth >= SMALL_MAP_DEPTH or (depth >= SMALL_MAP_WASTE_DEPTH
-                                        and -(-channels // width) * positions < -(-positions // width) * channels)
+    cost = SMALL_MAP_DEEP_COST if depth >= SMALL_MAP_DEEP else 1.0
+    return (depth >= SMALL_MAP_WASTE_DEPTH
+            and -(-channels // width) * positions * cost < -(-positions // width) * channels)
 
 
 @dataclass(frozen=True)
