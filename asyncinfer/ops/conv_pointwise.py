@@ -38,8 +38,13 @@ from .compiled.pointwise import (finish_pointwise, finish_small_map, pack_weight
                                  pointwise_parts, post_pointwise, post_small_map, small_map_parts)
 from .conv_kernels import KeepWeights, keep_nothing, scratch
 from .epilogue import Epilogue
-from .linalg import TEAM_MIN_MACS
 
+#: From this many multiply-adds a 1x1 conv is shared with the spinning helpers (a GEMM's
+#: `linalg.TEAM_MIN_MACS` is 1 M): its parts are posted and waited for in compiled code, a few
+#: microseconds against the 10-40 µs of MobileNetV3's and ShuffleNet's 1x1s of 0.3-1 M. In one
+#: process, 300 k against 1 M: MobileNetV3-small 0.955x, SSDlite 0.977x, ShuffleNet 0.979x (150 k:
+#: no further gain).
+TEAM_MIN_MACS = 300_000
 #: Fewest output positions an image for these kernels: any. `MAX_WASTE` keeps `pointwise_conv` off
 #: maps under 24 positions, and `small_map_conv` takes the smaller ones where its channels waste
 #: less of its panels (`_small_map`): SSDlite's extra layers and heads on 3x3 to 1x1 maps, left
