@@ -25,8 +25,14 @@ ResNet-50 and Inception-v2 (256 -> 256 at 14x14 about 1.37 -> 1.13 ms): it is go
 input channels the transforms cost more than the GEMM saves (SqueezeNet's 16->64 at 55x55:
 0.79 -> 1.06 ms); with 32 they gained 10% on the GEMM conv, but the direct panel kernel is 10%
 faster again (SqueezeNet's 32 -> 128 at 27x27, in a worker: one core 557 against 628 µs, two
-cores 301 against 336; 32 -> 64 at 28x28 on two cores 176 against 199), and from 40 Winograd wins
-(40 -> 160 at 28x28: 810 against 898 µs, 48 -> 192 at 27x27 1004 against 1170): `MIN_CHANNELS`.
+cores 301 against 336; 32 -> 64 at 28x28 on two cores 176 against 199), and from 40 Winograd won
+there (40 -> 160 at 28x28: 810 against 898 µs, 48 -> 192 at 27x27 1004 against 1170). On the
+Zen 5 VM, whose AVX-512 FMAs are full width (two a cycle, where Zen 4 split each in halves), the
+direct panel kernel doubled and Winograd's transforms did not: from 256 input channels
+(`MIN_CHANNELS`) against 40, two workers in one process: ResNet-18 0.94x, DenseNet-121 0.93x,
+Inception-v2 0.93x, ResNet-50 0.97x (its 64 -> 64 at 56x56: about 500 µs on two cores direct,
+790-890 by Winograd). Whether Winograd pays depends on the CPU's FMA width against its memory
+and shuffles: a choice made per machine would be the better one.
 Results differ from the GEMM's by
 rounding: relative error about 5e-6 of the layer's largest output with 4x4 tiles (the transforms
 multiply by up to 8, and G's fractions are not exact in binary), against about 1e-6 for the GEMM.
@@ -52,7 +58,7 @@ from .linalg import SPLIT_MIN_MACS, TEAM_MIN_MACS
 # Fewest virtual tiles per image (the GEMMs' columns; one spare tile a tile row) for a tile size.
 MIN_TILES = 32
 # Fewest input channels (the GEMMs' depth) and output channels.
-MIN_CHANNELS = 40
+MIN_CHANNELS = 256
 MIN_OUT_CHANNELS = 16
 # Fewest values of each GEMM's product (output channels x virtual tiles): below, the direct panel
 # kernel is faster inside the models (DenseNet's twelve 128 -> 32 layers at 28x28, 56 tiles: 6.0

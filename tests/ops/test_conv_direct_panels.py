@@ -161,10 +161,19 @@ def test_an_stft_like_1d_conv_takes_the_panels(rng, monkeypatch):
     assert_conv_takes(monkeypatch, "panel_plan", dict(kernel_shape=[256], pads=[0, 0], strides=[128]), x, w, b)
 
 
-def test_small_maps_are_left_to_the_panels_by_winograd():
+def test_small_maps_are_left_to_the_panels_by_winograd(monkeypatch):
     """Winograd takes 3x3 layers with 4x4 tiles from about 21x21 on, where each of its GEMMs
-    makes `MIN_PRODUCT` values, from 40 input channels; smaller maps and products, and shallower
-    inputs, whose transforms cost more than its GEMMs save, take the panel kernel."""
+    makes `MIN_PRODUCT` values, from `MIN_CHANNELS` input channels (256; 40 on CPUs where its
+    transforms pay sooner, as here); smaller maps and products, and shallower inputs, whose
+    transforms cost more than its GEMMs save, take the panel kernel."""
+    f32 = np.dtype(np.float32)
+    assert conv_direct.takes_direct_panels((1, 128, 28, 28), (128, 128, 3, 3), 1, (1, 1), (28, 28), f32)
+    assert conv_winograd.winograd_tile((1, 128, 28, 28), (128, 128, 3, 3), 1, (1, 1), (1, 1), (1, 1), (1, 1),
+                                       (28, 28), f32) == 0  # (the module's 256 channels)
+    assert conv_winograd.winograd_tile((1, 256, 28, 28), (256, 256, 3, 3), 1, (1, 1), (1, 1), (1, 1), (1, 1),
+                                       (28, 28), f32) == 4
+    monkeypatch.setattr(conv_winograd, "MIN_CHANNELS", 40)
+
     def tile(c, m, hw):
         return conv_winograd.winograd_tile((1, c, hw, hw), (m, c, 3, 3), 1, (1, 1), (1, 1), (1, 1), (1, 1),
                                            (hw, hw), np.dtype(np.float32))
@@ -172,5 +181,4 @@ def test_small_maps_are_left_to_the_panels_by_winograd():
     assert tile(128, 128, 28) == 4 and tile(64, 64, 56) == 4 and tile(128, 32, 56) == 4
     assert tile(128, 32, 28) == 0  # (56 tiles x 32 channels: GEMM products too small)
     assert tile(32, 128, 27) == 0 and tile(48, 192, 27) == 4  # (SqueezeNet's expand layers)
-    f32 = np.dtype(np.float32)
     assert conv_direct.takes_direct_panels((1, 256, 14, 14), (256, 256, 3, 3), 1, (1, 1), (14, 14), f32)
