@@ -44,26 +44,31 @@ def test_a_view_of_wider_rows_is_read_in_place(rng):
     np.testing.assert_allclose(linalg.matmul(a, b), _exact(a, b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("helpers, panels", [(1, 2), (1, 5), (2, 3), (2, 7)])
-def test_panels_shared_with_the_team_give_the_same_bits(helpers, panels, rng, monkeypatch):
-    """Each thread takes a range of panels (b's columns); every output is the same sum in the
-    same order whoever computes it."""
+def test_panels_shared_with_the_team_give_the_same_bits(helpers, panels, packed, rng, monkeypatch):
+    """Each thread takes a range of panels (b's columns, read in place or packed: `pack_panels`);
+    every output is the same sum in the same order whoever computes it."""
+    from asyncinfer.ops.compiled.panels import pack_panels
+
     monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
     a = rng.standard_normal((37, 64)).astype(np.float32)
     b = rng.standard_normal((64, panels * W)).astype(np.float32)
     bias = rng.standard_normal(panels * W).astype(np.float32)
-    alone = linalg.matmul(a, b, bias)  # (no team bound: one thread)
+    packing = pack_panels(b) if packed else None
+    alone = linalg.matmul(a, b, bias, packing)  # (no team bound: one thread)
     runs = TeamRuns(helpers)
     try:
         with parallel.pool_bound(None, helpers + 1, runs.team):
-            shared = linalg.matmul(a, b, bias)
+            shared = linalg.matmul(a, b, bias, packing)
             with runs.busy():  # the team claimed by another poster: every panel here
-                busy = linalg.matmul(a, b, bias)
+                busy = linalg.matmul(a, b, bias, packing)
     finally:
         runs.team.close()
     assert runs.shared == 1
     np.testing.assert_array_equal(shared, alone)
     np.testing.assert_array_equal(busy, alone)
+    np.testing.assert_array_equal(alone, linalg._panel_gemm(a[None], b[None], bias)[0])  # (b read in place)
     np.testing.assert_allclose(alone, _exact(a, b, bias), rtol=1e-4, atol=1e-4)
 
 
@@ -180,33 +185,21 @@ def test_a_constant_weight_is_packed_at_its_first_product(monkeypatch, rng, sett
             np.testing.assert_array_equal(outputs[name], y_fed)
 
 
-@pytest.mark.parametrize("helpers", [1, 2])
-def test_packed_panels_shared_with_the_team_give_the_same_bits(helpers, rng, monkeypatch):
-    """b packed (`pack_panels`) takes the panel GEMM beyond `PANEL_GEMM_MAX_DEPTH` (up to
-    `PANEL_GEMM_MAX_PACKED_DEPTH`), alone or in ranges of panels on the team: the same bits as b
-    read in place."""
+def test_a_packed_b_takes_the_panel_gemm_deeper(rng, monkeypatch):
+    """b packed (`pack_panels`, all of its panels) takes the panel GEMM beyond
+    `PANEL_GEMM_MAX_DEPTH`, up to `PANEL_GEMM_MAX_PACKED_DEPTH`, with the bits of b read in place."""
     from asyncinfer.ops.compiled.panels import pack_panels
 
-    monkeypatch.setattr(linalg, "TEAM_MIN_MACS", 0)
     monkeypatch.setattr(linalg, "PANEL_GEMM_MAX_DEPTH", 16)
     a = rng.standard_normal((21, 40)).astype(np.float32)
     b = rng.standard_normal((40, 5 * W)).astype(np.float32)
-    bias = rng.standard_normal(5 * W).astype(np.float32)
     packed = pack_panels(b)
-    assert not linalg._takes_panel_gemm(a, b, bias) and linalg._takes_panel_gemm(a, b, bias, packed)
-    assert not linalg._takes_panel_gemm(a, b, bias, packed[:4])  # (not all of b's panels)
-    in_place = linalg._panel_gemm(a[None], b[None], bias)[0]
-    alone = linalg.matmul(a, b, bias, packed)
-    runs = TeamRuns(helpers)
-    try:
-        with parallel.pool_bound(None, helpers + 1, runs.team):
-            shared = linalg.matmul(a, b, bias, packed)
-    finally:
-        runs.team.close()
-    assert runs.shared == 1
-    np.testing.assert_array_equal(alone, in_place)
-    np.testing.assert_array_equal(shared, in_place)
-    np.testing.assert_allclose(alone, _exact(a, b, bias), rtol=1e-4, atol=1e-4)
+    assert not linalg._takes_panel_gemm(a, b, None) and linalg._takes_panel_gemm(a, b, None, packed)
+    assert not linalg._takes_panel_gemm(a, b, None, packed[:4])  # (not all of b's panels)
+    monkeypatch.setattr(linalg, "PANEL_GEMM_MAX_PACKED_DEPTH", 32)
+    assert not linalg._takes_panel_gemm(a, b, None, packed)
+    monkeypatch.setattr(linalg, "PANEL_GEMM_MAX_PACKED_DEPTH", 4096)
+    np.testing.assert_array_equal(linalg.matmul(a, b, None, packed), linalg._panel_gemm(a[None], b[None], None)[0])
 
 
 def test_a_large_a_goes_in_bands_with_the_bits_of_one(rng):
