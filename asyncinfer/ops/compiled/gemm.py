@@ -68,7 +68,7 @@ def gemm_on_panels(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.nd
     row of b a row apart, a stride at which a wide b's rows share a few cache sets)."""
     m, k = a.shape
     finish = BIAS if biased else RAW
-    band = max(BLOCK_ROWS, A_BAND_BYTES // (k * 4) // BLOCK_ROWS * BLOCK_ROWS)
+    band = max(BLOCK_ROWS, A_BAND_BYTES // (max(k, 1) * 4) // BLOCK_ROWS * BLOCK_ROWS)  # (K 0: one band of zeros)
     for r0 in range(0, m, band):
         _band(a, panels, y, bias, p0, p1, finish, r0, min(m, r0 + band))
 
