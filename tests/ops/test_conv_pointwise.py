@@ -40,6 +40,9 @@ CASES = {
     # three panels of channels: `small_map_conv` shares blocks of positions (MobileNetV3's 96 at 7x7)
     "three_panels": ((1, 24, 7, 7), 2 * _WIDTH + 1, (1, 1), 1),
     "three_panels_strided": ((1, 24, 13, 13), 2 * _WIDTH + 1, (2, 2), 1),
+    # maps under 16 positions (SSDlite's extra layers and heads): one position, and a 3x3 map
+    "one_position": ((1, 40, 1, 1), 70, (1, 1), 1),
+    "three_by_three": ((2, 33, 3, 3), 2 * _WIDTH, (1, 1), 1),
 }
 
 
