@@ -228,7 +228,7 @@ def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None,
     else ranges of panels. ``packed``: the one b's panels (`constant_panels`), else read in place."""
     count, m, k = a.shape
     n = b.shape[2]
-    columns = packed[None] if count == 1 and _packed_fits(packed, k, n) else gemm.batch_panels(b)
+    packed = packed if count == 1 and _packed_fits(packed, k, n) else gemm.NO_PACKED
     y = np.empty((count, m, n), np.float32)
     biased = bias is not None
     row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0, 0]  # (unread without a bias)
@@ -237,12 +237,12 @@ def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None,
     parts = None if team is None else _gemm_parts(count, panels, team.helpers + 1)
     control = None if parts is None or len(parts) < 2 else team.claim()  # type: ignore[union-attr]
     if control is None:  # alone, too small to share, or the team busy (every core is)
-        gemm.panel_gemm_batch(a, columns, y, row, 0, count, 0, panels, biased)
+        gemm.panel_gemm_batch(a, b, packed, y, row, 0, count, 0, panels, biased)
         return y
     try:  # posted, run and waited for in compiled code
-        if gemm.post_gemm(control, a, columns, y, row, parts, biased):
+        if gemm.post_gemm(control, a, b, packed, y, row, parts, biased):
             team.wake()  # type: ignore[union-attr]
-        if not gemm.finish_gemm(control, a, columns, y, row, parts, biased, spin_team.WAIT_ROUNDS):
+        if not gemm.finish_gemm(control, a, b, packed, y, row, parts, biased, spin_team.WAIT_ROUNDS):
             team.wait_posted(len(parts) - 1)  # type: ignore[union-attr, arg-type]
     finally:
         team.release()  # type: ignore[union-attr]

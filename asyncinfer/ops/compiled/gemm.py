@@ -124,32 +124,50 @@ def panel_gemm_any_width(a: np.ndarray, b: np.ndarray, y: np.ndarray, tail_b: np
                 y[r, start + j] = tail_y[r, j]
 
 
+#: No packed panels (`panel_gemm_batch` then reads each entry's b in place).
+NO_PACKED = np.zeros((0, 1, WIDTH), np.float32)
+
+
 @kernel(contract=False)
-def panel_gemm_batch(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int,
-                     p1: int, biased: bool) -> None:
-    """`gemm_on_panels` of entries ``e0:e1`` of a batch: ``a`` (E, M, K) with contiguous rows,
-    ``panels`` (E, P, K, W) each b's panels (`batch_panels`), ``y`` (E, M, N)."""
+def panel_gemm_batch(a: np.ndarray, b: np.ndarray, packed: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int,
+                     e1: int, p0: int, p1: int, biased: bool) -> None:
+    """`gemm_on_panels` of entries ``e0:e1`` of a batch: ``a`` (E, M, K) and ``b`` (E, K, N) with
+    contiguous rows, ``y`` (E, M, N); ``packed``: the one b's panels (`panels.pack_panels`), or
+    `NO_PACKED` to read each b's in place."""
+    _entries(a, _batch_panels(b, packed), y, bias, e0, e1, p0, p1, biased)
+
+
+@numba.njit(inline="always")
+def _entries(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, e0: int, e1: int, p0: int, p1: int,
+             biased: bool) -> None:
     for e in range(e0, e1):
         gemm_on_panels(a[e], panels[e], y[e], bias, p0, p1, biased)
 
 
-def batch_panels(b: np.ndarray) -> np.ndarray:
-    """A batch of b (E, K, N), rows contiguous, as its entries' panels in place, (E, N / W, K, W)."""
+@numba.njit(inline="always")
+def _batch_panels(b: np.ndarray, packed: np.ndarray) -> np.ndarray:
+    """The batch's panels (E, N / W, K, W): ``packed`` for every entry where it has panels, else
+    each b's own in place (a view made here, in compiled code: NumPy's ``as_strided`` costs
+    microseconds a call)."""
+    if packed.shape[0]:
+        return np.lib.stride_tricks.as_strided(packed, shape=(b.shape[0], packed.shape[0], packed.shape[1], WIDTH),
+                                               strides=(0, packed.strides[0], packed.strides[1], 4))
     count, k, n = b.shape
     return np.lib.stride_tricks.as_strided(b, shape=(count, n // WIDTH, k, WIDTH),
                                            strides=(b.strides[0], WIDTH * 4, b.strides[1], 4))
 
 
 @kernel(contract=False)
-def post_gemm(control: np.ndarray, a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray,
-              parts: np.ndarray, biased: bool) -> int:
+def post_gemm(control: np.ndarray, a: np.ndarray, b: np.ndarray, packed: np.ndarray, y: np.ndarray,
+              bias: np.ndarray, parts: np.ndarray, biased: bool) -> int:
     """Post part ``i + 1`` of ``parts`` (rows ``e0, e1, p0, p1``) to helper ``i`` of a claimed
-    team's ``control``, for `gemm_part` to run as ``panel_gemm_batch(a, panels, y, bias, e0, e1,
-    p0, p1, biased)``; how many of those helpers were asleep (the caller wakes them). ``a`` (E, M,
-    K) and ``panels`` (E, P, K, W) with contiguous rows, ``y`` C-contiguous; the caller keeps them
+    team's ``control``, for `gemm_part` to run as ``panel_gemm_batch(a, b, packed, y, bias, e0,
+    e1, p0, p1, biased)``; how many of those helpers were asleep (the caller wakes them). ``a``
+    (E, M, K) and ``b`` (E, K, N) with contiguous rows, ``y`` C-contiguous; the caller keeps them
     alive until the parts are done. Posted in one compiled call: building the parts' integers in
     Python cost about 5 µs a product (BERT-tiny's 128 x 128 @ 128 x 128 takes 20 µs a half)."""
     count, m, k = a.shape
+    panels = _batch_panels(b, packed)
     sleeping = 0
     for i in range(parts.shape[0] - 1):
         row = control[i]
@@ -168,11 +186,11 @@ def post_gemm(control: np.ndarray, a: np.ndarray, panels: np.ndarray, y: np.ndar
 
 
 @kernel(contract=False)
-def finish_gemm(control: np.ndarray, a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray,
-                parts: np.ndarray, biased: bool, rounds: int) -> bool:
+def finish_gemm(control: np.ndarray, a: np.ndarray, b: np.ndarray, packed: np.ndarray, y: np.ndarray,
+                bias: np.ndarray, parts: np.ndarray, biased: bool, rounds: int) -> bool:
     """Run part 0 of ``parts`` here, then wait for the parts `post_gemm` posted; False when a
     helper is not done within ``rounds`` spins (the caller then waits the slow way)."""
-    panel_gemm_batch(a, panels, y, bias, parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3], biased)
+    panel_gemm_batch(a, b, packed, y, bias, parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3], biased)
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
@@ -206,5 +224,4 @@ def gemm_part(control: np.ndarray) -> None:
     y = numba.carray(address_as_pointer(control[at + 11], np.float32), (count, m, p * WIDTH))
     bias = numba.carray(address_as_pointer(control[at + 12], np.float32), (p * WIDTH,))
     q = at + 13
-    panel_gemm_batch(a, panels, y, bias, control[q], control[q + 1], control[q + 2], control[q + 3],
-                     control[q + 4] != 0)
+    _entries(a, panels, y, bias, control[q], control[q + 1], control[q + 2], control[q + 3], control[q + 4] != 0)
