@@ -259,8 +259,14 @@ def initial_sums(context: Any, builder: Any, sig: Any, args: Any, y_vector: Call
     finish = context.cast(builder, args[8], sig.args[8], types.int64)
     adding = builder.icmp_unsigned("!=", builder.and_(finish, ir.Constant(ir.IntType(64), ADD_TO_Y)),
                                    ir.Constant(ir.IntType(64), 0))
-    return [[cgutils.alloca_once_value(builder, builder.select(adding, builder.load(y_vector(r, v), align=size), zero))
-             for v in range(vectors)] for r in range(rows)]
+    sums = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(rows)]
+    # a branch, not a select: an unconditional load of y stalled every block's sums on y's lines,
+    # cold when y is a fresh output (a stem's 3 MB: ~400 cycles a block, 3x3/2 3 -> 64 at half speed)
+    with builder.if_then(adding, likely=False):
+        for r in range(rows):
+            for v in range(vectors):
+                builder.store(builder.load(y_vector(r, v), align=size), sums[r][v])
+    return sums
 
 
 def multiply_add(builder: Any, sums: list[list[Any]], step: Any, columns: list[Any], spacing: Any = None) -> None:
