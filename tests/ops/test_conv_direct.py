@@ -2,7 +2,8 @@
 compiled/direct.py).
 
 Checked against onnx's reference implementation across the ways the kernel cuts its work (rows
-of two vectors, one vector and a last partial one; output channels in whole blocks and a last
+of two vectors, one vector and a last partial one, that partial one spilling into the next row or
+not; output channels in whole blocks and a last
 partial one; strides 1, 2 and 4; asymmetric padding; several images) and the ways a plan shares
 it (output rows through the images, on one and two helpers, the team busy); fused activations
 against the standalone ops bit for bit; and which convs take it.
@@ -30,6 +31,9 @@ CASES = {
     "four_channels_5x5": ((1, 4, 11, 70), 9, 5, 1, [2, 2, 2, 2]),
     "asymmetric_pads": ((1, 3, 21, 66), 32, 3, 2, [0, 1, 2, 0]),
     "images": ((3, 3, 12, 2 * LANES + 7), 8, 3, 1, [1, 1, 1, 1]),
+    # rows shorter than a vector: a row's block spills into the next row (12 wide) or cannot (7 wide)
+    "rows_under_a_vector": ((2, 3, 9, LANES - 4), 8, 3, 1, [1, 1, 1, 1]),
+    "rows_under_half_a_vector": ((2, 3, 9, LANES // 2 - 1), 8, 3, 1, [1, 1, 1, 1]),
 }
 
 
@@ -49,6 +53,7 @@ def _plan(x, w, b, attrs, epilogue=None):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_reference_alone(name, rng, monkeypatch):
+    monkeypatch.setattr(conv_direct, "MIN_WIDTH", 1)  # (rows narrower than the routing's bound too)
     x, w, b, attrs = _operands(name, rng)
     assert_conv_takes(monkeypatch, "direct_plan", attrs, x, w, b)
 
