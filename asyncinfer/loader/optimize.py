@@ -18,7 +18,7 @@ from ..limits import Limits
 from ..model.ir import Layer, Model, TensorInfo
 from ..ops.elementwise import compute_dtype
 from .patterns import (PATTERN_PASSES, fuse_add_layer_norm, fuse_channel_shuffles, fuse_gemm_reshapes, fuse_matmul_bias,
-                       fuse_reshape_transposes, fuse_split_heads, fuse_squeeze_excite)
+                       fuse_reshape_transposes, fuse_sibling_products, fuse_split_heads, fuse_squeeze_excite)
 
 # Ops whose output depends only on the *shape* of their input: CPU-bound propagation stops there.
 SHAPE_ONLY_OPS = {"Shape", "Size"}
@@ -758,6 +758,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_gemm_reshapes", fuse_gemm_reshapes),  # after both: a Gemm's activations and weights settled
     ("fuse_squeeze_excite", fuse_squeeze_excite),  # (after the convs' activations are fused too)
     ("fuse_matmul_bias", fuse_matmul_bias),  # (after the Add's activations are fused)
+    ("fuse_sibling_products", fuse_sibling_products),  # (after: Q, K and V as MatMulBias layers)
     ("fuse_add_layer_norm", fuse_add_layer_norm),  # (after: a projection's bias Add is that fusion's)
     ("fuse_channel_shuffles", fuse_channel_shuffles),  # (after the convs' activations; before the next)
     ("fuse_reshape_transposes", fuse_reshape_transposes),

@@ -1133,3 +1133,88 @@ def test_matmul_bias_on_gpu_pixel_runs_the_layers_it_replaced_there():
     with ai.Worker(model, "gpu_pixel") as worker:
         assert not worker.placement.fallback and set(worker.placement.layers.values()) == {"gpu_pixel"}
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
+
+
+# -- products of one input side by side (Q, K, V) ------------------------------------------------
+def _siblings_model(*, biased: bool = True, widths: tuple[int, ...] = (12, 12, 8), gelu_on: int | None = None,
+                    shared_weight: int | None = None) -> onnx.ModelProto:
+    """``y = concat_i(x @ W_i [+ b_i])`` over ``widths``, x (2, 5, 16): projections of one input.
+    ``gelu_on``: that one's sum goes through Gelu; ``shared_weight``: that one's weight is also
+    read by a product of ``x2``, added to ``y``'s first part."""
+    rng = np.random.default_rng(11)
+    consts, nodes, parts = [], [], []
+    for i, n in enumerate(widths):
+        consts.append(_const(f"w{i}", rng.standard_normal((C, n)) * 0.3))
+        out = f"p{i}"
+        nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [out]))
+        if biased:
+            consts.append(_const(f"b{i}", rng.standard_normal(n)))
+            nodes.append(helper.make_node("Add", [out, f"b{i}"], [f"s{i}"]))
+            out = f"s{i}"
+        if gelu_on == i:
+            nodes.append(helper.make_node("Gelu", [out], [f"g{i}"], domain=""))
+            out = f"g{i}"
+        parts.append(out)
+    inputs = [tensor_info("x", [2, 5, C])]
+    if shared_weight is not None:
+        inputs.append(tensor_info("x2", [2, 5, C]))
+        nodes += [helper.make_node("MatMul", ["x2", f"w{shared_weight}"], ["other"]),
+                  helper.make_node("Add", [parts[0], "other"], ["first"])]
+        parts[0] = "first"
+    nodes.append(helper.make_node("Concat", parts, ["y"], axis=-1))
+    return make_model(nodes, inputs, [tensor_info("y", None)], consts, opset=20)
+
+
+def _sibling_feeds(proto: onnx.ModelProto) -> dict:
+    return {i.name: RNG.standard_normal((2, 5, C)).astype(np.float32) for i in proto.graph.input}
+
+
+@pytest.mark.parametrize("biased", [True, False])
+@pytest.mark.parametrize("widths", [(12, 12, 8), (32, 32, 64)])
+def test_products_of_one_input_join_into_one(biased, widths):
+    """One product on the weights side by side, cut by a Split into the parts: the definition's
+    values; the unfused layers' very bits where every part's width is whole panels (the parts
+    and the joined product then take the same kernel), within rounding where the narrow parts
+    went to another."""
+    proto = _siblings_model(biased=biased, widths=widths)
+    feeds = _sibling_feeds(proto)
+    model, got = _load_and_run(proto, feeds)
+    assert model.optimizations["fuse_sibling_products"] == 1
+    kind = "MatMulBias" if biased else "MatMul"
+    assert [l.op_type for l in model.layers] == [kind, "Split", "Concat"]
+    joined, split = model.layers[:2]
+    assert model.constants[joined.inputs[1]].shape == (C, sum(widths))
+    assert split.outputs == (["s0", "s1", "s2"] if biased else ["p0", "p1", "p2"])
+    assert not {"w0", "w1", "w2", "b0", "b1", "b2"} & set(model.constants)  # (one copy of the weights)
+    if biased:
+        assert [l.op_type for l in joined.expansion] == ["MatMul", "Add"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+    unfused = _load_and_run(proto, feeds, without="fuse_sibling_products")[1]
+    if all(w % 32 == 0 for w in widths):
+        np.testing.assert_array_equal(got, unfused)
+    else:
+        np.testing.assert_allclose(got, unfused, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant, joined", [(dict(gelu_on=1), 2), (dict(shared_weight=0), 2),
+                                             (dict(widths=(12,)), 0), (dict(gelu_on=0, widths=(12, 8)), 0)])
+def test_only_products_with_weights_of_their_own_and_no_activation_join(variant, joined):
+    """A product whose sum goes through an activation, or whose weight another layer reads,
+    stays apart; the others still join (two or more)."""
+    proto = _siblings_model(**variant)
+    feeds = _sibling_feeds(proto)
+    model, got = _load_and_run(proto, feeds)
+    assert model.optimizations["fuse_sibling_products"] == (1 if joined else 0)
+    if joined:
+        split = next(l for l in model.layers if l.op_type == "Split")
+        assert len(split.outputs) == joined
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_joined_products_on_gpu_pixel_run_there():
+    require_pixel()
+    proto = _siblings_model()
+    feeds = _sibling_feeds(proto)
+    model, got = _load_and_run(proto, feeds, backend="gpu_pixel")
+    assert model.optimizations["fuse_sibling_products"] == 1
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
