@@ -188,13 +188,14 @@ class Worker:
         return steps()
 
     def _new_execution(self, inputs: tuple, named: dict, outputs: Sequence[str] | None = None,
-                       profile: Profile | None = None, serial: bool = False) -> Execution:
-        """A run of these inputs; ``serial``: its steps one after another (see runtime/tuning.py)."""
+                       profile: Profile | None = None, serial: bool = False, borrow: bool = False) -> Execution:
+        """A run of these inputs; ``serial``: its steps one after another (see runtime/tuning.py);
+        ``borrow``: read the input arrays in place (a run the caller waits for, see `bind_inputs`)."""
         self._check_open()
         plan = self._plan if outputs is None else self._plans.get(outputs)
         if profile is not None and not isinstance(profile, Profile):
             raise TypeError(f"profile must be an asyncinfer.Profile, got {type(profile).__name__}")
-        futures = bind_inputs(self.model, inputs, named)
+        futures = bind_inputs(self.model, inputs, named, borrow)
         observed = None
         if outputs is None and self._shape_plans.enabled:  # the shape arithmetic, once per input signature
             plan, observed = self._shape_plans.plan_for(futures)
@@ -234,13 +235,17 @@ class Worker:
         graph: see `schedule()`); ``profile`` records the run's steps in a `Profile`.
         Cancelling the awaiting task skips the layers that have not started.
 
+        NumPy input arrays are read in place, not copied, as ONNX Runtime's ``run`` reads them:
+        do not change one from another task or thread until the call returns (`schedule()`
+        copies its inputs). A cancelled run's layers already running may still read them after.
+
         On the cpu backend, a run whose inputs' shapes measured at most 1 ms takes its steps on
         the loop's thread after yielding to it once: cheaper for the loop than handing it to a
         pool thread and back (see "How a model runs"; ``ASYNCINFER_QUICK_RUN_US``).
         """
         with self._run_mode.timed() as trial:
             start = time.perf_counter()
-            execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
+            execution = self._new_execution(inputs, named, outputs, profile, trial.serial, borrow=True)
             quick = self._quick_key(execution, outputs)
             here = quick is not None and not self._run_mode.deciding and self._quick_runs.here(quick)  # type: ignore[union-attr]
             if here:  # no hand-off to the pool and back (see tuning.QuickRuns)
@@ -272,9 +277,9 @@ class Worker:
                      **named: Any) -> dict[str, np.ndarray]:
         """Blocking twin of [`run`][asyncinfer.Worker.run]: waits on the calling thread, which meanwhile runs the
         run's first ready work on the cpu backend (no hand-off to a pool thread and back). Do not call it on an
-        event loop."""
+        event loop. Its input arrays are read in place too (do not change them from another thread meanwhile)."""
         with self._run_mode.timed() as trial:
-            execution = self._new_execution(inputs, named, outputs, profile, trial.serial)
+            execution = self._new_execution(inputs, named, outputs, profile, trial.serial, borrow=True)
             self._backend.submit_here(execution.submit_all)  # this thread waits anyway: it may run the first work
             tensors = [execution.take_output(name) for name in execution.plan.output_names]
             arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}

@@ -321,6 +321,27 @@ def test_run_blocking_twin(add_chain_model):
     np.testing.assert_array_equal(out["y"], np.full((2, 4), 3, np.float32))
 
 
+def test_schedule_copies_its_inputs_and_a_waited_run_reads_them_in_place(gated_model):
+    """``schedule`` returns while its run is pending, so it runs on a copy (the caller may reuse
+    its buffer at once); ``run``/``run_blocking`` read a C-contiguous array of the input's type
+    in place, as ONNX Runtime does, and copy anything else (another layout or byte order)."""
+    from asyncinfer.runtime.inputs import bind_inputs
+
+    model, gate = gated_model
+    x = np.ones((2, 3), np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        execution = worker.schedule(x)
+        x[:] = 7  # while the run waits at the gate
+        gate.set()
+        np.testing.assert_array_equal(execution.take_output("y").download_to_array(), np.full((2, 3), 2, np.float32))
+    assert bind_inputs(model, (x,), {}, borrow=True)["x"].peek()[0] is x
+    assert bind_inputs(model, (x,), {})["x"].peek()[0] is not x
+    for other in (np.ones((3, 2), np.float32).T, np.ones((2, 3), ">f4")):  # (a transposed view, big-endian)
+        bound = bind_inputs(model, (other,), {}, borrow=True)["x"].peek()[0]
+        assert bound is not other and bound.flags.c_contiguous and bound.dtype == np.float32
+        np.testing.assert_array_equal(bound, other)
+
+
 def test_pending_tensor_can_feed_another_worker(gated_model, add_chain_model):
     model, gate = gated_model
     first = ai.Worker(model)
