@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .base import Op
+from .compiled.normalization import max_rows
 from .elementwise import compute_dtype
 from .registry import register
 from .shape import int_list, normalize_axis
@@ -40,6 +41,10 @@ def _extreme(xp: Any, fn: Callable[..., Any], x: Any, axes: Axes, keep: bool, id
     return xp.full(shape, identity, dtype=x.dtype)
 
 
+def _max(xp: Any, x: Any, axes: Axes, keep: bool) -> Any:
+    return _extreme(xp, xp.max, x, axes, keep, _lowest(x.dtype))
+
+
 def _sum(xp: Any, x: Any, axes: Axes, keep: bool) -> Any:
     return xp.sum(x, axis=axes, keepdims=keep, dtype=x.dtype)  # no int32 -> int64 promotion
 
@@ -56,7 +61,7 @@ def _log_sum_exp(xp: Any, x: Any, axes: Axes, keep: bool) -> Any:
 REDUCTIONS: dict[str, tuple[Callable[[Any, Any, Axes, bool], Any], int, tuple[int, ...]]] = {
     "ReduceSum": (_sum, 13, (1, 11, 13)),
     "ReduceMean": (lambda xp, x, a, k: xp.mean(x, axis=a, keepdims=k), 18, (1, 11, 13, 18)),
-    "ReduceMax": (lambda xp, x, a, k: _extreme(xp, xp.max, x, a, k, _lowest(x.dtype)), 18, (1, 11, 12, 13, 18, 20)),
+    "ReduceMax": (_max, 18, (1, 11, 12, 13, 18, 20)),
     "ReduceMin": (lambda xp, x, a, k: _extreme(xp, xp.min, x, a, k, _highest(x.dtype)), 18, (1, 11, 12, 13, 18, 20)),
     "ReduceProd": (lambda xp, x, a, k: xp.prod(x, axis=a, keepdims=k, dtype=x.dtype), 18, (1, 11, 13, 18)),
     "ReduceL1": (lambda xp, x, a, k: _sum(xp, xp.abs(x), a, k), 18, (1, 11, 13, 18)),
@@ -72,6 +77,13 @@ class _Reduce(Op):
     axes_as_input: ClassVar[bool] = False
 
     def run(self, x: np.ndarray, axes: np.ndarray | None = None) -> np.ndarray:
+        if type(self).reduction is _max and x.dtype == np.float32 and x.size:
+            reduced = self.reduced_axes(x.ndim, axes)
+            if reduced == (x.ndim - 1,):  # rows: a compiled pass (`compiled.normalization.max_rows`)
+                rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+                out = np.empty(rows.shape[0], np.float32)
+                max_rows(rows, out)
+                return out.reshape(x.shape[:-1] + ((1,) if self.attr("keepdims") else ()))
         with np.errstate(all="ignore"):
             return self.reduce(np, x, axes)
 

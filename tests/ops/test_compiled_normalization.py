@@ -88,3 +88,24 @@ def test_rms_norm_rows_match_reference(shape, axis, rng):
     want = reference_run("RMSNormalization", [x, scale], attrs, opset=23)[0]
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [1, 7, 8, 15, 16, 33, 90])
+@pytest.mark.parametrize("keepdims", [0, 1])
+def test_reduce_max_over_the_last_axis_with_nan_and_inf(width, keepdims, rng):
+    """A float32 ReduceMax over the last axis runs on compiled rows (`max_rows`: eight running
+    maxima and a tail): every split of a row, NaN anywhere in a row gives NaN (np.max's answer),
+    infinities of both signs and a row holding both."""
+    x = randn(rng, 7, 3, width) * 30
+    x[1, 0, width // 2] = np.nan
+    x[2, 1, -1] = np.inf
+    x[3, 2, 0] = -np.inf
+    x[4, 0] = -np.inf
+    x[5, 1, 0], x[5, 1, -1] = np.inf, -np.inf
+    x[6, 2] = np.nan
+    op = make_op("ReduceMax", dict(axes=[2], keepdims=keepdims), version=13, n_inputs=1)
+    got = op(x)[0]
+    want = reference_run("ReduceMax", [x], dict(axes=[2], keepdims=keepdims), opset=13)[0]
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(op(x[:, :, ::-1])[0], np.max(x[:, :, ::-1], axis=2, keepdims=bool(keepdims)))

@@ -66,14 +66,20 @@ def _normalise_row(row: np.ndarray, scale: np.ndarray, bias: np.ndarray, has_bia
 @kernel
 def softmax_rows(x: np.ndarray, y: np.ndarray) -> None:
     """Each row of ``x`` (R, D) → ``y``: ``e^(x - max) / Σ e^(x - max)`` (a NaN anywhere in a row
-    makes the whole row NaN through the sum; a row of -inf gives NaN, as the definition's 0/0)."""
+    makes the whole row NaN through the sum; a row of -inf gives NaN, as the definition's 0/0).
+    Each row inlined (`_softmax_row`): a call per row cost 100 µs of SSDlite's 3234 rows of 91."""
     for r in range(x.shape[0]):
-        softmax_row(x[r], y[r])
+        _softmax_row(x[r], y[r])
 
 
 @kernel
 def softmax_row(row: np.ndarray, out: np.ndarray) -> None:
     """One row of `softmax_rows` (``out`` may be ``row``)."""
+    _softmax_row(row, out)
+
+
+@inline
+def _softmax_row(row: np.ndarray, out: np.ndarray) -> None:
     top = row_max(row)
     if top == -np.inf:  # every value -inf or NaN: NaN, as e^(x - max) gives
         top = row[0]
@@ -83,6 +89,23 @@ def softmax_row(row: np.ndarray, out: np.ndarray) -> None:
     else:
         _exp_shifted(row, top, out)
         _normalise(out)
+
+
+@kernel
+def max_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """``out[r]`` = the largest value of row ``r`` of ``x`` (R, D), D ≥ 1: NaN where the row holds
+    one (``np.max``'s answer; `row_max` skips NaN, and a NaN-free row sums to a number unless it
+    holds both infinities). NumPy's max over a short last axis ran 190 µs on SSDlite's 3234 x 90."""
+    for r in range(x.shape[0]):
+        row = x[r]
+        top = row_max(row)
+        total = row_sum(row)
+        if total != total:
+            for i in range(row.shape[0]):
+                if row[i] != row[i]:
+                    top = row[i]
+                    break
+        out[r] = top
 
 
 @inline
