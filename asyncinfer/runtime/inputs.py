@@ -60,7 +60,7 @@ def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any],
     ``borrow``: a run the caller waits for (``run``, ``run_blocking``) reads a C-contiguous
     NumPy array of the input's type in place, as ONNX Runtime's ``run`` does (no kernel writes
     into its inputs): a 224x224 image's copy took 60-70 µs of a MobileNetV3 run, a batch of 32
-    two milliseconds."""
+    about a millisecond."""
     declared = {i.name: i for i in model.inputs}
     if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
         given = dict(args[0])
