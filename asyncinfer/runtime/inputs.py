@@ -57,9 +57,9 @@ def bind_inputs(model: Model, args: Sequence[Any], kwargs: Mapping[str, Any],
     """Map ``schedule(...)`` arguments to input futures; raises InputError naming the input at fault.
 
     Each array is copied (the caller may reuse its buffer while the run is pending), unless
-    ``borrow``: a run the caller waits for (``run``, ``run_blocking``) reads a C-contiguous
-    NumPy array of the input's type in place, as ONNX Runtime's ``run`` does (no kernel writes
-    into its inputs): a 224x224 image's copy took 60-70 µs of a MobileNetV3 run, a batch of 32
+    ``borrow``: a run the caller waits for (``run``, ``run_blocking``) reads a C-contiguous,
+    writeable NumPy array of the input's type in place, as ONNX Runtime's ``run`` does (no kernel
+    writes into its inputs): a 224x224 image's copy took 60-70 µs of a MobileNetV3 run, a batch of 32
     about a millisecond."""
     declared = {i.name: i for i in model.inputs}
     if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
@@ -122,8 +122,9 @@ def _input_future(info: TensorInfo, value: Any, bindings: dict[str, tuple[int, s
     if native != info.dtype:
         _check_dtype(info, native)
     _check_shape(info, array.shape, bindings)
-    if borrow and type(array) is np.ndarray and array.dtype == native and array.flags.c_contiguous:
-        return TaskFuture.completed([array], label=info.name)  # (read in place: see `bind_inputs`)
+    if (borrow and type(array) is np.ndarray and array.dtype == native and array.flags.c_contiguous
+            and array.flags.writeable):  # (a read-only one, a request body's view, say, would make the
+        return TaskFuture.completed([array], label=info.name)  # compiled kernels compile again for it)
     # A private copy in native byte order: the caller may reuse its buffer while the run is pending
     # (made keeping the GIL: on an event loop's thread, see concurrency/holding_gil.py).
     return TaskFuture.completed([copy_array(array, native)], label=info.name)

@@ -323,8 +323,9 @@ def test_run_blocking_twin(add_chain_model):
 
 def test_schedule_copies_its_inputs_and_a_waited_run_reads_them_in_place(gated_model):
     """``schedule`` returns while its run is pending, so it runs on a copy (the caller may reuse
-    its buffer at once); ``run``/``run_blocking`` read a C-contiguous array of the input's type
-    in place, as ONNX Runtime does, and copy anything else (another layout or byte order)."""
+    its buffer at once); ``run``/``run_blocking`` read a C-contiguous, writeable array of the
+    input's type in place, as ONNX Runtime does, and copy anything else (another layout or byte
+    order, a read-only array)."""
     from asyncinfer.runtime.inputs import bind_inputs
 
     model, gate = gated_model
@@ -336,7 +337,9 @@ def test_schedule_copies_its_inputs_and_a_waited_run_reads_them_in_place(gated_m
         np.testing.assert_array_equal(execution.take_output("y").download_to_array(), np.full((2, 3), 2, np.float32))
     assert bind_inputs(model, (x,), {}, borrow=True)["x"].peek()[0] is x
     assert bind_inputs(model, (x,), {})["x"].peek()[0] is not x
-    for other in (np.ones((3, 2), np.float32).T, np.ones((2, 3), ">f4")):  # (a transposed view, big-endian)
+    read_only = np.ones((2, 3), np.float32)
+    read_only.setflags(write=False)  # (a request body's view: kernels compiled for it would compile again)
+    for other in (np.ones((3, 2), np.float32).T, np.ones((2, 3), ">f4"), read_only):  # (a transposed view, big-endian)
         bound = bind_inputs(model, (other,), {}, borrow=True)["x"].peek()[0]
         assert bound is not other and bound.flags.c_contiguous and bound.dtype == np.float32
         np.testing.assert_array_equal(bound, other)
