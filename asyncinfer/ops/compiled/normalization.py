@@ -92,12 +92,14 @@ def _softmax_row(row: np.ndarray, out: np.ndarray) -> None:
 
 
 @kernel
-def max_rows(x: np.ndarray, out: np.ndarray) -> None:
-    """``out[r]`` = the largest value of row ``r`` of ``x`` (R, D), D ≥ 1: NaN where the row holds
-    one (``np.max``'s answer; `row_max` skips NaN, and a NaN-free row sums to a number unless it
-    holds both infinities). NumPy's max over a short last axis ran 190 µs on SSDlite's 3234 x 90."""
-    for r in range(x.shape[0]):
-        row = x[r]
+def max_rows(span: np.ndarray, stride: int, width: int, out: np.ndarray) -> None:
+    """``out[r]`` = the largest value of row ``r``, ``span[r·stride:r·stride + width]`` (width ≥ 1;
+    rows of a 2-D array, or of a view whose rows are each contiguous, read in place): NaN where
+    the row holds one (``np.max``'s answer; `row_max` skips NaN, and a NaN-free row sums to a
+    number unless it holds both infinities). NumPy's max over a short last axis ran 190 µs on
+    SSDlite's 3234 x 90."""
+    for r in range(out.shape[0]):
+        row = span[r * stride:r * stride + width]
         top = row_max(row)
         total = row_sum(row)
         if total != total:
