@@ -65,11 +65,28 @@ def _normalise_row(row: np.ndarray, scale: np.ndarray, bias: np.ndarray, has_bia
 
 @kernel
 def softmax_rows(x: np.ndarray, y: np.ndarray) -> None:
-    """Each row of ``x`` (R, D) → ``y``: ``e^(x - max) / Σ e^(x - max)`` (a NaN anywhere in a row
-    makes the whole row NaN through the sum; a row of -inf gives NaN, as the definition's 0/0).
-    Each row inlined (`_softmax_row`): a call per row cost 100 µs of SSDlite's 3234 rows of 91."""
-    for r in range(x.shape[0]):
-        _softmax_row(x[r], y[r])
+    """Each row of ``x`` (R, D), C-contiguous, → ``y`` (the same shape, C-contiguous, or ``x``
+    itself): ``e^(x - max) / Σ e^(x - max)`` (a NaN anywhere in a row makes the whole row NaN
+    through the sum; a row of -inf gives NaN, as the definition's 0/0). The values as
+    `softmax_row` computes them, in three passes: each row less its maximum, then ``exp`` over
+    every value at once, then each row normalised. Row by row, a row's last values short of a
+    vector took ``exp`` one at a time, and each row was a call: SSDlite's 3234 rows of 91, one
+    core, 280 -> 171 µs."""
+    rows, d = x.shape
+    for r in range(rows):
+        row, out = x[r], y[r]
+        top = row_max(row)
+        if top == -np.inf:  # every value -inf or NaN: NaN, as e^(x - max) gives
+            top = row[0]
+        if out.ctypes.data == row.ctypes.data:  # (in place: one array, no aliasing guard; see `_softmax_row`)
+            _shift(out, top, out)
+        else:
+            _shift(row, top, out)
+    flat = y.reshape(rows * d)
+    for i in range(rows * d):
+        flat[i] = _exp(flat[i])
+    for r in range(rows):
+        _normalise(y[r])
 
 
 @kernel
@@ -108,6 +125,13 @@ def max_rows(span: np.ndarray, stride: int, width: int, out: np.ndarray) -> None
                     top = row[i]
                     break
         out[r] = top
+
+
+@inline
+def _shift(row: np.ndarray, top: float, out: np.ndarray) -> None:
+    """``out[i] = row[i] - top``."""
+    for i in range(row.shape[0]):
+        out[i] = row[i] - top
 
 
 @inline
