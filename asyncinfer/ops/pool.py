@@ -18,8 +18,8 @@ import numpy as np
 
 from ..concurrency import parallel, spin_team
 from .base import Op
-from .compiled.pool import (COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_ONE_SUM, THREE_BY_TWO, TILES, finish_pool, pool_range,
-                            post_pool)
+from .compiled.pool import (COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_ONE_MEAN, THREE_BY_ONE_SUM, THREE_BY_TWO, TILES,
+                            finish_pool, pool_range, post_pool)
 from .compiled.rows import row_means
 from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -113,7 +113,7 @@ class _WindowPool(Op):
         CPU backend's spinning helpers (float32, from `TEAM_MIN_MACS` window taps: SqueezeNet's
         and ResNet's 3x3/2 pools), else between the pool's threads."""
         n, c, h, w = x.shape
-        plan = self.per_shape((x.shape, x.dtype), lambda: self._plan_2d(x.shape, x.dtype))
+        plan = self._plan_of(x)
         y = np.empty((n * c, *plan.out), dtype=x.dtype)
         if y.size == 0:
             return y.reshape(n, c, *plan.out)
@@ -122,6 +122,10 @@ class _WindowPool(Op):
             run_tasks([functools.partial(pool_range, plan.loop, planes, y, p0, p1, *plan.geometry, plan.lowest[0],
                                          self.summing) for p0, p1 in plan.parts], plan.threads)
         return y.reshape(n, c, *plan.out)
+
+    def _plan_of(self, x: np.ndarray) -> "_Plan2d":
+        """`_plan_2d` for ``x``'s shape and type, made once."""
+        return self.per_shape((x.shape, x.dtype), lambda: self._plan_2d(x.shape, x.dtype))
 
     def _on_team(self, plan: "_Plan2d", planes: np.ndarray, y: np.ndarray) -> bool:
         """The planes in one share per sharer, this thread's and each spinning helper's, posted,
@@ -170,7 +174,9 @@ class _WindowPool(Op):
             elif self.summing and kernel == [3, 3] and [int(b) for b in begin] == [1, 1] \
                     and tuple(int(o) for o in out) == tuple(shape[2:]) \
                     and all(int(s) == 1 for s in strides) and all(int(d) == 1 for d in dilations):
-                loop = THREE_BY_ONE_SUM  # (a pad of one all round: Inception's average pools)
+                # (a pad of one all round: Inception's average pools; divided in the loop where the pads
+                # do not count, as the windows at the edges then hold fewer values)
+                loop = THREE_BY_ONE_SUM if self.attr("count_include_pad", 0) else THREE_BY_ONE_MEAN
             else:
                 loop = (FLAT if flat_pays(strides, shape[3], in_place) else COLUMNS_FIRST if int(strides[0]) > 1
                         else ROWS_FIRST)
@@ -194,7 +200,7 @@ class _Plan2d:
     """`_WindowPool._compiled_2d` for one input shape (see `_plan_2d`)."""
 
     out: tuple[int, int]
-    loop: int                      # `compiled.pool`'s ROWS_FIRST, COLUMNS_FIRST or TILES
+    loop: int                      # `compiled.pool`'s ROWS_FIRST, COLUMNS_FIRST, TILES, …
     geometry: tuple[int, ...]      # kh, kw, sh, sw, dh, dw, top, left
     geometry_array: np.ndarray     # the same, int64 (for the compiled posting)
     lowest: np.ndarray             # (1,) float64: what a window wholly in the padding gives
@@ -265,7 +271,8 @@ class MaxPool(_WindowPool):
 class AveragePool(_WindowPool):
     """Mean over each window; count_include_pad decides whether explicit pads count as elements.
     2-D float ones sum on the compiled loops of MaxPool (GoogLeNet's and ShuffleNet's 3x3 pools:
-    one pass instead of a padded copy and four whole-array ones), then divide."""
+    one pass instead of a padded copy and four whole-array ones), then divide; Inception's 3x3/1
+    pools with a pad of one that does not count divide in the loop itself."""
 
     summing = True
 
@@ -274,6 +281,8 @@ class AveragePool(_WindowPool):
             return global_average(x)  # (ResNet's and ShuffleNet's last pool: 7x7 on a 7x7 map)
         if x.ndim == 4 and x.dtype in (np.float32, np.float64):
             total = self._compiled_2d(x)
+            if self._plan_of(x).loop == THREE_BY_ONE_MEAN:  # (divided already)
+                return total
             begin, end, out = self.per_shape(("geometry", x.shape), lambda: self._geometry(x.shape))
         else:
             total, begin, end, out = self.separable_reduce(x, np.add, 0)

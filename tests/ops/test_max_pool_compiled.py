@@ -113,28 +113,38 @@ def test_average_pool_matches_reference(name, dtype, include_pad, loop, rng, mon
     np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
 
 
-@pytest.mark.parametrize("shape", [(1, 5, 28, 28), (2, 3, 14, 9), (1, 2, 1, 7), (1, 3, 6, 1), (1, 2, 1, 1)])
+@pytest.mark.parametrize("shape", [(1, 5, 28, 28), (2, 3, 14, 9), (1, 2, 1, 7), (1, 3, 6, 1), (1, 2, 1, 1),
+                                   (3, 100, 7, 7), (1, 7, 2, 5)])
 @pytest.mark.parametrize("include_pad", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_three_by_three_unit_stride_average_pool_sums_plane_by_plane(shape, include_pad, dtype, rng, monkeypatch):
-    """A 3x3/1 average pool with a pad of one all round (Inception's) sums each plane in two flat
-    passes (`pool_three.sum_three_by_one`): the bits of the flat passes over padded planes it
-    replaced there (signed zeros, NaN and inf included), and the reference's values."""
-    from asyncinfer.ops.compiled.pool_three import sum_three_by_one
+def test_three_by_three_unit_stride_average_pool_sums_blocks_of_planes(shape, include_pad, dtype, rng, monkeypatch):
+    """A 3x3/1 average pool with a pad of one all round (Inception's) sums blocks of whole planes
+    in two flat passes (`pool_three.sum_three_by_one`; 300 planes of 7x7 make several blocks,
+    the last one short): the bits of the flat passes over padded planes it replaced there
+    (signed zeros, NaN and inf included), and the reference's values. Where pads do not count,
+    the loop divides each sum by its window's count itself (`mean_three_by_one`): the bits of the
+    sums divided by the counts afterwards."""
+    from asyncinfer.ops.compiled.pool_three import mean_three_by_one, sum_three_by_one
     attrs = dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1], count_include_pad=include_pad)
     x = randn(rng, *shape, dtype=dtype)
     calls = []
     _spy_on_loops(monkeypatch, calls)
     (got,) = make_op("AveragePool", attrs, version=19)(x)
-    assert set(calls) == {"three_by_one_sum"}
+    assert set(calls) == {"three_by_one_sum" if include_pad else "three_by_one_mean"}
     (want,) = reference_run("AveragePool", [x], attrs, opset=19)
     np.testing.assert_allclose(got, want, rtol=1e-6 if dtype == np.float32 else 1e-12, atol=1e-7)
     x.reshape(-1)[:3] = [-0.0, np.nan, np.inf][:x.size]  # (the reference skips NaN as it skips pads: bits only)
     planes = x.reshape(-1, *shape[2:])
-    flat, plane_by_plane = np.empty_like(planes), np.empty_like(planes)
+    flat, in_blocks, means = np.empty_like(planes), np.empty_like(planes), np.empty_like(planes)
     compiled_pool.flat_pool(planes, flat, 0, len(planes), 3, 3, 1, 1, 1, 1, 1, 1, 0.0, True)
-    sum_three_by_one(planes, plane_by_plane, 0, len(planes))
-    np.testing.assert_array_equal(plane_by_plane.view(np.uint8), flat.view(np.uint8))
+    sum_three_by_one(planes, in_blocks, 0, len(planes))
+    np.testing.assert_array_equal(in_blocks.view(np.uint8), flat.view(np.uint8))
+    h, w = shape[2:]
+    counts = np.multiply.outer([min(r + 1, h - 1) - max(r - 1, 0) + 1 for r in range(h)],
+                               [min(j + 1, w - 1) - max(j - 1, 0) + 1 for j in range(w)]).astype(dtype)
+    mean_three_by_one(planes, means, 1, len(planes))  # (from the second plane: the first one left as it was)
+    means[0] = flat[0] / counts
+    np.testing.assert_array_equal(means.view(np.uint8), (flat / counts).view(np.uint8))
 
 
 WHOLE_MAP_CASES = {
@@ -166,7 +176,7 @@ def test_an_average_pool_over_the_whole_map_is_the_planes_mean(name, dtype, rng,
 def _spy_on_loops(monkeypatch, calls: list) -> None:
     names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles",
              compiled_pool.FLAT: "flat", compiled_pool.THREE_BY_TWO: "three_by_two",
-             compiled_pool.THREE_BY_ONE_SUM: "three_by_one_sum"}
+             compiled_pool.THREE_BY_ONE_SUM: "three_by_one_sum", compiled_pool.THREE_BY_ONE_MEAN: "three_by_one_mean"}
     monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
 
 
