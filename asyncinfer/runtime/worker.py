@@ -281,9 +281,7 @@ class Worker:
         with self._run_mode.timed() as trial:
             execution = self._new_execution(inputs, named, outputs, profile, trial.serial, borrow=True)
             self._backend.submit_here(execution.submit_all)  # this thread waits anyway: it may run the first work
-            tensors = [execution.take_output(name) for name in execution.plan.output_names]
-            arrays = {t.name: t.download_to_array() for t in execution.last_first(tensors)}
-            return {t.name: arrays[t.name] for t in tensors}
+            return execution.read_outputs_blocking()
 
     async def warmup(self, *inputs: Any, **named: Any) -> None:
         """Run the model and discard the results, so the first real request finds the thread

@@ -321,6 +321,36 @@ def test_run_blocking_twin(add_chain_model):
     np.testing.assert_array_equal(out["y"], np.full((2, 4), 3, np.float32))
 
 
+@pytest.mark.anyio
+async def test_run_twins_return_caller_owned_copies_of_the_same_values():
+    """``run`` and ``run_blocking`` read their host outputs straight from the steps' values (no
+    tensor readback): each output is a copy, never the input read in place nor another output's
+    buffer, and the blocking twin raises a failed run's error as the awaited one does."""
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["same"]), helper.make_node("Relu", ["x"], ["relu"])], "g", [x_info],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("relu", "same")])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.arange(-3, 3, dtype=np.float32).reshape(2, 3)
+    with ai.Worker(model, "cpu") as worker:
+        for out in (worker.run_blocking(x), await worker.run(x)):
+            assert list(out) == ["relu", "same"]
+            np.testing.assert_array_equal(out["same"], x)
+            np.testing.assert_array_equal(out["relu"], np.maximum(x, 0))
+            assert not np.shares_memory(out["same"], x) and not np.shares_memory(out["same"], out["relu"])
+    shape_info = helper.make_tensor_value_info("shape", TensorProto.INT64, [2])
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g", [x_info, shape_info],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    with ai.Worker(model, "cpu") as worker:
+        for run in (worker.run_blocking, worker.run):
+            with pytest.raises(ai.ExecutionError, match="Reshape"):
+                result = run(x, np.array([4, 4], np.int64))
+                if not isinstance(result, dict):
+                    await result
+        np.testing.assert_array_equal(worker.run_blocking(x, np.array([3, 2], np.int64))["y"], x.reshape(3, 2))
+
+
 def test_schedule_copies_its_inputs_and_a_waited_run_reads_them_in_place(gated_model):
     """``schedule`` returns while its run is pending, so it runs on a copy (the caller may reuse
     its buffer at once); ``run``/``run_blocking`` read a C-contiguous, writeable array of the
