@@ -111,28 +111,32 @@ def pool_tiles(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: in
     """Planes ``p0:p1`` of ``out`` (P, Ho, Wo) = the max (or sum) over each ``kh x kw`` tile of ``x``
     (P, H, W), tiles laid edge to edge from the top left (rows and columns past the last whole
     tile are not read)."""
+    _, h, width = x.shape
     _, ho, wo = out.shape
     w = wo * kw
+    # flat offsets, not row views: a view costs a reference count's update, two runtime calls, and
+    # each row of tiles made three (one core, 512 planes of 28x28 2x2 sums: 76 -> 69 µs)
+    source, target = x.reshape(x.size), out.reshape(out.size)
     down_columns = np.empty(w, x.dtype)  # one row of tiles: the max (or sum) down each column
     for p in range(p0, p1):
         for oh in range(ho):
-            top = x[p, oh * kh]
+            top = (p * h + oh * kh) * width
             for c in range(w):
-                down_columns[_U(c)] = top[_U(c)]
+                down_columns[_U(c)] = source[_U(top + c)]
             for i in range(1, kh):
-                src = x[p, oh * kh + i]
+                row = top + i * width
                 for c in range(w):
-                    down_columns[_U(c)] = _combine(down_columns[_U(c)], src[_U(c)], summing)
-            dst = out[p, oh]
+                    down_columns[_U(c)] = _combine(down_columns[_U(c)], source[_U(row + c)], summing)
+            base = (p * ho + oh) * wo
             if kw == 2:  # the common 2x2 tile: a loop LLVM vectorises as pairs
                 for o in range(wo):
-                    dst[_U(o)] = _combine(down_columns[_U(2 * o)], down_columns[_U(2 * o + 1)], summing)
+                    target[_U(base + o)] = _combine(down_columns[_U(2 * o)], down_columns[_U(2 * o + 1)], summing)
                 continue
             for o in range(wo):
                 m = down_columns[_U(o * kw)]
                 for j in range(1, kw):
                     m = _combine(m, down_columns[_U(o * kw + j)], summing)
-                dst[_U(o)] = m
+                target[_U(base + o)] = m
 
 
 @inline
