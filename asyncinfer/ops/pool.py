@@ -108,12 +108,11 @@ class _WindowPool(Op):
             y = acc
         return np.ascontiguousarray(y), begin, end, out
 
-    def _compiled_2d(self, x: np.ndarray) -> np.ndarray:
+    def _compiled_2d(self, x: np.ndarray, plan: "_Plan2d") -> np.ndarray:
         """2-D float max (sum) pool on a compiled loop, planes shared out when large: with the
         CPU backend's spinning helpers (float32, from `TEAM_MIN_MACS` window taps: SqueezeNet's
         and ResNet's 3x3/2 pools), else between the pool's threads."""
         n, c, h, w = x.shape
-        plan = self._plan_of(x)
         y = np.empty((n * c, *plan.out), dtype=x.dtype)
         if y.size == 0:
             return y.reshape(n, c, *plan.out)
@@ -226,7 +225,7 @@ class MaxPool(_WindowPool):
     def run(self, x: np.ndarray) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         want_indices = len(self.layer.outputs) > 1 and bool(self.layer.outputs[1])
         if not want_indices and x.ndim == 4 and x.dtype in (np.float32, np.float64):
-            return self._compiled_2d(x)
+            return self._compiled_2d(x, self._plan_of(x))
         if not want_indices:
             return self.separable_reduce(x, np.maximum, _lowest(x.dtype))[0]
         win, begin, _, out = self.windows(x)
@@ -280,8 +279,9 @@ class AveragePool(_WindowPool):
         if x.ndim == 4 and self.per_shape(("whole", x.shape), lambda: self._whole_map(x.shape)):
             return global_average(x)  # (ResNet's and ShuffleNet's last pool: 7x7 on a 7x7 map)
         if x.ndim == 4 and x.dtype in (np.float32, np.float64):
-            total = self._compiled_2d(x)
-            if self._plan_of(x).loop == THREE_BY_ONE_MEAN:  # (divided already)
+            plan = self._plan_of(x)
+            total = self._compiled_2d(x, plan)
+            if plan.loop == THREE_BY_ONE_MEAN:  # (divided already)
                 return total
             begin, end, out = self.per_shape(("geometry", x.shape), lambda: self._geometry(x.shape))
         else:
