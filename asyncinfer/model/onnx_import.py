@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import mmap
 import os
 import re
 import stat
@@ -31,14 +30,13 @@ from .attributes import attribute_value, attributes_dict, sparse_to_dense, subgr
 from .gradient_graph import FORWARD_OPSETS, is_gradient, with_forward_graph
 from .gradient_graph import producers as gradient_producers
 from .ir import Dim, Layer, Model, TensorInfo
+from .mapped import map_or_read
 from .tensors import PACKED_BITS, check_size, check_tensor_data, declared_bytes, inline_to_array, itemsize, native
 
 ModelSource = Union[str, os.PathLike, bytes, bytearray, memoryview, onnx.ModelProto]
 
 MIN_OPSET = 1
 DEFAULT_MAX_TENSOR_BYTES = DEFAULT_LIMITS.max_tensor_bytes
-# External tensors from this size on are memory-mapped rather than read (see _map_or_read).
-MMAP_MIN_BYTES = 1 << 20
 # Shape inference runs on a copy without initializers of this size or more (see _weightless).
 WEIGHTLESS_KEEP_BYTES = 4096
 WEIGHTLESS_MIN_BYTES = 1 << 20
@@ -260,24 +258,12 @@ def _read_external(t: onnx.TensorProto, base_dir: Path | None, max_bytes: int, l
                                  f"(needs bytes {offset}..{offset + length}, file has {status.st_size})")
         if length != declared:  # checked before reading: no allocation for a wrong length
             raise ModelLoadError(f"{what}: external data holds {length} bytes, shape {dims} needs {declared}")
-        raw = _map_or_read(f, offset, length)
+        raw = map_or_read(f, offset, length)
     if len(raw) != declared:
         raise ModelLoadError(f"{what}: external data holds {len(raw)} bytes, shape {dims} needs {declared}")
     # ONNX data is little-endian on every host: read it as such; on a little-endian host the
     # conversion to native order is a no-op that keeps the mapping (no copy).
     return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(tuple(dims)).astype(dtype, copy=False)
-
-
-def _map_or_read(f: Any, offset: int, length: int) -> Any:
-    """``length`` bytes of ``f`` from ``offset``: a read-only memory map for large tensors (the
-    page cache is shared with the file, nothing is copied until a kernel derives a new array, as
-    ONNX Runtime does), a plain read for small ones (a mapping per tiny tensor costs more)."""
-    if length < MMAP_MIN_BYTES:
-        f.seek(offset)
-        return f.read(length)
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a granule
-    mapped = mmap.mmap(f.fileno(), length + (offset - start), access=mmap.ACCESS_READ, offset=start)
-    return memoryview(mapped)[offset - start:]
 
 
 def _external_int(info: dict[str, str], key: str, default: int, what: str) -> int:

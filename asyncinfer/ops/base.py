@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import UnsupportedOperatorError
 from ..limits import DEFAULT_LIMITS, Limits
+from ..model.mapped import release_resident_pages
 from .schema import attribute_defaults, schema_version
 
 if TYPE_CHECKING:
@@ -125,12 +126,16 @@ class Op:
         """`derived` for a form worth only keeping (weights packed for a kernel): ``work_out()`` of
         input ``index``'s ``value``, kept under ``name``, when ``value`` is the model's constant
         bound to that index; None, and nothing worked out, when it is not. ``create=False``: only
-        a form kept already (None when there is none yet)."""
+        a form kept already (None when there is none yet). The form stands in for the constant:
+        once made, the constant's pages go back to the page cache where it is mapped from the
+        model's file (`model.mapped.release_resident_pages`), so the weights are resident once."""
         if self._constants.get(index) is not value:
             return None
-        if not create:
-            return self._derived.get(name)
-        return self.derived(name, {index: value}, work_out)
+        form = self._derived.get(name)
+        if form is None and create:
+            form = self._derived[name] = work_out()
+            release_resident_pages(value)
+        return form
 
     def check_allocation(self, shape: Sequence[int], what: str = "output") -> None:
         """Refuse to allocate a tensor of ``shape`` sized from run-time data beyond
