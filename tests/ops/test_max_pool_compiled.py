@@ -41,6 +41,8 @@ CASES = {
     "3x3_s2_wide_no_pads": ((1, 3, 8, 53), dict(kernel_shape=[3, 3], strides=[2, 2])),
     "3x3_s2_one_vector_out": ((1, 2, 7, 33), dict(kernel_shape=[3, 3], strides=[2, 2])),
     "3x3_s2_ceil_asym": ((2, 2, 10, 40), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[0, 1, 1, 0], ceil_mode=1)),
+    # a map taller than the 3x3/2 loop's block of rows combined down (`DOWN_BLOCK_VALUES`): three blocks
+    "3x3_s2_rows_in_blocks": ((1, 2, 140, 300), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),
     "2x4_s1x3_no_pads_dilated": ((1, 2, 11, 16), dict(kernel_shape=[2, 4], strides=[1, 3], dilations=[3, 2])),
 }
 # windows that tile the map (kernel = stride, no pads): the tile loop; a last row or column

@@ -6,9 +6,10 @@ where pads do not count (`mean_three_by_one`).
 The general loops (`pool.pool2d_columns_first`, `pool.flat_pool`) leave vectorising to LLVM,
 whose vector loop takes 64 values an iteration (four vectors of AVX-512): a 111-wide row ran one
 iteration and 47 values one at a time, a 56-wide or narrower row only single values. Here each
-output row is two passes over vectors (`panels.VECTOR_BYTES`) written in LLVM IR: the window's
-(up to) three input rows combined down their columns into a row buffer padded with the neutral
-value (``down``), then along it, where output ``ow`` combines ``down[2·ow + j]``, j < 3: two
+block of output rows is two passes over vectors (`panels.VECTOR_BYTES`) written in LLVM IR: for
+every row of the block, the window's (up to) three input rows combined down their columns into a
+row buffer padded with the neutral value (``down``), then along each of those rows, where output
+``ow`` combines ``down[2·ow + j]``, j < 3: two
 vectors of ``down`` give the even and the odd columns by two shuffles, and the even ones shifted
 by one column by a third. A row's last values short of a vector take one more vector ending at
 the row's end (overlapping the one before: each value is stored again, never accumulated), and
@@ -96,20 +97,21 @@ def _down_vector(how: int, narrow: bool = False) -> Any:
 
 
 def _along_vector(how: int, narrow: bool = False) -> Any:
-    """An intrinsic ``along(down, dst, base, o)``: ``dst[base + o + i] = (down[2(o + i)] ⊕
-    down[2(o + i) + 1]) ⊕ down[2(o + i) + 2]`` for the ``i`` < one vector's lanes (half a vector's:
-    ``narrow``; ``down`` holds at least ``2·o + 2·lanes + 1`` values)."""
+    """An intrinsic ``along(down, dst, row, base, o)``: ``dst[base + o + i] = (D[2(o + i)] ⊕
+    D[2(o + i) + 1]) ⊕ D[2(o + i) + 2]`` for the ``i`` < one vector's lanes (half a vector's:
+    ``narrow``), ``D`` the row of ``down`` from offset ``row`` (holding at least ``2·o +
+    2·lanes + 1`` values)."""
 
     @intrinsic
-    def along(typingctx: Any, down: Any, dst: Any, base: Any, o: Any) -> Any:
+    def along(typingctx: Any, down: Any, dst: Any, row: Any, base: Any, o: Any) -> Any:
         if not (isinstance(down, types.Array) and isinstance(dst, types.Array) and down.dtype == dst.dtype
                 and down.layout == "C" and dst.layout == "C" and down.ndim == dst.ndim == 1):
             return None
-        signature = types.void(down, dst, base, o)
+        signature = types.void(down, dst, row, base, o)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             down_arr, dst_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1))
-            base_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3))
+            row_, base_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4))
             element, size, lanes = _lanes(context, sig.args[0].dtype, narrow)
             vector = ir.VectorType(element, lanes)
             picks = ir.VectorType(ir.IntType(32), lanes)
@@ -117,7 +119,7 @@ def _along_vector(how: int, narrow: bool = False) -> Any:
             def load(index: Any) -> Any:
                 return builder.load(builder.bitcast(builder.gep(down_arr.data, [index]), vector.as_pointer()),
                                     align=size)
-            start = builder.mul(o_, ir.Constant(ir.IntType(64), 2))
+            start = builder.add(row_, builder.mul(o_, ir.Constant(ir.IntType(64), 2)))
             low = load(start)
             high = load(builder.add(start, ir.Constant(ir.IntType(64), lanes)))
             even = builder.shuffle_vector(low, high, ir.Constant(picks, [2 * i for i in range(lanes)]))
@@ -143,7 +145,11 @@ def _three_by_two_loop(how: int) -> Any:
     0), its vector intrinsics called directly: through an `inline` helper that took the arrays and
     dispatched on ``how`` and ``narrow``, numba counted a reference to each array around every
     vector, four calls into its runtime (and the vector registers saved around them) a vector:
-    one core, 192 planes of 56x56 158 -> 90 µs, SqueezeNet's 256 of 27x27 87 -> 45."""
+    one core, 192 planes of 56x56 158 -> 90 µs, SqueezeNet's 256 of 27x27 87 -> 45. The rows go
+    down in blocks (`DOWN_BLOCK_VALUES`), then along, rather than each row down and at once along
+    (its vectors read just after they were stored), and the vectors of a row are counted once per
+    call: SqueezeNet's 64 planes of 111x111 108 -> 90 µs, 128 of 55x55 61 -> 48, 256 of 27x27
+    46 -> 28."""
     down_vector, down_half = _down_vector(how), _down_vector(how, narrow=True)
     along_vector, along_half = _along_vector(how), _along_vector(how, narrow=True)
 
@@ -154,48 +160,62 @@ def _three_by_two_loop(how: int) -> Any:
         source, target = x.reshape(x.size), out.reshape(out.size)
         lanes = VECTOR_BYTES // x.itemsize
         half = lanes // 2
-        # the padded row, and room for a vector of outputs' reads (2·wo + 1 values)
-        down = np.full(max(left + wd, 2 * wo + 1) + 2 * lanes, neutral, x.dtype)
+        # a block of rows combined down, each padded (room for a vector of outputs' reads: 2·wo + 1 values)
+        stride = max(left + wd, 2 * wo + 1) + 2 * lanes
+        rows = max(1, min(ho, DOWN_BLOCK_VALUES // stride))
+        down = np.full(rows * stride, neutral, x.dtype)
+        # whole vectors before a row's last one (which overlaps them): counted once, not by a
+        # stepped range in each row (its trip count a division, a row's largest cost)
+        down_vectors, along_vectors = (wd - 1) // lanes, (wo - 1) // lanes
         padding = np.full(wd, neutral, x.dtype)  # a window's row above or below the map
         for p in range(p0, p1):
-            for oh in range(ho):
-                base = (p * ho + oh) * wo
-                first = (p * h + 2 * oh - top) * wd  # (the window's first row, perhaps above the map)
-                missing = 0
-                for i in range(3):
-                    if not 0 <= 2 * oh - top + i < h:
-                        missing |= 1 << i
-                if missing == 7:  # (the window wholly in the padding)
-                    for ow in range(wo):
-                        target[_U(base + ow)] = neutral
-                    continue
-                if wd >= lanes:  # whole vectors, the last one overlapping the one before (each value stored again)
-                    for j in range(0, wd - lanes, lanes):
-                        down_vector(down, left, source, padding, first, first + wd, first + 2 * wd, missing, j)
-                    down_vector(down, left, source, padding, first, first + wd, first + 2 * wd, missing, wd - lanes)
-                elif wd >= half:
-                    down_half(down, left, source, padding, first, first + wd, first + 2 * wd, missing, 0)
-                    down_half(down, left, source, padding, first, first + wd, first + 2 * wd, missing, wd - half)
-                else:
-                    for j in range(wd):
-                        a = padding[_U(j)] if missing & 1 else source[_U(first + j)]
-                        b = padding[_U(j)] if missing & 2 else source[_U(first + wd + j)]
-                        c = padding[_U(j)] if missing & 4 else source[_U(first + 2 * wd + j)]
-                        down[_U(left + j)] = _fold(_fold(a, b, how), c, how)
-                if wo >= lanes:  # (as above: outputs are stored, never accumulated)
-                    for o in range(0, wo - lanes, lanes):
-                        along_vector(down, target, base, o)
-                    along_vector(down, target, base, wo - lanes)
-                elif wo >= half:
-                    along_half(down, target, base, 0)
-                    along_half(down, target, base, wo - half)
-                else:
-                    for ow in range(wo):
-                        k = _U(2 * ow)
-                        target[_U(base + ow)] = _fold(_fold(down[k], down[k + _U(1)], how), down[k + _U(2)], how)
+            for r0 in range(0, ho, rows):
+                r1 = min(ho, r0 + rows)
+                for oh in range(r0, r1):  # down: every row of the block first
+                    at = (oh - r0) * stride + left
+                    first = (p * h + 2 * oh - top) * wd  # (the window's first row, perhaps above the map)
+                    missing = 0
+                    for i in range(3):
+                        if not 0 <= 2 * oh - top + i < h:
+                            missing |= 1 << i
+                    if missing == 7:  # (the window wholly in the padding)
+                        for j in range(wd):
+                            down[_U(at + j)] = neutral
+                    elif wd >= lanes:  # whole vectors, the last one overlapping the one before
+                        for v in range(down_vectors):
+                            down_vector(down, at, source, padding, first, first + wd, first + 2 * wd, missing,
+                                        v * lanes)
+                        down_vector(down, at, source, padding, first, first + wd, first + 2 * wd, missing, wd - lanes)
+                    elif wd >= half:
+                        down_half(down, at, source, padding, first, first + wd, first + 2 * wd, missing, 0)
+                        down_half(down, at, source, padding, first, first + wd, first + 2 * wd, missing, wd - half)
+                    else:
+                        for j in range(wd):
+                            a = padding[_U(j)] if missing & 1 else source[_U(first + j)]
+                            b = padding[_U(j)] if missing & 2 else source[_U(first + wd + j)]
+                            c = padding[_U(j)] if missing & 4 else source[_U(first + 2 * wd + j)]
+                            down[_U(at + j)] = _fold(_fold(a, b, how), c, how)
+                for oh in range(r0, r1):  # then along: its rows stored long before they are read
+                    base = (p * ho + oh) * wo
+                    row = (oh - r0) * stride
+                    if wo >= lanes:  # (as above: outputs are stored, never accumulated)
+                        for v in range(along_vectors):
+                            along_vector(down, target, row, base, v * lanes)
+                        along_vector(down, target, row, base, wo - lanes)
+                    elif wo >= half:
+                        along_half(down, target, row, base, 0)
+                        along_half(down, target, row, base, wo - half)
+                    else:
+                        for ow in range(wo):
+                            k = _U(row + 2 * ow)
+                            target[_U(base + ow)] = _fold(_fold(down[k], down[k + _U(1)], how), down[k + _U(2)], how)
 
     return loop
 
+
+#: Values of the rows `_three_by_two_loop` combines down before it combines them along (32 KiB
+#: of float32: they stay in L1 for the second pass).
+DOWN_BLOCK_VALUES = 8192
 
 _max_three_by_two, _sum_three_by_two = _three_by_two_loop(MAX), _three_by_two_loop(SUM)
 
