@@ -165,7 +165,7 @@ def _three_by_two_loop(how: int) -> Any:
         rows = max(1, min(ho, DOWN_BLOCK_VALUES // stride))
         down = np.full(rows * stride, neutral, x.dtype)
         # whole vectors before a row's last one (which overlaps them): counted once, not by a
-        # stepped range in each row (its trip count a division, a row's largest cost)
+        # stepped range in each row (its trip count a division)
         down_vectors, along_vectors = (wd - 1) // lanes, (wo - 1) // lanes
         padding = np.full(wd, neutral, x.dtype)  # a window's row above or below the map
         for p in range(p0, p1):
