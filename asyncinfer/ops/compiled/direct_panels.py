@@ -164,9 +164,12 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
         while v < end:
             rows = end - v
             rows = 8 if BLOCK_POSITIONS == 8 and rows >= 8 else 4 if rows >= 4 else 2 if rows >= 2 else 1
+            row, column = v // out_width, v % out_width  # then stepped (a division a position cost 5%)
             for r in range(rows):
-                row, column = (v + r) // out_width, (v + r) % out_width
                 starts[r] = row * row_stride * wp + column * column_stride
+                column += 1
+                if column == out_width:
+                    row, column = row + 1, 0
             if rows == 8 and channels == width:
                 _block8_to_output(flat, offsets, base, starts, taps, panels, p, out, finish, bias, av, bv, v)
                 v += rows
