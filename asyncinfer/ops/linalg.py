@@ -319,8 +319,9 @@ def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int, given: np.
       its products against 118-129 packed (128 x 1024 @ 1024 x 2816: 5.3 -> 2.9 ms);
 
     else None. Never with ``ASYNCINFER_PACKED_WEIGHTS=0`` (memory before speed: the same bits,
-    the kernels reading b in place). The packed copy sits beside the model's own, as ONNX
-    Runtime's prepacked weights do."""
+    the kernels reading b in place). The packed copy stands in for the model's own: where that
+    is mapped from the model's file, its pages go back to the page cache (`Op.derived_constant`),
+    as ONNX Runtime frees a prepacked initializer."""
     if b.ndim != 2 or a.ndim == 0 or a.shape[-1] != b.shape[0]:
         return None
     rows = math.prod(a.shape[:-1])
