@@ -31,6 +31,7 @@ import numpy as np
 from .. import ops
 from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
+from ..model.mapped import is_mapped
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
@@ -729,7 +730,11 @@ def fuse_sibling_products(model: Model) -> int:
     have gone to another kernel than the joined product).
 
     Runs after ``fuse_matmul_bias``. Weights that are overridable inputs, read by another layer
-    or graph outputs stay apart; the originals are dropped (one copy of the weights). The fused
+    or graph outputs stay apart, and so do weights memory-mapped from the model's file: joined,
+    they would be an anonymous copy held for good beside the packed one the product makes,
+    where apart each packed copy stands in for its mapped original, whose pages go back to the
+    page cache (`model.mapped`; the Llama block joined was 0.99x). The originals are dropped
+    (one copy of the weights). The fused
     layer takes the first product's place (every reader of every part comes after it) and
     keeps ``MatMul`` then ``Add`` as the expansion for backends without ``MatMulBias``."""
     readers: dict[str, int] = {}
@@ -742,7 +747,7 @@ def fuse_sibling_products(model: Model) -> int:
     def own_constant(name: str, ndim: int) -> np.ndarray | None:
         value = model.constants.get(name)
         if (not isinstance(value, np.ndarray) or value.ndim != ndim or value.dtype != np.float32
-                or readers.get(name) != 1 or name in keep):
+                or readers.get(name) != 1 or name in keep or is_mapped(value)):
             return None
         return value
 

@@ -44,6 +44,12 @@ def _mapping_of(array: np.ndarray) -> mmap.mmap | None:
     return None
 
 
+def is_mapped(array: np.ndarray) -> bool:
+    """Whether ``array`` is a view of a file mapping (`map_or_read`): pages the process can hand
+    back, where a copy of it would be anonymous memory held for good."""
+    return _mapping_of(array) is not None
+
+
 def release_resident_pages(array: np.ndarray) -> int:
     """Hand back to the page cache the pages wholly inside ``array`` when it is a view of a
     read-only file mapping (`map_or_read`); the bytes handed back (0 for any other array, or

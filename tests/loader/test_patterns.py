@@ -1211,6 +1211,27 @@ def test_only_products_with_weights_of_their_own_and_no_activation_join(variant,
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
+def test_products_on_weights_mapped_from_the_file_stay_apart(tmp_path, monkeypatch):
+    """Weights memory-mapped from the model's external data stay apart: joined, they would be an
+    anonymous copy held for good (each packed copy stands in for its mapped original instead)."""
+    from asyncinfer.model import mapped
+
+    monkeypatch.setattr(mapped, "MMAP_MIN_BYTES", 0)  # every external tensor mapped, however small
+    proto = _siblings_model()
+    feeds = _sibling_feeds(proto)
+    expected = ReferenceEvaluator(proto).run(None, feeds)[0]
+    path = tmp_path / "siblings.onnx"
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)  # (proto's tensors now refer to the file)
+    model = ai.load_model(path)
+    assert mapped.is_mapped(model.constants["w0"])
+    assert model.optimizations.get("fuse_sibling_products", 0) == 0
+    assert [l.op_type for l in model.layers].count("MatMulBias") == 3
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_joined_products_on_gpu_pixel_run_there():
     require_pixel()
     proto = _siblings_model()
