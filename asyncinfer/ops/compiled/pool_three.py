@@ -9,9 +9,8 @@ iteration and 47 values one at a time, a 56-wide or narrower row only single val
 block of output rows is two passes over vectors (`panels.VECTOR_BYTES`) written in LLVM IR: for
 every row of the block, the window's (up to) three input rows combined down their columns into a
 row buffer padded with the neutral value (``down``), then along each of those rows, where output
-``ow`` combines ``down[2·ow + j]``, j < 3: two
-vectors of ``down`` give the even and the odd columns by two shuffles, and the even ones shifted
-by one column by a third. A row's last values short of a vector take one more vector ending at
+``ow`` combines ``down[2·ow + j]``, j < 3: two vectors of ``down`` give the even and the odd
+columns by two shuffles, and the even ones shifted by one column by a third. A row's last values short of a vector take one more vector ending at
 the row's end (overlapping the one before: each value is stored again, never accumulated), and
 rows under a vector wide half vectors; only rows under half a vector go value by value.
 
@@ -140,6 +139,11 @@ def _along_vector(how: int, narrow: bool = False) -> Any:
     return along
 
 
+#: Values of the rows `_three_by_two_loop` combines down before it combines them along (32 KiB
+#: of float32: they stay in L1 for the second pass).
+DOWN_BLOCK_VALUES = 8192
+
+
 def _three_by_two_loop(how: int) -> Any:
     """The loop of `max_three_by_two` (``how`` `MAX`) or `sum_three_by_two` (`SUM`, ``neutral``
     0), its vector intrinsics called directly: through an `inline` helper that took the arrays and
@@ -212,10 +216,6 @@ def _three_by_two_loop(how: int) -> Any:
 
     return loop
 
-
-#: Values of the rows `_three_by_two_loop` combines down before it combines them along (32 KiB
-#: of float32: they stay in L1 for the second pass).
-DOWN_BLOCK_VALUES = 8192
 
 _max_three_by_two, _sum_three_by_two = _three_by_two_loop(MAX), _three_by_two_loop(SUM)
 
