@@ -184,3 +184,29 @@ def test_pad_modes_match_the_definition_on_random_pads(mode, shape):
         np.testing.assert_array_equal(op(x, pads.astype(np.int64))[0], want)
         checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("largest", [1, 0])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int64, np.int32, np.uint8])
+def test_topk_selection_matches_the_stable_sort(largest: int, dtype: type) -> None:
+    """The compiled heap selection (`compiled.top_k`) keeps the very indices, in the very order,
+    of the definition's stable sort: ties (few distinct values) by ascending index, on any axis,
+    k from 1 to the whole row; floats with NaNs (the largest value) and signed zeros (equal)."""
+    from asyncinfer.ops import indexing
+
+    rng = np.random.default_rng(7)
+    cases = [((1, 3234), 1, 300, 1000), ((2, 60, 3), 1, 40, 5), ((70,), 0, 70, 3), ((5, 9), 1, 1, 4),
+             ((4, 33), 0, 2, 2)]
+    for shape, axis, k, spread in cases:
+        x = rng.integers(0, spread, size=shape).astype(dtype)
+        if np.dtype(dtype).kind == "f":
+            x = x - spread // 2  # signed zeros below
+            x[rng.random(shape) < 0.05] = np.nan
+            x[x == 0] = np.where(rng.random(int((x == 0).sum())) < 0.5, -0.0, 0.0)
+            if spread > 5:
+                x += rng.standard_normal(shape).astype(dtype)
+        assert indexing._selected(x, k, axis, bool(largest)) is not None  # (the case takes the selection)
+        values, indices = make("TopK", 11, 2, axis=axis, largest=largest)(x, np.array([k]))
+        expected = np.take(indexing._stable_order(x, axis, bool(largest)), np.arange(k), axis=axis)
+        np.testing.assert_array_equal(indices, expected)
+        np.testing.assert_array_equal(values, np.take_along_axis(x, expected, axis=axis))
