@@ -4,13 +4,14 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from asyncinfer.ops.compiled.prefetch import prefetch_lines_for_write
+from asyncinfer.ops.compiled.prefetch import prefetch_lines_for_read, prefetch_lines_for_write
 
 
 @numba.njit
 def _prefetch_spans(a: np.ndarray, starts: np.ndarray, count: int) -> None:
     for s in starts:
         prefetch_lines_for_write(a, s, count)
+        prefetch_lines_for_read(a, s, count)
 
 
 def test_prefetching_spans_changes_nothing_even_past_the_end() -> None:
