@@ -48,6 +48,12 @@ from .priority import lower_this_thread
 SPIN_ROUNDS = 4000
 #: Rounds a caller spins waiting for its helpers before it looks whether they still live.
 WAIT_ROUNDS = 1 << 16
+#: What a caller's compiled post-and-finish call (`compiled.depthwise_parts.post_and_finish_depthwise`...)
+#: returns: a helper was asleep (its part posted, nothing run yet: the caller `wake`s the team,
+#: then runs its own part and waits, the call's two halves), every part done, or a helper not
+#: done within the rounds (the caller waits the slow way, `wait_posted`). One compiled call a
+#: layer instead of two saves the second's dispatch (about a microsecond of Python in a run).
+HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING = 2, 1, 0
 # A control row per helper: the posted sequence number, the done one, the stop flag and the
 # asleep flag on cache lines of their own, then the part's kind and its arguments (room for 95).
 _POSTED, _DONE, _STOP, _ASLEEP, KIND, ARGS, _ROW = 0, 8, 16, 24, 32, 33, 128

@@ -20,17 +20,18 @@ import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..concurrency import parallel, spin_team
+from ..concurrency.spin_team import HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING
 from ..concurrency.aligned import aligned_bytes
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
 from .compiled.depthwise_block import KNOWN_WINDOWS
-from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, finish_depthwise, post_depthwise,
-                                       scratch_floats)
+from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, finish_depthwise,
+                                       post_and_finish_depthwise, scratch_floats)
 from .compiled.panels import VECTOR_BYTES
 from .epilogue import NO_ACTIVATION, Epilogue
 
@@ -187,6 +188,20 @@ class DepthwisePlan:
     geometry: tuple[int, ...]         # sh, sw, dh, dw, top, left
     multiplier: int
     block: int                        # channels a block (channels last), else CHANNEL_ALIGN
+    # per count of spinning helpers, the layer's `TeamLayout` on them (worked out at its first run)
+    team_layouts: dict[int, "TeamLayout | None"] = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class TeamLayout:
+    """How a `DepthwisePlan` runs on this thread and its spinning helpers (`_on_team`): the parts
+    (`_team_parts`), the channel block to run them with, each sharer's scratch (float32 values)
+    and the geometry as the compiled posting reads it."""
+
+    parts: np.ndarray
+    block: int
+    scratch: int
+    spans: np.ndarray
 
 
 def depthwise_plan(x_shape: tuple[int, ...], dtype: np.dtype, w: np.ndarray, bias: np.ndarray | None,
@@ -253,7 +268,7 @@ def run_depthwise(plan: DepthwisePlan, x: np.ndarray, epilogue: Epilogue = NO_AC
     x = np.ascontiguousarray(x)
     result = np.empty((n, m, ho, wo), dtype=x.dtype)
     macs = n * m * ho * wo * kh * kw
-    if macs >= TEAM_MIN_MACS and _on_team(loop, x, taps, bias, result, geometry, mult, plan.block, epilogue):
+    if macs >= TEAM_MIN_MACS and _on_team(plan, x, result, epilogue):
         return result
     threads = threads_for(macs)
     if loop == FLAT:
@@ -298,39 +313,57 @@ def run_depthwise(plan: DepthwisePlan, x: np.ndarray, epilogue: Epilogue = NO_AC
     return result
 
 
-def _on_team(loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray, result: np.ndarray,
-             geometry: tuple[int, ...], mult: int, block: int, epilogue: Epilogue) -> bool:
-    """The conv on ``loop`` (`compiled.depthwise_parts`), this thread and the CPU backend's
-    spinning helpers taking a part each (`_team_parts`), posted, run and waited for in compiled
-    code; False, having done nothing, when there is no free team, the operands are not float32 or
-    there are too few channels (and rows) to share."""
+def _on_team(plan: DepthwisePlan, x: np.ndarray, result: np.ndarray, epilogue: Epilogue) -> bool:
+    """The conv of ``plan`` on its loop (`compiled.depthwise_parts`), this thread and the CPU
+    backend's spinning helpers taking a part each (`_team_layout`), posted, run and waited for in
+    compiled code; False, having done nothing, when there is no free team, the operands are not
+    float32 or there are too few channels (and rows) to share."""
     team = parallel.team()
     if team is None or x.dtype != np.float32:
         return False
-    n, _, h, wd = x.shape
-    m, ho, wo = result.shape[1:]
-    parts, block = _team_parts(loop, n, m, ho, team.helpers + 1, block)
-    if parts is None:
+    layouts = plan.team_layouts
+    if team.helpers not in layouts:  # (two lanes running the plan at once both work it out: the same)
+        layouts[team.helpers] = _team_layout(plan, team.helpers + 1)
+    layout = layouts[team.helpers]
+    if layout is None:
         return False
-    kh, kw = (taps.shape[1], taps.shape[2]) if loop != CHANNELS_LAST else taps.shape[:2]
-    # each helper's row of scratch on a cache line too
-    size = -(-scratch_floats(loop, h, wd, ho, wo, kh, kw, *geometry[:4], block) // 16) * 16
     control = team.claim()
     if control is None:
         return False
+    parts = layout.parts
     try:
-        own = scratch((size,), np.float32, "team_depthwise")
-        helpers = team.scratch((len(parts) - 1, size), np.float32)
-        spans = _geometry_array(geometry)
-        if post_depthwise(control, loop, x, taps, bias, result, parts, spans, mult, block, helpers, epilogue.kind,
-                          epilogue.numbers):
+        own = scratch((layout.scratch,), np.float32, "team_depthwise")
+        helpers = team.scratch((len(parts) - 1, layout.scratch), np.float32)
+        arguments = (control, plan.loop, x, plan.taps, plan.bias, result, parts, layout.spans, plan.multiplier,
+                     layout.block)
+        status = post_and_finish_depthwise(*arguments, helpers, own, epilogue.kind, epilogue.numbers,
+                                           spin_team.WAIT_ROUNDS)
+        if status == HELPERS_ASLEEP:
             team.wake()
-        if not finish_depthwise(control, loop, x, taps, bias, result, parts, spans, mult, block, own, epilogue.kind,
-                                epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS):
+            done = finish_depthwise(*arguments, own, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
+            status = PARTS_DONE if done else PARTS_RUNNING
+        if status == PARTS_RUNNING:
             team.wait_posted(len(parts) - 1)
     finally:
         team.release()
     return True
+
+
+def _team_layout(plan: DepthwisePlan, sharers: int) -> TeamLayout | None:
+    """The `TeamLayout` of ``plan`` for ``sharers`` threads; None where its channels (and rows)
+    are too few to share."""
+    n, _, h, wd = plan.x_shape
+    m = plan.bias.shape[0]
+    ho, wo = plan.out
+    parts, block = _team_parts(plan.loop, n, m, ho, sharers, plan.block)
+    if parts is None:
+        return None
+    kh, kw = plan.kernel
+    # each helper's row of scratch on a cache line too
+    size = -(-scratch_floats(plan.loop, h, wd, ho, wo, kh, kw, *plan.geometry[:4], block) // 16) * 16
+    spans = np.array(plan.geometry, np.int64)  # sh, sw, dh, dw, top, left
+    spans.flags.writeable = False
+    return TeamLayout(parts, block, size, spans)
 
 
 @functools.lru_cache(maxsize=512)
@@ -359,14 +392,6 @@ def _team_parts(loop: int, n: int, m: int, ho: int, parts: int, block: int) -> t
     table = np.array([r + o for r, o in zip(ranges, rows)], np.int64)
     table.flags.writeable = False
     return table, block
-
-
-@functools.lru_cache(maxsize=512)
-def _geometry_array(geometry: tuple[int, ...]) -> np.ndarray:
-    """sh, sw, dh, dw, top, left as the int64 array the compiled posting reads."""
-    spans = np.array(geometry, np.int64)
-    spans.flags.writeable = False
-    return spans
 
 
 def _blocks(channels: int, threads: int, images: int) -> list[tuple[int, int, int, int]]:

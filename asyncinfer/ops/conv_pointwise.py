@@ -33,9 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..concurrency import parallel, spin_team
+from ..concurrency.spin_team import HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING
 from .compiled.panels import BLOCK_ROWS, panel_width
 from .compiled.pointwise import (finish_pointwise, finish_small_map, pack_weights, pointwise_buffer_size,
-                                 pointwise_parts, post_pointwise, post_small_map, small_map_parts)
+                                 pointwise_parts, post_and_finish_pointwise, post_and_finish_small_map,
+                                 small_map_parts)
 from .conv_kernels import KeepWeights, keep_nothing, scratch
 from .epilogue import Epilogue
 
@@ -214,20 +216,28 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
         helpers = team.scratch((len(parts) - 1, plan.buffer), np.float32)  # type: ignore[union-attr]
         if plan.small_map:
             c = plan.weights.shape[2]
-            if post_small_map(control, plan.weights, x, flat, plan.bias, helpers.reshape(len(parts) - 1, c, -1),
-                              epilogue.numbers, parts, *plan.geometry, epilogue.kind, plan.shuffled):
+            columns = own.reshape(c, -1)
+            status = post_and_finish_small_map(control, plan.weights, x, flat, plan.bias,
+                                               helpers.reshape(len(parts) - 1, c, -1), columns, epilogue.numbers,
+                                               parts, *plan.geometry, epilogue.kind, plan.shuffled,
+                                               spin_team.WAIT_ROUNDS)
+            if status == HELPERS_ASLEEP:
                 team.wake()  # type: ignore[union-attr]
-            done = finish_small_map(control, plan.weights, x, flat, plan.bias, own.reshape(c, -1), parts,
-                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
-                                    spin_team.WAIT_ROUNDS)
+                done = finish_small_map(control, plan.weights, x, flat, plan.bias, columns, parts,
+                                        *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
+                                        spin_team.WAIT_ROUNDS)
+                status = PARTS_DONE if done else PARTS_RUNNING
         else:
-            if post_pointwise(control, plan.weights, x, flat, plan.bias, helpers, epilogue.numbers, parts, plan.panels,
-                              *plan.geometry, epilogue.kind, plan.shuffled):
+            status = post_and_finish_pointwise(control, plan.weights, x, flat, plan.bias, helpers, own,
+                                               epilogue.numbers, parts, plan.panels, *plan.geometry, epilogue.kind,
+                                               plan.shuffled, spin_team.WAIT_ROUNDS)
+            if status == HELPERS_ASLEEP:
                 team.wake()  # type: ignore[union-attr]
-            done = finish_pointwise(control, plan.weights, x, flat, plan.bias, own, parts, plan.panels,
-                                    *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
-                                    spin_team.WAIT_ROUNDS)
-        if not done:
+                done = finish_pointwise(control, plan.weights, x, flat, plan.bias, own, parts, plan.panels,
+                                        *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
+                                        spin_team.WAIT_ROUNDS)
+                status = PARTS_DONE if done else PARTS_RUNNING
+        if status == PARTS_RUNNING:
             team.wait_posted(len(parts) - 1)  # type: ignore[union-attr]
     finally:
         team.release()  # type: ignore[union-attr]

@@ -162,6 +162,35 @@ def test_helpers_not_done_within_the_spin_are_waited_for_the_slow_way(kernel, rn
     np.testing.assert_array_equal(shared, alone)
 
 
+
+def test_helpers_found_asleep_are_woken_before_the_callers_part(kernel, rng, monkeypatch):
+    """Where the posting finds a helper asleep, the compiled call returns before running the
+    caller's part; the caller wakes the team, then runs its part and waits: the same bits as the
+    conv alone."""
+    from asyncinfer.concurrency.spin_team import HELPERS_ASLEEP
+
+    monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands("three_panels", rng)
+    alone = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
+    posted = []
+
+    def post_pointwise_only(control, wt, x, y, bias, buffers, buffer, numbers, *rest):
+        posted.append(pointwise.post_pointwise(control, wt, x, y, bias, buffers, numbers, *rest[:-1]))
+        return HELPERS_ASLEEP
+
+    def post_small_map_only(control, panels, x, y, bias, columns, own, numbers, *rest):
+        posted.append(pointwise.post_small_map(control, panels, x, y, bias, columns, numbers, *rest[:-1]))
+        return HELPERS_ASLEEP
+    monkeypatch.setattr(conv_pointwise, "post_and_finish_pointwise", post_pointwise_only)
+    monkeypatch.setattr(conv_pointwise, "post_and_finish_small_map", post_small_map_only)
+    with spin_team_bound(1) as runs:
+        woken = []
+        real = runs.team.wake
+        runs.team.wake = lambda: (woken.append(1), real())
+        shared = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
+    assert runs.shared == 1 and len(posted) == 1 and woken == [1]
+    np.testing.assert_array_equal(shared, alone)
+
 def test_small_maps_split_by_even_panels_else_by_blocks_of_positions():
     parts = conv_pointwise._small_map_parts
     assert parts(1, 18, 49, 2) == [(0, 1, 0, 9, 0, 49), (0, 1, 9, 18, 0, 49)]  # panels divide evenly

@@ -272,6 +272,34 @@ def test_depthwise_helpers_not_done_within_the_spin_are_waited_for_the_slow_way(
     np.testing.assert_array_equal(shared, alone)
 
 
+
+def test_depthwise_helpers_found_asleep_are_woken_before_the_callers_part(rng, monkeypatch):
+    """Where the posting finds a helper asleep, the compiled call returns before running the
+    caller's part; the caller wakes the team, then runs its part and waits (`finish_depthwise`):
+    the same bits as the conv alone."""
+    from asyncinfer.concurrency.spin_team import HELPERS_ASLEEP
+    from asyncinfer.ops.compiled.depthwise_parts import post_depthwise
+
+    monkeypatch.setattr(conv_kernels, "TEAM_MIN_MACS", 0)
+    x, w, b = _inputs(rng, (1, 40, 14, 12), 1, (3, 3))
+    attrs = dict(strides=[1, 1], pads=[1, 1, 1, 1], group=40, kernel_shape=[3, 3])
+    alone = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    posted = []
+
+    def post_only(control, loop, x, taps, bias, out, parts, geometry, multiplier, block, scratch, own, act, numbers,
+                  rounds):
+        posted.append(post_depthwise(control, loop, x, taps, bias, out, parts, geometry, multiplier, block, scratch,
+                                     act, numbers))
+        return HELPERS_ASLEEP
+    monkeypatch.setattr(conv_kernels, "post_and_finish_depthwise", post_only)
+    with spin_team_bound(1) as runs:
+        woken = []
+        real = runs.team.wake
+        runs.team.wake = lambda: (woken.append(1), real())
+        shared = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
+    assert runs.shared == 1 and len(posted) == 1 and woken == [1]
+    np.testing.assert_array_equal(shared, alone)
+
 DISPATCH_CASES = [
     ((1, 32, 56, 56), 3, 1, 1, "depthwise_flat"),           # 3x3 from 20 columns: in registers, NCHW
     ((1, 16, 20, 20), 3, 1, 1, "depthwise_flat"),

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
+from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
+                                      post_and_count_asleep, wait_all)
 from . import kernel
 from .depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2, vector_groups,
                         window_extent)
@@ -130,6 +131,21 @@ def finish_depthwise(control: np.ndarray, loop: int, x: np.ndarray, taps: np.nda
                     geometry[1], geometry[2], geometry[3], geometry[4], geometry[5], multiplier, block, scratch, act,
                     a, b, parts[0, 4], parts[0, 5])
     return wait_all(control, parts.shape[0] - 1, rounds)
+
+
+@kernel
+def post_and_finish_depthwise(control: np.ndarray, loop: int, x: np.ndarray, taps: np.ndarray, bias: np.ndarray,
+                              out: np.ndarray, parts: np.ndarray, geometry: np.ndarray, multiplier: int, block: int,
+                              scratch: np.ndarray, own: np.ndarray, act: int, numbers: np.ndarray, rounds: int) -> int:
+    """`post_depthwise`, then `finish_depthwise` (``own`` this thread's scratch) unless a helper
+    was asleep: `spin_team.HELPERS_ASLEEP` (nothing run here yet), `PARTS_DONE` or
+    `PARTS_RUNNING`."""
+    if post_depthwise(control, loop, x, taps, bias, out, parts, geometry, multiplier, block, scratch, act, numbers):
+        return HELPERS_ASLEEP
+    if finish_depthwise(control, loop, x, taps, bias, out, parts, geometry, multiplier, block, own, act, numbers[0],
+                        numbers[1], rounds):
+        return PARTS_DONE
+    return PARTS_RUNNING
 
 
 @numba.njit(inline="always")

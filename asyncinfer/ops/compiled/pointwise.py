@@ -43,7 +43,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
+from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
+                                      post_and_count_asleep, wait_all)
 from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
@@ -303,6 +304,22 @@ def finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.n
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
+@kernel(contract=False)
+def post_and_finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
+                              buffers: np.ndarray, buffer: np.ndarray, numbers: np.ndarray, parts: np.ndarray,
+                              count: int, in_width: int, out_width: int, sh: int, sw: int, act: int, shuffled: bool,
+                              rounds: int) -> int:
+    """`post_pointwise`, then `finish_pointwise` (``buffer`` this thread's) unless a helper was
+    asleep: `spin_team.HELPERS_ASLEEP` (nothing run here yet), `PARTS_DONE` or `PARTS_RUNNING`."""
+    if post_pointwise(control, wt, x, y, bias, buffers, numbers, parts, count, in_width, out_width, sh, sw, act,
+                      shuffled):
+        return HELPERS_ASLEEP
+    if finish_pointwise(control, wt, x, y, bias, buffer, parts, count, in_width, out_width, sh, sw, act, numbers[0],
+                        numbers[1], shuffled, rounds):
+        return PARTS_DONE
+    return PARTS_RUNNING
+
+
 @numba.njit(inline="always")
 def pointwise_part(control: np.ndarray) -> None:
     """Run the `pointwise_conv` part posted in a spin team's ``control`` row (`post_pointwise`):
@@ -451,6 +468,21 @@ def finish_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: 
     """`finish_pointwise` for `small_map_conv` (``columns`` this thread's)."""
     small_map_parts(panels, x, y, bias, columns, parts[:1], 0, in_width, out_width, sh, sw, act, a, b, shuffled)
     return wait_all(control, parts.shape[0] - 1, rounds)
+
+
+@kernel(contract=False)
+def post_and_finish_small_map(control: np.ndarray, panels: np.ndarray, x: np.ndarray, y: np.ndarray,
+                              bias: np.ndarray, columns: np.ndarray, own: np.ndarray, numbers: np.ndarray,
+                              parts: np.ndarray, in_width: int, out_width: int, sh: int, sw: int, act: int,
+                              shuffled: bool, rounds: int) -> int:
+    """`post_and_finish_pointwise` for `small_map_conv` (``own`` this thread's columns)."""
+    if post_small_map(control, panels, x, y, bias, columns, numbers, parts, in_width, out_width, sh, sw, act,
+                      shuffled):
+        return HELPERS_ASLEEP
+    if finish_small_map(control, panels, x, y, bias, own, parts, in_width, out_width, sh, sw, act, numbers[0],
+                        numbers[1], shuffled, rounds):
+        return PARTS_DONE
+    return PARTS_RUNNING
 
 
 @numba.njit(inline="always")
