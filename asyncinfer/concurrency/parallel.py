@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from .spin_team import SpinTeam
 
@@ -31,18 +30,25 @@ def bind_pool(submit: Callable[[Callable[[], None]], object] | None, width: int,
     _local.submit, _local.width, _local.team, _local.crowded = submit, width, team, crowded
 
 
-@contextmanager
-def pool_bound(submit: Callable[[Callable[[], None]], object] | None, width: int,
-               team: SpinTeam | None = None, crowded: Callable[[], bool] | None = None) -> Iterator[None]:
+class pool_bound:  # noqa: N801 - used as a function: ``with pool_bound(...):``
     """Within the block, kernels on this thread may split into ``width`` parts handed to
-    ``submit`` or ``team`` (for code that runs kernels outside a CPU backend's pool, and for tests)."""
-    outer = (getattr(_local, "submit", None), getattr(_local, "width", 1), getattr(_local, "team", None),
-             getattr(_local, "crowded", None))
-    bind_pool(submit, width, team, crowded)
-    try:
-        yield
-    finally:
-        bind_pool(*outer)
+    ``submit`` or ``team`` (for code that runs kernels outside a CPU backend's pool, and for tests;
+    a class, not a generator-based context manager: a blocking run enters one, and that costs
+    about a microsecond more)."""
+
+    __slots__ = ("_binding", "_outer")
+
+    def __init__(self, submit: Callable[[Callable[[], None]], object] | None, width: int,
+                 team: SpinTeam | None = None, crowded: Callable[[], bool] | None = None):
+        self._binding = (submit, width, team, crowded)
+
+    def __enter__(self) -> None:
+        self._outer = (getattr(_local, "submit", None), getattr(_local, "width", 1), getattr(_local, "team", None),
+                       getattr(_local, "crowded", None))
+        bind_pool(*self._binding)
+
+    def __exit__(self, kind: object, value: object, traceback: object) -> None:
+        bind_pool(*self._outer)
 
 
 def team() -> SpinTeam | None:
