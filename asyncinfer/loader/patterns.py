@@ -9,7 +9,8 @@ five to nine, one task, fewer passes over memory, and an activation that ``fuse_
 can then run in place inside the MatMul or Conv before it. Every backend implements the fused ops.
 The attention of exported decoders (scores, scale, masks, softmax, values: seven layers) becomes
 ``MaskedAttention`` of asyncinfer's own domain (``ops/fused.py``), and a CNN's
-squeeze-and-excitation block (pool, two convs, Mul) ``SqueezeExcite``; a backend without such a
+squeeze-and-excitation block (pool, two convs, Mul) ``SqueezeExcite``, and an STFT's magnitude
+(``Sqrt`` of a sum of two squares) ``Magnitude``; a backend without such a
 kernel runs the layers it keeps (``Layer.expansion``). Layout layers that only serve a GEMM or
 split attention heads go into one layer with it (``ReshapedGemm``, ``ReshapeTranspose``: passes
 run late by ``optimize``, after the activations are fused), and so does the channel shuffle after
@@ -45,6 +46,7 @@ SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
 MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
 SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
 ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
+MAGNITUDE = ("Magnitude", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
 SHAPE_READERS = frozenset({"Shape", "Size"})
 
@@ -404,6 +406,29 @@ def fuse_silu(model: Model) -> int:
         fused = Layer(name=times.name, op_type=SWISH[0], inputs=[x], outputs=[times.outputs[0]],
                       attrs={"alpha": 1.0}, version=SWISH[1])
         g.replace([sigmoid, times], times, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def fuse_magnitude(model: Model) -> int:
+    """``Sqrt(Add(Mul(a, a), Mul(b, b)))`` → ``Magnitude(a, b)`` (``ops/fused.py``): an STFT's
+    magnitude in an audio model, four layers to one. The squares and their sum have no reader
+    outside the pattern; the four stay in the expansion for backends without the fused kernel."""
+    g, count = _Graph(model), 0
+    for root in g.candidates("Sqrt"):
+        total = g.op(root.inputs[0], "Add")
+        if total is None or not g.private(total.outputs[0]) or len(total.inputs) != 2:
+            continue
+        squares = [g.op(name, "Mul") for name in total.inputs]
+        if any(sq is None or not g.private(sq.outputs[0]) or len(sq.inputs) != 2 or sq.inputs[0] != sq.inputs[1]
+               for sq in squares) or squares[0] is squares[1]:
+            continue
+        pattern = [*squares, total, root]
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``root``
+        fused = Layer(name=root.name, op_type=MAGNITUDE[0], inputs=[sq.inputs[0] for sq in squares],  # type: ignore[union-attr]
+                      outputs=[root.outputs[0]], domain=FUSED_DOMAIN, version=MAGNITUDE[1], expansion=expansion)
+        g.replace(pattern, root, fused)  # type: ignore[arg-type]
         count += 1
     g.commit()
     return count
@@ -1089,6 +1114,7 @@ PATTERN_PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_rms_norm", fuse_rms_norm),
     ("fuse_silu", fuse_silu),
+    ("fuse_magnitude", fuse_magnitude),
     ("fuse_attention", fuse_attention),
     ("fuse_rotary", fuse_rotary),
 ]

@@ -662,6 +662,22 @@ def _rows_and_bias(w: np.ndarray, b: np.ndarray | None) -> tuple[np.ndarray, np.
     return rows, np.zeros(w.shape[0], np.float32) if b is None else np.ascontiguousarray(b, np.float32)
 
 
+@register("Magnitude", versions=(1,), domain=FUSED_DOMAIN)
+class Magnitude(Op):
+    """``Sqrt(Add(Mul(a, a), Mul(b, b)))``: the magnitude of a complex value kept as its real and
+    imaginary parts, as audio models take it from an STFT (a voice-activity detector's convolution
+    by a cos/sin basis, sliced into its two halves). Four layers of a few hundred values each
+    that a streaming model pays as per-layer cost on every chunk. Each step is the layer it
+    replaces (the same ufuncs on the same dtype, a narrow float's root taken in float32): the
+    very bits of the four layers."""
+
+    def run(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        total = np.asarray(np.add(np.multiply(a, a), np.multiply(b, b)))
+        if total.dtype.itemsize >= 4:
+            return np.sqrt(total, out=total)
+        return np.sqrt(total.astype(np.float32)).astype(total.dtype)
+
+
 @register("MatMulBias", versions=(1,), domain=FUSED_DOMAIN)
 class MatMulBias(MatMul):
     """``MatMul(A, B) + bias``, ``B`` a 2-D weight and ``bias`` a row of its width: a transformer's

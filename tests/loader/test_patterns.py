@@ -1239,3 +1239,62 @@ def test_joined_products_on_gpu_pixel_run_there():
     model, got = _load_and_run(proto, feeds, backend="gpu_pixel")
     assert model.optimizations["fuse_sibling_products"] == 1
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
+
+
+def _magnitude_model(*, sum_read_elsewhere: bool = False, product: bool = False, dtype=onnx.TensorProto.FLOAT,
+                     b_shape=(1, 129, 4)) -> onnx.ModelProto:
+    """An STFT's magnitude as exporters write it: Sqrt(Add(Mul(re, re), Mul(im, im))) of a
+    spectrum's two halves (``product``: the second Mul of re by im, no square)."""
+    nodes = [helper.make_node("Mul", ["re", "re"], ["re2"]),
+             helper.make_node("Mul", ["im", "re"] if product else ["im", "im"], ["im2"]),
+             helper.make_node("Add", ["re2", "im2"], ["power"]),
+             helper.make_node("Sqrt", ["power"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", dtype, None)]
+    if sum_read_elsewhere:
+        outputs.append(helper.make_tensor_value_info("power", dtype, None))
+    inputs = [helper.make_tensor_value_info("re", dtype, [1, 129, 4]), helper.make_tensor_value_info("im", dtype, b_shape)]
+    return helper.make_model(helper.make_graph(nodes, "magnitude", inputs, outputs),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("b_shape", [(1, 129, 4), (1, 1, 4)])
+def test_magnitude_fuses_and_gives_the_bits_of_the_four_layers(dtype, b_shape):
+    proto = _magnitude_model(dtype=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), b_shape=b_shape)
+    feeds = {"re": (RNG.standard_normal((1, 129, 4)) * 30).astype(dtype),
+             "im": (RNG.standard_normal(b_shape) * 30).astype(dtype)}
+    feeds["re"].reshape(-1)[:3] = [np.inf, np.nan, -0.0]
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_magnitude"] == 1
+    assert [l.op_type for l in model.layers] == ["Magnitude"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Mul", "Mul", "Add", "Sqrt"]
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    unfused_model, unfused = _load_and_run(proto, feeds, without="fuse_magnitude")
+    assert len(unfused_model.layers) == 4
+    assert got.dtype == dtype and got.shape == unfused.shape
+    np.testing.assert_array_equal(got, unfused)
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-3 if dtype == np.float16 else 1e-6)
+
+
+@pytest.mark.parametrize("variant", [dict(sum_read_elsewhere=True), dict(product=True)])
+def test_magnitude_that_is_not_exactly_the_pattern_is_left_alone(variant):
+    proto = _magnitude_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_magnitude"] == 0
+    assert "Sqrt" in [l.op_type for l in model.layers]
+
+
+def test_magnitude_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    proto = _magnitude_model()
+    require_pixel()
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_magnitude"] == 1
+    feeds = {"re": RNG.standard_normal((1, 129, 4)).astype(np.float32),
+             "im": RNG.standard_normal((1, 129, 4)).astype(np.float32)}
+    with ai.Worker(model, "gpu_pixel") as worker:
+        placement = worker.placement
+        got = worker.run_blocking(feeds)["y"]
+    assert not placement.fallback, placement.fallback
+    assert set(placement.layers.values()) == {"gpu_pixel"}
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
