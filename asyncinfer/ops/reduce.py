@@ -12,8 +12,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .base import Op
-from .compiled.normalization import max_rows
+from .compiled.normalization import MAX_ROWS
 from .elementwise import compute_dtype
+from .one_pass import row_kernel
 from .registry import register
 from .shape import int_list, normalize_axis
 
@@ -96,7 +97,7 @@ class _Reduce(Op):
             if reduced == (x.ndim - 1,):  # rows: a compiled pass (`compiled.normalization.max_rows`)
                 span, stride = _row_span(x)
                 out = np.empty(x.size // x.shape[-1], np.float32)
-                max_rows(span, stride, x.shape[-1], out)
+                row_kernel(MAX_ROWS, span, stride, x.shape[-1], out, out.size)
                 return out.reshape(x.shape[:-1] + ((1,) if self.attr("keepdims") else ()))
         with np.errstate(all="ignore"):
             return self.reduce(np, x, axes)

@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .base import Op
-from .compiled.normalization import softmax_rows
+from .compiled.normalization import SOFTMAX_ROWS
 from .elementwise import compute_dtype
+from .one_pass import row_kernel
 from .registry import register
 
 
@@ -55,7 +56,8 @@ class _Normalise(Op):
             if self.version < 13 or axis == x.ndim - 1:  # rows: the last axis, or the 2-D coercion
                 rows = np.ascontiguousarray(x).reshape(-1, math.prod(x.shape[axis:]))
                 y = np.empty(x.shape, np.float32)
-                softmax_rows(rows, y.reshape(rows.shape))  # one compiled pass per row
+                # compiled passes over each row, rows shared with the spinning helpers when many
+                row_kernel(SOFTMAX_ROWS, rows.reshape(-1), rows.shape[1], rows.shape[1], y.reshape(-1), rows.shape[0])
                 return y
         with np.errstate(all="ignore"):
             return self.normalise(np, x)

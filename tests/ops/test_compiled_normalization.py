@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .op_testing import make_op, randn, reference_run
+from .op_testing import make_op, randn, reference_run, spin_team_bound
 
 
 @pytest.mark.parametrize("shape, axis, bias", [((2, 5, 16), -1, True), ((3, 4, 6), 1, True),
@@ -112,3 +112,27 @@ def test_reduce_max_over_the_last_axis_with_nan_and_inf(width, keepdims, rng):
     for view in (x[:, :, 1:], x[:, :, ::-1], x[:, ::2], x[::2, 1:]):
         if view.shape[-1]:
             np.testing.assert_array_equal(op(view)[0], np.max(view, axis=2, keepdims=bool(keepdims)))
+
+
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_rows_shared_with_the_spin_team_give_the_bits_of_one_thread(helpers, rng):
+    """A softmax or a ReduceMax of many rows (SSDlite's 3234 scores of 91 classes) takes ranges of
+    rows on the spinning helpers (`one_pass.row_kernel`): each row as one thread computes it, NaN
+    and infinities included, rows read in place from a view too."""
+    from asyncinfer.ops.one_pass import ROWS_TEAM_MIN_VALUES
+
+    x = randn(rng, 1, 1203, 91) * 10
+    x[0, 5, 3], x[0, 700, 0], x[0, 1100, -1] = np.nan, np.inf, -np.inf
+    assert x.size >= ROWS_TEAM_MIN_VALUES
+    softmax = make_op("Softmax", dict(axis=-1), version=13, n_inputs=1)
+    reduce_max = make_op("ReduceMax", dict(axes=[2], keepdims=0), version=13, n_inputs=1)
+    alone = softmax(x)[0], reduce_max(x[:, :, 1:])[0]
+    with spin_team_bound(helpers) as runs:
+        shared = softmax(x)[0], reduce_max(x[:, :, 1:])[0]
+    assert runs.shared == 2
+    for got, want in zip(shared, alone):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(shared[1], np.max(x[:, :, 1:], axis=2))
+    with np.errstate(all="ignore"):  # (the reference's own inf - inf)
+        want = reference_run("Softmax", [x], dict(axis=-1), opset=13)[0]
+    np.testing.assert_allclose(shared[0], want, rtol=1e-5, atol=1e-7)

@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
+import numba
+
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import inline, kernel
 from .activations import _exp
 from .rows import row_max, row_sum, row_sum_squares
+
+#: The kind of spin-team part that is a `row_range`.
+ROWS_PART_KIND = 16
+#: The row kernels a `row_range` runs: `softmax_rows`, `max_rows`.
+SOFTMAX_ROWS, MAX_ROWS = 0, 1
 
 
 @kernel
@@ -160,3 +168,53 @@ def rms_norm_rows(x: np.ndarray, scale: np.ndarray, epsilon: float, y: np.ndarra
         out = y[r]
         for i in range(d):
             out[i] = (row[i] / root) * scale[i]
+
+
+@kernel
+def row_range(op: int, span: np.ndarray, stride: int, width: int, out: np.ndarray, r0: int, r1: int) -> None:
+    """Rows ``r0:r1`` of a row kernel, ``op``: `SOFTMAX_ROWS`, ``span`` the rows end to end
+    (``stride`` = ``width`` values each) and ``out`` as large (or ``span`` itself); `MAX_ROWS`,
+    ``out[r]`` the largest value of ``span[r·stride:r·stride + width]``. Each row as the kernel
+    computes it alone: the same bits for any split of the rows."""
+    if op == SOFTMAX_ROWS:
+        softmax_rows(span[r0 * width:r1 * width].reshape(r1 - r0, width),
+                     out[r0 * width:r1 * width].reshape(r1 - r0, width))
+    else:
+        max_rows(span[r0 * stride:], stride, width, out[r0:r1])
+
+
+@kernel
+def post_rows(control: np.ndarray, op: int, span: np.ndarray, stride: int, width: int, out: np.ndarray,
+              cuts: np.ndarray) -> int:
+    """Post rows ``cuts[i + 1]:cuts[i + 2]`` to helper ``i`` of a claimed team's ``control``, for
+    `rows_part` to run as `row_range`; how many of those helpers were asleep (the caller wakes
+    them)."""
+    sleeping = 0
+    for i in range(cuts.shape[0] - 2):
+        row = control[i]
+        row[KIND] = ROWS_PART_KIND
+        at = ARGS
+        row[at], row[at + 1], row[at + 2], row[at + 3] = op, span.size, span.ctypes.data, stride
+        row[at + 4], row[at + 5], row[at + 6] = width, out.size, out.ctypes.data
+        row[at + 7], row[at + 8] = cuts[i + 1], cuts[i + 2]
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel
+def finish_rows(control: np.ndarray, op: int, span: np.ndarray, stride: int, width: int, out: np.ndarray,
+                cuts: np.ndarray, rounds: int) -> bool:
+    """Rows ``cuts[0]:cuts[1]`` here, then wait for those `post_rows` posted; False when a helper
+    is not done within ``rounds`` spins (the caller then waits the slow way)."""
+    row_range(op, span, stride, width, out, cuts[0], cuts[1])
+    return wait_all(control, cuts.shape[0] - 2, rounds)
+
+
+@numba.njit(inline="always")
+def rows_part(control: np.ndarray) -> None:
+    """Run the `row_range` posted in a spin team's ``control`` row (`post_rows`): the helper's
+    side (`team_parts.serve_parts`)."""
+    at = ARGS
+    span = numba.carray(address_as_pointer(control[at + 2], np.float32), (control[at + 1],))
+    out = numba.carray(address_as_pointer(control[at + 6], np.float32), (control[at + 5],))
+    row_range(control[at], span, control[at + 3], control[at + 4], out, control[at + 7], control[at + 8])

@@ -9,7 +9,7 @@ images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a poo
 (`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
 (`direct_panels`), a band of a GEMM (`blas_call`), a GEMM's panels (`gemm`) and a range of a sum,
 activation or channel
-affine map (`one_pass`), told apart by the kind each poster writes (`PART_KIND` of each module).
+affine map (`one_pass`) and a range of rows of a softmax or a row maximum (`normalization`), told apart by the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ from .one_pass import ADD_PART_KIND as SUM
 from .one_pass import ACTIVATE_PART_KIND as ACTIVATE
 from .one_pass import AFFINE_PART_KIND as AFFINE
 from .one_pass import activate_part, add_part, affine_part
+from .normalization import ROWS_PART_KIND as ROWS
+from .normalization import rows_part
 
 
 @kernel
@@ -87,6 +89,8 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray) 
             affine_part(control)
         elif control[KIND] == ACTIVATE:
             activate_part(control)
+        elif control[KIND] == ROWS:
+            rows_part(control)
         else:
             few_rows_part(control)
         mark_done(control, seq)
