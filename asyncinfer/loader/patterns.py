@@ -426,8 +426,9 @@ def fuse_magnitude(model: Model) -> int:
             continue
         pattern = [*squares, total, root]
         expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``root``
-        fused = Layer(name=root.name, op_type=MAGNITUDE[0], inputs=[sq.inputs[0] for sq in squares],  # type: ignore[union-attr]
-                      outputs=[root.outputs[0]], domain=FUSED_DOMAIN, version=MAGNITUDE[1], expansion=expansion)
+        inputs = [sq.inputs[0] for sq in squares]  # type: ignore[union-attr]
+        fused = Layer(name=root.name, op_type=MAGNITUDE[0], inputs=inputs, outputs=[root.outputs[0]],
+                      domain=FUSED_DOMAIN, version=MAGNITUDE[1], expansion=expansion)
         g.replace(pattern, root, fused)  # type: ignore[arg-type]
         count += 1
     g.commit()

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..concurrency import parallel, spin_team
-from ..concurrency.spin_team import HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING
 from ..concurrency.aligned import aligned_bytes
+from ..concurrency.spin_team import HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
 from .compiled.depthwise_block import KNOWN_WINDOWS

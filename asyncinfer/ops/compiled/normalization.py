@@ -1,4 +1,5 @@
-"""Row-wise LayerNormalization and Softmax for float32, one call over all rows.
+"""Row-wise LayerNormalization, Softmax and row maxima for float32, one call over all rows (or a
+range of them, `row_range`, which the CPU backend's spinning helpers run too: `rows_part`).
 
 As NumPy expressions each is 6-10 whole-array operations, which on the small tensors of a
 transformer (a few tokens × a few hundred features) cost 1-2 µs each in call overhead alone, and
@@ -8,9 +9,8 @@ it is in L1. Statistics are rounded to float32, the stash type.
 """
 from __future__ import annotations
 
-import numpy as np
-
 import numba
+import numpy as np
 
 from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import inline, kernel

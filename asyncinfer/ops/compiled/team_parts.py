@@ -7,9 +7,9 @@ an encoder's as two products a head), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
 images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
 (`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
-(`direct_panels`), a band of a GEMM (`blas_call`), a GEMM's panels (`gemm`) and a range of a sum,
-activation or channel
-affine map (`one_pass`) and a range of rows of a softmax or a row maximum (`normalization`), told apart by the kind each poster writes (`PART_KIND` of each module).
+(`direct_panels`), a band of a GEMM (`blas_call`), a GEMM's panels (`gemm`), a range of a sum,
+activation or channel affine map (`one_pass`) and a range of rows of a softmax or of row maxima
+(`normalization`), told apart by the kind each poster writes (`PART_KIND` of each module).
 """
 from __future__ import annotations
 
