@@ -34,16 +34,19 @@ PART_KIND = 0
 #: Rows of b added per pass over a band of y by several rows of a (each pass loads the band once).
 K_UNROLL = 8
 #: Up to this width a one-row product reads b's rows one at a time (`_one_row_sequential`): y's
-#: row (12 KiB) stays in L1 and b is one sequential stream. Interleaving 8-16 rows of b, which
-#: pays on wide b (GPT-2's 768 x 50257 logits: 27.8 against 14-17 GB/s), streams short runs of
-#: each row on narrow ones: one core, 2-core AMD EPYC VM, weights cold, 3072 x 768 17.7 -> 28.9
-#: GB/s, 768 x 2304 23.5 -> 27.1; from 768 x 4096 on the interleaved loop was the faster.
-ONE_ROW_SEQUENTIAL_COLUMNS = 3072
-#: How far ahead of the row of b it adds that loop prefetches (whole rows, at least the next):
-#: one stream alone leaves the hardware prefetcher too short a reach to cover the memory's
-#: latency. One core, b cold: 576 x 1024 100 -> 80 µs, 1024 x 1000 150 -> 117-140, 3072 x 768
-#: 367 -> 303, 768 x 768 110 -> 90 (OpenBLAS's sgemv on the same weights row-major: 78, 126,
-#: 265, 79); 4 and 16 KiB measured no better.
+#: row stays in L1 and b is one sequential stream. Wider, the interleaved loop (8-16 rows of b a
+#: pass over a tile of y) is the faster, cold and warm alike. One core, 2-core AMD EPYC VM, b out
+#: of the cache (warm), µs, sequential (with its prefetch) -> interleaved: 768 x 3072 406 (134) ->
+#: 204 (99), 768 x 2304 254 (97) -> 152 (79), 2048 x 2048 674 (264) -> 386 (210), 576 x 1024 93
+#: (30) -> 71 (30), 768 x 768 77 (33) -> 64 (26); at 512 columns each wins one of 512 x 512 and
+#: 2048 x 512 (2048 x 512 cold 97 against 117). OpenBLAS's sgemv on the weights row-major: 269,
+#: 201, 455, 76, 76. (An earlier session's loops measured the boundary at 3072.)
+ONE_ROW_SEQUENTIAL_COLUMNS = 512
+#: How far ahead of the row of b it adds the sequential loop prefetches (whole rows, at least the
+#: next): one stream alone leaves the hardware prefetcher too short a reach to cover the memory's
+#: latency. One core, b cold, measured while these widths took that loop: 576 x 1024 100 -> 80
+#: µs, 1024 x 1000 150 -> 117-140, 3072 x 768 367 -> 303, 768 x 768 110 -> 90; 4 and 16 KiB no
+#: better.
 AHEAD_BYTES = 8192
 # Panel widths of posted parts (`few_rows_part` rebuilds the panels' shape from integers).
 NARROW_PANEL, WIDE_PANEL = panel_width(np.float32), panel_width(np.float64)
