@@ -49,7 +49,7 @@ SPIN_ROUNDS = 4000
 #: Rounds a caller spins waiting for its helpers before it looks whether they still live.
 WAIT_ROUNDS = 1 << 16
 #: What a caller's compiled post-and-finish call (`compiled.depthwise_parts.post_and_finish_depthwise`...)
-#: returns: a helper was asleep (its part posted, nothing run yet: the caller `wake`s the team,
+#: returns: a helper was asleep (its part posted, nothing run yet: `SpinTeam.settle` wakes the team,
 #: then runs its own part and waits, the call's two halves), every part done, or a helper not
 #: done within the rounds (the caller waits the slow way, `wait_posted`). One compiled call a
 #: layer instead of two saves the second's dispatch (about a microsecond of Python in a run).
@@ -332,6 +332,16 @@ class SpinTeam:
         compiled `wait_all` gave up spinning."""
         for i in range(helpers):
             self.wait(i)
+
+    def settle(self, status: int, finish: Callable[..., bool], arguments: Sequence[Any], helpers: int) -> None:
+        """Complete a layer whose compiled post-and-finish call returned ``status``: where a helper
+        was asleep, `wake` the team and run the caller's half, ``finish(*arguments)`` (False: a
+        helper not done within its rounds); where a helper is still running, `wait_posted`."""
+        if status == HELPERS_ASLEEP:
+            self.wake()
+            status = PARTS_DONE if finish(*arguments) else PARTS_RUNNING
+        if status == PARTS_RUNNING:
+            self.wait_posted(helpers)
 
     def scratch(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A buffer for the helpers' partial results, reused by every claim: grown as needed,

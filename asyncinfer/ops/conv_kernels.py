@@ -26,7 +26,6 @@ import numpy as np
 
 from ..concurrency import parallel, spin_team
 from ..concurrency.aligned import aligned_bytes
-from ..concurrency.spin_team import HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
 from .compiled.depthwise_block import KNOWN_WINDOWS
@@ -338,12 +337,8 @@ def _on_team(plan: DepthwisePlan, x: np.ndarray, result: np.ndarray, epilogue: E
                      layout.block)
         status = post_and_finish_depthwise(*arguments, helpers, own, epilogue.kind, epilogue.numbers,
                                            spin_team.WAIT_ROUNDS)
-        if status == HELPERS_ASLEEP:
-            team.wake()
-            done = finish_depthwise(*arguments, own, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS)
-            status = PARTS_DONE if done else PARTS_RUNNING
-        if status == PARTS_RUNNING:
-            team.wait_posted(len(parts) - 1)
+        team.settle(status, finish_depthwise,
+                    (*arguments, own, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), len(parts) - 1)
     finally:
         team.release()
     return True

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..concurrency import parallel, spin_team
-from ..concurrency.spin_team import HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING
 from .compiled.panels import BLOCK_ROWS, panel_width
 from .compiled.pointwise import (finish_pointwise, finish_small_map, pack_weights, pointwise_buffer_size,
                                  pointwise_parts, post_and_finish_pointwise, post_and_finish_small_map,
@@ -221,24 +220,17 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray) -> np.ndarray:
                                                helpers.reshape(len(parts) - 1, c, -1), columns, epilogue.numbers,
                                                parts, *plan.geometry, epilogue.kind, plan.shuffled,
                                                spin_team.WAIT_ROUNDS)
-            if status == HELPERS_ASLEEP:
-                team.wake()  # type: ignore[union-attr]
-                done = finish_small_map(control, plan.weights, x, flat, plan.bias, columns, parts,
-                                        *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
-                                        spin_team.WAIT_ROUNDS)
-                status = PARTS_DONE if done else PARTS_RUNNING
+            team.settle(status, finish_small_map,  # type: ignore[union-attr]
+                        (control, plan.weights, x, flat, plan.bias, columns, parts, *plan.geometry, epilogue.kind,
+                         epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS), len(parts) - 1)
         else:
             status = post_and_finish_pointwise(control, plan.weights, x, flat, plan.bias, helpers, own,
                                                epilogue.numbers, parts, plan.panels, *plan.geometry, epilogue.kind,
                                                plan.shuffled, spin_team.WAIT_ROUNDS)
-            if status == HELPERS_ASLEEP:
-                team.wake()  # type: ignore[union-attr]
-                done = finish_pointwise(control, plan.weights, x, flat, plan.bias, own, parts, plan.panels,
-                                        *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
-                                        spin_team.WAIT_ROUNDS)
-                status = PARTS_DONE if done else PARTS_RUNNING
-        if status == PARTS_RUNNING:
-            team.wait_posted(len(parts) - 1)  # type: ignore[union-attr]
+            team.settle(status, finish_pointwise,  # type: ignore[union-attr]
+                        (control, plan.weights, x, flat, plan.bias, own, parts, plan.panels, *plan.geometry,
+                         epilogue.kind, epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS),
+                        len(parts) - 1)
     finally:
         team.release()  # type: ignore[union-attr]
     return y
