@@ -143,10 +143,11 @@ class Backend(ABC):
         per step when a plan is built."""
         return None
 
-    def job_finishing(self) -> None:
+    def job_finishing(self, run_over: bool = False) -> None:
         """(Called on the thread that runs a job, before it completes its last layer's future.)
-        The job's computing is over: a waiter that future wakes may schedule the next run before
-        this thread has left the job. By default nothing."""
+        The job's computing is over (``run_over``: the job was a serial run's, the whole run's
+        computing is): a waiter that future wakes may schedule the next run before this thread
+        has left the job. By default nothing."""
 
     def job_may_hold(self, kernel: Any) -> bool:
         """Whether a job (see `runs_jobs`) may run ``kernel`` with `run_now`, or the kernel needs a

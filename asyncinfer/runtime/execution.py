@@ -62,7 +62,7 @@ class _StepDone:
         if node.release:
             execution._release_inputs(node)
         if self._last:
-            node.backend.job_finishing()
+            node.backend.job_finishing(execution.serial)
         execution.futures[node.index].set_result(outputs)  # type: ignore[union-attr]
 
     def fail(self, error: BaseException) -> None:
@@ -173,7 +173,7 @@ class _SegmentJob:
                     if node.release_shared:
                         execution._release_shared(node)
                 if node is last:
-                    node.backend.job_finishing()
+                    node.backend.job_finishing(execution.serial)
                 futures[node.index].set_result(outputs)  # type: ignore[union-attr]
                 continue
             done = done_type(execution, node, node is last)

@@ -262,6 +262,53 @@ def test_kernels_leave_the_team_alone_while_another_pool_thread_works(backend_wi
     assert backend._working == 0
 
 
+@pytest.mark.parametrize("run_over, hold_s, team_after", [
+    (True, 60.0, False),   # a run ended beside another: the next moments stay crowded
+    (True, 0.0, True),     # ... until the hold is over
+    (False, 60.0, True),   # a parallel run's branch ended: no hold
+])
+def test_a_run_ending_beside_another_keeps_the_pool_crowded_a_while(backend_with_team, monkeypatch,
+                                                                      run_over, hold_s, team_after):
+    """Concurrent requests leave a moment between one lane's run and its next, when the other
+    lane works alone: a kernel there that took the team would share a core with that next run.
+    A serial run ending while another thread works keeps `crowded` true for `CROWDED_HOLD_S`."""
+    from asyncinfer.backends.cpu import backend as cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "CROWDED_HOLD_S", hold_s)
+    backend = backend_with_team
+    seen: list[bool] = []
+    together = threading.Barrier(2)
+    first_left = threading.Event()
+    done = threading.Semaphore(0)
+
+    class Ending:
+        serial = True
+
+        def run(self) -> None:
+            together.wait(timeout=10)
+            backend.job_finishing(run_over)
+            done.release()
+
+    class Staying:
+        serial = True
+
+        def run(self) -> None:
+            together.wait(timeout=10)
+            assert first_left.wait(timeout=10)
+            seen.append(parallel.team() is not None)
+            done.release()
+
+    backend._submit(Ending())
+    backend._submit(Staying())
+    assert done.acquire(timeout=10)  # the ending one counted out ...
+    deadline = time.monotonic() + 10
+    while backend._working > 1 and time.monotonic() < deadline:  # ... and left its job
+        time.sleep(0.001)
+    first_left.set()
+    assert done.acquire(timeout=10)
+    assert seen == [team_after]
+
+
 def test_a_job_that_is_finishing_no_longer_crowds_the_next(backend_with_team):
     """A job's thread stops counting as working once the job says it is finishing (before its last
     layer's future wakes a waiter): the next run, started meanwhile on the other lane, still gets

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -52,6 +53,12 @@ from .memory import release_free_memory, tune_allocator
 
 Task = tuple[Step, list, StepDone]
 Work = Union[Task, Job]  # what the pool runs: one step, or a job of consecutive steps
+
+#: Seconds after a run ended while another thread ran this backend's work during which kernels
+#: still leave the spin team alone (`CPUBackend._crowded`): longer than an awaited run's hand-back to
+#: the event loop and the next run's start (tens of microseconds, up to a millisecond when
+#: the loop is busy), short beside a request's gap in a single stream.
+CROWDED_HOLD_S = 0.005
 
 
 
@@ -83,8 +90,9 @@ class CPUBackend(Backend):
         # chain: work queued on this thread; caller: in `submit_here`; counted: in `_working`
         self._local = threading.local()
         # Threads running this backend's work now (pool threads and blocking callers): from two
-        # on, kernels leave the spin team alone (`crowded`)
+        # on, and for `CROWDED_HOLD_S` after, kernels leave the spin team alone (`crowded`)
         self._working = 0
+        self._crowded_until = 0.0
         self._working_lock = threading.Lock()
         self._closed = False
         self._lane_lock = threading.Lock()
@@ -105,10 +113,15 @@ class CPUBackend(Backend):
 
     def _crowded(self) -> bool:
         """Whether another thread runs this backend's work too (concurrent requests, a parallel
-        run's branches): it has a core's worth of work, which a spinning helper would only take
-        turns with. Measured with 8 concurrent SqueezeNet requests on 2 cores: 129 runs/s with
-        one core per request, 94 with the team shared besides."""
-        return self._working > 1
+        run's branches), or did less than `CROWDED_HOLD_S` ago: it has a core's worth of work,
+        which a spinning helper would only take turns with. Measured with 8 concurrent SqueezeNet
+        requests on 2 cores: 129 runs/s with one core per request, 94 with the team shared
+        besides. The hold, after a run ended while another thread worked, covers the moment
+        between two runs of concurrent requests, when one lane has handed its result to the
+        event loop and not yet taken the next run: a kernel on the other lane that took the team
+        then found its helper sharing a core with that next run (2 SqueezeNet requests at a
+        time: 300 runs/s, 440 with the hold)."""
+        return self._working > 1 or time.monotonic() < self._crowded_until
 
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Op:
         return op  # the reference op is the CPU kernel (load_model checked every op has one)
@@ -185,12 +198,14 @@ class CPUBackend(Backend):
                 _fail(work, ExecutionError(f"the CPU backend cannot start a thread ({exc})"))
             # else: the pool's running threads pick the queued work up
 
-    def job_finishing(self) -> None:
+    def job_finishing(self, run_over: bool = False) -> None:
         # The loop that the job's last future wakes often takes the GIL before this thread can
         # leave `_run_chain`, and starts the next run on the other lane: counted as working still,
         # this thread would make that run's first layers leave the spin team alone (measured on
         # SqueezeNet: 4 awaited runs in 10 found the team "crowded", their stem 1.2 against 0.65 ms).
-        self._count_out()
+        # A whole run over while another thread runs another: concurrent requests, whose next
+        # run follows in a moment (the hold, `_crowded`); a parallel run's branch ending is not.
+        self._count_out(hold=run_over)
         # ... and with nothing else queued here, that next run comes to this lane, warm, not to
         # the idle one (`LanePool.finishing`; `_run_chain` takes it back if more work comes)
         if not getattr(self._local, "chain", None):
@@ -203,10 +218,14 @@ class CPUBackend(Backend):
                 self._working += 1
             local.counted = True
 
-    def _count_out(self) -> None:
+    def _count_out(self, hold: bool = False) -> None:
+        """This thread no longer runs this backend's work; ``hold``: if another thread still
+        does, kernels leave the spin team alone for `CROWDED_HOLD_S` more (`_crowded`)."""
         local = self._local
         if getattr(local, "counted", False):
             with self._working_lock:
+                if hold and self._working > 1:
+                    self._crowded_until = time.monotonic() + CROWDED_HOLD_S
                 self._working -= 1
             local.counted = False
 
