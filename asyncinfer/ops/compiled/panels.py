@@ -175,7 +175,7 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
     promotes) while k runs, and the same rows of the panel ``ahead`` panels on are prefetched as
     this one's are used (a panel's rows are one sequential run, but a split along K leaves a gap
     between panels that the hardware prefetcher does not cross; `_strided8`... look two panels
-    ahead).
+    ahead; ``ahead`` 0: no prefetch).
 
     ``column_bias``: each of the block's columns has its own bias, ``bias[p·W + j]``, read whole
     vectors at a time (``bias`` padded to whole panels): the panels are a 1x1 conv's output
@@ -228,7 +228,7 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
             with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
                 row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
                 later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
-                for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64):
+                for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64) if ahead else ():
                     builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
                                             ir.Constant(i32, 1)])
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
@@ -424,9 +424,17 @@ _block8, _block4, _block2, _block1 = (_register_block(rows) for rows in (8, 4, 2
 #: panels, one sequential run each, keep one: two measured no better, at times worse.)
 _strided8, _strided4, _strided2, _strided1 = (_register_block(rows, ahead=2) for rows in (8, 4, 2, 1))
 #: The same blocks with a bias per column (`_register_block`).
-_by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True) for rows in (8, 4, 2, 1))
-#: `_by_column8` storing its block transposed into a (channels, positions) output.
-_by_column8_to_output = _register_block(8, column_bias=True, to_output=True)
+#: They prefetch nothing: `pointwise.small_map_conv` runs every block of positions on one panel
+#: before the next, so the next panel's rows, prefetched on each of them, were needed only after
+#: the last (two of each step's twelve loads in vain: one core, 256 -> 64 at 56x56 469 -> 428 µs,
+#: 1024 -> 256 at 14x14 469 -> 435, 512 -> 1000 at 13x13 857 -> 722); the last blocks of a panel
+#: take `_by_column8_to_output_ahead`.
+_by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True, ahead=0)
+                                                      for rows in (8, 4, 2, 1))
+#: `_by_column8` storing its block transposed into a (channels, positions) output; ``_ahead``:
+#: prefetching the next panel's rows (for a panel's last blocks: deep weights come from memory).
+_by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0)
+_by_column8_to_output_ahead = _register_block(8, column_bias=True, to_output=True)
 #: Blocks with a bias per column reading a's rows in place (`_register_block`).
 _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
 
