@@ -744,6 +744,68 @@ def mark_cache_appends(model: Model) -> int:
     return marked
 
 
+def mark_concat_chains(model: Model) -> int:
+    """Mark chains of Concats in which each extends the one before along the same axis (its first
+    input is the previous one's output, which no other Concat reads): DenseNet's dense blocks,
+    where each layer's features are concatenated to all the block's before. Each link gets
+    ``grow_room``, the entries the links after it add (from shape inference: a chain whose sizes
+    are not all known is left alone), so its CPU kernel appends in place after the link before
+    and leaves room for the rest (``ops/cache_append.py``). Returns the links marked."""
+    outputs = _graph_outputs(model)
+    readers: dict[str, list[Layer]] = {}
+    for layer in model.layers:
+        for name in layer.inputs:
+            readers.setdefault(name, []).append(layer)
+
+    def concat(layer: Layer) -> bool:
+        return (layer.op_type == "Concat" and layer.domain in ("", "ai.onnx") and len(layer.inputs) > 1
+                and not layer.appends_cache and all(layer.inputs) and len(layer.outputs) == 1)
+
+    def next_link(layer: Layer) -> Layer | None:
+        """The Concat that extends ``layer``'s output, if exactly one does and nothing else concats it."""
+        out = layer.outputs[0]
+        if out in outputs:
+            return None
+        concats = [r for r in readers.get(out, []) if concat(r) and out in r.inputs]
+        if len(concats) != 1 or concats[0].inputs[0] != out or out in concats[0].inputs[1:]:
+            return None
+        following = concats[0]
+        return following if following.attrs.get("axis", 1) == layer.attrs.get("axis", 1) else None
+
+    def added(layer: Layer) -> int | None:
+        """How many entries ``layer`` adds along its axis to its first input, if shapes say."""
+        axis = layer.attrs.get("axis", 1)
+        total = 0
+        for name in layer.inputs[1:]:
+            info = model.value_info.get(name)
+            shape = None if info is None else info.shape
+            if shape is None or not -len(shape) <= axis < len(shape) or not isinstance(shape[axis], int):
+                return None
+            total += shape[axis]
+        return total
+
+    links = [layer for layer in model.layers if concat(layer)]
+    extended = {id(following) for layer in links if (following := next_link(layer)) is not None}
+    marked = 0
+    for head in links:
+        if id(head) in extended:
+            continue  # (not a chain's first link)
+        chain = [head]
+        while (following := next_link(chain[-1])) is not None:
+            chain.append(following)
+        if len(chain) < 2:
+            continue
+        sizes = [added(link) for link in chain[1:]]
+        if any(size is None for size in sizes):
+            continue
+        room = sum(sizes)  # type: ignore[arg-type]
+        for link, size in zip(chain, sizes + [0]):
+            link.grow_room = room
+            room -= size  # type: ignore[operator]
+            marked += 1
+    return marked
+
+
 PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("eliminate_identities", eliminate_identities),
     ("fold_constants", fold_constants),
@@ -764,6 +826,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_reshape_transposes", fuse_reshape_transposes),
     ("fuse_split_heads", fuse_split_heads),
     ("mark_cache_appends", mark_cache_appends),
+    ("mark_concat_chains", mark_concat_chains),  # (after: a KV cache's Concat is not a chain's)
 ]
 
 

@@ -52,6 +52,12 @@ class Layer:
     # A Concat that extends a graph input into a graph output (a KV cache): its CPU kernel may
     # append in place after the input (ops/cache_append.py). Set by the optimizer.
     appends_cache: bool = False
+    # A link of a chain of Concats, each extending the one before (DenseNet's dense blocks: every
+    # layer's features appended to all before): its CPU kernel appends in place after its first
+    # input where that has room, and writes a result of its own into a buffer with room for this
+    # many more entries along the axis, the rest of the chain's (ops/cache_append.py). None: a
+    # plain Concat. Set by the optimizer.
+    grow_room: int | None = None
     # Values from enclosing scopes that this layer's subgraphs read (If/Loop/Scan bodies); they are
     # also the last entries of ``inputs``, so scheduling waits for them like for any input.
     outer_inputs: list[str] = field(default_factory=list)

@@ -1,4 +1,11 @@
-"""Concat that grows a KV cache in place: ``present = Concat(past, new)`` without copying ``past``.
+"""Concat that grows a buffer in place: ``present = Concat(past, new)`` without copying ``past``.
+
+Two kinds of layer use it: a decoder's KV cache (below), and the chains of Concats that DenseNet
+builds a dense block's features with (``Layer.grow_room``, `loader.optimize.mark_concat_chains`):
+each layer's features are concatenated to everything before, so a plain Concat copies the whole
+block's features again at every layer (DenseNet-121: 58 Concats, 1.1 ms of a 20 ms run on 2
+cores). The chain's first Concat writes into a buffer with room for the whole chain, and each
+later one appends its layer's features after the one before.
 
 A decoder exported with past key/values concatenates each layer's cache with the step's new
 keys and values, and returns the result as ``present``, which the caller feeds back as the next
@@ -49,10 +56,11 @@ class _Arena:
 _arenas: dict[int, _Arena] = {}
 
 
-def concat_growing(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray:
-    """``np.concatenate(arrays, axis)``, appended in place after ``arrays[0]`` when it can be."""
+def concat_growing(arrays: Sequence[np.ndarray], axis: int, room: int = SPARE) -> np.ndarray:
+    """``np.concatenate(arrays, axis)``, appended in place after ``arrays[0]`` when it can be, else
+    into a new buffer with ``room`` more entries along ``axis`` for the next append."""
     grown = _append_in_place(arrays, axis)
-    return grown if grown is not None else _into_new_buffer(arrays, axis)
+    return grown if grown is not None else _into_new_buffer(arrays, axis, room)
 
 
 def _append_in_place(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray | None:
@@ -102,14 +110,14 @@ def _window(view: np.ndarray, root: np.ndarray, root_address: int, axis: int) ->
     return start, start + view.shape[axis]
 
 
-def _into_new_buffer(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray:
+def _into_new_buffer(arrays: Sequence[np.ndarray], axis: int, room: int = SPARE) -> np.ndarray:
     first = arrays[0]
     expected = first.shape[:axis] + first.shape[axis + 1:]
     if any(a.ndim != first.ndim or a.shape[:axis] + a.shape[axis + 1:] != expected for a in arrays):
         return np.concatenate(arrays, axis=axis)  # raises, with NumPy's account of the mismatch
     shape = list(first.shape)
     filled = sum(a.shape[axis] for a in arrays)
-    shape[axis] = filled + SPARE
+    shape[axis] = filled + room
     root = np.empty(shape, dtype=np.result_type(*arrays))
     index: list[slice] = [slice(None)] * root.ndim
     index[axis] = slice(0, filled)

@@ -279,6 +279,11 @@ class Concat(Op):
         axis = normalize_axis(self, self.attr("axis", 1), arrays[0].ndim)
         if self.layer.appends_cache and len(arrays) > 1:  # a KV cache: see ops/cache_append.py
             return concat_growing(arrays, axis)
+        room = self.layer.grow_room
+        if room is not None and len(arrays) > 1 and math.prod(arrays[0].shape[:axis]) == 1:
+            # a link of a chain of Concats (ops/cache_append.py); only where the results stay
+            # contiguous (one entry before the axis): strided ones would cost every reader a copy
+            return concat_growing(arrays, axis, room)
         return np.concatenate(arrays, axis=axis)
 
 

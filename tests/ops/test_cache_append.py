@@ -9,9 +9,11 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from onnx.reference import ReferenceEvaluator
 
 import asyncinfer as ai
 from asyncinfer.ops import cache_append
+from asyncinfer.ops import shape as shape_ops
 from asyncinfer.ops.cache_append import SPARE, concat_growing, pad_growing
 
 
@@ -165,3 +167,83 @@ def test_a_padded_cache_is_np_pad_with_room_and_its_next_concat_appends_in_place
     np.testing.assert_array_equal(grown, np.concatenate([padded[:, :, 1:], new], axis=2))
     assert grown.base is padded.base  # appended in place: the padded buffer had room
     np.testing.assert_array_equal(padded, np.pad(past, ((0, 0), (0, 0), (3, 0), (0, 0))))  # unchanged
+
+
+# -- chains of Concats (DenseNet's dense blocks): Layer.grow_room -------------------------------------
+def _dense_block(layers: int, growth: int = 3, batch: int | str = 1, extra_reader: bool = False) -> onnx.ModelProto:
+    """A dense block: each layer's features (a 1x1 conv of everything so far) concatenated to all
+    before, Concat after Concat; ``extra_reader``: a second Concat also reads the first link's
+    output (then that link has two Concat readers and is no chain's)."""
+    rng = np.random.default_rng(0)
+    nodes, inits, channels, current = [], [], 4, "x"
+    for i in range(layers):
+        w = rng.standard_normal((growth, channels, 1, 1)).astype(np.float32)
+        inits.append(onnx.numpy_helper.from_array(w, f"w{i}"))
+        nodes.append(helper.make_node("Conv", [current, f"w{i}"], [f"f{i}"], kernel_shape=[1, 1]))
+        nodes.append(helper.make_node("Concat", [current, f"f{i}"], [f"c{i}"], axis=1))
+        current, channels = f"c{i}", channels + growth
+    outputs = [helper.make_tensor_value_info(current, TensorProto.FLOAT, None)]
+    if extra_reader:
+        nodes.append(helper.make_node("Concat", ["c0", "f1"], ["side"], axis=1))
+        outputs.append(helper.make_tensor_value_info("side", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 4, 5, 6])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_chain_of_concats_is_marked_with_the_room_the_rest_of_it_adds():
+    model = ai.load_model(_dense_block(4, growth=3))
+    concats = [layer for layer in model.layers if layer.op_type == "Concat"]
+    assert [layer.grow_room for layer in concats] == [9, 6, 3, 0]
+    assert model.optimizations["mark_concat_chains"] == 4
+
+
+def test_a_concat_read_by_two_concats_starts_no_chain_there():
+    model = ai.load_model(_dense_block(3, extra_reader=True))
+    rooms = {layer.outputs[0]: layer.grow_room for layer in model.layers if layer.op_type == "Concat"}
+    assert rooms["c0"] is None and rooms["side"] is None  # c0 has two Concat readers
+    assert rooms["c1"] == 3 and rooms["c2"] == 0  # the chain starts after it
+
+
+def test_a_chain_link_appends_in_place_after_the_one_before():
+    a, f = np.ones((1, 4, 2, 3), np.float32), np.full((1, 2, 2, 3), 2.0, np.float32)
+    first = concat_growing([a, f], 1, 4)
+    second = concat_growing([first, f * 2], 1, 2)
+    third = concat_growing([second, f * 3], 1, 0)
+    assert first.base.shape[1] == 10 and second.base is first.base and third.base is first.base
+    np.testing.assert_array_equal(third, np.concatenate([a, f, f * 2, f * 3], 1))
+    np.testing.assert_array_equal(first, np.concatenate([a, f], 1))  # earlier links keep their values
+    fourth = concat_growing([third, f], 1, 0)  # no room left: a new buffer, the others untouched
+    assert fourth.base is not first.base
+    np.testing.assert_array_equal(fourth, np.concatenate([a, f, f * 2, f * 3, f], 1))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_dense_block_runs_to_the_definition_with_its_links_in_one_buffer(batch, monkeypatch):
+    """Every link's result is the definition's; with one image the links share one buffer (each
+    appended in place), with two (non-contiguous slices) they concatenate as usual."""
+    proto = _dense_block(5, batch="N")
+    x = np.random.default_rng(1).standard_normal((batch, 4, 5, 6)).astype(np.float32)
+    names = [f"c{i}" for i in range(5)]
+    with ai.Worker(ai.load_model(proto), "cpu") as worker:
+        for _ in range(2):
+            got = worker.run_blocking(x, outputs=names)
+    reference = ReferenceEvaluator(proto).run(names, {"x": x})
+    for name, want in zip(names, reference):
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5)
+
+    bases = []
+    original = concat_growing
+
+    def spy(arrays, axis, room=cache_append.SPARE):
+        out = original(arrays, axis, room)
+        bases.append(out.base)
+        return out
+
+    monkeypatch.setattr(shape_ops, "concat_growing", spy)
+    with ai.Worker(ai.load_model(proto), "cpu") as worker:
+        worker.run_blocking(x)
+    if batch == 1:
+        assert len(bases) == 5 and all(base is bases[0] for base in bases)
+    else:
+        assert bases == []  # (np.concatenate: contiguous results for the kernels that read them)
