@@ -40,15 +40,23 @@ _lock = threading.Lock()
 
 
 class _Arena:
-    """A buffer this module allocated, its data address, and how far along the axis it is filled."""
+    """A buffer this module allocated, its data address, how far along the axis it is filled, and
+    the last view of it handed out: (a weak reference to it, its ``start``, its ``end`` along the
+    axis), one tuple so that a reader never sees one view's reference with another's window."""
 
-    __slots__ = ("buffer", "address", "axis", "end")
+    __slots__ = ("buffer", "address", "axis", "end", "last")
 
     def __init__(self, buffer: np.ndarray, axis: int, end: int):
         self.buffer = weakref.ref(buffer)
         self.address = buffer.__array_interface__["data"][0]
         self.axis = axis
         self.end = end
+        self.last: tuple[weakref.ref[np.ndarray], int, int] | None = None
+
+    def handed_out(self, view: np.ndarray, start: int, end: int) -> np.ndarray:
+        """Remember ``view`` (``[start, end)`` along the axis) as the last view handed out; return it."""
+        self.last = (weakref.ref(view), start, end)
+        return view
 
 
 # Buffers by id (an ndarray is not hashable); each entry goes with its buffer, and a lookup
@@ -73,10 +81,14 @@ def _append_in_place(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray | No
     arena = _arenas.get(id(root))
     if arena is None or arena.buffer() is not root or arena.axis != axis:
         return None
-    window = _window(past, root, arena.address, axis)
-    if window is None:
-        return None
-    start, end = window
+    last = arena.last
+    if last is not None and last[0]() is past:  # (a chain's next link: its window is known)
+        start, end = last[1], last[2]
+    else:
+        window = _window(past, root, arena.address, axis)
+        if window is None:
+            return None
+        start, end = window
     added = 0
     for a in arrays[1:]:  # np.concatenate says what is wrong (or promotes), not a silent broadcast here
         if (a.dtype != past.dtype or a.ndim != past.ndim or a.shape[:axis] != past.shape[:axis]
@@ -93,7 +105,7 @@ def _append_in_place(arrays: Sequence[np.ndarray], axis: int) -> np.ndarray | No
         root[tuple(index)] = a
         end += a.shape[axis]
     index[axis] = slice(start, end)
-    return root[tuple(index)]
+    return arena.handed_out(root[tuple(index)], start, end)
 
 
 def _window(view: np.ndarray, root: np.ndarray, root_address: int, axis: int) -> tuple[int, int] | None:
@@ -123,8 +135,7 @@ def _into_new_buffer(arrays: Sequence[np.ndarray], axis: int, room: int = SPARE)
     index[axis] = slice(0, filled)
     view = root[tuple(index)]
     np.concatenate(arrays, axis=axis, out=view)
-    _register(root, axis, filled)
-    return view
+    return _register(root, axis, filled).handed_out(view, 0, filled)
 
 
 def pad_growing(array: np.ndarray, pad: int, axis: int) -> np.ndarray:
@@ -143,17 +154,17 @@ def pad_growing(array: np.ndarray, pad: int, axis: int) -> np.ndarray:
     index[axis] = slice(pad, filled)
     root[tuple(index)] = array
     index[axis] = slice(0, filled)
-    _register(root, axis, filled)
-    return root[tuple(index)]
+    return _register(root, axis, filled).handed_out(root[tuple(index)], 0, filled)
 
 
-def _register(root: np.ndarray, axis: int, filled: int) -> None:
+def _register(root: np.ndarray, axis: int, filled: int) -> _Arena:
     """Make ``root`` (filled up to ``filled`` along ``axis``) a buffer `concat_growing` appends into."""
     key = id(root)
     arena = _Arena(root, axis, filled)
     with _lock:
         _arenas[key] = arena
     weakref.finalize(root, _forget, key, arena)
+    return arena
 
 
 def _forget(key: int, arena: _Arena) -> None:
