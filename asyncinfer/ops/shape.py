@@ -272,6 +272,11 @@ def transpose_by(op: Op, data: Array, perm: Sequence[int] | None) -> Array:
     return np.transpose(data, perm)
 
 
+#: The most room a link of a chain of Concats leaves after its result, as a multiple of the
+#: entries it holds (DenseNet-121's largest: 1.7, a dense block's first link).
+MAX_ROOM_RATIO = 8
+
+
 @register("Concat", versions=(1, 4, 11, 13))
 class Concat(Op):
     def run(self, *inputs: MaybeArray) -> Array:
@@ -282,8 +287,11 @@ class Concat(Op):
         room = self.layer.grow_room
         if room is not None and len(arrays) > 1 and math.prod(arrays[0].shape[:axis]) == 1:
             # a link of a chain of Concats (ops/cache_append.py); only where the results stay
-            # contiguous (one entry before the axis): strided ones would cost every reader a copy
-            return concat_growing(arrays, axis, room)
+            # contiguous (one entry before the axis): strided ones would cost every reader a copy.
+            # The room comes from the model's shapes, which an untrusted file may overstate:
+            # never more than `MAX_ROOM_RATIO` times what the link holds.
+            filled = sum(a.shape[axis] if a.ndim > axis else 0 for a in arrays)
+            return concat_growing(arrays, axis, min(room, MAX_ROOM_RATIO * filled))
         return np.concatenate(arrays, axis=axis)
 
 

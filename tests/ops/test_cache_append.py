@@ -247,3 +247,30 @@ def test_a_dense_block_runs_to_the_definition_with_its_links_in_one_buffer(batch
         assert len(bases) == 5 and all(base is bases[0] for base in bases)
     else:
         assert bases == []  # (np.concatenate: contiguous results for the kernels that read them)
+
+
+def test_an_overstated_room_is_capped():
+    """The room comes from the model's declared shapes, which an untrusted file may overstate: a
+    chain whose shapes claim a million more channels leaves at most `MAX_ROOM_RATIO` times the
+    link's own, and still computes the definition."""
+    proto = _dense_block(2)
+    f1 = helper.make_tensor_value_info("f1", TensorProto.FLOAT, [1, 1_000_000, 5, 6])  # a lie
+    proto.graph.value_info.append(f1)
+    model = ai.load_model(proto)
+    first = next(layer for layer in model.layers if layer.op_type == "Concat")
+    assert first.grow_room == 1_000_000
+    x = np.random.default_rng(2).standard_normal((1, 4, 5, 6)).astype(np.float32)
+    bases = []
+    original = concat_growing
+
+    def spy(arrays, axis, room=cache_append.SPARE):
+        out = original(arrays, axis, room)
+        bases.append(out.base.shape[1])
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(shape_ops, "concat_growing", spy)
+        with ai.Worker(model, "cpu") as worker:
+            got = worker.run_blocking(x)["c1"]
+    assert bases and bases[0] <= (1 + shape_ops.MAX_ROOM_RATIO) * 7  # 4 + 3 channels held
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(["c1"], {"x": x})[0], rtol=1e-5, atol=1e-5)
