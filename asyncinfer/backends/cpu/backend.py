@@ -55,12 +55,10 @@ Task = tuple[Step, list, StepDone]
 Work = Union[Task, Job]  # what the pool runs: one step, or a job of consecutive steps
 
 #: Seconds after a run ended while another thread ran this backend's work during which kernels
-#: still leave the spin team alone (`CPUBackend._crowded`): longer than an awaited run's hand-back to
-#: the event loop and the next run's start (tens of microseconds, up to a millisecond when
-#: the loop is busy), short beside a request's gap in a single stream.
+#: still leave the spin team alone (`CPUBackend._crowded`): longer than an awaited run's
+#: hand-back to the event loop and the next run's start (tens of microseconds, up to a
+#: millisecond when the loop is busy), short beside a request's gap in a single stream.
 CROWDED_HOLD_S = 0.005
-
-
 
 
 def lanes_requested() -> int | None:

@@ -49,7 +49,8 @@ from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _by_column1, _by_column2, _by_column4, _by_column8,
-                     _by_column8_to_output, _by_column8_to_output_ahead, _strided1, _strided2, _strided4, _strided8, pack_panels, panel_width)
+                     _by_column8_to_output, _by_column8_to_output_ahead, _strided1, _strided2, _strided4, _strided8,
+                     pack_panels, panel_width)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
