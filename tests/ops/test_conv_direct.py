@@ -31,6 +31,7 @@ CASES = {
     "four_channels_5x5": ((1, 4, 11, 70), 9, 5, 1, [2, 2, 2, 2]),
     "asymmetric_pads": ((1, 3, 21, 66), 32, 3, 2, [0, 1, 2, 0]),
     "images": ((3, 3, 12, 2 * LANES + 7), 8, 3, 1, [1, 1, 1, 1]),
+    "images_leftover_channels": ((2, 3, 13, 3 * LANES + 5), 13, 3, 2, [1, 1, 1, 1]),  # spare blocks past image 0
     # rows shorter than a vector: a row's block spills into the next row (12 wide) or cannot (7 wide)
     "rows_under_a_vector": ((2, 3, 9, LANES - 4), 8, 3, 1, [1, 1, 1, 1]),
     "rows_under_half_a_vector": ((2, 3, 9, LANES // 2 - 1), 8, 3, 1, [1, 1, 1, 1]),

@@ -60,27 +60,32 @@ _U = np.uint64  # (unsigned indices: no negative-index wrap test in the copy's l
 
 
 def _direct_block(rows: int, vectors: int) -> Any:
-    """An intrinsic ``block(columns, image, offsets, start, taps, y, r0, c0, finish, bias, lo, hi)``:
-    ``y[r0 + r, c0 + j] = Σ_t columns[t, r0 + r] · image.flat[offsets[t] + start + j]`` for
-    ``r < rows`` and ``j`` < ``vectors`` vectors of lanes, summed over ``t < taps`` in registers,
-    then finished as ``finish`` says (`panels.RAW`, `panels.BIAS`...: `panels._store_finished`).
-    ``image`` is read through its data pointer (a zero-padded image)."""
+    """An intrinsic ``block(columns, image, offsets, start, taps, y_at, r0, y_step, finish, bias, lo, hi)``:
+    ``Y[r, j] = Σ_t columns[t, r0 + r] · image.flat[offsets[t] + start + j]`` for ``r < rows`` and
+    ``j`` < ``vectors`` vectors of lanes, summed over ``t < taps`` in registers, then finished as
+    ``finish`` says with ``bias[r0 + r]`` (`panels.RAW`, `panels.BIAS`...: `panels._store_finished`)
+    into ``Y``: float32 rows ``y_step`` bytes apart from the address ``y_at``. ``image`` is read
+    through its data pointer (a zero-padded image). The output goes as an address, not an array:
+    the caller picks it (the output or a spare block) per block, and an array picked so is a
+    reference counted in and out, four atomic operations a block (a 3x3 stem's block sums 27 taps:
+    they took a fifth of its time)."""
 
     @intrinsic
-    def block(typingctx: Any, columns: Any, image: Any, offsets: Any, start: Any, taps: Any, y: Any, r0: Any,
-              c0: Any, finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
-        signature = types.void(columns, image, offsets, start, taps, y, r0, c0, finish, bias, lo, hi)
+    def block(typingctx: Any, columns: Any, image: Any, offsets: Any, start: Any, taps: Any, y_at: Any, r0: Any,
+              y_step: Any, finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
+        signature = types.void(columns, image, offsets, start, taps, y_at, r0, y_step, finish, bias, lo, hi)
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            a_arr, image_arr, offsets_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
-                                                    for i in (0, 1, 2, 5))
-            start_, taps_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (3, 4, 6, 7))
+            a_arr, image_arr, offsets_arr = (context.make_array(sig.args[i])(context, builder, args[i])
+                                             for i in (0, 1, 2))
+            start_, taps_, y_at_, r0_, y_stride = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                                   for i in (3, 4, 5, 6, 7))
             code = BlockIR(context, builder, sig.args[0].dtype)
             size, vector, at, const = code.size, code.vector, code.at, code.const
 
-            a_step, y_stride = builder.extract_value(a_arr.strides, 0), builder.extract_value(y_arr.strides, 0)
+            a_step = builder.extract_value(a_arr.strides, 0)
             a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
-            y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride), builder.mul(c0_, const(size))))
+            y_block = builder.inttoptr(y_at_, code.byte_ptr)
             origin = at(image_arr.data, builder.mul(start_, const(size)))
 
             def y_vector(r: int, v: int) -> Any:
@@ -111,26 +116,27 @@ _wide, _narrow = (_direct_block(BLOCK_ROWS, vectors) for vectors in (WIDE_VECTOR
 
 @numba.njit(inline="always")
 def _channel_block(columns: np.ndarray, image: np.ndarray, offsets: np.ndarray, start: int, wide: bool,
-                   y: np.ndarray, r: int, c0: int, bias: np.ndarray, finish: int, av: Any, bv: Any,
+                   y_at: int, y_step: int, m: int, r: int, bias: np.ndarray, finish: int, av: Any, bv: Any,
                    spare: np.ndarray) -> None:
-    """Channels ``r:r + BLOCK_ROWS`` of ``y`` (those it has) for one block of positions (two
-    vectors wide or one) at column ``c0``, finished; a block past ``y``'s last channel through
-    ``spare`` (`BLOCK_ROWS`, `WIDE_VECTORS` vectors), then copied. ``columns`` and ``bias`` are padded to
-    whole blocks."""
-    m = y.shape[0]
+    """Channels ``r:r + BLOCK_ROWS`` of the ``m`` (those there are) for one block of positions
+    (`WIDE_VECTORS` vectors wide or one), finished into the rows ``y_step`` bytes apart from address
+    ``y_at`` (the block's first channel and position); a block past channel ``m`` through
+    ``spare`` (`BLOCK_ROWS`, `WIDE_VECTORS` vectors), then copied. ``columns`` and ``bias`` are
+    padded to whole blocks."""
     whole = r + BLOCK_ROWS <= m
-    target, at = (y[r:], c0) if whole else (spare, 0)
+    at, step = (y_at, y_step) if whole else (np.int64(spare.ctypes.data), np.int64(spare.strides[0]))
     taps = offsets.shape[0]
     if wide:
-        _wide(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
+        _wide(columns, image, offsets, start, taps, at, r, step, finish, bias, av, bv)
     else:
-        _narrow(columns[:, r:], image, offsets, start, taps, target, 0, at, finish, bias[r:], av, bv)
+        _narrow(columns, image, offsets, start, taps, at, r, step, finish, bias, av, bv)
     if not whole:
         width = (WIDE_VECTORS if wide else 1) * LANES
+        target = address_as_pointer(y_at, np.float32)
         for k in range(m - r):
-            row, source = y[r + k], spare[k]
+            source, row = spare[k], k * (y_step // 4)
             for j in range(width):
-                row[c0 + j] = source[j]
+                target[row + j] = source[j]
 
 
 @kernel(contract=False)
@@ -158,7 +164,9 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
     wp = padded.shape[3]
     plane = padded.shape[1] * padded.shape[2] * wp
     flat = padded.reshape(padded.shape[0] * plane)
-    m = y.shape[1]
+    m, span = y.shape[1], y.shape[2]
+    y_origin, y_step = np.int64(y.ctypes.data), np.int64(y.strides[1])
+    tail_origin, tail_step = np.int64(tail.ctypes.data), np.int64(tail.strides[0])
     for band in range(q0, q1, BAND_ROWS):
         for r in range(0, m, BLOCK_ROWS):
             for q in range(band, min(band + BAND_ROWS, q1)):
@@ -170,25 +178,27 @@ def direct_conv(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y:
                 if nr < m:
                     ni, noy = nq // out_height, nq % out_height
                     for k in range(nr, min(nr + BLOCK_ROWS, m)):
-                        prefetch_lines_for_write(y, (ni * m + k) * y.shape[2] + noy * out_width, out_width)
+                        prefetch_lines_for_write(y, (ni * m + k) * span + noy * out_width, out_width)
                 row = oy * stride * wp
                 c0 = oy * out_width
+                # the byte address of this block of channels' first value of the row
+                at = y_origin + ((i * m + r) * span + c0) * 4
                 ox = 0
                 while ox + WIDE_VECTORS * LANES <= out_width:
-                    _channel_block(columns, image, offsets, row + ox, True, out, r, c0 + ox, bias, finish, av, bv,
-                                   spare)
+                    _channel_block(columns, image, offsets, row + ox, True, at + ox * 4, y_step, m, r, bias, finish,
+                                   av, bv, spare)
                     ox += WIDE_VECTORS * LANES
                 while ox + LANES <= out_width:  # (up to WIDE_VECTORS - 1 of them)
-                    _channel_block(columns, image, offsets, row + ox, False, out, r, c0 + ox, bias, finish, av, bv,
-                                   spare)
+                    _channel_block(columns, image, offsets, row + ox, False, at + ox * 4, y_step, m, r, bias, finish,
+                                   av, bv, spare)
                     ox += LANES
                 if ox < out_width and q + 1 < q1 and oy + 1 < out_height and ox + LANES <= 2 * out_width:
                     # the last few positions and the next row's first: this thread writes that row later
-                    _channel_block(columns, image, offsets, row + ox, False, out, r, c0 + ox, bias, finish, av, bv,
-                                   spare)
+                    _channel_block(columns, image, offsets, row + ox, False, at + ox * 4, y_step, m, r, bias, finish,
+                                   av, bv, spare)
                 elif ox < out_width:  # the last few positions: a vector's worth into the tail, then copied
-                    _channel_block(columns, image, offsets, row + ox, False, tail, r, 0, bias, finish, av, bv,
-                                   spare)
+                    _channel_block(columns, image, offsets, row + ox, False, tail_origin + r * tail_step, tail_step,
+                                   tail.shape[0], r, bias, finish, av, bv, spare)
                     for k in range(r, min(r + BLOCK_ROWS, m)):
                         target, source = out[k], tail[k]
                         for j in range(out_width - ox):
