@@ -67,8 +67,8 @@ def _direct_block(rows: int, vectors: int) -> Any:
     into ``Y``: float32 rows ``y_step`` bytes apart from the address ``y_at``. ``image`` is read
     through its data pointer (a zero-padded image). The output goes as an address, not an array:
     the caller picks it (the output or a spare block) per block, and an array picked so is a
-    reference counted in and out, four atomic operations a block (a 3x3 stem's block sums 27 taps:
-    they took a fifth of its time)."""
+    reference counted in and out, four atomic operations a block of a 3x3 stem's 27 taps (7% of
+    its time)."""
 
     @intrinsic
     def block(typingctx: Any, columns: Any, image: Any, offsets: Any, start: Any, taps: Any, y_at: Any, r0: Any,
