@@ -33,6 +33,7 @@ from .. import ops
 from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
 from ..model.mapped import is_mapped
+from ..ops.conv_direct import PANEL_WIDTH
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
@@ -45,6 +46,7 @@ SPLIT_HEADS = ("SplitHeads", 1)  # in FUSED_DOMAIN
 SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
 MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
 SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
+JOINED_CONV = ("JoinedConv", 1)  # in FUSED_DOMAIN
 ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
 MAGNITUDE = ("Magnitude", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
@@ -1003,6 +1005,58 @@ def _constant_reshape(g: _Graph, layer: Layer | None) -> Layer | None:
             or layer.version < 5 or len(layer.inputs) != 2 or layer.inputs[1] not in g.model.constants):
         return None
     return layer
+
+
+def fuse_joined_convs(model: Model) -> int:
+    """``Concat(Conv(X, W_1, B_1), …, Conv(X, W_k, B_k), axis=1)`` → ``JoinedConv``
+    (``ops/joined_conv.py``): convs of one input whose results only the Concat reads, SqueezeNet's
+    1x1 and 3x3 expand layers, computed as one conv (no Concat copy, one hand-off to the helpers).
+    Runs after ``fuse_activations``: each conv keeps its activations, in the expansion too (the
+    convs and the Concat, for backends without the kernel). Taken when every conv is 2-D, of one
+    group, with constant float32 weights (biases constant or absent), every conv's channels but
+    the last's fill whole panels of the kernel (`conv_direct.PANEL_WIDTH`), and they share one
+    activation that takes no extra input; the fused op checks the rest at run time (the strides,
+    the output maps, the kernel the deepest conv would take) and else runs the layers."""
+    g, count = _Graph(model), 0
+    constants = model.constants
+    for concat in g.candidates("Concat"):
+        axis = int(concat.attrs.get("axis", 0))
+        if len(concat.inputs) < 2 or not (axis == 1 or (axis == -3 and g.rank(concat.outputs[0]) == 4)):
+            continue
+        convs = [g.producers.get(name) for name in concat.inputs]
+        if any(conv is None or id(conv) in g.removed or conv.op_type != "Conv" or conv.domain
+               or len(conv.inputs) < 2 or len([o for o in conv.outputs if o]) != 1 or not g.private(name)
+               for conv, name in zip(convs, concat.inputs)):
+            continue
+        if len({id(conv) for conv in convs}) != len(convs) or len({conv.inputs[0] for conv in convs}) != 1:
+            continue
+        weights = [constants.get(conv.inputs[1]) for conv in convs]
+        biases = [conv.inputs[2] if len(conv.inputs) > 2 else "" for conv in convs]
+        if (any(not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.ndim != 4 for w in weights)
+                or len({w.shape[1] for w in weights}) != 1
+                or any(m % PANEL_WIDTH for m in [w.shape[0] for w in weights][:-1])
+                or any(int(conv.attrs.get("group", 1)) != 1 for conv in convs)
+                or any(b and not (isinstance(constants.get(b), np.ndarray) and constants[b].dtype == np.float32
+                                  and constants[b].shape == (w.shape[0],)) for b, w in zip(biases, weights))
+                or len({_activation_key(conv) for conv in convs}) != 1 or _activation_key(convs[0]) is None):
+            continue
+        pattern = [*convs, concat]
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``concat``
+        inputs = [convs[0].inputs[0]] + [name for conv, b in zip(convs, biases) for name in (conv.inputs[1], b)]
+        fused = Layer(name=concat.name, op_type=JOINED_CONV[0], inputs=inputs, outputs=[concat.outputs[0]],
+                      domain=FUSED_DOMAIN, version=JOINED_CONV[1], expansion=expansion)
+        g.replace(pattern, concat, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _activation_key(conv: Layer) -> tuple | None:
+    """What a conv's fused activations are, comparable between convs (op types and attributes);
+    None where one takes an extra input (a Clip's bounds as inputs)."""
+    if any(len(f.inputs) != 1 for f in conv.fused):
+        return None
+    return tuple((f.op_type, f.domain, f.version, repr(sorted(f.attrs.items()))) for f in conv.fused)
 
 
 def fuse_reshape_transposes(model: Model) -> int:

@@ -15,6 +15,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     image,
     image_decoder,
     indexing,
+    joined_conv,
     linalg,
     loss,
     ml,

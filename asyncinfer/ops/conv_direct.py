@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..concurrency import parallel
 from .compiled.direct import LANES, STRIDES, WIDE_VECTORS, copy_inside, direct_conv, part_arguments
-from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_taps
+from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_joined_taps
 from .compiled.direct_panels import WIDTH as PANEL_WIDTH
 from .compiled.direct_panels import part_arguments as panel_part_arguments
 from .compiled.panels import BLOCK_ROWS
@@ -224,9 +224,10 @@ class PanelPlan:
     padded: tuple[int, ...]             # (N, C, Hp, Wp): the zero-padded input
     top: int                            # its rows and columns of padding before the input's
     left: int
-    panels: np.ndarray                  # (P, taps, W): `direct_panels.pack_taps` of the weights
+    panels: np.ndarray                  # (P, T, W): `direct_panels.pack_joined_taps` of the weights
     bias: np.ndarray                    # (P·W,), zero past M (and where there is none)
-    offsets: np.ndarray                 # (taps,) int64: each tap's offset in a padded image
+    tap_sets: np.ndarray                # (S, T) int64: each conv's taps' offsets in a padded image
+    panel_taps: np.ndarray              # (P, 2) int64: each panel's conv (row of tap_sets) and taps
     strides: tuple[int, int]
     epilogue: Epilogue
     numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
@@ -234,31 +235,71 @@ class PanelPlan:
     team: bool                          # offered to the spinning helpers
 
 
+@dataclass(frozen=True)
+class PanelConv:
+    """One of the convs of one input a `PanelPlan` runs side by side (`joined_panel_plan`)."""
+
+    weight: np.ndarray                  # (M, C, kh, kw)
+    bias: np.ndarray | None             # (M,)
+    dilations: tuple[int, ...]
+    begin: tuple[int, ...]              # its pads before the input's first row and column
+
+
+#: What a unit of `direct_panel_conv` costs besides its taps, in taps: its blocks' transposed
+#: stores (8 positions x `PANEL_WIDTH` channels) and the loop around them. Weighs the parts of a
+#: joined conv, whose panels sum 16 to 576 taps each.
+UNIT_OVERHEAD_TAPS = 16
+
+
 def panel_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, strides: tuple[int, ...],
                dilations: tuple[int, ...], begin: tuple[int, ...], out: tuple[int, ...], epilogue: Epilogue,
                keep: KeepWeights = keep_nothing) -> PanelPlan:
     """The `PanelPlan` of a conv `takes_direct_panels` accepts, ``w`` (M, C, kh, kw), ``b`` (M,)
     or None; ``keep`` keeps the packed weights between runs (a model's constants)."""
+    return joined_panel_plan(x_shape, [PanelConv(w, b, tuple(dilations), tuple(begin))], strides, out, epilogue,
+                             keep)
+
+
+def joined_panel_plan(x_shape: tuple[int, ...], convs: Sequence[PanelConv], strides: tuple[int, ...],
+                      out: tuple[int, ...], epilogue: Epilogue, keep: KeepWeights = keep_nothing) -> PanelPlan:
+    """The `PanelPlan` of ``convs`` of one input at the same ``strides`` onto the same output map
+    ``out``, their results one after another along the channels (their Concat): one padded copy
+    of the input, as far as the widest window reaches; each conv's panels sum its own taps
+    (every conv's output channels but the last's fill whole panels: `pack_joined_taps`)."""
     n, c, h, wd = x_shape
-    m, _, kh, kw = w.shape
     ho, wo = out
-    panels = keep("direct_panels", lambda: pack_taps(w))
+    panels = keep("direct_panels", lambda: pack_joined_taps([conv.weight for conv in convs]))
+    top, left = max(conv.begin[0] for conv in convs), max(conv.begin[1] for conv in convs)
+    hp, wp = top + h, left + wd
+    for conv in convs:  # as tall and wide as the last window reaches
+        kh, kw = conv.weight.shape[2:]
+        hp = max(hp, top - conv.begin[0] + (ho - 1) * strides[0] + (kh - 1) * conv.dilations[0] + 1)
+        wp = max(wp, left - conv.begin[1] + (wo - 1) * strides[1] + (kw - 1) * conv.dilations[1] + 1)
+    tap_sets = np.zeros((len(convs), panels.shape[1]), np.int64)
+    panel_taps = np.zeros((panels.shape[0], 2), np.int64)
     bias = np.zeros(panels.shape[0] * PANEL_WIDTH, np.float32)
-    if b is not None:
-        bias[:m] = b
-    # as tall and wide as the last window reaches, and as the input with its leading pads
-    hp = max(begin[0] + h, (ho - 1) * strides[0] + (kh - 1) * dilations[0] + 1)
-    wp = max(begin[1] + wd, (wo - 1) * strides[1] + (kw - 1) * dilations[1] + 1)
-    ci, ky, kx = _taps(c, kh, kw)
-    offsets = (ci * hp + ky * dilations[0]) * wp + kx * dilations[1]
+    channel = macs = 0
+    for i, conv in enumerate(convs):
+        m, _, kh, kw = conv.weight.shape
+        ci, ky, kx = _taps(c, kh, kw)
+        tap_sets[i, :ci.size] = ((ci * hp + top - conv.begin[0] + ky * conv.dilations[0]) * wp
+                                 + left - conv.begin[1] + kx * conv.dilations[1])
+        panel_taps[channel // PANEL_WIDTH:-(-(channel + m) // PANEL_WIDTH)] = (i, ci.size)
+        if conv.bias is not None:
+            bias[channel:channel + m] = conv.bias
+        channel += m
+        macs += n * m * ci.size * ho * wo
+    team = macs >= TEAM_MIN_MACS
     units = panels.shape[0] * n * ho
-    team = n * m * c * kh * kw * ho * wo >= TEAM_MIN_MACS
     count = min(parallel.team_size() if team else 1, units)
-    cuts = [units * i // count for i in range(count + 1)]
-    parts = tuple((cuts[i], cuts[i + 1]) for i in range(count))
-    return PanelPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, wp), begin[0], begin[1], panels, bias, offsets,
-                     (int(strides[0]), int(strides[1])), epilogue, epilogue.numbers,
-                     parts, team and count > 1)
+    # cut where the taps summed (and each unit's stores) are shared evenly: a joined conv's panels
+    # of a 1x1 conv take a ninth of the time of its 3x3's
+    work = np.concatenate([[0], np.cumsum(np.repeat(panel_taps[:, 1] + UNIT_OVERHEAD_TAPS, n * ho))])
+    cuts = [int(np.searchsorted(work, work[-1] * i / count, side="right")) - 1 for i in range(count)] + [units]
+    parts = tuple((cuts[i], cuts[i + 1]) for i in range(count) if cuts[i] < cuts[i + 1])
+    return PanelPlan(tuple(x_shape), (n, channel, ho, wo), (n, c, hp, wp), top, left, panels, bias, tap_sets,
+                     panel_taps, (int(strides[0]), int(strides[1])), epilogue, epilogue.numbers,
+                     parts, team and len(parts) > 1)
 
 
 def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
@@ -272,16 +313,17 @@ def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
     if not plan.team:  # (a small conv, one part: straight to the kernel, no closures; ~1 µs of a few)
         own = scratch((BLOCK_POSITIONS, PANEL_WIDTH), np.float32, "direct_panel_block")
         for u0, u1 in plan.parts:
-            direct_panel_conv(plan.panels, padded, plan.offsets, flat, plan.bias, own, u0, u1, ho, wo, sh, sw,
-                              epilogue.kind, epilogue.a, epilogue.b)
+            direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, u0, u1, ho,
+                              wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b)
         return y
 
     def run(part: tuple[int, int], buffer: np.ndarray) -> None:
-        direct_panel_conv(plan.panels, padded, plan.offsets, flat, plan.bias, buffer.reshape(BLOCK_POSITIONS, -1),
-                          *part, ho, wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b)
+        direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias,
+                          buffer.reshape(BLOCK_POSITIONS, -1), *part, ho, wo, sh, sw, epilogue.kind, epilogue.a,
+                          epilogue.b)
 
     def posted(part: tuple[int, int], buffer: np.ndarray) -> list[int]:
-        return panel_part_arguments(plan.panels, padded, plan.offsets, flat, plan.bias,
+        return panel_part_arguments(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias,
                                     buffer.reshape(BLOCK_POSITIONS, -1), plan.numbers, *part, ho, wo, sh, sw,
                                     epilogue.kind)
     _run_parts(plan.parts, plan.team, BLOCK_POSITIONS * PANEL_WIDTH, run, posted)

@@ -1298,3 +1298,93 @@ def test_magnitude_on_gpu_pixel_runs_the_layers_it_replaced_there():
     assert not placement.fallback, placement.fallback
     assert set(placement.layers.values()) == {"gpu_pixel"}
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
+
+
+# -- convs of one input side by side, concatenated -----------------------------------------------
+FIRE_C, FIRE_H, FIRE_W = 16, 9, 11
+
+
+def _fire_model(*, first: int | None = None, activations=("Relu", "Relu"), biases=(True, True), order=(0, 1),
+                also_read: bool = False, channels: int = FIRE_C, size: tuple[int, int] = (FIRE_H, FIRE_W),
+                last: int = 24) -> onnx.ModelProto:
+    """x (N, C, H, W) → a 1x1 Conv (``first`` channels: two panels of the kernel by default) and a
+    3x3 Conv padded to the same map (``last`` channels), each with its activation, → Concat(axis 1)
+    in ``order`` → y: SqueezeNet's fire module after its squeeze layer. ``also_read``: the 1x1's
+    result is a graph output too."""
+    from asyncinfer.ops.conv_direct import PANEL_WIDTH
+
+    rng = np.random.default_rng(5)
+    first = 2 * PANEL_WIDTH if first is None else first
+    consts, nodes, results = [], [], []
+    for i, (m, k) in enumerate(((first, 1), (last, 3))):
+        consts.append(_const(f"w{i}", rng.standard_normal((m, channels, k, k)) * 0.2))
+        inputs = ["x", f"w{i}"]
+        if biases[i]:
+            consts.append(_const(f"b{i}", rng.standard_normal(m)))
+            inputs.append(f"b{i}")
+        nodes.append(helper.make_node("Conv", inputs, [f"c{i}"], kernel_shape=[k, k], pads=[k // 2] * 4))
+        if activations[i]:
+            nodes.append(helper.make_node(activations[i], [f"c{i}"], [f"a{i}"]))
+        results.append(f"a{i}" if activations[i] else f"c{i}")
+    nodes.append(helper.make_node("Concat", [results[i] for i in order], ["y"], axis=1))
+    outputs = [tensor_info("y", None)] + ([tensor_info(results[0], None)] if also_read else [])
+    return make_model(nodes, [tensor_info("x", ["N", channels, *size])], outputs, consts)
+
+
+def _joined_convs(worker: ai.Worker) -> list:
+    return [node.step.op for segment in worker._plan.segments for node in segment.nodes
+            if node.layer.op_type == "JoinedConv"]
+
+
+@pytest.mark.parametrize("variant", [{}, dict(order=(1, 0), last=64), dict(biases=(False, True)),
+                                     dict(activations=(None, None)), dict(activations=("LeakyRelu", "LeakyRelu"))])
+def test_convs_of_one_input_concatenated_run_as_one_conv(variant):
+    """A 1x1 and a 3x3 conv of one input and their Concat become one ``JoinedConv`` that the panel
+    kernel runs as one conv: the definition's values, batch after batch, no layer of the three run."""
+    proto = _fire_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_joined_convs"] == 1
+    assert [l.op_type for l in model.layers] == ["JoinedConv"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Conv", "Conv", "Concat"]
+    with ai.Worker(model, "cpu") as worker, ai.Worker(ai.load_model(proto, optimize=False), "cpu") as plain:
+        for images in (1, 3, 1):
+            x = RNG.standard_normal((images, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32)
+            got = worker.run_blocking(x)["y"]
+            np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got, plain.run_blocking(x)["y"], rtol=1e-6, atol=1e-6)
+        [op] = _joined_convs(worker)
+    assert op._joined is not None and op._apart is None  # (one conv: the convs never ran apart)
+
+
+@pytest.mark.parametrize("variant", [dict(first=20),                          # the 1x1's channels end mid-panel
+                                     dict(activations=("Relu", None)),        # two activations
+                                     dict(also_read=True)])                   # a result read elsewhere too
+def test_convs_that_cannot_share_one_kernel_are_left_alone(variant):
+    proto = _fire_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_joined_convs"] == 0
+    x = RNG.standard_normal((2, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_joined_convs_whose_deepest_takes_winograd_run_apart():
+    """A 3x3 conv of 256 channels on a 24x24 map takes Winograd alone: the joined layer runs the
+    convs one by one (then the Concat), as they ran before the fusion."""
+    proto = _fire_model(channels=256, size=(24, 24), last=128)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_joined_convs"] == 1
+    x = RNG.standard_normal((1, 256, 24, 24)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)["y"]
+        [op] = _joined_convs(worker)
+    assert op._joined is None and op._apart is not None
+    # (Winograd's rounding: sums of 2304 taps of values near 1)
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-3, atol=2e-3)
+
+
+def test_joined_convs_on_gpu_pixel_run_the_layers_they_replaced_there():
+    """(the convs and the Concat)"""
+    _runs_its_expansion_on_gpu_pixel(_fire_model(), RNG.standard_normal((1, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32),
+                                     "fuse_joined_convs")

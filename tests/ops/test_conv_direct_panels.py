@@ -182,3 +182,80 @@ def test_small_maps_are_left_to_the_panels_by_winograd(monkeypatch):
     assert tile(128, 32, 28) == 0  # (56 tiles x 32 channels: GEMM products too small)
     assert tile(32, 128, 27) == 0 and tile(48, 192, 27) == 4  # (SqueezeNet's expand layers)
     assert conv_direct.takes_direct_panels((1, 256, 14, 14), (256, 256, 3, 3), 1, (1, 1), (14, 14), f32)
+
+
+# -- convs of one input side by side (`joined_panel_plan`: SqueezeNet's expand layers) -------------
+# name: (x shape, strides, each conv's (output channels, kernel, dilations, pads)); every conv's
+# channels but the last's fill whole panels
+JOINED = {
+    "fire_module": ((1, 16, 11, 13), (1, 1), [(2 * WIDTH, (1, 1), (1, 1), [0, 0, 0, 0]),
+                                              (2 * WIDTH, (3, 3), (1, 1), [1, 1, 1, 1])]),
+    "wide_first_partial_last": ((2, 8, 9, 7), (1, 1), [(WIDTH, (3, 3), (1, 1), [1, 1, 1, 1]),
+                                                       (WIDTH, (1, 1), (1, 1), [0, 0, 0, 0]),
+                                                       (13, (5, 5), (1, 1), [2, 2, 2, 2])]),
+    "stride2_dilated_asymmetric": ((1, 6, 12, 11), (2, 2), [(WIDTH, (3, 3), (2, 2), [2, 1, 2, 3]),
+                                                            (5, (3, 1), (1, 1), [1, 0, 1, 0])]),
+}
+
+
+def _joined(name, rng):
+    shape, strides, convs = JOINED[name]
+    x = randn(rng, *shape)
+    parts, outs = [], set()
+    for m, kernel, dilations, pads in convs:
+        w, b = randn(rng, m, shape[1], *kernel), randn(rng, m)
+        attrs = dict(kernel_shape=list(kernel), strides=list(strides), dilations=list(dilations), pads=pads)
+        outs.add(tuple((shape[2 + i] + pads[i] + pads[i + 2] - dilations[i] * (kernel[i] - 1) - 1) // strides[i] + 1
+                       for i in range(2)))
+        parts.append((conv_direct.PanelConv(w, b, tuple(dilations), (pads[0], pads[1])), attrs))
+    [out] = outs  # (the convs of a case map onto one output)
+    return x, parts, strides, out
+
+
+@pytest.mark.parametrize("name", sorted(JOINED))
+@pytest.mark.parametrize("helpers", [0, 1, 2])
+def test_joined_convs_give_each_conv_its_own_sums(name, helpers, rng, monkeypatch):
+    """One plan of convs side by side: each conv's channels are its own conv (the definition's
+    values, and the bits of that conv alone on the panel kernel), on this thread alone or shared
+    with the helpers, the parts cut where the work of the panels' taps is shared evenly."""
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    x, convs, strides, out = _joined(name, rng)
+    if helpers:
+        with spin_team_bound(helpers) as runs:
+            plan = conv_direct.joined_panel_plan(x.shape, [c for c, _ in convs], strides, out, NO_ACTIVATION)
+            got = conv_direct.run_direct_panels(plan, x)
+        assert len(plan.parts) == helpers + 1 and runs.shared
+    else:
+        plan = conv_direct.joined_panel_plan(x.shape, [c for c, _ in convs], strides, out, NO_ACTIVATION)
+        got = conv_direct.run_direct_panels(plan, x)
+    units = plan.panels.shape[0] * x.shape[0] * out[0]
+    assert plan.parts[0][0] == 0 and plan.parts[-1][1] == units
+    assert all(a[1] == b_[0] for a, b_ in zip(plan.parts, plan.parts[1:]))
+    start = 0
+    for conv, attrs in convs:
+        m = conv.weight.shape[0]
+        alone = conv_direct.run_direct_panels(
+            conv_direct.panel_plan(x.shape, conv.weight, conv.bias, strides, conv.dilations, conv.begin, out,
+                                   NO_ACTIVATION), x)
+        np.testing.assert_array_equal(got[:, start:start + m], alone)
+        np.testing.assert_allclose(alone, reference_run("Conv", [x, conv.weight, conv.bias], attrs)[0],
+                                   rtol=1e-4, atol=1e-4)
+        start += m
+    assert got.shape == (x.shape[0], start, *out)
+
+
+def test_joined_parts_share_the_taps_not_the_units(monkeypatch):
+    """A 1x1 conv's panels beside a 3x3's: the cut falls where the taps summed (and each unit's
+    stores) are half done, not at half the units (which would leave one thread every 1x1 panel)."""
+    monkeypatch.setattr(conv_direct.parallel, "team_size", lambda: 2)
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    c, h = 16, 10
+    convs = [conv_direct.PanelConv(np.zeros((2 * WIDTH, c, 1, 1), np.float32), None, (1, 1), (0, 0)),
+             conv_direct.PanelConv(np.zeros((2 * WIDTH, c, 3, 3), np.float32), None, (1, 1), (1, 1))]
+    plan = conv_direct.joined_panel_plan((1, c, h, h), convs, (1, 1), (h, h), NO_ACTIVATION)
+    assert plan.panel_taps.tolist() == [[0, c]] * 2 + [[1, 9 * c]] * 2
+    cost = lambda u0, u1: sum(int(plan.panel_taps[u // h, 1]) + conv_direct.UNIT_OVERHEAD_TAPS  # noqa: E731
+                              for u in range(u0, u1))
+    (a0, a1), (b0, b1) = plan.parts
+    assert a1 == b0 and abs(cost(a0, a1) - cost(b0, b1)) <= 9 * c + conv_direct.UNIT_OVERHEAD_TAPS
+    assert 2 * h < a1 < 4 * h  # (inside the 3x3's first panel)

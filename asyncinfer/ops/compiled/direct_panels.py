@@ -22,6 +22,7 @@ and for any split of the work between threads.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numba
@@ -49,9 +50,24 @@ BLOCK_POSITIONS = BLOCK_ROWS
 def pack_taps(w: np.ndarray) -> np.ndarray:
     """The weights ``w`` (M, C, kh, kw) as panels of output channels, (P, C·kh·kw, `WIDTH`) float32,
     zero past M: ``panels[p, t, j]`` = tap ``t`` = (c, ky, kx)'s weight of channel ``p·WIDTH + j``."""
-    m = w.shape[0]
-    columns = np.zeros((int(np.prod(w.shape[1:])), -(-m // WIDTH) * WIDTH), np.float32)
-    columns[:, :m] = w.reshape(m, -1).T
+    return pack_joined_taps([w])
+
+
+def pack_joined_taps(weights: Sequence[np.ndarray]) -> np.ndarray:
+    """The weights of convs of one input side by side, each (M_i, C, kh_i, kw_i), every M_i but
+    the last a multiple of `WIDTH`, as the panels of one conv of their M_i together (P, T,
+    `WIDTH`), T the most taps of any: conv i's panels hold its taps' weights (`pack_taps`) in
+    their first C·kh_i·kw_i rows, zeros after (never read: `direct_panel_conv` sums a panel's own
+    taps)."""
+    widths = [w.shape[0] for w in weights]
+    assert all(m % WIDTH == 0 for m in widths[:-1]), "each conv but the last fills whole panels"
+    columns = np.zeros((max(int(np.prod(w.shape[1:])) for w in weights), -(-sum(widths) // WIDTH) * WIDTH),
+                       np.float32)
+    start = 0
+    for w, m in zip(weights, widths):
+        rows = w.reshape(m, -1).T
+        columns[:rows.shape[0], start:start + m] = rows
+        start += m
     return pack_panels(columns)
 
 
@@ -130,21 +146,23 @@ _block8_to_output = _tap_block(8, to_output=True)
 
 
 @kernel(contract=False)
-def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray,
-                      bias: np.ndarray, block: np.ndarray, u0: int, u1: int, out_height: int, out_width: int,
-                      row_stride: int, column_stride: int, act: int, a: float, b: float) -> None:
+def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray, panel_taps: np.ndarray,
+                      y: np.ndarray, bias: np.ndarray, block: np.ndarray, u0: int, u1: int, out_height: int,
+                      out_width: int, row_stride: int, column_stride: int, act: int, a: float, b: float) -> None:
     """Units ``u0:u1`` of the conv of the padded images ``padded`` (N, C, Hp, Wp) with the packed
     weights ``panels`` (P, taps, W) (`pack_taps`): unit ``u`` is panel ``u // (N·Ho)`` of output row
-    ``u % (N·Ho)`` counted through the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``),
-    tap ``t`` reading ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]``: ``y``
-    (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to P·W. ``block``
-    (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store. ``act``, ``a``,
-    ``b``: the epilogue (`compiled.epilogue`).
+    ``u % (N·Ho)`` counted through the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``).
+    Panel ``p`` sums its first ``panel_taps[p, 1]`` taps, tap ``t`` reading
+    ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]`` with ``offsets =
+    tap_sets[panel_taps[p, 0]]`` (one set for a conv; a joined conv's panels each their own
+    conv's, `joined_taps`): ``y`` (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to
+    P·W. ``block`` (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store.
+    ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`).
 
     A part's rows of one image and panel are cut into blocks of `BLOCK_POSITIONS` positions
     across the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row
     alone were 4, 2 and 1, the last two half as fast a position or less)."""
-    count, taps, width = panels.shape
+    width = panels.shape[2]
     av, bv = np.float32(a), np.float32(b)
     finish = finishing(act)
     wp = padded.shape[3]
@@ -159,6 +177,7 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
         i, oy = q // out_height, q % out_height
         last = min(out_height, oy + u1 - u)  # this image's rows of the part, in this panel
         base, out = i * plane, y[i]
+        offsets, taps = tap_sets[panel_taps[p, 0]], panel_taps[p, 1]
         channels = min(width, m - p * width)
         v, end = oy * out_width, last * out_width
         while v < end:
@@ -190,15 +209,15 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarra
         u += last - oy
 
 
-def part_arguments(panels: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,
-                   block: np.ndarray, numbers: np.ndarray, u0: int, u1: int, out_height: int, out_width: int,
-                   row_stride: int, column_stride: int, act: int) -> list[int]:
+def part_arguments(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray, panel_taps: np.ndarray,
+                   y: np.ndarray, bias: np.ndarray, block: np.ndarray, numbers: np.ndarray, u0: int, u1: int,
+                   out_height: int, out_width: int, row_stride: int, column_stride: int, act: int) -> list[int]:
     """The integers of a part `direct_panel_part` runs as ``direct_panel_conv(...)`` on the same
     arguments (for `SpinTeam.try_run`): C-contiguous arrays, the epilogue's ``a, b`` as float64
     ``numbers``; the caller keeps every array alive until the part is done."""
-    at = addresses(panels, padded, offsets, y, bias, block, numbers)[:7]
-    return [PART_KIND, *panels.shape[:2], *padded.shape, y.shape[1], y.shape[2], *at, u0, u1, out_height, out_width,
-            row_stride, column_stride, act]
+    at = addresses(panels, padded, tap_sets, panel_taps, y, bias, block, numbers)[:8]
+    return [PART_KIND, *panels.shape[:2], *padded.shape, y.shape[1], y.shape[2], tap_sets.shape[0], *at, u0, u1,
+            out_height, out_width, row_stride, column_stride, act]
 
 
 @numba.njit(inline="always")
@@ -206,16 +225,19 @@ def direct_panel_part(control: np.ndarray) -> None:
     """Run the `direct_panel_conv` part posted in a spin team's ``control`` row (`part_arguments`):
     the helper's side (`team_parts.serve_parts`)."""
     at = ARGS
-    count, taps, n, c, hp, wp, m, span = (control[at], control[at + 1], control[at + 2], control[at + 3],
-                                          control[at + 4], control[at + 5], control[at + 6], control[at + 7])
-    p = at + 8
+    count, taps, n, c, hp, wp, m, span, sets = (control[at], control[at + 1], control[at + 2], control[at + 3],
+                                                control[at + 4], control[at + 5], control[at + 6], control[at + 7],
+                                                control[at + 8])
+    p = at + 9
     panels = numba.carray(address_as_pointer(control[p], np.float32), (count, taps, WIDTH))
     padded = numba.carray(address_as_pointer(control[p + 1], np.float32), (n, c, hp, wp))
-    offsets = numba.carray(address_as_pointer(control[p + 2], np.int64), (taps,))
-    y = numba.carray(address_as_pointer(control[p + 3], np.float32), (n, m, span))
-    bias = numba.carray(address_as_pointer(control[p + 4], np.float32), (count * WIDTH,))
-    block = numba.carray(address_as_pointer(control[p + 5], np.float32), (BLOCK_POSITIONS, WIDTH))
-    numbers = numba.carray(address_as_pointer(control[p + 6], np.float64), (2,))
-    q = p + 7
-    direct_panel_conv(panels, padded, offsets, y, bias, block, control[q], control[q + 1], control[q + 2],
-                      control[q + 3], control[q + 4], control[q + 5], control[q + 6], numbers[0], numbers[1])
+    tap_sets = numba.carray(address_as_pointer(control[p + 2], np.int64), (sets, taps))
+    panel_taps = numba.carray(address_as_pointer(control[p + 3], np.int64), (count, 2))
+    y = numba.carray(address_as_pointer(control[p + 4], np.float32), (n, m, span))
+    bias = numba.carray(address_as_pointer(control[p + 5], np.float32), (count * WIDTH,))
+    block = numba.carray(address_as_pointer(control[p + 6], np.float32), (BLOCK_POSITIONS, WIDTH))
+    numbers = numba.carray(address_as_pointer(control[p + 7], np.float64), (2,))
+    q = p + 8
+    direct_panel_conv(panels, padded, tap_sets, panel_taps, y, bias, block, control[q], control[q + 1],
+                      control[q + 2], control[q + 3], control[q + 4], control[q + 5], control[q + 6], numbers[0],
+                      numbers[1])
