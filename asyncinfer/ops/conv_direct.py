@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..concurrency import parallel
+from ..concurrency import parallel, spin_team
 from .compiled.direct import LANES, STRIDES, WIDE_VECTORS, copy_inside, direct_conv, part_arguments
 from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_joined_taps
 from .compiled.direct_panels import WIDTH as PANEL_WIDTH
-from .compiled.direct_panels import part_arguments as panel_part_arguments
+from .compiled.direct_panels import finish_panels, post_and_finish_panels
 from .compiled.panels import BLOCK_ROWS
 from .conv_kernels import KeepWeights, keep_nothing, scratch
 from .epilogue import Epilogue
@@ -232,6 +232,7 @@ class PanelPlan:
     epilogue: Epilogue
     numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
     parts: tuple[tuple[int, int], ...]  # units (u0, u1): panels x output rows through the images
+    bounds: np.ndarray                  # the parts as an int64 (parts, 2) array, for the team's posts
     team: bool                          # offered to the spinning helpers
 
 
@@ -299,7 +300,7 @@ def joined_panel_plan(x_shape: tuple[int, ...], convs: Sequence[PanelConv], stri
     parts = tuple((cuts[i], cuts[i + 1]) for i in range(count) if cuts[i] < cuts[i + 1])
     return PanelPlan(tuple(x_shape), (n, channel, ho, wo), (n, c, hp, wp), top, left, panels, bias, tap_sets,
                      panel_taps, (int(strides[0]), int(strides[1])), epilogue, epilogue.numbers,
-                     parts, team and len(parts) > 1)
+                     parts, np.array(parts, np.int64).reshape(-1, 2), team and len(parts) > 1)
 
 
 def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
@@ -310,21 +311,23 @@ def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
     flat = y.reshape(n, m, ho * wo)
     epilogue = plan.epilogue
     sh, sw = plan.strides
-    if not plan.team:  # (a small conv, one part: straight to the kernel, no closures; ~1 µs of a few)
-        own = scratch((BLOCK_POSITIONS, PANEL_WIDTH), np.float32, "direct_panel_block")
+    own = scratch((BLOCK_POSITIONS, PANEL_WIDTH), np.float32, "direct_panel_block")
+    helpers = len(plan.parts) - 1
+    team = parallel.team() if plan.team else None
+    control = None if team is None or helpers > team.helpers else team.claim()
+    if control is None:  # (a small conv, or the team busy: every core is, so every part here)
         for u0, u1 in plan.parts:
             direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, u0, u1, ho,
                               wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b)
         return y
-
-    def run(part: tuple[int, int], buffer: np.ndarray) -> None:
-        direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias,
-                          buffer.reshape(BLOCK_POSITIONS, -1), *part, ho, wo, sh, sw, epilogue.kind, epilogue.a,
-                          epilogue.b)
-
-    def posted(part: tuple[int, int], buffer: np.ndarray) -> list[int]:
-        return panel_part_arguments(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias,
-                                    buffer.reshape(BLOCK_POSITIONS, -1), plan.numbers, *part, ho, wo, sh, sw,
-                                    epilogue.kind)
-    _run_parts(plan.parts, plan.team, BLOCK_POSITIONS * PANEL_WIDTH, run, posted)
+    try:
+        blocks = team.scratch((helpers, BLOCK_POSITIONS, PANEL_WIDTH), np.float32)  # type: ignore[union-attr]
+        status = post_and_finish_panels(control, plan.panels, padded, plan.tap_sets, plan.panel_taps, flat,
+                                        plan.bias, blocks, own, plan.numbers, plan.bounds, ho, wo, sh, sw,
+                                        epilogue.kind, spin_team.WAIT_ROUNDS)
+        team.settle(status, finish_panels,  # type: ignore[union-attr]
+                    (control, plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, plan.bounds,
+                     ho, wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), helpers)
+    finally:
+        team.release()  # type: ignore[union-attr]
     return y

@@ -32,7 +32,8 @@ from numba.core import cgutils
 from llvmlite import ir
 from numba.extending import intrinsic
 
-from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
+                                      post_and_count_asleep, wait_all)
 from . import kernel
 from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums,
                      pack_panels, panel_width, transposed_writer)
@@ -209,20 +210,69 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
         u += last - oy
 
 
-def part_arguments(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray, panel_taps: np.ndarray,
-                   y: np.ndarray, bias: np.ndarray, block: np.ndarray, numbers: np.ndarray, u0: int, u1: int,
-                   out_height: int, out_width: int, row_stride: int, column_stride: int, act: int) -> list[int]:
-    """The integers of a part `direct_panel_part` runs as ``direct_panel_conv(...)`` on the same
-    arguments (for `SpinTeam.try_run`): C-contiguous arrays, the epilogue's ``a, b`` as float64
-    ``numbers``; the caller keeps every array alive until the part is done."""
-    at = addresses(panels, padded, tap_sets, panel_taps, y, bias, block, numbers)[:8]
-    return [PART_KIND, *panels.shape[:2], *padded.shape, y.shape[1], y.shape[2], tap_sets.shape[0], *at, u0, u1,
-            out_height, out_width, row_stride, column_stride, act]
+@kernel
+def post_panels(control: np.ndarray, panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray,
+                panel_taps: np.ndarray, y: np.ndarray, bias: np.ndarray, blocks: np.ndarray, numbers: np.ndarray,
+                parts: np.ndarray, out_height: int, out_width: int, row_stride: int, column_stride: int,
+                act: int) -> int:
+    """Post part ``i + 1`` of ``parts`` (rows of units ``u0, u1``) to helper ``i`` of a claimed
+    team's ``control`` (its finished blocks in ``blocks[i]``), for `direct_panel_part` to run as
+    `direct_panel_conv` on these arrays; the epilogue's ``a, b`` in float64 ``numbers``. Returns
+    how many of those helpers were asleep (the caller wakes them). One compiled call: building
+    each part's integers in Python cost a conv 4-5 µs on two cores."""
+    sleeping = 0
+    for i in range(parts.shape[0] - 1):
+        row = control[i]
+        row[KIND] = PART_KIND
+        at = ARGS
+        row[at], row[at + 1] = panels.shape[0], panels.shape[1]
+        for d in range(4):
+            row[at + 2 + d] = padded.shape[d]
+        row[at + 6], row[at + 7], row[at + 8] = y.shape[1], y.shape[2], tap_sets.shape[0]
+        p = at + 9
+        row[p], row[p + 1], row[p + 2], row[p + 3] = (panels.ctypes.data, padded.ctypes.data, tap_sets.ctypes.data,
+                                                      panel_taps.ctypes.data)
+        row[p + 4], row[p + 5], row[p + 6], row[p + 7] = (y.ctypes.data, bias.ctypes.data, blocks[i].ctypes.data,
+                                                          numbers.ctypes.data)
+        q = p + 8
+        row[q], row[q + 1], row[q + 2], row[q + 3] = parts[i + 1, 0], parts[i + 1, 1], out_height, out_width
+        row[q + 4], row[q + 5], row[q + 6] = row_stride, column_stride, act
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel(contract=False)
+def finish_panels(control: np.ndarray, panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray,
+                  panel_taps: np.ndarray, y: np.ndarray, bias: np.ndarray, block: np.ndarray, parts: np.ndarray,
+                  out_height: int, out_width: int, row_stride: int, column_stride: int, act: int, a: float, b: float,
+                  rounds: int) -> bool:
+    """Run part 0 of ``parts`` here (``block`` this thread's), then wait for the parts
+    `post_panels` posted; False when a helper is not done within ``rounds`` spins (the caller
+    then waits the slow way, `SpinTeam.wait`)."""
+    direct_panel_conv(panels, padded, tap_sets, panel_taps, y, bias, block, parts[0, 0], parts[0, 1], out_height,
+                      out_width, row_stride, column_stride, act, a, b)
+    return wait_all(control, parts.shape[0] - 1, rounds)
+
+
+@kernel(contract=False)
+def post_and_finish_panels(control: np.ndarray, panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray,
+                           panel_taps: np.ndarray, y: np.ndarray, bias: np.ndarray, blocks: np.ndarray,
+                           block: np.ndarray, numbers: np.ndarray, parts: np.ndarray, out_height: int,
+                           out_width: int, row_stride: int, column_stride: int, act: int, rounds: int) -> int:
+    """`post_panels`, then `finish_panels` unless a helper was asleep: `spin_team.HELPERS_ASLEEP`
+    (nothing run here yet), `PARTS_DONE` or `PARTS_RUNNING`."""
+    if post_panels(control, panels, padded, tap_sets, panel_taps, y, bias, blocks, numbers, parts, out_height,
+                   out_width, row_stride, column_stride, act):
+        return HELPERS_ASLEEP
+    if finish_panels(control, panels, padded, tap_sets, panel_taps, y, bias, block, parts, out_height, out_width,
+                     row_stride, column_stride, act, numbers[0], numbers[1], rounds):
+        return PARTS_DONE
+    return PARTS_RUNNING
 
 
 @numba.njit(inline="always")
 def direct_panel_part(control: np.ndarray) -> None:
-    """Run the `direct_panel_conv` part posted in a spin team's ``control`` row (`part_arguments`):
+    """Run the `direct_panel_conv` part posted in a spin team's ``control`` row (`post_panels`):
     the helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     count, taps, n, c, hp, wp, m, span, sets = (control[at], control[at + 1], control[at + 2], control[at + 3],
