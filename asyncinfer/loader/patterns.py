@@ -844,6 +844,94 @@ def fuse_sibling_products(model: Model) -> int:
     return len(joins)
 
 
+def fuse_sibling_convs(model: Model) -> int:
+    """1x1 convs of one input side by side → one conv and a ``Split``: 2-D ``Conv`` layers of one
+    group, 1x1 windows at unit strides without padding, that read the same input, each with a
+    float32 weight of its own (every one a bias of its own, or none), and the same fused
+    activation, become one such conv on their weights (and biases) joined along the output
+    channels, whose result a ``Split`` along the channels cuts into the layers' outputs (views;
+    for one image each is contiguous). Inception's modules start with two or three 1x1 convs of
+    the module's input, 64 to 352 channels each: one conv of them all is one layer and one
+    hand-off to the helpers where there were three. Each output channel is summed over the input
+    channels as before; where the joined conv takes another kernel than a part did, within
+    rounding.
+
+    Runs after ``fuse_activations`` (the activation goes with the joined conv) and
+    ``fuse_joined_convs`` (a 1x1 conv a Concat joins to a 3x3 one stays there). Weights shared,
+    overridable, graph outputs or memory-mapped from the model's file stay apart, as in
+    ``fuse_sibling_products``; the originals are dropped (one copy of the weights). Both new
+    layers are standard ops, which every backend runs; the joined conv takes the first one's
+    place (every reader of every part comes after it)."""
+    readers: dict[str, int] = {}
+    for layer in model.layers:
+        for name in list(layer.inputs) + list(layer.outer_inputs):
+            if name:
+                readers[name] = readers.get(name, 0) + 1
+    keep = {o.name for o in model.outputs} | set(model.input_defaults)
+
+    def own_constant(name: str) -> np.ndarray | None:
+        value = model.constants.get(name)
+        if (not isinstance(value, np.ndarray) or value.dtype != np.float32 or readers.get(name) != 1
+                or name in keep or is_mapped(value)):
+            return None
+        return value
+
+    groups: dict[tuple, list[Layer]] = {}
+    for layer in model.layers:
+        if (layer.op_type != "Conv" or layer.domain or len(layer.inputs) not in (2, 3) or not all(layer.inputs)
+                or len(layer.outputs) != 1 or not layer.outputs[0] or not _pointwise_conv_attrs(layer.attrs)):
+            continue
+        w = own_constant(layer.inputs[1])
+        b = own_constant(layer.inputs[2]) if len(layer.inputs) == 3 else None
+        if (w is None or w.ndim != 4 or w.shape[2:] != (1, 1)
+                or (len(layer.inputs) == 3 and (b is None or b.shape != (w.shape[0],)))):
+            continue
+        activation = _activation_key(layer)
+        if activation is not None:
+            groups.setdefault((layer.inputs[0], len(layer.inputs), w.shape[1], activation), []).append(layer)
+    taken: set[int] = set()
+    joins: dict[int, list[Layer]] = {}  # the first conv's id: the layers in its place
+    used: set[str] | None = None
+    for (x, arity, _, _), siblings in groups.items():
+        if len(siblings) < 2:
+            continue
+        if used is None:
+            used = set(model.constants) | set(model.value_info) | {o for layer in model.layers for o in layer.outputs}
+        first = siblings[0]
+        names = _fresh_names(used, f"{first.name}/joined", ("weight", "bias", "out", "sizes"))
+        widths = [model.constants[s.inputs[1]].shape[0] for s in siblings]
+        inputs = [x]
+        for role, index in (("weight", 1), ("bias", 2))[:arity - 1]:
+            joined = np.concatenate([model.constants.pop(s.inputs[index]) for s in siblings])
+            joined.flags.writeable = False  # shared by every run, as every constant
+            model.constants[names[role]] = joined
+            inputs.append(names[role])
+        sizes = np.array(widths, np.int64)
+        sizes.flags.writeable = False
+        model.constants[names["sizes"]] = sizes
+        info = model.value_info.get(x) or next((i for i in model.inputs if i.name == x), None)
+        shape = info.shape if info is not None and info.shape and len(info.shape) == 4 else None
+        model.value_info[names["out"]] = TensorInfo(names["out"], np.dtype(np.float32),
+                                                    None if shape is None else (shape[0], sum(widths), *shape[2:]))
+        conv = replace(first, name=f"{first.name}/joined", inputs=inputs, outputs=[names["out"]],
+                       fused=list(first.fused))
+        split = Layer(name=f"{first.name}/joined_split", op_type="Split", inputs=[names["out"], names["sizes"]],
+                      outputs=[s.outputs[0] for s in siblings], attrs={"axis": 1}, version=13)
+        joins[id(first)] = [conv, split]
+        taken.update(id(s) for s in siblings)
+    if joins:
+        model.layers = [new for layer in model.layers
+                        for new in joins.get(id(layer), [] if id(layer) in taken else [layer])]
+    return len(joins)
+
+
+def _pointwise_conv_attrs(attrs: dict) -> bool:
+    """Whether a Conv's attributes make it a 1x1 conv of one group at unit strides, no padding."""
+    return (int(attrs.get("group", 1)) == 1 and attrs.get("auto_pad", "NOTSET") in ("NOTSET", "VALID")
+            and all(int(v) == 1 for key in ("strides", "dilations") for v in attrs.get(key, ()))
+            and all(int(v) == 0 for v in attrs.get("pads", ())) and list(attrs.get("kernel_shape", [1, 1])) == [1, 1])
+
+
 def _fresh_names(used: set[str], stem: str, roles: Iterable[str]) -> dict[str, str]:
     """A value name per role, ``stem/role``, not in ``used`` (the names taken: constants,
     values, layer outputs), which then holds it."""
@@ -1013,8 +1101,9 @@ def fuse_joined_convs(model: Model) -> int:
     1x1 and 3x3 expand layers, computed as one conv (no Concat copy, one hand-off to the helpers).
     Runs after ``fuse_activations``: each conv keeps its activations, in the expansion too (the
     convs and the Concat, for backends without the kernel). Taken when every conv is 2-D, of one
-    group, with constant float32 weights (biases constant or absent), every conv's channels but
-    the last's fill whole panels of the kernel (`conv_direct.PANEL_WIDTH`), and they share one
+    group, with constant float32 weights (biases constant or absent), one at least with a window
+    larger than 1x1 (1x1 convs alone are ``fuse_sibling_convs``'), every conv's channels but the
+    last's fill whole panels of the kernel (`conv_direct.PANEL_WIDTH`), and they share one
     activation that takes no extra input; the fused op checks the rest at run time (the strides,
     the output maps, the kernel the deepest conv would take) and else runs the layers."""
     g, count = _Graph(model), 0
@@ -1033,6 +1122,7 @@ def fuse_joined_convs(model: Model) -> int:
         weights = [constants.get(conv.inputs[1]) for conv in convs]
         biases = [conv.inputs[2] if len(conv.inputs) > 2 else "" for conv in convs]
         if (any(not isinstance(w, np.ndarray) or w.dtype != np.float32 or w.ndim != 4 for w in weights)
+                or all(w.shape[2:] == (1, 1) for w in weights)  # (1x1 convs: `fuse_sibling_convs`)
                 or len({w.shape[1] for w in weights}) != 1
                 or any(m % PANEL_WIDTH for m in [w.shape[0] for w in weights][:-1])
                 or any(int(conv.attrs.get("group", 1)) != 1 for conv in convs)

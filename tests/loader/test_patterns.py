@@ -1388,3 +1388,99 @@ def test_joined_convs_on_gpu_pixel_run_the_layers_they_replaced_there():
     """(the convs and the Concat)"""
     _runs_its_expansion_on_gpu_pixel(_fire_model(), RNG.standard_normal((1, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32),
                                      "fuse_joined_convs")
+
+
+# -- 1x1 convs of one input side by side ---------------------------------------------------------
+def _sibling_1x1_model(*, widths=(24, 40, 8), activations=("Relu", "Relu", "Relu"), biases=(True, True, True),
+                       kernels=(1, 1, 1), strides=(1, 1, 1), shared_weight: bool = False,
+                       summed: bool = False) -> onnx.ModelProto:
+    """x (N, 16, 9, 11) → a Conv per entry (``widths`` channels, ``kernels`` windows padded to the
+    map, ``strides``), each with its activation → the outputs y0, y1, … (``summed``: y = their
+    sum, the widths equal). ``shared_weight``: the first two convs read one weight."""
+    rng = np.random.default_rng(9)
+    consts, nodes, results = [], [], []
+    for i, (m, k, s) in enumerate(zip(widths, kernels, strides)):
+        weight = "w0" if shared_weight and i == 1 else f"w{i}"
+        if weight == f"w{i}":
+            consts.append(_const(weight, rng.standard_normal((m, FIRE_C, k, k)) * 0.2))
+        inputs = ["x", weight]
+        if biases[i]:
+            consts.append(_const(f"b{i}", rng.standard_normal(m)))
+            inputs.append(f"b{i}")
+        nodes.append(helper.make_node("Conv", inputs, [f"c{i}"], kernel_shape=[k, k], pads=[k // 2] * 4,
+                                      strides=[s, s]))
+        result = f"c{i}"
+        if activations[i]:
+            nodes.append(helper.make_node(activations[i], [f"c{i}"], [f"y{i}" if not summed else f"a{i}"]))
+            result = f"y{i}" if not summed else f"a{i}"
+        results.append(result)
+    if summed:
+        nodes.append(helper.make_node("Sum", results, ["y"]))
+        outputs = [tensor_info("y", None)]
+    else:
+        outputs = [tensor_info(r, None) for r in results]
+    return make_model(nodes, [tensor_info("x", ["N", FIRE_C, FIRE_H, FIRE_W])], outputs, consts)
+
+
+@pytest.mark.parametrize("variant", [{}, dict(biases=(False, False, False)), dict(activations=(None, None, None))])
+def test_one_inputs_1x1_convs_join_into_one_conv_and_a_split(variant):
+    """Inception's 1x1 convs of a module's input: one conv on the joined weights, a Split into the
+    convs' outputs; the definition's values, batch after batch."""
+    proto = _sibling_1x1_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_sibling_convs"] == 1
+    assert [l.op_type for l in model.layers] == ["Conv", "Split"]
+    assert model.constants[model.layers[0].inputs[1]].shape == (72, FIRE_C, 1, 1)
+    with ai.Worker(model, "cpu") as worker, ai.Worker(ai.load_model(proto, optimize=False), "cpu") as plain:
+        for images in (1, 3):
+            x = RNG.standard_normal((images, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32)
+            got = worker.run_blocking(x)
+            expected = ReferenceEvaluator(proto).run(None, {"x": x})
+            apart = plain.run_blocking(x)
+            for i, want in enumerate(expected):
+                name = proto.graph.output[i].name
+                np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(got[name], apart[name], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant, joined", [(dict(activations=("Relu", None, "Relu")), 1),   # the two with Relu
+                                             (dict(biases=(True, False, True)), 1),           # the two with biases
+                                             (dict(kernels=(1, 3, 1)), 1),                     # the two 1x1s
+                                             (dict(strides=(1, 2, 2)), 0),                     # strided
+                                             (dict(shared_weight=True, widths=(24, 24, 8)), 0)])  # one weight, two convs
+def test_only_1x1_convs_alike_join(variant, joined):
+    proto = _sibling_1x1_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_sibling_convs"] == joined
+    x = RNG.standard_normal((2, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)
+    for i, want in enumerate(ReferenceEvaluator(proto).run(None, {"x": x})):
+        np.testing.assert_allclose(got[proto.graph.output[i].name], want, rtol=1e-5, atol=1e-5)
+
+
+def test_joined_1x1_convs_run_on_gpu_pixel_as_a_conv_and_a_split():
+    """(standard ops: gpu_pixel runs them itself, the split mid-texel: 6 channels each)"""
+    _runs_its_expansion_on_gpu_pixel(_sibling_1x1_model(widths=(6, 6), activations=("Relu", "Relu"),
+                                                        biases=(True, True), kernels=(1, 1), strides=(1, 1),
+                                                        summed=True),
+                                     RNG.standard_normal((1, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32),
+                                     "fuse_sibling_convs")
+
+
+def test_a_concat_of_1x1_convs_alone_is_joined_as_siblings_not_as_one_direct_conv():
+    """Concat(1x1, 1x1) of one input: the 1x1 kernel's way (one conv, a Split, the Concat), not a
+    `JoinedConv` that would only run its convs apart."""
+    proto = _fire_model()
+    for node in proto.graph.node:
+        if node.op_type == "Conv":
+            del node.attribute[:]
+            node.attribute.extend([helper.make_attribute("kernel_shape", [1, 1])])
+    w1 = next(t for t in proto.graph.initializer if t.name == "w1")
+    w1.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w1)[:, :, 1:2, 1:2].copy(), "w1"))
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_joined_convs"] == 0 and model.optimizations["fuse_sibling_convs"] == 1
+    x = RNG.standard_normal((1, FIRE_C, FIRE_H, FIRE_W)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
