@@ -18,8 +18,8 @@ import numpy as np
 
 from ..concurrency import parallel, spin_team
 from .base import Op
-from .compiled.pool import (COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_ONE_MEAN, THREE_BY_ONE_SUM, THREE_BY_TWO, TILES,
-                            finish_pool, pool_range, post_pool)
+from .compiled.pool import (COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_ONE_MAX, THREE_BY_ONE_MEAN, THREE_BY_ONE_SUM,
+                            THREE_BY_TWO, TILES, finish_pool, pool_range, post_pool)
 from .compiled.rows import row_means
 from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -170,12 +170,13 @@ class _WindowPool(Op):
                                               in zip(out, strides, kernel, dilations, shape[2:]))
             if takes_three_by_two(kernel, strides, dilations, shape[3], in_place):
                 loop = THREE_BY_TWO
-            elif self.summing and kernel == [3, 3] and [int(b) for b in begin] == [1, 1] \
+            elif kernel == [3, 3] and [int(b) for b in begin] == [1, 1] \
                     and tuple(int(o) for o in out) == tuple(shape[2:]) \
                     and all(int(s) == 1 for s in strides) and all(int(d) == 1 for d in dilations):
-                # (a pad of one all round: Inception's average pools; divided in the loop where the pads
-                # do not count, as the windows at the edges then hold fewer values)
-                loop = THREE_BY_ONE_SUM if self.attr("count_include_pad", 0) else THREE_BY_ONE_MEAN
+                # (a pad of one all round: Inception's average pools, divided in the loop where the pads
+                # do not count, as the windows at the edges then hold fewer values; and its max pools)
+                loop = (THREE_BY_ONE_MAX if not self.summing else THREE_BY_ONE_SUM
+                        if self.attr("count_include_pad", 0) else THREE_BY_ONE_MEAN)
             else:
                 loop = (FLAT if flat_pays(strides, shape[3], in_place) else COLUMNS_FIRST if int(strides[0]) > 1
                         else ROWS_FIRST)

@@ -149,6 +149,31 @@ def test_three_by_three_unit_stride_average_pool_sums_blocks_of_planes(shape, in
     np.testing.assert_array_equal(means.view(np.uint8), (flat / counts).view(np.uint8))
 
 
+@pytest.mark.parametrize("shape", [(1, 5, 28, 28), (2, 3, 14, 9), (1, 2, 1, 7), (1, 3, 6, 1), (1, 2, 1, 1),
+                                   (3, 100, 7, 7), (1, 7, 2, 5)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_three_by_three_unit_stride_max_pool_takes_blocks_of_planes(shape, dtype, rng, monkeypatch):
+    """A 3x3/1 max pool with a pad of one all round (Inception-v2's last pool) takes the two flat
+    passes over blocks of whole planes (`pool_three.max_three_by_one`; 300 planes of 7x7 make
+    several blocks, the last one short): the reference's values, and the bits of the flat passes
+    over padded planes it replaced (signed zeros, NaN and inf included: a NaN in a window wins)."""
+    from asyncinfer.ops.compiled.pool_three import max_three_by_one
+    attrs = dict(kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])
+    x = randn(rng, *shape, dtype=dtype)
+    calls = []
+    _spy_on_loops(monkeypatch, calls)
+    (got,) = make_op("MaxPool", attrs, version=12)(x)
+    assert set(calls) == {"three_by_one_max"}
+    np.testing.assert_array_equal(got, reference_run("MaxPool", [x], attrs, opset=12)[0])
+    x.reshape(-1)[:4] = [-0.0, np.nan, np.inf, 0.0][:x.size]
+    x.reshape(-1)[-1] = -np.inf
+    planes = x.reshape(-1, *shape[2:])
+    flat, in_blocks = np.empty_like(planes), np.empty_like(planes)
+    compiled_pool.flat_pool(planes, flat, 0, len(planes), 3, 3, 1, 1, 1, 1, 1, 1, -np.inf, False)
+    max_three_by_one(planes, in_blocks, 0, len(planes))
+    np.testing.assert_array_equal(in_blocks.view(np.uint8), flat.view(np.uint8))
+
+
 WHOLE_MAP_CASES = {
     "7x7_on_7x7": ((1, 6, 7, 7), dict(kernel_shape=[7, 7])),
     "strided_on_5x3": ((2, 3, 5, 3), dict(kernel_shape=[5, 3], strides=[2, 2], count_include_pad=1)),
@@ -178,7 +203,8 @@ def test_an_average_pool_over_the_whole_map_is_the_planes_mean(name, dtype, rng,
 def _spy_on_loops(monkeypatch, calls: list) -> None:
     names = {compiled_pool.ROWS_FIRST: "rows", compiled_pool.COLUMNS_FIRST: "columns", compiled_pool.TILES: "tiles",
              compiled_pool.FLAT: "flat", compiled_pool.THREE_BY_TWO: "three_by_two",
-             compiled_pool.THREE_BY_ONE_SUM: "three_by_one_sum", compiled_pool.THREE_BY_ONE_MEAN: "three_by_one_mean"}
+             compiled_pool.THREE_BY_ONE_SUM: "three_by_one_sum", compiled_pool.THREE_BY_ONE_MEAN: "three_by_one_mean",
+             compiled_pool.THREE_BY_ONE_MAX: "three_by_one_max"}
     monkeypatch.setattr(pool, "pool_range", lambda loop, *a: calls.append(names[loop]) or _pool_range(loop, *a))
 
 

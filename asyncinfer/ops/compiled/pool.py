@@ -42,13 +42,14 @@ from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_co
 from . import inline, kernel
 from .phases import phase_tap, split_even_odd
 from .pool_folds import EXACT_MAX, LARGER, SUM, _fold, _max
-from .pool_three import max_three_by_two, mean_three_by_one, sum_three_by_one, sum_three_by_two
+from .pool_three import max_three_by_one, max_three_by_two, mean_three_by_one, sum_three_by_one, sum_three_by_two
 
 #: The kind of a spin-team part that is a `pool_range`.
 PART_KIND = 8
 #: The loops: `pool2d` (rows first), `pool2d_columns_first`, `pool_tiles`, `flat_pool`, and the
-#: 3x3/2 pool's, the 3x3/1 sum's and the 3x3/1 mean's over the values inside the map (`pool_three`).
-ROWS_FIRST, COLUMNS_FIRST, TILES, FLAT, THREE_BY_TWO, THREE_BY_ONE_SUM, THREE_BY_ONE_MEAN = 0, 1, 2, 3, 4, 5, 6
+#: 3x3/2 pool's, the 3x3/1 sum's, the 3x3/1 mean's over the values inside the map and the 3x3/1
+#: max's (`pool_three`).
+ROWS_FIRST, COLUMNS_FIRST, TILES, FLAT, THREE_BY_TWO, THREE_BY_ONE_SUM, THREE_BY_ONE_MEAN, THREE_BY_ONE_MAX = range(8)
 
 _U = np.uint64
 
@@ -391,9 +392,9 @@ def flat_pool(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int
 def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
                dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
     """Planes ``p0:p1`` on ``loop`` (`ROWS_FIRST`, `COLUMNS_FIRST`, `TILES`, `FLAT`, `THREE_BY_TWO`,
-    `THREE_BY_ONE_SUM`, `THREE_BY_ONE_MEAN`; the arguments as those loops take them, `TILES`
-    reading only ``kh, kw, summing``, `THREE_BY_TWO` only ``top, left, lowest, summing``, the 3x3/1
-    ones none): one
+    `THREE_BY_ONE_SUM`, `THREE_BY_ONE_MEAN`, `THREE_BY_ONE_MAX`; the arguments as those loops take
+    them, `TILES` reading only ``kh, kw, summing``, `THREE_BY_TWO` only ``top, left, lowest,
+    summing``, the 3x3/1 ones none): one
     call, for the calling thread's share and a spinning helper's (`pool_part`)."""
     if loop == THREE_BY_TWO:
         if summing:
@@ -404,6 +405,8 @@ def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: 
         sum_three_by_one(x, out, p0, p1)
     elif loop == THREE_BY_ONE_MEAN:
         mean_three_by_one(x, out, p0, p1)
+    elif loop == THREE_BY_ONE_MAX:
+        max_three_by_one(x, out, p0, p1)
     elif loop == FLAT:
         flat_pool(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
     elif loop == TILES:

@@ -317,6 +317,65 @@ def _three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int, mean: bool) 
                 dst[k] = dst[k] / divisors[k]
 
 
+@inline
+def _max3(a: float, b: float, c: float) -> float:
+    """``np.maximum(np.maximum(a, b), c)``: a NaN in any of them gives NaN (the first select keeps
+    a NaN ``b``, the second a NaN of the first's, and ``a + c`` is NaN where ``a`` or ``c`` is)."""
+    t = a if a > b else b
+    m = c if c > t else t
+    return a + c if a != a or c != c else m
+
+
+@inline
+def _max_down_at(src: np.ndarray, k: int, w: int, flags: np.ndarray) -> float:
+    """The max down one window's rows at ``k`` of a block, a row above or below the plane left out
+    (the value itself in its place)."""
+    f = flags[k]
+    here = src[k]
+    return _max3(src[k - w] if f & _ABOVE else here, here, src[k + w] if f & _BELOW else here)
+
+
+@kernel
+def max_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, H, W) = the max over each 3x3 window of ``x`` (P, H, W), a pad
+    of one all round (pads never win), stride 1, NaN-exact as ``np.maximum``: the two flat passes
+    of `sum_three_by_one` over blocks of whole planes, a neighbour outside the plane replaced by
+    the value itself (the max's neutral there), where the general flat loop (`pool.flat_pool`)
+    copied each plane into a padded one first. One core, 1024 planes of 7x7 (Inception-v2's last
+    pool): 53 -> 12 µs, 576 of 14x14 67 -> 29."""
+    _, h, w = x.shape
+    n = h * w
+    group = max(1, min(THREE_BY_ONE_BLOCK // n, p1 - p0))  # planes a block
+    down = np.empty(group * n, x.dtype)
+    flags = np.empty(group * n, np.uint8)
+    for r in range(h):
+        for j in range(w):
+            flags[r * w + j] = ((_ABOVE if r > 0 else 0) | (_BELOW if r < h - 1 else 0) | (_LEFT if j > 0 else 0)
+                                | (_RIGHT if j < w - 1 else 0))
+    for k in range(n, group * n):
+        flags[k] = flags[k - n]
+    flat_x, flat_out = x.reshape(x.size), out.reshape(out.size)
+    for b0 in range(p0, p1, group):
+        m = min(group, p1 - b0) * n
+        src = flat_x[b0 * n:b0 * n + m]
+        dst = flat_out[b0 * n:b0 * n + m]
+        inner_end = max(w, m - w)  # (the block's first and last rows read only inside it)
+        for k in range(min(w, m)):
+            down[k] = _max_down_at(src, k, w, flags)
+        for k in range(_U(w), _U(inner_end)):
+            here, f = src[k], flags[k]
+            down[k] = _max3(src[k - _U(w)] if f & _ABOVE else here, here, src[k + _U(w)] if f & _BELOW else here)
+        for k in range(inner_end, m):
+            down[k] = _max_down_at(src, k, w, flags)
+        dst[0] = _max3(down[0], down[0], down[1] if flags[0] & _RIGHT else down[0])
+        for k in range(_U(1), _U(m - 1)):
+            here, f = down[k], flags[k]
+            dst[k] = _max3(down[k - _U(1)] if f & _LEFT else here, here, down[k + _U(1)] if f & _RIGHT else here)
+        if m > 1:
+            here = down[m - 1]
+            dst[m - 1] = _max3(down[m - 2] if flags[m - 1] & _LEFT else here, here, here)
+
+
 @kernel
 def sum_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
     """Planes ``p0:p1`` of ``out`` (P, H, W) = the sum over each 3x3 window of ``x`` (P, H, W), a
