@@ -47,16 +47,24 @@ def flat_pays(strides: list[int], width: int, in_place: bool) -> bool:
             or (in_place and width <= FLAT_IN_PLACE_MAX_WIDTH))
 
 
+#: Maps at most this wide with nothing to pad take the flat passes at 3x3/2 rather than the 3x3/2
+#: loop (`takes_three_by_two`), which spends a row's set-up on each of their short rows. One
+#: thread, 3x3/2 loop against flat passes: 512 x 9x9 13 against 9 µs, 256 x 13x13 9.4 against
+#: 8.6, 832 x 14x14 29 against 29, SqueezeNet's 256 x 27x27 22 against 32, 64 x 32x32 6.5
+#: against 11.5.
+FLAT_THREE_BY_TWO_MAX_WIDTH = 13
+
+
 def takes_three_by_two(kernel: list[int], strides: list[int], dilations: list[int], width: int,
                        in_place: bool) -> bool:
     """Whether a 2-D pool takes the 3x3/2 loop (`compiled.pool_three`): a 3x3 window at stride 2,
-    no dilation, unless the map is at most `FLAT_MAX_WIDTH` wide with nothing to pad (the flat
-    passes over all its planes at once then win: 256 x 27x27 55 against 81 µs). One thread, max
-    (sum) against the loop taken before: 64 x 111x111 216 -> 143 µs, 128 x 55x55 108 -> 97,
-    ResNet's 64 x 112x112 (pads of 1) 195 -> 149, ShuffleNet's 24 x 112x112 75 -> 58, and its
-    average pools 136 x 28x28 (50 -> 39) and 272 x 14x14 (39 -> 33)."""
+    no dilation, unless the map is at most `FLAT_THREE_BY_TWO_MAX_WIDTH` wide with nothing to pad
+    (the flat passes over all its planes at once then win). One thread, max (sum) against the
+    loop taken before: 64 x 111x111 216 -> 143 µs, 128 x 55x55 108 -> 97, ResNet's 64 x 112x112
+    (pads of 1) 195 -> 149, ShuffleNet's 24 x 112x112 75 -> 58, and its average pools 136 x
+    28x28 (50 -> 39) and 272 x 14x14 (39 -> 33)."""
     return (list(kernel) == [3, 3] and [int(s) for s in strides] == [2, 2] and all(int(d) == 1 for d in dilations)
-            and not (in_place and width <= FLAT_MAX_WIDTH))
+            and not (in_place and width <= FLAT_THREE_BY_TWO_MAX_WIDTH))
 
 
 class _WindowPool(Op):

@@ -264,17 +264,12 @@ def _down_at(src: np.ndarray, k: int, w: int, flags: np.ndarray) -> float:
 
 
 @inline
-def _three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int, mean: bool) -> None:
-    """`sum_three_by_one` (``mean`` False) or `mean_three_by_one`."""
-    _, h, w = x.shape
+def _plane_flags(h: int, w: int, group: int, mean: bool, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Each position's neighbours inside its plane (`_ABOVE`...), and with ``mean`` how many
+    values its 3x3 window holds inside the map: one plane's, repeated over a block of ``group``."""
     n = h * w
-    zero = x.dtype.type(0.0)
-    group = max(1, min(THREE_BY_ONE_BLOCK // n, p1 - p0))  # planes a block
-    down = np.empty(group * n, x.dtype)
-    # each position's neighbours inside the plane, and with ``mean`` how many values its window
-    # holds inside the map: the plane's, repeated over a block
     flags = np.empty(group * n, np.uint8)
-    divisors = np.empty(group * n if mean else 0, x.dtype)
+    divisors = np.empty(group * n if mean else 0, dtype)
     for r in range(h):
         for j in range(w):
             flags[r * w + j] = ((_ABOVE if r > 0 else 0) | (_BELOW if r < h - 1 else 0) | (_LEFT if j > 0 else 0)
@@ -285,36 +280,40 @@ def _three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int, mean: bool) 
         flags[k] = flags[k - n]
         if mean:
             divisors[k] = divisors[k - n]
-    flat_x, flat_out = x.reshape(x.size), out.reshape(out.size)
-    for b0 in range(p0, p1, group):
-        planes = min(group, p1 - b0)
-        m = planes * n
-        src = flat_x[b0 * n:b0 * n + m]
-        dst = flat_out[b0 * n:b0 * n + m]
-        # down the rows: one loop over the block, whose reads across a plane's top or bottom (into
-        # the plane beside it) a select drops; the block's first and last rows read only inside it
-        inner_end = max(w, m - w)
-        for k in range(min(w, m)):
-            down[k] = _down_at(src, k, w, flags)
-        for k in range(_U(w), _U(inner_end)):
-            up, below = src[k - _U(w)], src[k + _U(w)]
-            f = flags[k]
-            down[k] = ((up if f & _ABOVE else zero) + src[k]) + (below if f & _BELOW else zero)
-        for k in range(inner_end, m):
-            down[k] = _down_at(src, k, w, flags)
-        # along each row, the same way: the block's first and last values alone
-        f = flags[0]
-        dst[0] = (zero + down[0]) + (down[1] if f & _RIGHT else zero)
-        for k in range(_U(1), _U(m - 1)):
-            left, right = down[k - _U(1)], down[k + _U(1)]
-            f = flags[k]
-            dst[k] = ((left if f & _LEFT else zero) + down[k]) + (right if f & _RIGHT else zero)
-        if m > 1:
-            f = flags[m - 1]
-            dst[m - 1] = ((down[m - 2] if f & _LEFT else zero) + down[m - 1]) + zero
-        if mean:
-            for k in range(m):
-                dst[k] = dst[k] / divisors[k]
+    return flags, divisors
+
+
+@inline
+def _sum_block(src: np.ndarray, dst: np.ndarray, down: np.ndarray, flags: np.ndarray, divisors: np.ndarray, w: int,
+               mean: bool) -> None:
+    """``dst`` = the 3x3/1 sums (with ``mean``, means) of the block of whole planes ``src``, a pad
+    of one all round, in two flat passes (`sum_three_by_one`)."""
+    m = src.shape[0]
+    zero = src.dtype.type(0.0)
+    # down the rows: one loop over the block, whose reads across a plane's top or bottom (into
+    # the plane beside it) a select drops; the block's first and last rows read only inside it
+    inner_end = max(w, m - w)
+    for k in range(min(w, m)):
+        down[k] = _down_at(src, k, w, flags)
+    for k in range(_U(w), _U(inner_end)):
+        up, below = src[k - _U(w)], src[k + _U(w)]
+        f = flags[k]
+        down[k] = ((up if f & _ABOVE else zero) + src[k]) + (below if f & _BELOW else zero)
+    for k in range(inner_end, m):
+        down[k] = _down_at(src, k, w, flags)
+    # along each row, the same way: the block's first and last values alone
+    f = flags[0]
+    dst[0] = (zero + down[0]) + (down[1] if f & _RIGHT else zero)
+    for k in range(_U(1), _U(m - 1)):
+        left, right = down[k - _U(1)], down[k + _U(1)]
+        f = flags[k]
+        dst[k] = ((left if f & _LEFT else zero) + down[k]) + (right if f & _RIGHT else zero)
+    if m > 1:
+        f = flags[m - 1]
+        dst[m - 1] = ((down[m - 2] if f & _LEFT else zero) + down[m - 1]) + zero
+    if mean:
+        for k in range(m):
+            dst[k] = dst[k] / divisors[k]
 
 
 @inline
@@ -335,6 +334,50 @@ def _max_down_at(src: np.ndarray, k: int, w: int, flags: np.ndarray) -> float:
     return _max3(src[k - w] if f & _ABOVE else here, here, src[k + w] if f & _BELOW else here)
 
 
+@inline
+def _max_block(src: np.ndarray, dst: np.ndarray, down: np.ndarray, flags: np.ndarray, w: int) -> None:
+    """``dst`` = the 3x3/1 maxima of the block of whole planes ``src`` (`max_three_by_one`)."""
+    m = src.shape[0]
+    inner_end = max(w, m - w)  # (the block's first and last rows read only inside it)
+    for k in range(min(w, m)):
+        down[k] = _max_down_at(src, k, w, flags)
+    for k in range(_U(w), _U(inner_end)):
+        here, f = src[k], flags[k]
+        down[k] = _max3(src[k - _U(w)] if f & _ABOVE else here, here, src[k + _U(w)] if f & _BELOW else here)
+    for k in range(inner_end, m):
+        down[k] = _max_down_at(src, k, w, flags)
+    dst[0] = _max3(down[0], down[0], down[1] if flags[0] & _RIGHT else down[0])
+    for k in range(_U(1), _U(m - 1)):
+        here, f = down[k], flags[k]
+        dst[k] = _max3(down[k - _U(1)] if f & _LEFT else here, here, down[k + _U(1)] if f & _RIGHT else here)
+    if m > 1:
+        here = down[m - 1]
+        dst[m - 1] = _max3(down[m - 2] if flags[m - 1] & _LEFT else here, here, here)
+
+
+#: What `_three_by_one` computes in each window: the max, the sum, the mean over the values inside the map.
+MAX_OF_THREE, SUM_OF_THREE, MEAN_OF_THREE = 0, 1, 2
+
+
+@inline
+def _three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int, how: int) -> None:
+    """Planes ``p0:p1`` of ``out`` (P, H, W) = ``how`` over the 3x3/1 windows of ``x`` (P, H, W), a
+    pad of one all round, in two flat passes over each block of whole planes."""
+    _, h, w = x.shape
+    n = h * w
+    group = max(1, min(THREE_BY_ONE_BLOCK // n, p1 - p0))  # planes a block
+    down = np.empty(group * n, x.dtype)
+    flags, divisors = _plane_flags(h, w, group, how == MEAN_OF_THREE, x.dtype)
+    flat_x, flat_out = x.reshape(x.size), out.reshape(out.size)
+    for b0 in range(p0, p1, group):
+        m = min(group, p1 - b0) * n
+        src, dst = flat_x[b0 * n:b0 * n + m], flat_out[b0 * n:b0 * n + m]
+        if how == MAX_OF_THREE:
+            _max_block(src, dst, down, flags, w)
+        else:
+            _sum_block(src, dst, down, flags, divisors, w, how == MEAN_OF_THREE)
+
+
 @kernel
 def max_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
     """Planes ``p0:p1`` of ``out`` (P, H, W) = the max over each 3x3 window of ``x`` (P, H, W), a pad
@@ -343,37 +386,7 @@ def max_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
     the value itself (the max's neutral there), where the general flat loop (`pool.flat_pool`)
     copied each plane into a padded one first. One core, 1024 planes of 7x7 (Inception-v2's last
     pool): 53 -> 12 µs, 576 of 14x14 67 -> 29."""
-    _, h, w = x.shape
-    n = h * w
-    group = max(1, min(THREE_BY_ONE_BLOCK // n, p1 - p0))  # planes a block
-    down = np.empty(group * n, x.dtype)
-    flags = np.empty(group * n, np.uint8)
-    for r in range(h):
-        for j in range(w):
-            flags[r * w + j] = ((_ABOVE if r > 0 else 0) | (_BELOW if r < h - 1 else 0) | (_LEFT if j > 0 else 0)
-                                | (_RIGHT if j < w - 1 else 0))
-    for k in range(n, group * n):
-        flags[k] = flags[k - n]
-    flat_x, flat_out = x.reshape(x.size), out.reshape(out.size)
-    for b0 in range(p0, p1, group):
-        m = min(group, p1 - b0) * n
-        src = flat_x[b0 * n:b0 * n + m]
-        dst = flat_out[b0 * n:b0 * n + m]
-        inner_end = max(w, m - w)  # (the block's first and last rows read only inside it)
-        for k in range(min(w, m)):
-            down[k] = _max_down_at(src, k, w, flags)
-        for k in range(_U(w), _U(inner_end)):
-            here, f = src[k], flags[k]
-            down[k] = _max3(src[k - _U(w)] if f & _ABOVE else here, here, src[k + _U(w)] if f & _BELOW else here)
-        for k in range(inner_end, m):
-            down[k] = _max_down_at(src, k, w, flags)
-        dst[0] = _max3(down[0], down[0], down[1] if flags[0] & _RIGHT else down[0])
-        for k in range(_U(1), _U(m - 1)):
-            here, f = down[k], flags[k]
-            dst[k] = _max3(down[k - _U(1)] if f & _LEFT else here, here, down[k + _U(1)] if f & _RIGHT else here)
-        if m > 1:
-            here = down[m - 1]
-            dst[m - 1] = _max3(down[m - 2] if flags[m - 1] & _LEFT else here, here, here)
+    _three_by_one(x, out, p0, p1, MAX_OF_THREE)
 
 
 @kernel
@@ -388,7 +401,7 @@ def sum_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
     1024 planes of 7x7: 75 -> 31 µs (the sums at the edges written over after each pass), -> 11
     (the selects). (Indices are unsigned: a signed ``k - w`` costs a wraparound test
     that stops the vectorising.)"""
-    _three_by_one(x, out, p0, p1, False)
+    _three_by_one(x, out, p0, p1, SUM_OF_THREE)
 
 
 @kernel
@@ -396,4 +409,4 @@ def mean_three_by_one(x: np.ndarray, out: np.ndarray, p0: int, p1: int) -> None:
     """`sum_three_by_one` divided by each window's count of values inside the map (an
     AveragePool's ``count_include_pad=0``), in the same block: each sum divided by the count as
     a float of the input's type, the bits of the sums then ``/=`` the counts' array."""
-    _three_by_one(x, out, p0, p1, True)
+    _three_by_one(x, out, p0, p1, MEAN_OF_THREE)
