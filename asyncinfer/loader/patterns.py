@@ -47,6 +47,7 @@ SQUEEZE_EXCITE = ("SqueezeExcite", 1)  # in FUSED_DOMAIN
 MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
 SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
 JOINED_CONV = ("JoinedConv", 1)  # in FUSED_DOMAIN
+RESIDUAL_CONV = ("ResidualConv", 1)  # in FUSED_DOMAIN
 ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
 MAGNITUDE = ("Magnitude", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
@@ -1093,6 +1094,40 @@ def _constant_reshape(g: _Graph, layer: Layer | None) -> Layer | None:
             or layer.version < 5 or len(layer.inputs) != 2 or layer.inputs[1] not in g.model.constants):
         return None
     return layer
+
+
+def fuse_residual_adds(model: Model) -> int:
+    """``Add(Conv(X, W, B), R)`` (either order; an ``Add`` from opset 7 on, or a ``Sum`` of two) →
+    ``ResidualConv`` (``ops/residual_conv.py``): the end of a residual block, the Add's
+    activations fused into it already (``fuse_activations``). The conv's result is added to in
+    place: one layer, no map of its own for the sum. Taken when the conv has no activations of its
+    own, one output, and the Add is the only reader of it; the two stay as the expansion, for
+    backends without the kernel. Runs after ``fuse_joined_convs`` and ``fuse_sibling_convs``,
+    whose convs it would otherwise take."""
+    g, count = _Graph(model), 0
+    for add in list(model.layers):
+        if (id(add) in g.removed or add.domain or len(add.inputs) != 2 or not all(add.inputs)
+                or len([o for o in add.outputs if o]) != 1
+                or not ((add.op_type == "Add" and add.version >= 7) or add.op_type == "Sum")):
+            continue
+        for conv_first, (name, residual) in ((True, add.inputs), (False, add.inputs[::-1])):
+            conv = g.producers.get(name)
+            if (conv is not None and id(conv) not in g.removed and conv.op_type == "Conv" and not conv.domain
+                    and not conv.fused and len(conv.inputs) >= 2 and len([o for o in conv.outputs if o]) == 1
+                    and g.private(name) and residual != name):
+                break
+        else:
+            continue
+        pattern = [conv, add]
+        attrs = {**conv.attrs, "group": int(conv.attrs.get("group", 1)),
+                 "auto_pad": conv.attrs.get("auto_pad", "NOTSET"), "conv_first": int(conv_first)}
+        fused = Layer(name=add.name, op_type=RESIDUAL_CONV[0], inputs=(conv.inputs + [""])[:3] + [residual],
+                      outputs=[add.outputs[0]], attrs=attrs, domain=FUSED_DOMAIN, version=RESIDUAL_CONV[1],
+                      fused=list(add.fused), expansion=[replace(layer) for layer in pattern])
+        g.replace(pattern, add, fused)
+        count += 1
+    g.commit()
+    return count
 
 
 def fuse_joined_convs(model: Model) -> int:

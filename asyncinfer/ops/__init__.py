@@ -25,6 +25,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     quantize,
     random,
     reduce,
+    residual_conv,
     resize,
     rnn,
     sequence,

@@ -35,11 +35,13 @@ TEAM_MIN_VALUES = 1 << 15
 ALIGN = 16
 
 
-def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations) -> np.ndarray | None:
-    """A fresh ``act(a + b)`` (``activations``: the layer's fused ones), or None when this is no
-    case for the compiled pass: other than float32, shapes that differ (broadcasting), operands
-    not C-contiguous, activations the epilogue lacks, or a plain sum too small for the team (NumPy
-    is as fast alone)."""
+def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations,
+              into: np.ndarray | None = None) -> np.ndarray | None:
+    """A fresh ``act(a + b)`` (``activations``: the layer's fused ones), or with ``into`` (``a``
+    itself, or another C-contiguous float32 array of its shape) that array holding it; None when
+    this is no case for the compiled pass: other than float32, shapes that differ
+    (broadcasting), operands not C-contiguous, activations the epilogue lacks, or a plain sum
+    into a fresh array too small for the team (NumPy is as fast alone)."""
     if (type(a) is not np.ndarray or type(b) is not np.ndarray or a.dtype != np.float32 or b.dtype != np.float32
             or a.shape != b.shape or not a.flags.c_contiguous or not b.flags.c_contiguous or not a.size):
         return None
@@ -48,9 +50,9 @@ def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations) -> np.ndar
         return None
     n = a.size
     team = parallel.team() if n >= TEAM_MIN_VALUES else None
-    if team is None and not activations:
+    if team is None and not activations and into is None:
         return None
-    out = np.empty(a.shape, np.float32)
+    out = np.empty(a.shape, np.float32) if into is None else into
     x, y, z = a.reshape(-1), b.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
     _in_ranges(n, team, ALIGN, lambda control, cuts: post_add(control, x, y, z, cuts, kind, epilogue.numbers),

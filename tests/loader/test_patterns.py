@@ -1484,3 +1484,91 @@ def test_a_concat_of_1x1_convs_alone_is_joined_as_siblings_not_as_one_direct_con
     with ai.Worker(model, "cpu") as worker:
         got = worker.run_blocking(x)["y"]
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+# -- a residual Add after a conv -------------------------------------------------------------------
+RES_C = 24
+
+
+def _residual_model(*, op: str = "Add", conv_first: bool = True, activation: str | None = "Relu",
+                    conv_activation: bool = False, also_read: bool = False, residual_shape=None,
+                    bias: bool = True, group: int = 1) -> onnx.ModelProto:
+    """x (N, 24, 9, 11) → Conv 1x1 (24 channels, ``group``) [+ Relu of its own] → ``op``(conv, x)
+    (or (x, conv)), ``residual_shape``: the residual another input of that shape instead of x)
+    [→ ``activation``] → y: the end of a residual block. ``also_read``: the conv's result is a
+    graph output too."""
+    rng = np.random.default_rng(13)
+    consts = [_const("w", rng.standard_normal((RES_C, RES_C // group, 1, 1)) * 0.3)]
+    inputs = ["x", "w"]
+    if bias:
+        consts.append(_const("b", rng.standard_normal(RES_C)))
+        inputs.append("b")
+    nodes = [helper.make_node("Conv", inputs, ["c"], kernel_shape=[1, 1], group=group)]
+    result = "c"
+    if conv_activation:
+        nodes.append(helper.make_node("Relu", ["c"], ["cr"]))
+        result = "cr"
+    residual = "x" if residual_shape is None else "r"
+    nodes.append(helper.make_node(op, [result, residual] if conv_first else [residual, result],
+                                  ["s" if activation else "y"]))
+    if activation:
+        nodes.append(helper.make_node(activation, ["s"], ["y"]))
+    graph_inputs = [tensor_info("x", ["N", RES_C, 9, 11])]
+    if residual_shape is not None:
+        graph_inputs.append(tensor_info("r", list(residual_shape)))
+    outputs = [tensor_info("y", None)] + ([tensor_info(result, None)] if also_read else [])
+    return make_model(nodes, graph_inputs, outputs, consts)
+
+
+def _residual_feeds(proto, images: int) -> dict:
+    feeds = {"x": RNG.standard_normal((images, RES_C, 9, 11)).astype(np.float32)}
+    for info in proto.graph.input[1:]:
+        feeds[info.name] = RNG.standard_normal([d.dim_value for d in info.type.tensor_type.shape.dim]).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("variant", [{}, dict(conv_first=False), dict(op="Sum"), dict(activation=None),
+                                     dict(activation="LeakyRelu"), dict(bias=False), dict(group=4)])
+def test_a_residual_add_after_a_conv_is_added_in_place(variant):
+    """``Relu(Add(Conv(x), x))`` becomes one ``ResidualConv+Relu``: the definition's values, and the
+    very bits of the two layers unfused, batch after batch."""
+    proto = _residual_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_residual_adds"] == 1
+    assert [l.op_type for l in model.layers] == ["ResidualConv"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Conv", variant.get("op", "Add")]
+    with ai.Worker(model, "cpu") as worker, ai.Worker(ai.load_model(proto, optimize=False), "cpu") as plain:
+        for images in (1, 3):
+            feeds = _residual_feeds(proto, images)
+            got = worker.run_blocking(feeds)["y"]
+            np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(got, plain.run_blocking(feeds)["y"])
+
+
+@pytest.mark.parametrize("variant", [dict(conv_activation=True),  # the conv's own Relu before the sum
+                                     dict(also_read=True)])        # the conv's result read elsewhere too
+def test_a_conv_whose_result_is_not_the_sums_alone_is_left_alone(variant):
+    proto = _residual_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_residual_adds"] == 0
+    feeds = _residual_feeds(proto, 2)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_residual_that_broadcasts_takes_the_adds_own_way():
+    """A bias-like residual (1, C, 1, 1): fused at load, summed by the Add's broadcasting at run time."""
+    proto = _residual_model(residual_shape=(1, RES_C, 1, 1))
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_residual_adds"] == 1
+    feeds = _residual_feeds(proto, 2)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(feeds)["y"]
+    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_residual_conv_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """(the Conv and the Add)"""
+    _runs_its_expansion_on_gpu_pixel(_residual_model(), RNG.standard_normal((1, RES_C, 9, 11)).astype(np.float32),
+                                     "fuse_residual_adds")

@@ -89,6 +89,26 @@ def test_shared_with_the_spin_team_gives_the_same_bits(size, helpers, rng):
     np.testing.assert_array_equal(plain, np.add(a, b))
 
 
+@pytest.mark.parametrize("activation", ["Relu", "LeakyRelu", None])
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_a_sum_into_its_first_operand_gives_the_bits_of_a_fresh_one(activation, helpers, rng):
+    """``into=a`` (a conv's result taking its residual in place: `ops/residual_conv.py`): the
+    same bits as into a fresh array, alone and shared with the team, any size (a plain sum into
+    its operand takes the compiled pass even when small)."""
+    activations = [activation_op(activation)] if activation else []
+    for size in (37, TEAM_MIN_VALUES * 2 + 5):
+        a, b = _strewn(rng, (3, size)), _strewn(rng, (3, size))
+        with np.errstate(all="ignore"):
+            fresh = fused_add(a, b, activations) if activations else np.add(a, b)
+            if helpers:
+                with spin_team_bound(helpers):
+                    got = fused_add(a, b, activations, into=a)
+            else:
+                got = fused_add(a, b, activations, into=a)
+        assert got is a
+        np.testing.assert_array_equal(a.view(np.uint32), fresh.view(np.uint32))
+
+
 def test_other_cases_are_left_to_numpy(rng):
     """Broadcasting, other dtypes, views out of order, chains the epilogue cannot do and small
     plain sums: None (the op's NumPy way, then the activations)."""

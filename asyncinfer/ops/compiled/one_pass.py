@@ -97,18 +97,30 @@ def add_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, a
               bv: float) -> None:
     """``out[j] = act(a[j] + b[j])`` for ``j`` in ``[lo, hi)`` of the flat float32 arrays (``act``,
     ``av``, ``bv``: an epilogue code and its parameters): with Relu in the one loop (a residual
-    connection's), else `CHUNK` values at a time, summed and then activated."""
+    connection's), else `CHUNK` values at a time, summed and then activated. ``out`` may be ``a``
+    itself (a conv's result taking its residual, `ops/residual_conv.py`): a loop of its own, as
+    LLVM's vector loop for three arrays checks that they do not overlap and, where they do, runs
+    value by value (4.5x the time)."""
+    in_place = out.ctypes.data == a.ctypes.data
     if act == RELU:  # (the common case: 20% faster than summing and activating by chunks)
         x, y, z = a[lo:hi], b[lo:hi], out[lo:hi]
-        for j in range(z.size):
-            z[_U(j)] = _relu(x[_U(j)] + y[_U(j)])
+        if in_place:
+            for j in range(x.size):
+                x[_U(j)] = _relu(x[_U(j)] + y[_U(j)])
+        else:
+            for j in range(z.size):
+                z[_U(j)] = _relu(x[_U(j)] + y[_U(j)])
         return
     af, bf = np.float32(av), np.float32(bv)
     for c0 in range(lo, hi, CHUNK):
         c1 = min(hi, c0 + CHUNK)
         x, y, z = a[c0:c1], b[c0:c1], out[c0:c1]
-        for j in range(z.size):
-            z[_U(j)] = x[_U(j)] + y[_U(j)]
+        if in_place:
+            for j in range(x.size):
+                x[_U(j)] = x[_U(j)] + y[_U(j)]
+        else:
+            for j in range(z.size):
+                z[_U(j)] = x[_U(j)] + y[_U(j)]
         _activate_run(z, act, af, bf)
 
 
