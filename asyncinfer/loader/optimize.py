@@ -24,7 +24,7 @@ from .patterns import (PATTERN_PASSES, fuse_add_layer_norm, fuse_channel_shuffle
 # Ops whose output depends only on the *shape* of their input: CPU-bound propagation stops there.
 SHAPE_ONLY_OPS = {"Shape", "Size"}
 # Ops that may carry a fused activation: the activation then runs on the same thread, in place.
-FUSION_HOSTS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization"}
+FUSION_HOSTS = {"Conv", "ConvTranspose", "Gemm", "MatMul", "Add", "Sum", "BatchNormalization", "Concat"}
 CONTROL_FLOW = {"If", "Loop", "Scan", "SequenceMap"}
 
 

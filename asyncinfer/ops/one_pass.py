@@ -61,15 +61,16 @@ def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations,
     return out
 
 
-def activated(x: np.ndarray, epilogue: Epilogue | None) -> np.ndarray | None:
+def activated(x: np.ndarray, epilogue: Epilogue | None, in_place: bool = False) -> np.ndarray | None:
     """A fresh ``act(x)`` (``epilogue``: a standalone activation op's, `Epilogue.of` the op alone),
-    or None when this is no case for the compiled pass: other than a C-contiguous float32 array,
-    or an activation the epilogue lacks (None)."""
+    or with ``in_place`` ``x`` itself holding it (a writeable buffer its caller owns); None when
+    this is no case for the compiled pass: other than a C-contiguous float32 array, or an
+    activation the epilogue lacks (None)."""
     if (epilogue is None or type(x) is not np.ndarray or x.dtype != np.float32 or not x.flags.c_contiguous
             or not x.size):
         return None
     n = x.size
-    out = np.empty(x.shape, np.float32)
+    out = x if in_place else np.empty(x.shape, np.float32)
     src, dst = x.reshape(-1), out.reshape(-1)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
     if n < TEAM_MIN_VALUES:  # (one range here, no closures: a Relu of 64 values 1.6 -> 1.3 µs)

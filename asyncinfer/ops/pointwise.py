@@ -530,10 +530,14 @@ class UnaryOp(_TableOp):
 
     def run_inplace(self, x: np.ndarray) -> np.ndarray:
         """The op's result written into ``x`` (a fresh float buffer) where the table has an
-        in-place form: fewer passes over memory, no allocation. Narrow floats are computed in
-        float32 by `run`, so they never take this path."""
+        in-place form: fewer passes over memory, no allocation; a float32 activation in the
+        compiled pass `run` takes (`one_pass.activated`, shared with the spinning helpers from
+        32 k values), else NumPy's in-place form. Narrow floats are computed in float32 by `run`,
+        so they never take this path."""
         if self.spec.inplace is None or x.dtype.itemsize < 4:
             return self.run(x)
+        if not self.spec.to_bool and x.flags.writeable and activated(x, self.epilogue, in_place=True) is not None:
+            return x
         return self.spec.inplace(np, x, **self.values)
 
 

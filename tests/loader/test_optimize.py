@@ -136,6 +136,22 @@ def test_clip_with_constant_bounds_fuses_like_relu6():
     np.testing.assert_array_equal(_run(model, np.array([-1, 1, 2, 5], np.float32))["y"], [0, 2, 4, 6])
 
 
+def test_a_concat_takes_the_activation_after_it():
+    """ShuffleNet's ``Relu(Concat(pool, branch))``: one ``Concat+Relu`` layer, the activation run in
+    place on the fresh concatenation; a concatenation read twice keeps its own Relu layer."""
+    nodes = [helper.make_node("Concat", ["x", "x2"], ["c"], axis=1), helper.make_node("Relu", ["c"], ["y"])]
+    proto = make_model(nodes, [tensor_info("x", [1, 2, 3]), tensor_info("x2", [1, 3, 3])],
+                       [tensor_info("y", [1, 5, 3])], extra_domains=())
+    model = ai.load_model(proto)
+    assert [l.kind for l in model.layers] == ["Concat+Relu"]
+    x, x2 = np.arange(-3, 3, dtype=np.float32).reshape(1, 2, 3), np.arange(-4, 5, dtype=np.float32).reshape(1, 3, 3)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking({"x": x, "x2": x2})["y"]
+    np.testing.assert_array_equal(got, np.maximum(np.concatenate([x, x2], axis=1), 0))
+    proto.graph.output.append(tensor_info("c", [1, 5, 3]))
+    assert [l.kind for l in ai.load_model(proto).layers] == ["Concat", "Relu"]
+
+
 def test_per_channel_mul_add_fold_into_conv_and_batchnorm(rng):
     """Caffe2 exports spell BatchNormalization as Mul/Add by [C,1,1] constants: fold them all."""
     c = lambda name, *shape: numpy_helper.from_array(rng.uniform(0.5, 1.5, shape).astype(np.float32), name)  # noqa: E731

@@ -277,6 +277,25 @@ def test_a_standalone_activation_shared_with_the_spin_team_gives_the_same_bits(h
     np.testing.assert_array_equal(shared, alone)
 
 
+@pytest.mark.parametrize("helpers", [0, 1])
+def test_an_activation_in_place_gives_the_bits_of_a_fresh_one(helpers, rng):
+    """``in_place`` (a fused activation on a fresh result without an epilogue of its own): the
+    same bits as into a fresh array, alone and shared with the team."""
+    from asyncinfer.ops.epilogue import Epilogue
+    for activation in ("Relu", "LeakyRelu", "HardSwish"):
+        epilogue = Epilogue.of([activation_op(activation)], np.dtype(np.float32))
+        x = _strewn(rng, (TEAM_MIN_VALUES * 2 + 3,))
+        with np.errstate(all="ignore"):
+            fresh = fused_add_module.activated(x, epilogue)
+            if helpers:
+                with spin_team_bound(helpers):
+                    got = fused_add_module.activated(x, epilogue, in_place=True)
+            else:
+                got = fused_add_module.activated(x, epilogue, in_place=True)
+        assert got is x
+        np.testing.assert_array_equal(x.view(np.uint32), fresh.view(np.uint32))
+
+
 def test_standalone_activations_outside_the_compiled_pass(rng):
     """float64 and views out of order keep NumPy's way."""
     from asyncinfer.ops.one_pass import activated
