@@ -745,6 +745,41 @@ def fuse_matmul_bias(model: Model) -> int:
     return count
 
 
+def _own_float32_constants(model: Model) -> Callable[[str, int], np.ndarray | None]:
+    """A lookup of the float32 constants a join may take (``own(name, ndim)``: the array, or None):
+    read by one layer alone, no graph output, not overridable, not memory-mapped from the model's
+    file (joined, that would be an anonymous copy held for good)."""
+    readers: dict[str, int] = {}
+    for layer in model.layers:
+        for name in list(layer.inputs) + list(layer.outer_inputs):
+            if name:
+                readers[name] = readers.get(name, 0) + 1
+    keep = {o.name for o in model.outputs} | set(model.input_defaults)
+
+    def own(name: str, ndim: int) -> np.ndarray | None:
+        value = model.constants.get(name)
+        if (not isinstance(value, np.ndarray) or value.ndim != ndim or value.dtype != np.float32
+                or readers.get(name) != 1 or name in keep or is_mapped(value)):
+            return None
+        return value
+    return own
+
+
+def _split_of_join(first: Layer, names: dict[str, str], siblings: list[Layer], axis: int) -> Layer:
+    """The ``Split`` along ``axis`` of a join's result (``names["out"]``, sizes ``names["sizes"]``)
+    into the outputs of the layers it joined."""
+    return Layer(name=f"{first.name}/joined_split", op_type="Split", inputs=[names["out"], names["sizes"]],
+                 outputs=[s.outputs[0] for s in siblings], attrs={"axis": axis}, version=13)
+
+
+def _put_joins(model: Model, joins: dict[int, list[Layer]], taken: set[int]) -> None:
+    """Each join's layers in the place of its first layer (``joins``, by that layer's id); the
+    other layers it took (``taken``) dropped."""
+    if joins:
+        model.layers = [new for layer in model.layers
+                        for new in joins.get(id(layer), [] if id(layer) in taken else [layer])]
+
+
 def fuse_sibling_products(model: Model) -> int:
     """Products of one input by constant weights side by side → one product and a ``Split``:
     ``MatMulBias`` layers (no fused activations) that read the same ``A``, or plain ``MatMul``
@@ -766,20 +801,7 @@ def fuse_sibling_products(model: Model) -> int:
     (one copy of the weights). The fused
     layer takes the first product's place (every reader of every part comes after it) and
     keeps ``MatMul`` then ``Add`` as the expansion for backends without ``MatMulBias``."""
-    readers: dict[str, int] = {}
-    for layer in model.layers:
-        for name in list(layer.inputs) + list(layer.outer_inputs):
-            if name:
-                readers[name] = readers.get(name, 0) + 1
-    keep = {o.name for o in model.outputs} | set(model.input_defaults)
-
-    def own_constant(name: str, ndim: int) -> np.ndarray | None:
-        value = model.constants.get(name)
-        if (not isinstance(value, np.ndarray) or value.ndim != ndim or value.dtype != np.float32
-                or readers.get(name) != 1 or name in keep or is_mapped(value)):
-            return None
-        return value
-
+    own_constant = _own_float32_constants(model)
     groups: dict[tuple[str, str], list[Layer]] = {}
     for layer in model.layers:
         biased = layer.domain == FUSED_DOMAIN and layer.op_type == MATMUL_BIAS[0]
@@ -835,13 +857,9 @@ def fuse_sibling_products(model: Model) -> int:
             expansion = []
         product = Layer(name=f"{first.name}/joined", op_type=op_type, inputs=inputs, outputs=[names["out"]],
                         domain=first.domain, version=first.version, expansion=expansion)
-        split = Layer(name=f"{first.name}/joined_split", op_type="Split", inputs=[names["out"], names["sizes"]],
-                      outputs=[s.outputs[0] for s in siblings], attrs={"axis": -1}, version=13)
-        joins[id(first)] = [product, split]
+        joins[id(first)] = [product, _split_of_join(first, names, siblings, -1)]
         taken.update(id(s) for s in siblings)
-    if joins:
-        model.layers = [new for layer in model.layers
-                        for new in joins.get(id(layer), [] if id(layer) in taken else [layer])]
+    _put_joins(model, joins, taken)
     return len(joins)
 
 
@@ -863,29 +881,15 @@ def fuse_sibling_convs(model: Model) -> int:
     ``fuse_sibling_products``; the originals are dropped (one copy of the weights). Both new
     layers are standard ops, which every backend runs; the joined conv takes the first one's
     place (every reader of every part comes after it)."""
-    readers: dict[str, int] = {}
-    for layer in model.layers:
-        for name in list(layer.inputs) + list(layer.outer_inputs):
-            if name:
-                readers[name] = readers.get(name, 0) + 1
-    keep = {o.name for o in model.outputs} | set(model.input_defaults)
-
-    def own_constant(name: str) -> np.ndarray | None:
-        value = model.constants.get(name)
-        if (not isinstance(value, np.ndarray) or value.dtype != np.float32 or readers.get(name) != 1
-                or name in keep or is_mapped(value)):
-            return None
-        return value
-
+    own_constant = _own_float32_constants(model)
     groups: dict[tuple, list[Layer]] = {}
     for layer in model.layers:
         if (layer.op_type != "Conv" or layer.domain or len(layer.inputs) not in (2, 3) or not all(layer.inputs)
                 or len(layer.outputs) != 1 or not layer.outputs[0] or not _pointwise_conv_attrs(layer.attrs)):
             continue
-        w = own_constant(layer.inputs[1])
-        b = own_constant(layer.inputs[2]) if len(layer.inputs) == 3 else None
-        if (w is None or w.ndim != 4 or w.shape[2:] != (1, 1)
-                or (len(layer.inputs) == 3 and (b is None or b.shape != (w.shape[0],)))):
+        w = own_constant(layer.inputs[1], 4)
+        b = own_constant(layer.inputs[2], 1) if len(layer.inputs) == 3 else None
+        if w is None or w.shape[2:] != (1, 1) or (len(layer.inputs) == 3 and (b is None or b.shape != (w.shape[0],))):
             continue
         activation = _activation_key(layer)
         if activation is not None:
@@ -916,13 +920,9 @@ def fuse_sibling_convs(model: Model) -> int:
                                                     None if shape is None else (shape[0], sum(widths), *shape[2:]))
         conv = replace(first, name=f"{first.name}/joined", inputs=inputs, outputs=[names["out"]],
                        fused=list(first.fused))
-        split = Layer(name=f"{first.name}/joined_split", op_type="Split", inputs=[names["out"], names["sizes"]],
-                      outputs=[s.outputs[0] for s in siblings], attrs={"axis": 1}, version=13)
-        joins[id(first)] = [conv, split]
+        joins[id(first)] = [conv, _split_of_join(first, names, siblings, 1)]
         taken.update(id(s) for s in siblings)
-    if joins:
-        model.layers = [new for layer in model.layers
-                        for new in joins.get(id(layer), [] if id(layer) in taken else [layer])]
+    _put_joins(model, joins, taken)
     return len(joins)
 
 
