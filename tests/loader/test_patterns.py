@@ -1545,23 +1545,15 @@ def test_a_residual_add_after_a_conv_is_added_in_place(variant):
             np.testing.assert_array_equal(got, plain.run_blocking(feeds)["y"])
 
 
-@pytest.mark.parametrize("variant", [dict(conv_activation=True),  # the conv's own Relu before the sum
-                                     dict(also_read=True)])        # the conv's result read elsewhere too
-def test_a_conv_whose_result_is_not_the_sums_alone_is_left_alone(variant):
+@pytest.mark.parametrize("variant, fused", [(dict(conv_activation=True), 0),  # the conv's own Relu before the sum
+                                            (dict(also_read=True), 0),  # the conv's result read elsewhere too
+                                            (dict(residual_shape=(1, RES_C, 1, 1)), 1)])  # a residual that broadcasts
+def test_other_residual_cases_keep_the_definitions_values(variant, fused):
+    """A conv whose result is not the sum's alone keeps its two layers; a bias-like residual is
+    fused at load and summed by the Add's own broadcasting at run time."""
     proto = _residual_model(**variant)
     model = ai.load_model(proto)
-    assert model.optimizations["fuse_residual_adds"] == 0
-    feeds = _residual_feeds(proto, 2)
-    with ai.Worker(model, "cpu") as worker:
-        got = worker.run_blocking(feeds)["y"]
-    np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
-
-
-def test_a_residual_that_broadcasts_takes_the_adds_own_way():
-    """A bias-like residual (1, C, 1, 1): fused at load, summed by the Add's broadcasting at run time."""
-    proto = _residual_model(residual_shape=(1, RES_C, 1, 1))
-    model = ai.load_model(proto)
-    assert model.optimizations["fuse_residual_adds"] == 1
+    assert model.optimizations["fuse_residual_adds"] == fused
     feeds = _residual_feeds(proto, 2)
     with ai.Worker(model, "cpu") as worker:
         got = worker.run_blocking(feeds)["y"]
