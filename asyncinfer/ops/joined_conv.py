@@ -2,7 +2,7 @@
 
 Each of SqueezeNet's fire modules ends in a 1x1 and a 3x3 conv of the same squeezed map, whose
 results a Concat joins along the channels: three layers, the last a copy of both results (8
-Concats a run, 0.1 ms of SqueezeNet's 2.2 on two cores), and two convs each handed to the spinning
+Concats a run, 0.13 ms of SqueezeNet's 2.2 on two cores), and two convs each handed to the spinning
 helpers and waited for. The loader joins them (`loader.patterns.fuse_joined_convs`) into one
 layer that the direct panel kernel (`conv_direct.joined_panel_plan`) runs as one conv: each panel
 of output channels sums its own conv's taps, read in one zero-padded copy of the input, and
