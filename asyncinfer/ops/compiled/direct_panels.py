@@ -10,11 +10,16 @@ Here a register block holds up to 8 output positions of the map (4 without AVX-5
 `BLOCK_POSITIONS`) x `panels.panel_width` output channels (two vectors), summed over every tap
 of the window (``C·kh·kw`` of them): per tap, one broadcast of each position's input value, read
 in place from a zero-padded copy of the input, and the tap's weights for the panel's channels,
-one contiguous row of the packed weights (`pack_taps`). The map's positions (its rows end to
+one contiguous row of the packed weights (`pack_joined_taps`). The map's positions (its rows end to
 end) are cut into blocks of 8, then 4, 2 and 1 at the end, so no position is computed in vain on
 any width; each finished block (bias and activation in registers,
 `panels._store_column_biased`) is stored transposed into the NCHW output, a cost only a deep sum
 can pay (``C·kh·kw`` ≥ 64).
+
+Each panel sums the taps of its own set (an offset table per set, a set and a count per panel):
+one set for a conv, one per conv for convs of one input computed side by side into one result
+(SqueezeNet's 1x1 and 3x3 expand layers, `ops/joined_conv.py`), whose 1x1's panels then sum C
+taps where its 3x3's sum 9·C.
 
 Each value is summed from zero along the taps in ``(c, ky, kx)`` order, one multiply-add after
 another (FMA where the CPU has it), as `compiled.direct` sums them: the same bits as that kernel,
@@ -48,18 +53,13 @@ WIDTH = panel_width(np.float32)
 BLOCK_POSITIONS = BLOCK_ROWS
 
 
-def pack_taps(w: np.ndarray) -> np.ndarray:
-    """The weights ``w`` (M, C, kh, kw) as panels of output channels, (P, C·kh·kw, `WIDTH`) float32,
-    zero past M: ``panels[p, t, j]`` = tap ``t`` = (c, ky, kx)'s weight of channel ``p·WIDTH + j``."""
-    return pack_joined_taps([w])
-
-
 def pack_joined_taps(weights: Sequence[np.ndarray]) -> np.ndarray:
     """The weights of convs of one input side by side, each (M_i, C, kh_i, kw_i), every M_i but
-    the last a multiple of `WIDTH`, as the panels of one conv of their M_i together (P, T,
-    `WIDTH`), T the most taps of any: conv i's panels hold its taps' weights (`pack_taps`) in
-    their first C·kh_i·kw_i rows, zeros after (never read: `direct_panel_conv` sums a panel's own
-    taps)."""
+    the last a multiple of `WIDTH` (one conv: ``[w]``), as the panels of one conv of their M_i
+    together, (P, T, `WIDTH`) float32, T the most taps of any, zero past the last channel:
+    ``panels[p, t, j]`` = tap ``t`` = (c, ky, kx)'s weight of channel ``p·WIDTH + j`` of its conv,
+    in the first C·kh_i·kw_i rows of conv i's panels, zeros after (never read:
+    `direct_panel_conv` sums a panel's own taps)."""
     widths = [w.shape[0] for w in weights]
     assert all(m % WIDTH == 0 for m in widths[:-1]), "each conv but the last fills whole panels"
     columns = np.zeros((max(int(np.prod(w.shape[1:])) for w in weights), -(-sum(widths) // WIDTH) * WIDTH),
@@ -151,7 +151,7 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
                       y: np.ndarray, bias: np.ndarray, block: np.ndarray, u0: int, u1: int, out_height: int,
                       out_width: int, row_stride: int, column_stride: int, act: int, a: float, b: float) -> None:
     """Units ``u0:u1`` of the conv of the padded images ``padded`` (N, C, Hp, Wp) with the packed
-    weights ``panels`` (P, taps, W) (`pack_taps`): unit ``u`` is panel ``u // (N·Ho)`` of output row
+    weights ``panels`` (P, taps, W) (`pack_joined_taps`): unit ``u`` is panel ``u // (N·Ho)`` of output row
     ``u % (N·Ho)`` counted through the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``).
     Panel ``p`` sums its first ``panel_taps[p, 1]`` taps, tap ``t`` reading
     ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]`` with ``offsets =
