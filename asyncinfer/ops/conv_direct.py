@@ -200,8 +200,9 @@ def _run_parts(parts: tuple[tuple[int, int], ...], on_team: bool, size: int,
         helpers = team.scratch((len(parts) - 1, size), np.float32)
         if team.try_run([posted(part, helpers[j]) for j, part in enumerate(parts[1:])], lambda: run(parts[0], own)):
             return
-    for part in parts:  # (alone, or the team busy: every core is, so every part here)
-        run(part, own)
+    # alone, or the team busy (every core is): all the rows here, in one call (the parts are
+    # consecutive ranges; a call per part gave the GIL up and took it back once more each)
+    run((parts[0][0], parts[-1][1]), own)
 
 
 def takes_direct_panels(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],
@@ -315,10 +316,9 @@ def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
     helpers = len(plan.parts) - 1
     team = parallel.team() if plan.team else None
     control = None if team is None or helpers > team.helpers else team.claim()
-    if control is None:  # (a small conv, or the team busy: every core is, so every part here)
-        for u0, u1 in plan.parts:
-            direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, u0, u1, ho,
-                              wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b)
+    if control is None:  # (a small conv, or the team busy: every core is, so every unit here, in one call)
+        direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, plan.parts[0][0],
+                          plan.parts[-1][1], ho, wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b)
         return y
     try:
         blocks = team.scratch((helpers, BLOCK_POSITIONS, PANEL_WIDTH), np.float32)  # type: ignore[union-attr]
