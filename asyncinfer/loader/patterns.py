@@ -843,10 +843,11 @@ def fuse_sibling_products(model: Model) -> int:
         for s in siblings:
             for name in s.inputs[1:]:
                 del model.constants[name]
-        info = model.value_info.get(x)
-        if info is not None and info.shape:
-            model.value_info[names["out"]] = TensorInfo(names["out"], np.dtype(np.float32),
-                                                        tuple(info.shape[:-1]) + (sum(widths),))
+        # typed whatever its input is (a graph input has no value_info): a device backend places
+        # only layers whose values' types it knows
+        info = model.value_info.get(x) or next((i for i in model.inputs if i.name == x), None)
+        shape = tuple(info.shape[:-1]) + (sum(widths),) if info is not None and info.shape else None
+        model.value_info[names["out"]] = TensorInfo(names["out"], np.dtype(np.float32), shape)
         if biased:
             matmul, add = first.expansion
             expansion = [replace(matmul, name=f"{first.name}/joined", inputs=[x, names["weight"]],

@@ -1186,6 +1186,8 @@ def test_products_of_one_input_join_into_one(biased, widths):
     assert model.constants[joined.inputs[1]].shape == (C, sum(widths))
     assert split.outputs == (["s0", "s1", "s2"] if biased else ["p0", "p1", "p2"])
     assert not {"w0", "w1", "w2", "b0", "b1", "b2"} & set(model.constants)  # (one copy of the weights)
+    info = model.value_info[joined.outputs[0]]  # (typed though x, a graph input, has no value_info)
+    assert info.dtype == np.float32 and tuple(info.shape) == (2, 5, sum(widths))
     if biased:
         assert [l.op_type for l in joined.expansion] == ["MatMul", "Add"]
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=1e-5, atol=1e-5)
@@ -1239,6 +1241,9 @@ def test_joined_products_on_gpu_pixel_run_there():
     model, got = _load_and_run(proto, feeds, backend="gpu_pixel")
     assert model.optimizations["fuse_sibling_products"] == 1
     np.testing.assert_allclose(got, ReferenceEvaluator(proto).run(None, feeds)[0], rtol=2e-4, atol=2e-4)
+    split = next(l for l in model.layers if l.op_type == "Split")
+    with ai.Worker(model, "gpu_pixel") as worker:  # (the joined product typed: its Split placed there)
+        assert worker.placement.layers[split.name] == "gpu_pixel"
 
 
 def _magnitude_model(*, sum_read_elsewhere: bool = False, product: bool = False, dtype=onnx.TensorProto.FLOAT,
