@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..concurrency import parallel, spin_team
-from .compiled.direct import LANES, STRIDES, WIDE_VECTORS, copy_inside, direct_conv, part_arguments
+from .compiled.direct import (LANES, STRIDES, WIDE_VECTORS, copy_inside, direct_conv, finish_direct,
+                              post_and_finish_direct)
 from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_joined_taps
 from .compiled.direct_panels import WIDTH as PANEL_WIDTH
 from .compiled.direct_panels import finish_panels, post_and_finish_panels
@@ -88,6 +89,7 @@ class DirectPlan:
     epilogue: Epilogue
     numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
     parts: tuple[tuple[int, int], ...]  # output rows (q0, q1), counted through the images
+    bounds: np.ndarray                  # the parts as an int64 (parts, 2) array, for the team's posts
     team: bool                          # offered to the spinning helpers
 
 
@@ -124,7 +126,7 @@ def direct_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None, s
     cuts = [rows * i // count for i in range(count + 1)]
     parts = tuple((cuts[i], cuts[i + 1]) for i in range(count))
     return DirectPlan(tuple(x_shape), (n, m, ho, wo), (n, c, hp, stride * wq), begin[0], begin[1], columns, bias,
-                      offsets, stride, epilogue, epilogue.numbers, parts,
+                      offsets, stride, epilogue, epilogue.numbers, parts, np.array(parts, np.int64).reshape(-1, 2),
                       team and count > 1)
 
 
@@ -173,36 +175,28 @@ def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     flat = y.reshape(n, m, ho * wo)
     padded_m = plan.columns.shape[1]
     epilogue = plan.epilogue
-
-    def arrays(buffer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return buffer[:padded_m * LANES].reshape(padded_m, LANES), buffer[padded_m * LANES:].reshape(BLOCK_ROWS, -1)
-
-    def run(part: tuple[int, int], buffer: np.ndarray) -> None:
-        direct_conv(plan.columns, padded, plan.offsets, flat, plan.bias, *arrays(buffer), *part, ho, wo, plan.stride,
-                    epilogue.kind, epilogue.a, epilogue.b)
-
-    def posted(part: tuple[int, int], buffer: np.ndarray) -> list[int]:
-        return part_arguments(plan.columns, padded, plan.offsets, flat, plan.bias, *arrays(buffer), plan.numbers,
-                              *part, ho, wo, plan.stride, epilogue.kind)
-    _run_parts(plan.parts, plan.team, padded_m * LANES + BLOCK_ROWS * WIDE_VECTORS * LANES, run, posted)
-    return y
-
-
-def _run_parts(parts: tuple[tuple[int, int], ...], on_team: bool, size: int,
-               run: Callable[[tuple[int, int], np.ndarray], None],
-               posted: Callable[[tuple[int, int], np.ndarray], list[int]]) -> None:
-    """``run(part, scratch)`` each of ``parts`` (``size`` float32 of scratch each): the first here
-    and the others on the spinning helpers (``posted(part, scratch)``: its integers) when
-    ``on_team`` and they are free, else all of them here."""
+    # each thread's scratch: a row's last positions (tail), a block past the last channel (spare)
+    size = padded_m * LANES + BLOCK_ROWS * WIDE_VECTORS * LANES
     own = scratch((size,), np.float32, "direct_scratch")
-    team = parallel.team() if on_team else None
-    if team is not None and len(parts) - 1 <= team.helpers:
-        helpers = team.scratch((len(parts) - 1, size), np.float32)
-        if team.try_run([posted(part, helpers[j]) for j, part in enumerate(parts[1:])], lambda: run(parts[0], own)):
-            return
-    # alone, or the team busy (every core is): all the rows here, in one call (the parts are
-    # consecutive ranges; a call per part gave the GIL up and took it back once more each)
-    run((parts[0][0], parts[-1][1]), own)
+    tail, spare = own[:padded_m * LANES].reshape(padded_m, LANES), own[padded_m * LANES:].reshape(BLOCK_ROWS, -1)
+    helpers = len(plan.parts) - 1
+    team = parallel.team() if plan.team else None
+    control = None if team is None or helpers > team.helpers else team.claim()
+    if control is None:  # alone, or the team busy (every core is): all the rows here, in one call
+        direct_conv(plan.columns, padded, plan.offsets, flat, plan.bias, tail, spare, plan.parts[0][0],
+                    plan.parts[-1][1], ho, wo, plan.stride, epilogue.kind, epilogue.a, epilogue.b)
+        return y
+    try:
+        buffers = team.scratch((helpers, size), np.float32)  # type: ignore[union-attr]
+        status = post_and_finish_direct(control, plan.columns, padded, plan.offsets, flat, plan.bias, buffers, tail,
+                                        spare, plan.numbers, plan.bounds, ho, wo, plan.stride, epilogue.kind,
+                                        spin_team.WAIT_ROUNDS)
+        team.settle(status, finish_direct,  # type: ignore[union-attr]
+                    (control, plan.columns, padded, plan.offsets, flat, plan.bias, tail, spare, plan.bounds, ho, wo,
+                     plan.stride, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), helpers)
+    finally:
+        team.release()  # type: ignore[union-attr]
+    return y
 
 
 def takes_direct_panels(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, strides: tuple[int, ...],

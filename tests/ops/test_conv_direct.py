@@ -87,6 +87,30 @@ def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
     np.testing.assert_array_equal(got, conv_direct.run_direct(dataclasses.replace(plan, team=False), x))
 
 
+def test_helpers_found_asleep_are_woken_before_the_callers_part(rng, monkeypatch):
+    """Parts go to the helpers in one compiled call (`post_and_finish_direct`); where a helper was
+    asleep, the team is woken before this thread runs its own part: the same bits."""
+    from asyncinfer.concurrency.spin_team import HELPERS_ASLEEP
+    from asyncinfer.ops.compiled import direct
+
+    monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
+    x, w, b, attrs = _operands("images_leftover_channels", rng)
+    alone = conv_direct.run_direct(_plan(x, w, b, attrs), x)
+    posted = []
+
+    def post_only(control, columns, padded, offsets, y, bias, buffers, tail, spare, *rest):
+        posted.append(direct.post_direct(control, columns, padded, offsets, y, bias, buffers, *rest[:-1]))
+        return HELPERS_ASLEEP
+    monkeypatch.setattr(conv_direct, "post_and_finish_direct", post_only)
+    with spin_team_bound(1) as runs:
+        woken = []
+        real = runs.team.wake
+        runs.team.wake = lambda: (woken.append(1), real())
+        shared = conv_direct.run_direct(_plan(x, w, b, attrs), x)
+    assert runs.shared == 1 and len(posted) == 1 and woken == [1]
+    np.testing.assert_array_equal(shared, alone)
+
+
 @pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
 @pytest.mark.parametrize("name", ["mobilenet_stem", "leftover_channels"])
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng):

@@ -29,7 +29,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ...concurrency.spin_team import ARGS, address_as_pointer, addresses
+from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
+                                      post_and_count_asleep, wait_all)
 from . import kernel
 from .panels import BLOCK_ROWS, VECTOR_BYTES, BlockIR, _store_finished, initial_sums, multiply_add
 from .phases import split_pairs_at
@@ -239,20 +240,69 @@ def copy_inside(x: np.ndarray, padded: np.ndarray, top: int, left: int, phases: 
             to += wp
 
 
-def part_arguments(columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray, bias: np.ndarray,
-                   tail: np.ndarray, spare: np.ndarray, numbers: np.ndarray, q0: int, q1: int, out_height: int,
-                   out_width: int, stride: int, act: int) -> list[int]:
-    """The integers of a part `direct_part` runs as ``direct_conv(...)`` on the same arguments (for
-    `SpinTeam.try_run`): C-contiguous arrays, the epilogue's ``a, b`` as float64 ``numbers``; the
-    caller keeps every array alive until the part is done."""
-    at = addresses(columns, padded, offsets, y, bias, tail, spare, numbers)[:8]
-    return [PART_KIND, *columns.shape, *padded.shape, y.shape[1], y.shape[2], *at, q0, q1, out_height, out_width,
-            stride, act]
+@kernel
+def post_direct(control: np.ndarray, columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray,
+                bias: np.ndarray, buffers: np.ndarray, numbers: np.ndarray, parts: np.ndarray, out_height: int,
+                out_width: int, stride: int, act: int) -> int:
+    """Post part ``i + 1`` of ``parts`` (rows of output rows ``q0, q1``) to helper ``i`` of a
+    claimed team's ``control``, its ``tail`` and ``spare`` (`direct_conv`'s) at the start of
+    ``buffers[i]``, for `direct_part` to run as `direct_conv` on these arrays; the epilogue's
+    ``a, b`` in float64 ``numbers``. Returns how many of those helpers were asleep (the caller
+    wakes them). One compiled call, as the other convs post theirs: building each part's integers
+    in Python cost the stem 4-5 µs a run."""
+    taps, mp = columns.shape
+    sleeping = 0
+    for i in range(parts.shape[0] - 1):
+        row = control[i]
+        row[KIND] = PART_KIND
+        at = ARGS
+        row[at], row[at + 1] = taps, mp
+        for d in range(4):
+            row[at + 2 + d] = padded.shape[d]
+        row[at + 6], row[at + 7] = y.shape[1], y.shape[2]
+        p = at + 8
+        tail = buffers[i].ctypes.data
+        row[p], row[p + 1], row[p + 2], row[p + 3] = columns.ctypes.data, padded.ctypes.data, offsets.ctypes.data, y.ctypes.data
+        row[p + 4], row[p + 5], row[p + 6] = bias.ctypes.data, tail, tail + mp * LANES * 4
+        row[p + 7] = numbers.ctypes.data
+        q = p + 8
+        row[q], row[q + 1], row[q + 2], row[q + 3] = parts[i + 1, 0], parts[i + 1, 1], out_height, out_width
+        row[q + 4], row[q + 5] = stride, act
+        sleeping += post_and_count_asleep(row)
+    return sleeping
+
+
+@kernel(contract=False)
+def finish_direct(control: np.ndarray, columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray, y: np.ndarray,
+                  bias: np.ndarray, tail: np.ndarray, spare: np.ndarray, parts: np.ndarray, out_height: int,
+                  out_width: int, stride: int, act: int, a: float, b: float, rounds: int) -> bool:
+    """Run part 0 of ``parts`` here (``tail``, ``spare`` this thread's), then wait for the parts
+    `post_direct` posted; False when a helper is not done within ``rounds`` spins (the caller
+    then waits the slow way, `SpinTeam.wait`)."""
+    direct_conv(columns, padded, offsets, y, bias, tail, spare, parts[0, 0], parts[0, 1], out_height, out_width,
+                stride, act, a, b)
+    return wait_all(control, parts.shape[0] - 1, rounds)
+
+
+@kernel(contract=False)
+def post_and_finish_direct(control: np.ndarray, columns: np.ndarray, padded: np.ndarray, offsets: np.ndarray,
+                           y: np.ndarray, bias: np.ndarray, buffers: np.ndarray, tail: np.ndarray, spare: np.ndarray,
+                           numbers: np.ndarray, parts: np.ndarray, out_height: int, out_width: int, stride: int,
+                           act: int, rounds: int) -> int:
+    """`post_direct`, then `finish_direct` unless a helper was asleep: `spin_team.HELPERS_ASLEEP`
+    (nothing run here yet), `PARTS_DONE` or `PARTS_RUNNING`."""
+    if post_direct(control, columns, padded, offsets, y, bias, buffers, numbers, parts, out_height, out_width, stride,
+                   act):
+        return HELPERS_ASLEEP
+    if finish_direct(control, columns, padded, offsets, y, bias, tail, spare, parts, out_height, out_width, stride,
+                     act, numbers[0], numbers[1], rounds):
+        return PARTS_DONE
+    return PARTS_RUNNING
 
 
 @numba.njit(inline="always")
 def direct_part(control: np.ndarray) -> None:
-    """Run the `direct_conv` part posted in a spin team's ``control`` row (`part_arguments`): the
+    """Run the `direct_conv` part posted in a spin team's ``control`` row (`post_direct`): the
     helper's side (`team_parts.serve_parts`)."""
     at = ARGS
     taps, mp, n, c, hp, wp, m, span = (control[at], control[at + 1], control[at + 2], control[at + 3],
