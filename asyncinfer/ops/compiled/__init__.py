@@ -10,10 +10,11 @@ a row held in L1.
   ``conv_kernels.run_tasks``: one threading policy), ``error_model="numpy"`` (no Python
   exceptions inside loops), and ``cache=True``: compiled once per signature on first call, then
   loaded from numba's on-disk cache by later processes (about 1 s per kernel the first time).
-  numba checks a cached function against its own file only: after changing a kernel that
-  kernels of other files call (a `panels` block inside `few_rows.few_rows_matmul`, itself inside
-  `team_parts.serve_parts`), delete ``asyncinfer/**/__pycache__/*.nb[ic]``, or those callers
-  keep running the old code (a fresh install or clone has no cache).
+  numba checks a cached function against its own file only, so a kernel calling kernels of
+  other files (a `panels` block inside `few_rows.few_rows_matmul`, itself inside
+  `team_parts.serve_parts`) would keep running their old code after they changed: importing this
+  package drops every cached kernel when any kernel source differs from the last import's
+  (`cache_stamp`).
 - Kernels have no default arguments (`kernel` refuses them): numba's dispatcher types a call that
   leaves one out on its slow path (`_compile_for_args`), about 80 µs a call against 1 µs: a
   depthwise conv's blocks of channels each paid it (MobileNetV3-small's 576ch@7 5x5 on one core:
@@ -29,7 +30,11 @@ from typing import Any, TypeVar
 
 import numba
 
+from . import cache_stamp
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+cache_stamp.refresh()  # (before any kernel loads from the cache: they load on their first call)
 
 
 def _no_defaults(fn: Callable[..., Any]) -> None:
