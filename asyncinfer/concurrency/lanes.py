@@ -89,6 +89,9 @@ class LanePool:
         self._own = threading.local()      # on a pool thread: its `_Idle`
         self._threads: list[threading.Thread] = []
         self._closed = False
+        # `post` typed now, on a throwaway row: a process's first hand-off to a spinning thread
+        # otherwise typed it on numba's slow path (about 80 µs) in the middle of some run
+        post(signal_row())
 
     @property
     def started(self) -> int:
