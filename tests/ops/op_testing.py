@@ -148,21 +148,27 @@ def evaluate_with_kernels(model: onnx.ModelProto, inputs: list) -> list:
 class TeamRuns:
     """A spin team of ``helpers`` threads for kernel tests (`spin_team_bound`), counting the
     kernels that shared their work with it (claims of the team that got it: `SpinTeam.try_run`
-    calls that ran, and kernels posting from compiled code)."""
+    calls that ran, and kernels posting from compiled code) and its wake-ups (``wakes``)."""
 
     def __init__(self, helpers: int):
         from asyncinfer.concurrency.spin_team import SpinTeam
         from asyncinfer.ops.compiled.team_parts import serve_parts
 
         self.team = SpinTeam(helpers, serve_parts, name="test-team")
-        self.shared = 0
+        self.shared = self.wakes = 0
         self._claim = real = self.team.claim
+        wake = self.team.wake
 
         def counted():
             control = real()
             self.shared += control is not None
             return control
+
+        def woken() -> None:
+            self.wakes += 1
+            wake()
         self.team.claim = counted
+        self.team.wake = woken
 
     @contextmanager
     def busy(self) -> Iterator[None]:
