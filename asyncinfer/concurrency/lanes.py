@@ -89,9 +89,6 @@ class LanePool:
         self._own = threading.local()      # on a pool thread: its `_Idle`
         self._threads: list[threading.Thread] = []
         self._closed = False
-        # `post` typed now, on a throwaway row: a process's first hand-off to a spinning thread
-        # otherwise typed it on numba's slow path (about 80 µs) in the middle of some run
-        post(signal_row())
 
     @property
     def started(self) -> int:
@@ -116,6 +113,11 @@ class LanePool:
                 return
             if len(self._threads) >= self._max:
                 return
+            if not self._threads:
+                # `post` typed with the first thread, on a throwaway row (the first run pays numba's
+                # start-up anyway): a process's first hand-off to a spinning thread otherwise typed
+                # it on numba's slow path (about 80 µs) in the middle of some later run
+                post(signal_row())
             thread = threading.Thread(target=self._work, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
             thread.start()  # (RuntimeError if refused: not counted as started)
             self._threads.append(thread)
