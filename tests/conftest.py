@@ -220,10 +220,11 @@ def _resident_bytes() -> int:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """Keep the suite within its memory budget: glibc keeps the memory that loading a big model
-    freed (parsed protobufs, weight copies) in its heaps, so each zoo test left the process
-    0.3-0.7 GiB larger (VGG-19's: 1.2 GiB resident after it, 0.4 after a trim) and the suite's
-    peak grew with the order of its tests (3.4-3.95 GiB)."""
+    """Keep the suite within its memory budget: the CPU backend's allocator tuning
+    (`backends.cpu.memory`) keeps freed blocks in glibc's heaps for the next run, and a worker
+    the test did not close never trims them, so each zoo test left the process 0.3-0.7 GiB
+    larger (VGG-19's: 1.2 GiB resident after it, 0.4 after a trim) and the suite's peak grew
+    with the order of its tests (3.4-3.95 GiB)."""
     if _MALLOC_TRIM is not None and _resident_bytes() > _TRIM_ABOVE_BYTES:
         _MALLOC_TRIM(0)
 

@@ -53,8 +53,14 @@ class pool_bound:  # noqa: N801 - used as a function: ``with pool_bound(...):``
 
 def team() -> SpinTeam | None:
     """The spinning helpers this thread may hand compiled parts to now (None: use `run_parts`)."""
+    return None if crowded() else getattr(_local, "team", None)
+
+
+def crowded() -> bool:
+    """Whether other threads run this backend's work now (concurrent requests: each core has
+    its own), so that this thread's kernel runs alone on its core, sharing the L3 and memory."""
     crowded = getattr(_local, "crowded", None)
-    return None if crowded is not None and crowded() else getattr(_local, "team", None)
+    return crowded is not None and crowded()
 
 
 def team_size() -> int:

@@ -33,6 +33,7 @@ from .. import ops
 from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
 from ..model.mapped import is_mapped
+from ..ops.conv_direct import MAX_CHANNELS as DIRECT_MAX_CHANNELS
 from ..ops.conv_direct import PANEL_WIDTH
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
@@ -48,6 +49,7 @@ MATMUL_BIAS = ("MatMulBias", 1)  # in FUSED_DOMAIN
 SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
 JOINED_CONV = ("JoinedConv", 1)  # in FUSED_DOMAIN
 RESIDUAL_CONV = ("ResidualConv", 1)  # in FUSED_DOMAIN
+CONV_MAX_POOL = ("ConvMaxPool", 1)  # in FUSED_DOMAIN
 ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
 MAGNITUDE = ("Magnitude", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
@@ -1126,6 +1128,44 @@ def fuse_residual_adds(model: Model) -> int:
                       outputs=[add.outputs[0]], attrs=attrs, domain=FUSED_DOMAIN, version=RESIDUAL_CONV[1],
                       fused=list(add.fused), expansion=[replace(layer) for layer in pattern])
         g.replace(pattern, add, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def fuse_conv_max_pools(model: Model) -> int:
+    """``MaxPool(Conv(X, W, B))`` → ``ConvMaxPool`` (``ops/conv_pool.py``): a network's stem and
+    the 3x3/2 pool after it (SqueezeNet, ResNet, DenseNet, Inception, ShuffleNet), whose 3 MB
+    map then never leaves the core's L2. Runs after ``fuse_activations`` (the Relu between them,
+    a folded BatchNormalization's too, is the conv's). Taken when the pool is a 3x3/2 window with
+    one output and nothing fused after it, and the conv's weight a constant float32 4-D one of
+    at most `conv_direct.MAX_CHANNELS` input channels, its only reader the pool; the fused op
+    checks the rest at run time (the kernels the two would take) and else runs the two, its
+    expansion (for backends without the kernel too)."""
+    g, count = _Graph(model), 0
+    for pool in g.candidates("MaxPool"):
+        if (len([o for o in pool.outputs if o]) != 1 or len(pool.outputs) > 1 and pool.outputs[1]
+                or [int(k) for k in pool.attrs.get("kernel_shape", ())] != [3, 3]
+                or [int(s) for s in pool.attrs.get("strides", ())] != [2, 2]
+                or any(int(d) != 1 for d in pool.attrs.get("dilations", ()))):
+            continue
+        conv = g.producers.get(pool.inputs[0])
+        if (conv is None or id(conv) in g.removed or conv.op_type != "Conv" or conv.domain or len(conv.inputs) < 2
+                or len([o for o in conv.outputs if o]) != 1 or not g.private(pool.inputs[0])
+                or _activation_key(conv) is None):
+            continue
+        weight = model.constants.get(conv.inputs[1])
+        if (not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4
+                or weight.shape[1] > DIRECT_MAX_CHANNELS or int(conv.attrs.get("group", 1)) != 1):
+            continue
+        pattern = [conv, pool]
+        expansion = [replace(layer) for layer in pattern]
+        fused = Layer(name=pool.name, op_type=CONV_MAX_POOL[0], inputs=list(conv.inputs), outputs=[pool.outputs[0]],
+                      attrs={**conv.attrs, "group": int(conv.attrs.get("group", 1)),
+                             "auto_pad": conv.attrs.get("auto_pad", "NOTSET")},
+                      domain=FUSED_DOMAIN, version=CONV_MAX_POOL[1], fused=list(conv.fused),
+                      expansion=expansion)
+        g.replace(pattern, pool, fused)
         count += 1
     g.commit()
     return count

@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     contrib,
     controlflow,
     conv,
+    conv_pool,
     elementwise,
     fused,
     gradient,

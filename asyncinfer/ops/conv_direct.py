@@ -85,7 +85,7 @@ class DirectPlan:
     columns: np.ndarray                 # (taps, Mp): the weights transposed, zero past M
     bias: np.ndarray                    # (Mp,), zero past M (and where there is none)
     offsets: np.ndarray                 # (taps,) int64: each tap's offset in a padded image
-    stride: int                         # (both ways; the phases of a row: `_padded_input`)
+    stride: int                         # (both ways; the phases of a row: `padded_input`)
     epilogue: Epilogue
     numbers: np.ndarray                 # the epilogue's (a, b), float64, for helpers
     parts: tuple[tuple[int, int], ...]  # output rows (q0, q1), counted through the images
@@ -144,7 +144,7 @@ _PADDED = threading.local()
 PADDED_SHAPES = 32
 
 
-def _padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int, ...], x: np.ndarray,
+def padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int, ...], x: np.ndarray,
                   phases: int = 1) -> np.ndarray:
     """``x`` copied into this thread's zero-padded image buffer of ``shape``, ``top`` rows and
     ``left`` columns from its corner, each row stored as its ``phases`` phases (padded column
@@ -169,7 +169,7 @@ def _padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[in
 
 def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array."""
-    padded = _padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x, plan.stride)
+    padded = padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x, plan.stride)
     n, m, ho, wo = plan.y_shape
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(n, m, ho * wo)
@@ -300,7 +300,7 @@ def joined_panel_plan(x_shape: tuple[int, ...], convs: Sequence[PanelConv], stri
 
 def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
     """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array."""
-    padded = _padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x)
+    padded = padded_input(plan.padded, plan.top, plan.left, plan.x_shape, x)
     n, m, ho, wo = plan.y_shape
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(n, m, ho * wo)

@@ -1569,3 +1569,100 @@ def test_a_residual_conv_on_gpu_pixel_runs_the_layers_it_replaced_there():
     """(the Conv and the Add)"""
     _runs_its_expansion_on_gpu_pixel(_residual_model(), RNG.standard_normal((1, RES_C, 9, 11)).astype(np.float32),
                                      "fuse_residual_adds")
+
+
+# -- a stem conv and the max pool after it ----------------------------------------------------------
+STEM_SIZE = (29, 37)
+
+
+def _stem_model(*, channels: int = 20, kernel: int = 3, stride: int = 2, pad: int = 1, cin: int = 3,
+                activation: str | None = "Relu", pool: tuple[int, int] = (3, 2), pool_pads=(1, 1, 1, 1), ceil: int = 0,
+                also_read: bool = False, bias: bool = True) -> onnx.ModelProto:
+    """x (N, ``cin``, 29, 37) → Conv ``kernel``/``stride`` (``channels``, pads ``pad``) [→
+    ``activation``] → MaxPool (window, stride) ``pool``, ``pool_pads``, ``ceil`` → y: a network's
+    stem. ``also_read``: the pool's input is a graph output too."""
+    rng = np.random.default_rng(17)
+    consts = [_const("w", rng.standard_normal((channels, cin, kernel, kernel)) * 0.3)]
+    inputs = ["x", "w"]
+    if bias:
+        consts.append(_const("b", rng.standard_normal(channels)))
+        inputs.append("b")
+    nodes = [helper.make_node("Conv", inputs, ["c"], kernel_shape=[kernel, kernel], strides=[stride, stride],
+                              pads=[pad] * 4)]
+    pooled = "c"
+    if activation:
+        nodes.append(helper.make_node(activation, ["c"], ["a"]))
+        pooled = "a"
+    nodes.append(helper.make_node("MaxPool", [pooled], ["y"], kernel_shape=[pool[0]] * 2, strides=[pool[1]] * 2,
+                                  pads=list(pool_pads), ceil_mode=ceil))
+    outputs = [tensor_info("y", None)] + ([tensor_info(pooled, None)] if also_read else [])
+    return make_model(nodes, [tensor_info("x", ["N", cin, *STEM_SIZE])], outputs, consts)
+
+
+def _stem_input(images: int) -> np.ndarray:
+    x = RNG.standard_normal((images, 3, *STEM_SIZE)).astype(np.float32)
+    x.flat[::23] = np.nan  # a NaN in a window makes its max NaN, both ways
+    return x
+
+
+@pytest.mark.parametrize("variant", [{}, dict(channels=64), dict(activation=None), dict(activation="LeakyRelu"),
+                                     dict(bias=False), dict(pool_pads=(0, 0, 0, 0), ceil=1),  # SqueezeNet's
+                                     dict(kernel=7, pad=3, channels=24),  # ResNet's, DenseNet's
+                                     dict(kernel=1, pad=0)])  # (no direct kernel: the two layers' way)
+def test_a_stem_conv_and_its_max_pool_are_one_layer(variant, monkeypatch):
+    """``MaxPool(Relu(Conv(x)))`` becomes one ``ConvMaxPool+Relu``. A request alone runs it as the
+    two layers; under concurrent requests (another thread working: `parallel.crowded`) the fused
+    loop: the very bits of the two layers unfused, batch after batch, and the definition's values."""
+    from asyncinfer import ops
+    from asyncinfer.concurrency import parallel
+    from asyncinfer.ops import conv_pool
+
+    proto = _stem_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_conv_max_pools"] == 1
+    layer = model.layers[0]
+    assert [l.op_type for l in model.layers] == ["ConvMaxPool"]
+    assert [l.op_type for l in layer.expansion] == ["Conv", "MaxPool"]
+    op = ops.create(layer)
+    activations = tuple((ops.create(f), []) for f in layer.fused)
+    fused_runs, fused_run = [], conv_pool.run_conv_pool
+
+    def counted(plan, x):
+        fused_runs.append(x.shape)
+        return fused_run(plan, x)
+    monkeypatch.setattr(conv_pool, "run_conv_pool", counted)
+    weights = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    with ai.Worker(model, "cpu") as worker, ai.Worker(ai.load_model(proto, optimize=False), "cpu") as plain:
+        for images in (1, 2):
+            clean = RNG.standard_normal((images, 3, *STEM_SIZE)).astype(np.float32)
+            for x in (clean, _stem_input(images)):
+                want = plain.run_blocking(x)["y"]
+                np.testing.assert_array_equal(worker.run_blocking(x)["y"], want)
+                with parallel.pool_bound(None, 1, None, lambda: True), np.errstate(all="ignore"):
+                    crowded = op(x, weights["w"], weights.get("b"), activations=activations)[0]
+                np.testing.assert_array_equal(crowded, want)
+            # (onnx.reference's MaxPool passes NaNs over: compared on the input without any)
+            np.testing.assert_allclose(plain.run_blocking(clean)["y"], ReferenceEvaluator(proto).run(None, {"x": clean})[0],
+                                       rtol=1e-5, atol=1e-5)
+    direct = variant.get("kernel", 3) > 1
+    assert len(fused_runs) == (4 if direct else 0)
+
+
+@pytest.mark.parametrize("variant", [dict(also_read=True),  # the pool's input read elsewhere too
+                                     dict(pool=(2, 2), pool_pads=(0, 0, 0, 0)),  # not a 3x3/2 pool
+                                     dict(cin=8)])  # not a stem: the direct kernel takes 4 channels at most
+def test_other_convs_before_a_max_pool_keep_their_two_layers(variant):
+    proto = _stem_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_conv_max_pools"] == 0
+    assert "ConvMaxPool" not in [l.op_type for l in model.layers]
+    x = RNG.standard_normal((2, variant.get("cin", 3), *STEM_SIZE)).astype(np.float32)
+    with ai.Worker(model, "cpu") as worker:
+        np.testing.assert_allclose(worker.run_blocking(x)["y"], ReferenceEvaluator(proto).run(None, {"x": x})[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_conv_max_pool_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """(the Conv with its Relu, and the MaxPool)"""
+    _runs_its_expansion_on_gpu_pixel(_stem_model(), RNG.standard_normal((1, 3, *STEM_SIZE)).astype(np.float32),
+                                     "fuse_conv_max_pools")

@@ -104,9 +104,9 @@ def test_an_input_without_padding_is_read_in_place(rng):
     x, w, b, attrs = _operands("no_pads", rng)
     plan = _plan(x, w, b, attrs)
     assert plan.padded == x.shape
-    assert np.shares_memory(conv_direct._padded_input(plan.padded, 0, 0, x.shape, x), x)
+    assert np.shares_memory(conv_direct.padded_input(plan.padded, 0, 0, x.shape, x), x)
     padded = _plan(x, w, b, dict(attrs, pads=[1, 1, 1, 1]))
-    assert not np.shares_memory(conv_direct._padded_input(padded.padded, 1, 1, x.shape, x), x)
+    assert not np.shares_memory(conv_direct.padded_input(padded.padded, 1, 1, x.shape, x), x)
 
 
 @pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))

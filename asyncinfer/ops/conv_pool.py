@@ -1,0 +1,123 @@
+"""A stem conv whose result only a 3x3/2 MaxPool reads: the two as one layer.
+
+SqueezeNet, ResNet, DenseNet, Inception and ShuffleNet all begin ``MaxPool(Relu(Conv(image)))``
+(a BatchNormalization folded into the conv). As two layers, the conv stores its whole output
+(64 x 111x111 floats, 3.2 MB: past a core's L2) and the pool reads it back. The loader joins the
+two (`loader.patterns.fuse_conv_max_pools`) into one layer.
+
+Which way it runs depends on what the other cores do. While this backend runs other work too
+(concurrent requests: `parallel.crowded`), each core runs its own request's kernels, and the
+cores share the L3 and the memory: then the conv's output is made a block of channels at a time
+in a buffer that stays in this core's L2 and pooled from there (`compiled.conv_pool`, the very
+bits of the two layers). On 2 cores, fused against unfused in one process: 8 awaiting tasks
+1.013-1.017x the runs/s on SqueezeNet, 1.009x on ShuffleNet (median of 10 rounds each); two
+blocking callers on SqueezeNet 1.003-1.084x in three runs. A request alone runs the two
+layers, each split across the spinning helpers: there the fused loop measured no faster (alone
+on one core, hot: SqueezeNet's stem and pool 306 against 311 µs, ResNet's 1027 against 1007)
+and, cut into bands of rows for two cores, made ShuffleNet's model 2.4% slower. Where the conv
+takes another kernel than the stem's direct one (`conv_direct`), or the pool another loop than
+the 3x3/2 one, the layer always runs as the two do.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..concurrency import parallel
+from .compiled.conv_pool import buffer_size, conv_max_pool
+from .compiled.panels import BLOCK_ROWS
+from .compiled.pool import THREE_BY_TWO
+from .conv import Conv, _same_case
+from .conv_direct import DirectPlan, direct_plan, padded_input, takes_direct
+from .conv_kernels import scratch
+from .epilogue import Activations, Epilogue
+from .fused import FUSED_DOMAIN
+from .pool import MaxPool
+from .registry import create, register
+
+
+@dataclass(frozen=True)
+class ConvPoolPlan:
+    """What `run_conv_pool` does with an input: the conv's `DirectPlan`, its weights by blocks of
+    channels, and the pool's output size and padding."""
+
+    conv: DirectPlan
+    columns: np.ndarray                 # (B, taps, BLOCK_ROWS): the conv's weights by blocks of channels
+    bias: np.ndarray                    # (B, BLOCK_ROWS)
+    pooled: tuple[int, int]             # (Hq, Wq)
+    top: int                            # the pool's rows and columns of padding before the map
+    left: int
+    lowest: float                       # what the padding holds
+
+
+def conv_pool_plan(conv: DirectPlan, pool: MaxPool) -> ConvPoolPlan | None:
+    """The plan of the conv (planned as ``conv``) and ``pool`` on its output, or None where the
+    pool does not take the 3x3/2 loop on that output (the two layers then run as they are)."""
+    pooling = pool._plan_2d(conv.y_shape, np.dtype(np.float32))
+    if pooling.loop != THREE_BY_TWO:
+        return None
+    taps, padded_m = conv.columns.shape
+    blocks = padded_m // BLOCK_ROWS
+    columns = np.ascontiguousarray(conv.columns.reshape(taps, blocks, BLOCK_ROWS).transpose(1, 0, 2))
+    return ConvPoolPlan(conv, columns, conv.bias.reshape(blocks, BLOCK_ROWS), pooling.out, pooling.geometry[6],
+                        pooling.geometry[7], float(pooling.lowest[0]))
+
+
+def run_conv_pool(plan: ConvPoolPlan, x: np.ndarray) -> np.ndarray:
+    """The pooled conv of ``x`` (the plan's input shape) on this thread: a fresh (N, M, Hq, Wq) array."""
+    conv = plan.conv
+    padded = padded_input(conv.padded, conv.top, conv.left, conv.x_shape, x, conv.stride)
+    n, m, ho, wo = conv.y_shape
+    y = np.empty((n, m, *plan.pooled), np.float32)
+    buffer = scratch((buffer_size(ho, wo),), np.float32, "conv_pool")
+    epilogue = conv.epilogue
+    conv_max_pool(plan.columns, padded, conv.offsets, buffer, plan.bias, y, ho, wo, conv.stride, epilogue.kind,
+                  epilogue.a, epilogue.b, plan.top, plan.left, plan.lowest)
+    return y
+
+
+@register("ConvMaxPool", versions=(1,), domain=FUSED_DOMAIN)
+class ConvMaxPool(Conv):
+    """``MaxPool(Conv(X, W, B))``, the Conv's fused activations between them.
+
+    Inputs and attributes: the Conv's. The layer's expansion is the Conv (its activations fused
+    into it) and the MaxPool, for backends without this kernel. A float32 stem the direct kernel
+    takes, pooled 3x3/2, runs fused while other requests keep the other cores busy
+    (`compiled.conv_pool`); any other case as the two layers (see the module docstring)."""
+
+    def check(self) -> None:
+        super().check()
+        expansion = self.layer.expansion
+        if len(expansion) != 2 or expansion[0].op_type != "Conv" or expansion[1].op_type != "MaxPool":
+            self.unsupported("a ConvMaxPool layer is made by the loader from a Conv and the MaxPool after it")
+        self.pool = create(expansion[1], self.limits)
+        # the last case and its fused plan (None: only ever the two layers' way), as `Conv` keeps its short way
+        self._fused: tuple | None = None
+
+    def run(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None, *,  # type: ignore[override]
+            activations: Activations = ()) -> np.ndarray:
+        case = (x.shape, x.dtype, w, b, activations)
+        known = self._fused
+        if known is None or not _same_case(known, case):
+            known = self._fused = case + (self._plan(x, w, b, activations),)
+        if known[5] is not None and parallel.crowded():
+            return run_conv_pool(known[5], x)
+        return self.pool.run(Conv.run(self, x, w, b, activations=activations))
+
+    def _plan(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None,
+              activations: Activations) -> ConvPoolPlan | None:
+        if (x.ndim != 4 or w.ndim != 4 or x.dtype != np.float32 or w.dtype != np.float32
+                or (b is not None and (b.dtype != np.float32 or b.shape != (w.shape[0],)))):
+            return None
+        epilogue = Epilogue.of(activations, np.dtype(np.float32))
+        group = int(self.attr("group"))
+        if epilogue is None or group != 1 or x.shape[0] == 0 or x.shape[1] != w.shape[1]:
+            return None
+        _, strides, dilations, begin, _, out = self._windows(x.shape, w.shape)
+        if math.prod(out) == 0 or not takes_direct(x.shape, w.shape, group, strides, dilations, out, x.dtype):
+            return None
+        conv = direct_plan(x.shape, w, b, strides, begin, out, epilogue,
+                           lambda name, work_out: self.derived(name, {1: w}, work_out))
+        return conv_pool_plan(conv, self.pool)  # type: ignore[arg-type]
