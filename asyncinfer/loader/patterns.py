@@ -34,6 +34,7 @@ from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
 from ..model.mapped import is_mapped
 from ..ops.conv_direct import MAX_CHANNELS as DIRECT_MAX_CHANNELS
+from ..ops.conv_pool import MAX_TAPS as CONV_POOL_MAX_TAPS
 from ..ops.conv_direct import PANEL_WIDTH
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
@@ -1134,12 +1135,13 @@ def fuse_residual_adds(model: Model) -> int:
 
 
 def fuse_conv_max_pools(model: Model) -> int:
-    """``MaxPool(Conv(X, W, B))`` → ``ConvMaxPool`` (``ops/conv_pool.py``): a network's stem and
-    the 3x3/2 pool after it (SqueezeNet, ResNet, DenseNet, Inception, ShuffleNet), whose 3 MB
-    map then never leaves the core's L2. Runs after ``fuse_activations`` (the Relu between them,
-    a folded BatchNormalization's too, is the conv's). Taken when the pool is a 3x3/2 window with
-    one output and nothing fused after it, and the conv's weight a constant float32 4-D one of
-    at most `conv_direct.MAX_CHANNELS` input channels, its only reader the pool; the fused op
+    """``MaxPool(Conv(X, W, B))`` → ``ConvMaxPool`` (``ops/conv_pool.py``): a network's 3x3 stem
+    and the 3x3/2 pool after it (SqueezeNet, ShuffleNet), whose 3 MB map then stays in the core's
+    L2 under concurrent requests. Runs after ``fuse_activations`` (the Relu between them, a folded
+    BatchNormalization's too, is the conv's). Taken when the pool is a 3x3/2 window with one
+    output and nothing fused after it, and the conv's weight a constant float32 4-D one of at
+    most `conv_direct.MAX_CHANNELS` input channels and `conv_pool.MAX_TAPS` taps (7x7 stems
+    measured slower fused), its only reader the pool; the fused op
     checks the rest at run time (the kernels the two would take) and else runs the two, its
     expansion (for backends without the kernel too)."""
     g, count = _Graph(model), 0
@@ -1156,7 +1158,8 @@ def fuse_conv_max_pools(model: Model) -> int:
             continue
         weight = model.constants.get(conv.inputs[1])
         if (not isinstance(weight, np.ndarray) or weight.dtype != np.float32 or weight.ndim != 4
-                or weight.shape[1] > DIRECT_MAX_CHANNELS or int(conv.attrs.get("group", 1)) != 1):
+                or weight.shape[1] > DIRECT_MAX_CHANNELS or math.prod(weight.shape[1:]) > CONV_POOL_MAX_TAPS
+                or int(conv.attrs.get("group", 1)) != 1):
             continue
         pattern = [conv, pool]
         expansion = [replace(layer) for layer in pattern]

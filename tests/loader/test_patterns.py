@@ -1607,7 +1607,6 @@ def _stem_input(images: int) -> np.ndarray:
 
 @pytest.mark.parametrize("variant", [{}, dict(channels=64), dict(activation=None), dict(activation="LeakyRelu"),
                                      dict(bias=False), dict(pool_pads=(0, 0, 0, 0), ceil=1),  # SqueezeNet's
-                                     dict(kernel=7, pad=3, channels=24),  # ResNet's, DenseNet's
                                      dict(kernel=1, pad=0)])  # (no direct kernel: the two layers' way)
 def test_a_stem_conv_and_its_max_pool_are_one_layer(variant, monkeypatch):
     """``MaxPool(Relu(Conv(x)))`` becomes one ``ConvMaxPool+Relu``. A request alone runs it as the
@@ -1650,7 +1649,8 @@ def test_a_stem_conv_and_its_max_pool_are_one_layer(variant, monkeypatch):
 
 @pytest.mark.parametrize("variant", [dict(also_read=True),  # the pool's input read elsewhere too
                                      dict(pool=(2, 2), pool_pads=(0, 0, 0, 0)),  # not a 3x3/2 pool
-                                     dict(cin=8)])  # not a stem: the direct kernel takes 4 channels at most
+                                     dict(cin=8),  # not a stem: the direct kernel takes 4 channels at most
+                                     dict(kernel=7, pad=3, channels=24)])  # ResNet's 7x7 stem: slower fused
 def test_other_convs_before_a_max_pool_keep_their_two_layers(variant):
     proto = _stem_model(**variant)
     model = ai.load_model(proto)
