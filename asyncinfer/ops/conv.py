@@ -81,10 +81,10 @@ class Conv(_ConvBase):
             activations: Activations = ()) -> np.ndarray:
         case = (x.shape, x.dtype, w, b, activations)
         known = self._known
-        if known is not None and _same_case(known, case):
+        if known is not None and same_case(known, case):
             return known[5](x)
         y = _ConvBase.run(self, x, w, b, activations=activations)
-        if self._plain is None or not _same_case(self._plain, case):
+        if self._plain is None or not same_case(self._plain, case):
             short = self._shortcut(x, w, b, activations)
             if short is None:
                 self._plain = case
@@ -280,7 +280,7 @@ def route_2d(x_shape: tuple[int, ...], w_shape: tuple[int, ...], group: int, str
     return GEMM
 
 
-def _same_case(known: tuple, case: tuple) -> bool:
+def same_case(known: tuple, case: tuple) -> bool:
     """Whether ``case`` (x shape, x dtype, w, b, activations) is ``known``'s: equal shapes and
     dtypes, the very same weight, bias and activations objects."""
     return (case[0] == known[0] and case[1] == known[1] and case[2] is known[2] and case[3] is known[3]

@@ -145,7 +145,7 @@ PADDED_SHAPES = 32
 
 
 def padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int, ...], x: np.ndarray,
-                  phases: int = 1) -> np.ndarray:
+                 phases: int = 1) -> np.ndarray:
     """``x`` copied into this thread's zero-padded image buffer of ``shape``, ``top`` rows and
     ``left`` columns from its corner, each row stored as its ``phases`` phases (padded column
     ``phases·j + f`` at ``f·W/phases + j``). The buffer is kept for the same shape and place of ``x``, so

@@ -12,11 +12,11 @@ in a buffer that stays in this core's L2 and pooled from there (`compiled.conv_p
 bits of the two layers). On 2 cores, fused against unfused in one process: 8 awaiting tasks
 1.013-1.017x the runs/s on SqueezeNet, 1.009x on ShuffleNet (median of 10 rounds each); two
 blocking callers on SqueezeNet 1.003-1.084x in three runs. A request alone runs the two
-layers, each split across the spinning helpers: there the fused loop measured no faster (alone
-on one core, hot: SqueezeNet's stem and pool 306 against 311 µs, ResNet's 1027 against 1007)
-and, cut into bands of rows for two cores, made ShuffleNet's model 2.4% slower. Where the conv
-takes another kernel than the stem's direct one (`conv_direct`), or the pool another loop than
-the 3x3/2 one, the layer always runs as the two do.
+layers, each split across the spinning helpers: the fused loop measured no faster there (alone
+on one core, hot: SqueezeNet's stem and pool 306 against 311 µs; its blocks shared out on two
+cores, SqueezeNet 1.002x, and cut into bands of rows, ShuffleNet 0.976x). Where the conv takes
+another kernel than the stem's direct one (`conv_direct`), or the pool another loop than the
+3x3/2 one, the layer always runs as the two do.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from ..concurrency import parallel
 from .compiled.conv_pool import buffer_size, conv_max_pool
 from .compiled.panels import BLOCK_ROWS
 from .compiled.pool import THREE_BY_TWO
-from .conv import Conv, _same_case
+from .conv import Conv, same_case
 from .conv_direct import DirectPlan, direct_plan, padded_input, takes_direct
 from .conv_kernels import scratch
 from .epilogue import Activations, Epilogue
@@ -61,7 +61,7 @@ class ConvPoolPlan:
 def conv_pool_plan(conv: DirectPlan, pool: MaxPool) -> ConvPoolPlan | None:
     """The plan of the conv (planned as ``conv``) and ``pool`` on its output, or None where the
     pool does not take the 3x3/2 loop on that output (the two layers then run as they are)."""
-    pooling = pool._plan_2d(conv.y_shape, np.dtype(np.float32))
+    pooling = pool.plan_2d(conv.y_shape, np.dtype(np.float32))
     if pooling.loop != THREE_BY_TWO:
         return None
     taps, padded_m = conv.columns.shape
@@ -106,7 +106,7 @@ class ConvMaxPool(Conv):
             activations: Activations = ()) -> np.ndarray:
         case = (x.shape, x.dtype, w, b, activations)
         known = self._fused
-        if known is None or not _same_case(known, case):
+        if known is None or not same_case(known, case):
             known = self._fused = case + (self._plan(x, w, b, activations),)
         if known[5] is not None and parallel.crowded():
             return run_conv_pool(known[5], x)

@@ -116,7 +116,7 @@ class _WindowPool(Op):
             y = acc
         return np.ascontiguousarray(y), begin, end, out
 
-    def _compiled_2d(self, x: np.ndarray, plan: "_Plan2d") -> np.ndarray:
+    def _compiled_2d(self, x: np.ndarray, plan: "Plan2d") -> np.ndarray:
         """2-D float max (sum) pool on a compiled loop, planes shared out when large: with the
         CPU backend's spinning helpers (float32, from `TEAM_MIN_MACS` window taps: SqueezeNet's
         and ResNet's 3x3/2 pools), else between the pool's threads."""
@@ -130,11 +130,11 @@ class _WindowPool(Op):
                                          self.summing) for p0, p1 in plan.parts], plan.threads)
         return y.reshape(n, c, *plan.out)
 
-    def _plan_of(self, x: np.ndarray) -> "_Plan2d":
-        """`_plan_2d` for ``x``'s shape and type, made once."""
-        return self.per_shape((x.shape, x.dtype), lambda: self._plan_2d(x.shape, x.dtype))
+    def _plan_of(self, x: np.ndarray) -> "Plan2d":
+        """`plan_2d` for ``x``'s shape and type, made once."""
+        return self.per_shape((x.shape, x.dtype), lambda: self.plan_2d(x.shape, x.dtype))
 
-    def _on_team(self, plan: "_Plan2d", planes: np.ndarray, y: np.ndarray) -> bool:
+    def _on_team(self, plan: "Plan2d", planes: np.ndarray, y: np.ndarray) -> bool:
         """The planes in one share per sharer, this thread's and each spinning helper's, posted,
         run and waited for in compiled code; False, having done nothing, when no team is free."""
         team = parallel.team()
@@ -153,7 +153,7 @@ class _WindowPool(Op):
             team.release()  # type: ignore[union-attr]
         return True
 
-    def _plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> "_Plan2d":
+    def plan_2d(self, shape: tuple[int, ...], dtype: np.dtype) -> "Plan2d":
         """For one input shape: the output size, the loop and its geometry, the parts of the
         planes for the pool's threads, and whether to offer them to the spinning helpers."""
         kernel = [int(k) for k in self.attr("kernel_shape")]
@@ -191,7 +191,7 @@ class _WindowPool(Op):
             geometry = (*kernel, *(int(s) for s in strides), *(int(d) for d in dilations), int(begin[0]),
                         int(begin[1]))
         team = dtype == np.float32 and planes > 1 and work >= TEAM_MIN_MACS
-        return _Plan2d(tuple(int(o) for o in out), loop, geometry, np.array(geometry, np.int64), lowest, parts, threads,
+        return Plan2d(tuple(int(o) for o in out), loop, geometry, np.array(geometry, np.int64), lowest, parts, threads,
                        team)
 
     def tap_sum(self, x: np.ndarray, win: FlatWindows, fn=None) -> np.ndarray:
@@ -204,8 +204,8 @@ class _WindowPool(Op):
 
 
 @dataclass(frozen=True)
-class _Plan2d:
-    """`_WindowPool._compiled_2d` for one input shape (see `_plan_2d`)."""
+class Plan2d:
+    """`_WindowPool._compiled_2d` for one input shape (see `plan_2d`)."""
 
     out: tuple[int, int]
     loop: int                      # `compiled.pool`'s ROWS_FIRST, COLUMNS_FIRST, TILES, …

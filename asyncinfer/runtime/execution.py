@@ -212,8 +212,8 @@ class _ProfiledSegmentJob(_SegmentJob):
     @staticmethod
     def _run_step(node: Node, args: list, done: _StepDone) -> None:
         """Each step timed in the callable an unprofiled run computes it with (`Node.inline`, an
-        op's `bound_run`), not the backend's general path: a reflect Pad's took 14-17 µs where
-        its bound run takes 1.6, so small layers looked slow in profiles."""
+        op's `bound_run`), not the backend's general path: the LSTM VAD's reflect Pad read
+        17.8 µs in a profile that way, 3.1 this way, and small layers looked slow."""
         compute = node.inline
         if compute is None:
             node.backend.run_now(node.step, args, done)
