@@ -25,6 +25,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import asyncinfer as ai
+from asyncinfer.backends.cpu.memory import release_free_memory
 from asyncinfer.ops.base import Op
 from asyncinfer.ops.registry import register
 
@@ -194,18 +195,6 @@ def rng():
     return np.random.default_rng(1234)
 
 
-def _glibc_malloc_trim():
-    """glibc's ``malloc_trim``, or None off glibc (macOS, musl, Windows)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _glibc_malloc_trim()
 #: Above this resident size a test's teardown hands the heap's free memory back to the OS.
 _TRIM_ABOVE_BYTES = 768 * 2 ** 20
 
@@ -222,11 +211,11 @@ def _resident_bytes() -> int:
 def pytest_runtest_teardown(item, nextitem):
     """Keep the suite within its memory budget: the CPU backend's allocator tuning
     (`backends.cpu.memory`) keeps freed blocks in glibc's heaps for the next run, and a worker
-    the test did not close never trims them, so each zoo test left the process 0.3-0.7 GiB
-    larger (VGG-19's: 1.2 GiB resident after it, 0.4 after a trim) and the suite's peak grew
-    with the order of its tests (3.4-3.95 GiB)."""
-    if _MALLOC_TRIM is not None and _resident_bytes() > _TRIM_ABOVE_BYTES:
-        _MALLOC_TRIM(0)
+    the test did not close never hands them back (`release_free_memory`, a no-op off glibc), so
+    each zoo test left the process 0.3-0.7 GiB larger (VGG-19's: 1.2 GiB resident after it, 0.4
+    after a trim) and the suite's peak grew with the order of its tests (3.4-3.95 GiB)."""
+    if _resident_bytes() > _TRIM_ABOVE_BYTES:
+        release_free_memory()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -17,9 +17,10 @@ from ..errors import AsyncInferError, ModelLoadError
 from ..limits import Limits
 from ..model.ir import Layer, Model, TensorInfo
 from ..ops.elementwise import compute_dtype
-from .patterns import (PATTERN_PASSES, fuse_add_layer_norm, fuse_channel_shuffles, fuse_conv_max_pools, fuse_gemm_reshapes,
-                       fuse_joined_convs, fuse_matmul_bias, fuse_reshape_transposes, fuse_residual_adds,
-                       fuse_sibling_convs, fuse_sibling_products, fuse_split_heads, fuse_squeeze_excite)
+from .patterns import (PATTERN_PASSES, fuse_add_layer_norm, fuse_channel_shuffles, fuse_conv_max_pools,
+                       fuse_gemm_reshapes, fuse_joined_convs, fuse_matmul_bias, fuse_reshape_transposes,
+                       fuse_residual_adds, fuse_sibling_convs, fuse_sibling_products, fuse_split_heads,
+                       fuse_squeeze_excite)
 
 # Ops whose output depends only on the *shape* of their input: CPU-bound propagation stops there.
 SHAPE_ONLY_OPS = {"Shape", "Size"}

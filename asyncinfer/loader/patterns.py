@@ -34,8 +34,8 @@ from ..errors import AsyncInferError
 from ..model.ir import Layer, Model, TensorInfo
 from ..model.mapped import is_mapped
 from ..ops.conv_direct import MAX_CHANNELS as DIRECT_MAX_CHANNELS
-from ..ops.conv_pool import MAX_TAPS as CONV_POOL_MAX_TAPS
 from ..ops.conv_direct import PANEL_WIDTH
+from ..ops.conv_pool import MAX_TAPS as CONV_POOL_MAX_TAPS
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
@@ -1141,9 +1141,9 @@ def fuse_conv_max_pools(model: Model) -> int:
     BatchNormalization's too, is the conv's). Taken when the pool is a 3x3/2 window with one
     output and nothing fused after it, and the conv's weight a constant float32 4-D one of at
     most `conv_direct.MAX_CHANNELS` input channels and `conv_pool.MAX_TAPS` taps (7x7 stems
-    measured slower fused), its only reader the pool; the fused op
-    checks the rest at run time (the kernels the two would take) and else runs the two, its
-    expansion (for backends without the kernel too)."""
+    measured slower fused), its only reader the pool; the fused op checks the rest at run time
+    (the kernels the two would take) and else runs the two, its expansion (for backends without
+    the kernel too)."""
     g, count = _Graph(model), 0
     for pool in g.candidates("MaxPool"):
         if (len([o for o in pool.outputs if o]) != 1 or len(pool.outputs) > 1 and pool.outputs[1]
