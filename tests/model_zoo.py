@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 LIGHT_DIR = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "light"
@@ -14,6 +15,22 @@ LIGHT_DIR = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" /
 LIGHT_MODELS = [("bvlc_alexnet", 1e-3, 1e-7), ("densenet121", 2e-3, 1e-7), ("inception_v1", 1e-3, 1e-7),
                 ("inception_v2", 1e-3, 1e-7), ("resnet50", 1e-3, 1e-7), ("shufflenet", 1e-3, 1e-7),
                 ("squeezenet", 1e-3, 1e-7), ("vgg19", 1e-3, 1e-7), ("zfnet512", 1e-3, 1e-7)]
+
+#: The light models with large weights (VGG-19's 548 MB, ZFNet's 349, AlexNet's 233): a test of one
+#: holds 1-2 GB while it runs, so their tests carry the ``memory_heavy`` mark (`light_params`)
+#: and run first (tests/conftest.py).
+LARGE_LIGHT_MODELS = frozenset({"bvlc_alexnet", "vgg19", "zfnet512"})
+
+
+def light_params(entries):
+    """``entries`` (light model names, or rows of `LIGHT_MODELS`) as pytest params named after
+    the model, those of `LARGE_LIGHT_MODELS` marked ``memory_heavy``."""
+    params = []
+    for entry in entries:
+        name, values = (entry, (entry,)) if isinstance(entry, str) else (entry[0], tuple(entry))
+        marks = (pytest.mark.memory_heavy,) if name in LARGE_LIGHT_MODELS else ()
+        params.append(pytest.param(*values, id=name, marks=marks))
+    return params
 
 
 def light_path(name: str) -> Path:

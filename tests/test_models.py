@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 import asyncinfer as ai
-from model_zoo import (LIGHT_MODELS, decoder_net, light_expected, light_input, light_path, recurrent_net,
+from model_zoo import (LIGHT_MODELS, decoder_net, light_expected, light_input, light_params, light_path, recurrent_net,
                        transformer_block, with_random_weights)
 
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime (a dev dependency) is the numerical reference")
@@ -25,7 +25,7 @@ def _ours(proto_or_path, feeds: dict, optimize: bool = True) -> dict[str, np.nda
         return worker.run_blocking(feeds)
 
 
-@pytest.mark.parametrize("name, rtol, atol", LIGHT_MODELS, ids=[m[0] for m in LIGHT_MODELS])
+@pytest.mark.parametrize("name, rtol, atol", light_params(LIGHT_MODELS))
 def test_light_model_matches_shipped_output(name, rtol, atol):
     proto = onnx.load(light_path(name))
     input_name, x = light_input(proto)
@@ -38,7 +38,7 @@ def test_light_model_matches_shipped_output(name, rtol, atol):
 RANDOM_LIGHT = ["resnet50", "densenet121", "inception_v2", "squeezenet", "shufflenet", "bvlc_alexnet"]
 
 
-@pytest.mark.parametrize("name", RANDOM_LIGHT)
+@pytest.mark.parametrize("name", light_params(RANDOM_LIGHT))
 def test_light_model_with_random_weights_matches_onnxruntime(name, rng):
     proto = with_random_weights(onnx.load(light_path(name)), seed=7)
     input_name, x = light_input(proto)

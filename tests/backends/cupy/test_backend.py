@@ -19,7 +19,6 @@ import types
 import weakref
 
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -31,6 +30,7 @@ from asyncinfer.backends.cupy import CuPyBackend, DeviceTensorData, HostRuntime
 from asyncinfer.backends.cupy.device import cuda_unavailable_reason
 from asyncinfer.runtime.plan import value_types
 from conftest import TEST_DOMAIN, LoopTicker, make_model, tensor_info
+from model_zoo import light_params, light_path
 
 NO_CUDA = "no CUDA device (CuPy not installed or no GPU)"
 needs_cuda = pytest.mark.skipif(cuda_unavailable_reason() is not None, reason=NO_CUDA)
@@ -504,13 +504,10 @@ LIGHT = ["bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet5
 
 
 def _light_model(name):
-    import os
-
-    path = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light", f"light_{name}.onnx")
-    return ai.load_model(path)
+    return ai.load_model(light_path(name))
 
 
-@pytest.mark.parametrize("name", LIGHT)
+@pytest.mark.parametrize("name", light_params(LIGHT))
 def test_light_models_need_no_fallback(name):
     model = _light_model(name)
     backend = CuPyBackend(HostRuntime())

@@ -12,7 +12,8 @@ import onnx
 import pytest
 
 import asyncinfer as ai
-from model_zoo import LIGHT_MODELS, light_expected, light_input, light_path, transformer_block, with_random_weights
+from model_zoo import (LIGHT_MODELS, light_expected, light_input, light_params, light_path, transformer_block,
+                       with_random_weights)
 from pixel_testing import assert_close, require_pixel
 
 
@@ -21,7 +22,7 @@ def _pixel():
     require_pixel()
 
 
-@pytest.mark.parametrize("name, rtol, atol", LIGHT_MODELS, ids=[m[0] for m in LIGHT_MODELS])
+@pytest.mark.parametrize("name, rtol, atol", light_params(LIGHT_MODELS))
 def test_light_model_runs_wholly_as_shaders_and_matches_shipped_output(name, rtol, atol):
     proto = onnx.load(light_path(name))
     input_name, x = light_input(proto)
