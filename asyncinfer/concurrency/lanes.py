@@ -84,6 +84,7 @@ class LanePool:
         self._initializer = initializer
         self._lock = threading.Lock()
         self._idle: list[_Idle] = []      # a stack: the last to go idle is woken first
+        self._claimed: list[_Idle] = []   # idle threads another thread works in place of (`claim_idle`)
         self._finishing: list[_Idle] = []  # about to come back for work: preferred to the idle
         self._queue: deque[_Item] = deque()
         self._own = threading.local()      # on a pool thread: its `_Idle`
@@ -121,6 +122,32 @@ class LanePool:
             thread = threading.Thread(target=self._work, name=f"{self._prefix}_{len(self._threads)}", daemon=True)
             thread.start()  # (RuntimeError if refused: not counted as started)
             self._threads.append(thread)
+
+    def claim_idle(self) -> _Idle | None:
+        """Take the most recently idle thread out of the pool, so that the calling thread can do
+        work in its place (a blocking caller running its own run on a pool of one lane): work
+        submitted meanwhile that no other thread takes queues for it. None, having taken
+        nothing, when no thread is idle or work is queued. Every claim is handed back with
+        `give_back`."""
+        with self._lock:
+            if self._closed or self._queue or not self._idle:
+                return None
+            claimed = self._idle.pop()
+            self._claimed.append(claimed)
+            return claimed
+
+    def give_back(self, claimed: _Idle) -> None:
+        """Return a thread `claim_idle` took: it takes the work queued meanwhile, else it is idle
+        again (the most recently idle). After `shutdown` nothing: that woke it to exit."""
+        with self._lock:
+            self._claimed.remove(claimed)
+            if self._closed:
+                return
+            if self._queue:
+                claimed.item = self._queue.popleft()
+                claimed.wake()
+            else:
+                self._idle.append(claimed)
 
     def finishing(self) -> None:
         """(On a pool thread, its work's result about to be handed over, nothing else queued on
@@ -168,7 +195,7 @@ class LanePool:
         but for the calling thread itself)."""
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
+            idle, self._idle = self._idle + self._claimed, []
             threads = list(self._threads)
         for sleeper in idle:
             post(sleeper.signal)

@@ -279,3 +279,44 @@ async def test_awaited_runs_one_after_another_stay_on_one_lane(digits_model, dig
             expected = out if expected is None else expected
             np.testing.assert_array_equal(next(iter(out.values())), next(iter(expected.values())))
     assert len(lanes) >= 12 and len(set(lanes[1:])) == 1, lanes
+
+
+def test_a_claimed_idle_thread_takes_no_work_until_given_back_then_the_queued_work():
+    """`claim_idle`: the caller works in place of an idle thread (a blocking run on a pool of one
+    lane); work submitted meanwhile queues, in order, for that thread once it is given back."""
+    pool = LanePool(1, "lane-test")
+    try:
+        assert pool.claim_idle() is None  # (no thread started yet)
+        gates, names = _occupy(pool, 1)
+        assert pool.claim_idle() is None  # (its one thread busy)
+        gates[0].set()
+        _until(lambda: pool.idle == 1)
+        claimed = pool.claim_idle()
+        assert claimed is not None and pool.idle == 0
+        ran: list[tuple[int, str]] = []
+        for i in range(2):
+            pool.submit(lambda i=i: ran.append((i, threading.current_thread().name)))
+        time.sleep(0.05)
+        assert ran == [] and pool.started == 1  # queued: no second thread beyond the limit
+        pool.give_back(claimed)
+        _until(lambda: len(ran) == 2)
+        assert ran == [(0, names[0]), (1, names[0])]
+        _until(lambda: pool.idle == 1)
+        claimed = pool.claim_idle()
+        pool.give_back(claimed)  # nothing queued: idle again
+        assert pool.idle == 1
+    finally:
+        pool.shutdown()
+
+
+def test_shutdown_while_a_thread_is_claimed_ends_it():
+    pool = LanePool(1, "lane-test")
+    gates, _ = _occupy(pool, 1)
+    gates[0].set()
+    _until(lambda: pool.idle == 1)
+    claimed = pool.claim_idle()
+    assert claimed is not None
+    pool.shutdown()  # (joins the claimed thread: it was woken to exit, not left waiting)
+    assert not any(t.is_alive() for t in pool._threads)
+    pool.give_back(claimed)  # (after shutdown: nothing to do)
+    assert pool.claim_idle() is None

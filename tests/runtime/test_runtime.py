@@ -93,8 +93,9 @@ def test_independent_layers_run_in_parallel():
 
 
 def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch):
-    """ASYNCINFER_CPU_LANES=1: every layer runs on one lane thread; a large GEMM still uses the
-    other core through a helper thread, and the results are the same."""
+    """ASYNCINFER_CPU_LANES=1: layers run one at a time, on the lane thread or on the blocking
+    caller working in its place; a large GEMM still uses the other core through a helper
+    thread, and the results are the same."""
     from asyncinfer.ops import linalg
 
     monkeypatch.setenv("ASYNCINFER_CPU_LANES", "1")
@@ -104,10 +105,32 @@ def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch
     lane_threads, part_threads = set(), set()
     run_parts = linalg.parallel.run_parts
 
-    def spy_parts(count, part):
-        return run_parts(count, lambda i: part_threads.add(threading.current_thread().name) or part(i))
+    helper_took_one = threading.Event()
 
-    _record_layer_threads(monkeypatch, lambda step: lane_threads.add(threading.current_thread().name))
+    def spy_parts(count, part):
+        def spied(i):
+            name = threading.current_thread().name
+            part_threads.add(name)
+            if name.startswith("asyncinfer-part"):
+                helper_took_one.set()
+            else:  # (leave a part to a helper: a thread of higher priority could take them all first)
+                helper_took_one.wait(1)
+            part(i)
+        return run_parts(count, spied)
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def record(step):
+        lane_threads.add(threading.current_thread().name)
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.002)  # (long enough for a second thread's layer to overlap, if one ran)
+        with lock:
+            running[0] -= 1
+
+    _record_layer_threads(monkeypatch, record)
     monkeypatch.setattr(linalg.parallel, "run_parts", spy_parts)
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="left"),
@@ -120,7 +143,9 @@ def test_one_lane_runs_layers_on_one_thread_and_splits_large_kernels(monkeypatch
         assert worker._backend.lanes == 1
         for _ in range(5):
             np.testing.assert_allclose(worker.run_blocking(x)["y"], x @ w + np.maximum(x, 0), rtol=1e-5, atol=1e-5)
-    assert len(lane_threads) == 1 and all(n.startswith("asyncinfer-cpu") for n in lane_threads)
+    assert most == [1]
+    lanes = {n for n in lane_threads if n.startswith("asyncinfer-cpu")}
+    assert len(lanes) == 1 and lane_threads <= lanes | {threading.current_thread().name}
     assert any(n.startswith("asyncinfer-part") for n in part_threads)
 
 
@@ -683,7 +708,9 @@ def test_a_thread_that_cannot_start_fails_the_run_and_the_worker_recovers(add_ch
 
 def test_a_blocking_run_runs_its_first_work_on_the_calling_thread(add_chain_model, monkeypatch):
     """run_blocking waits anyway: its thread runs the job it made ready (no hand-off to the pool
-    and back); awaited and scheduled runs still run on the pool; one lane keeps its layers."""
+    and back); awaited and scheduled runs still run on the pool. With one lane, the caller works
+    in the lane's place while it is idle, and hands the run over while it is busy (or not
+    started yet)."""
     threads: list[str] = []
     _record_layer_threads(monkeypatch, lambda step: threads.append(threading.current_thread().name))
     x = np.zeros((1, 4), np.float32)
@@ -698,7 +725,16 @@ def test_a_blocking_run_runs_its_first_work_on_the_calling_thread(add_chain_mode
     threads.clear()
     with ai.Worker(ai.load_model(add_chain_model(3)), threads=2) as worker:
         worker.run_blocking(x)
-        assert len(threads) == 3 and threading.current_thread().name not in threads
+        assert len(threads) == 3 and threading.current_thread().name not in threads  # (no lane idle yet)
+        pool = worker._backend._pool
+        deadline = time.monotonic() + 10
+        while pool.idle != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        threads.clear()
+        np.testing.assert_array_equal(worker.run_blocking(x)["y"], np.full((1, 4), 3, np.float32))
+        assert threads == [threading.current_thread().name] * 3
+        assert pool.idle == 1  # (given back)
 
 
 def test_a_device_thread_that_cannot_start_is_backend_unavailable(monkeypatch):
