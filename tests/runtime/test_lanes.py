@@ -1,7 +1,7 @@
 """The CPU backend's lane pool (asyncinfer/concurrency/lanes.py): the most recently idle thread
 takes the next work, unless a thread said it is finishing (then that one), work queues first in,
-first out while every thread is busy, threads start on demand up to the limit, and shutdown lets
-queued work finish."""
+first out while every thread is busy, threads start on demand up to the limit, a claimed idle
+thread takes only the work queued while it was claimed, and shutdown lets queued work finish."""
 from __future__ import annotations
 
 import asyncio
@@ -281,16 +281,23 @@ async def test_awaited_runs_one_after_another_stay_on_one_lane(digits_model, dig
     assert len(lanes) >= 12 and len(set(lanes[1:])) == 1, lanes
 
 
+def _one_idle_thread(pool: LanePool, check_busy=lambda: True) -> str:
+    """Start the pool's one thread with a piece of work (``check_busy()`` must hold while it
+    runs) and wait until it is idle; its name."""
+    gates, names = _occupy(pool, 1)
+    assert check_busy()
+    gates[0].set()
+    _until(lambda: pool.idle == 1)
+    return names[0]
+
+
 def test_a_claimed_idle_thread_takes_no_work_until_given_back_then_the_queued_work():
     """`claim_idle`: the caller works in place of an idle thread (a blocking run on a pool of one
     lane); work submitted meanwhile queues, in order, for that thread once it is given back."""
     pool = LanePool(1, "lane-test")
     try:
         assert pool.claim_idle() is None  # (no thread started yet)
-        gates, names = _occupy(pool, 1)
-        assert pool.claim_idle() is None  # (its one thread busy)
-        gates[0].set()
-        _until(lambda: pool.idle == 1)
+        name = _one_idle_thread(pool, check_busy=lambda: pool.claim_idle() is None)
         claimed = pool.claim_idle()
         assert claimed is not None and pool.idle == 0
         ran: list[tuple[int, str]] = []
@@ -300,7 +307,7 @@ def test_a_claimed_idle_thread_takes_no_work_until_given_back_then_the_queued_wo
         assert ran == [] and pool.started == 1  # queued: no second thread beyond the limit
         pool.give_back(claimed)
         _until(lambda: len(ran) == 2)
-        assert ran == [(0, names[0]), (1, names[0])]
+        assert ran == [(0, name), (1, name)]
         _until(lambda: pool.idle == 1)
         claimed = pool.claim_idle()
         pool.give_back(claimed)  # nothing queued: idle again
@@ -311,9 +318,7 @@ def test_a_claimed_idle_thread_takes_no_work_until_given_back_then_the_queued_wo
 
 def test_shutdown_while_a_thread_is_claimed_ends_it():
     pool = LanePool(1, "lane-test")
-    gates, _ = _occupy(pool, 1)
-    gates[0].set()
-    _until(lambda: pool.idle == 1)
+    _one_idle_thread(pool)
     claimed = pool.claim_idle()
     assert claimed is not None
     pool.shutdown()  # (joins the claimed thread: it was woken to exit, not left waiting)
