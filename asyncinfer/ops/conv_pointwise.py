@@ -59,8 +59,11 @@ MAX_WASTE = 1.35
 #: positions, where its 256 scalar stores a block are few against the block's multiply-adds and
 #: no column is wasted. Measured on one core: ResNet-50's 1024 -> 256 at 14x14 1.06 ms against
 #: `pointwise_conv`'s 1.43, 512 -> 2048 at 7x7 1.22 against 2.32 (BLAS and a pass 1.73), its 256
-#: -> 64 at 56x56 454 against 515 µs; a 24 -> 72 at 28x28 0.071 against 0.037.
-SMALL_MAP_DEPTH = 256
+#: -> 64 at 56x56 454 against 515 µs; a 24 -> 72 at 28x28 0.071 against 0.037. Shallower than
+#: this, the waste rule below decides: SqueezeNet's 256 -> 48 and 384 -> 48 at 13x13 (a panel and
+#: a half of 32 channels: 64 computed for 48) took 81 and 104 µs here against `pointwise_conv`'s
+#: 72 and 97 (one core, from 256 on before), its 384 -> 64 and 512 -> 64 the same either way.
+SMALL_MAP_DEPTH = 512
 SMALL_MAP = 4096
 #: ... and from `SMALL_MAP_WASTE_DEPTH` on, the maps where it wastes less of its panels of output
 #: channels than `pointwise_conv` would of its panels of positions, counting its blocks as

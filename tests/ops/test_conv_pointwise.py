@@ -256,7 +256,7 @@ def test_which_kernel_takes_a_1x1_conv(monkeypatch):
     """With the module's thresholds: deep inputs on small maps go to `small_map_conv`, maps whose
     padding to whole panels wastes little to `pointwise_conv`, the rest (a 1x1 or 1x17 map of a
     shallow input) to BLAS."""
-    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 1), ("SMALL_MAP_DEPTH", 256), ("SMALL_MAP", 4096),
+    for name, value in (("MAX_WASTE", 1.35), ("MIN_POSITIONS", 1), ("SMALL_MAP_DEPTH", 512), ("SMALL_MAP", 4096),
                         ("SMALL_MAP_WASTE_DEPTH", 32), ("SMALL_MAP_DEEP", 64), ("SMALL_MAP_DEEP_COST", 0.9)):
         monkeypatch.setattr(conv_pointwise, name, value)
     f32 = np.dtype(np.float32)
@@ -272,12 +272,16 @@ def test_which_kernel_takes_a_1x1_conv(monkeypatch):
     assert kind(96, 14, m=24) == "panels"  # (24 channels of a 32-wide panel, 224 columns for 196 positions)
     assert kind(24, 14, m=144) == "panels" and kind(40, 28, m=240) == "panels"  # (too shallow; 800 for 784)
     assert kind(8, 28) == "panels" and kind(8, 7) == "panels"  # (7x7: 64 columns for 49 positions)
-    assert kind(256, 14) == "small_map" and kind(1024, 7) == "small_map" and kind(512, 28) == "small_map"
-    assert kind(256, 56) == "small_map" and kind(256, 72) == "panels"  # (5184 positions: past SMALL_MAP)
+    assert kind(512, 14) == "small_map" and kind(1024, 7) == "small_map" and kind(512, 28) == "small_map"
+    assert kind(512, 56) == "small_map" and kind(512, 72) == "panels"  # (5184 positions: past SMALL_MAP)
+    # below SMALL_MAP_DEPTH, deep inputs by the waste too: ResNet-50's 256 -> 64 at 56x56 on small
+    # maps, SqueezeNet's 256 -> 48 at 13x13 (64 of 32-wide panels' channels for 48) on panels of positions
+    assert kind(256, 56, m=64) == "small_map" and kind(256, 14, m=256) == "small_map"
+    assert kind(256, 13, m=48) == "panels" and kind(384, 13, m=48) == "panels" and kind(384, 13, m=64) == "small_map"
     # from SMALL_MAP_DEEP input channels its blocks count for less: no waste either way, it takes them
     assert kind(64, 56, m=256) == "small_map" and kind(32, 56, m=256) == "panels"
     assert kind(144, 56, m=24) == "panels"  # (24 channels of a 32-wide panel)
-    assert kind(8, 1, 17) is None and kind(256, 1, 17) == "small_map"  # (17 positions: 32 columns)
+    assert kind(8, 1, 17) is None and kind(512, 1, 17) == "small_map"  # (17 positions: 32 columns)
     # a map too small for panels of positions: the small-map kernel where it applies, else BLAS
     assert kind(8, 1) is None and kind(512, 1) == "small_map" and kind(128, 3, m=256) == "small_map"
     assert kind(16, 3, m=256) is None  # (too shallow)
