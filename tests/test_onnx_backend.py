@@ -27,6 +27,7 @@ from onnx import helper
 
 import asyncinfer as ai
 import asyncinfer.onnx_backend as backend
+from model_zoo import LARGE_LIGHT_MODELS
 
 EXPECTED_FAILURES_FILE = Path(__file__).with_name("backend_test_expected_failures.txt")
 RANDOM = "(random)"
@@ -68,6 +69,13 @@ _official = _runner()
 for _pattern, _ in EXPECTED_FAILURES:
     _official.exclude(_pattern)
 globals().update(_cpu_only(_official.test_cases))  # OnnxBackendNodeModelTest, …SimpleModelTest, …RealModelTest…
+# The large real models' cases hold 1-2 GB each: they run first, while the process is small
+# (``memory_heavy``, tests/conftest.py; run late on a cold kernel cache, VGG-19's peaked at 3.75 GB).
+_real_models = _official.test_cases["OnnxBackendRealModelTest"]
+for _name in LARGE_LIGHT_MODELS:
+    if hasattr(_real_models, f"test_{_name}_cpu"):
+        setattr(_real_models, f"test_{_name}_cpu", pytest.mark.memory_heavy(getattr(_real_models, f"test_{_name}_cpu")))
+del _real_models  # (a class bound to a module name is collected again under it)
 
 
 @pytest.fixture(autouse=True, scope="module")
