@@ -14,7 +14,7 @@ goes back to Python, to sleep on a condition (and a caller wakes it the slow way
 
 A serve loop is written with the kernels it serves (``ops/compiled/team_parts.py``): it calls
 `next_post`, reads the part's kind from ``control[KIND]`` and its arguments from
-``control[ARGS:]``, runs it, and calls `mark_done`. A caller
+``control[ARGS:]``, takes it (`take_part`), runs it, and calls `mark_done`. A caller
 keeps every buffer whose address it posts alive until `SpinTeam.try_run` returns.
 
 A caller may also post and wait in compiled code, where a decode step's ~70 GEMMs each save tens
@@ -22,6 +22,13 @@ of microseconds of Python (which, after a GEMM has streamed megabytes through th
 cold): it `claim`s the team's control rows, calls a kernel that writes each helper's arguments,
 `post`s them and counts the helpers that were `asleep`, `wake`s them if any were, calls a kernel
 that runs its own part and `wait_done`s, and `release`s the team.
+
+A part is run once, by whoever *takes* it first (`take_part`, an atomic compare-and-swap):
+its helper, or the caller once it has run its own part and the helper has not started within
+`START_ROUNDS` spins. A helper another process keeps off the cores (a busy neighbour, a
+spinning thread pool, the low priority of `priority.py`) then costs the caller its part's time
+at most, never the wait for the OS to run the helper: with one of 2 cores kept busy by another
+process, MobileNetV3-small took 1.9 s a run where every part waited for its helper.
 
 Memory order: sequence numbers are written and read with a full fence on either side
 (`_fence`), so the arguments stored before a post are seen by the helper and the results
@@ -32,12 +39,14 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numba
 import numpy as np
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import placement
@@ -48,6 +57,15 @@ from .priority import lower_this_thread
 SPIN_ROUNDS = 4000
 #: Rounds a caller spins waiting for its helpers before it looks whether they still live.
 WAIT_ROUNDS = 1 << 16
+#: Rounds a caller that has run its own part waits for a helper to start its part before it
+#: takes the part over (`SpinTeam.wait`): a spinning helper starts within a round or two of a
+#: post, so only a helper the OS is not running (asleep, or its core given to another thread)
+#: is still not there.
+START_ROUNDS = 16
+#: A helper found absent (`SpinTeam._take_over`) this many times within this window makes the
+#: team decline callers for the hold: one absence alone is common on an idle machine too (a
+#: hypervisor or another thread holding the helper's core a moment: 3-12 in 300 runs).
+ABSENT_COUNT, ABSENT_WINDOW_S, ABSENT_HOLD_S = 3, 0.02, 0.1
 #: What a caller's compiled post-and-finish call (`compiled.depthwise_parts.post_and_finish_depthwise`...)
 #: returns: a helper was asleep (its part posted, nothing run yet: `SpinTeam.settle` wakes the team,
 #: then runs its own part and waits, the call's two halves), every part done, or a helper not
@@ -57,9 +75,10 @@ HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING = 2, 1, 0
 # A control row per helper: the posted sequence number, the done one, the stop flag and the
 # asleep flag on cache lines of their own, then the part's kind and its arguments (room for 95).
 _POSTED, _DONE, _STOP, _ASLEEP, KIND, ARGS, _ROW = 0, 8, 16, 24, 32, 33, 128
-# The core the last post came from (beside the sequence number the poster writes with it), and
-# whether the helper moved off a poster's core since it last slept (`keep_off_poster`)
-_POSTER_CPU, _MOVED = 1, 2
+# The core the last post came from (beside the sequence number the poster writes with it),
+# whether the helper moved off a poster's core since it last slept (`keep_off_poster`), and the
+# sequence number of the last part taken to run (`take_part`)
+_POSTER_CPU, _MOVED, _TAKEN = 1, 2, 3
 
 _sched_yield = types.ExternalFunction("sched_yield", types.int32())
 if sys.platform.startswith("linux"):
@@ -103,6 +122,18 @@ def address_as_pointer(typingctx: Any, address: Any, dtype: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
     return types.CPointer(element)(types.int64, dtype), codegen
+
+
+@intrinsic
+def _compare_and_swap(typingctx: Any, array: Any, index: Any, expected: Any, new: Any) -> Any:
+    """``array[index] = new`` if it holds ``expected``, atomically (int64 arrays, compiled code
+    only); whether it did."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        kind = signature.args[0]
+        item = cgutils.get_item_pointer(context, builder, kind, context.make_array(kind)(context, builder, args[0]),
+                                        [args[1]])
+        return builder.extract_value(builder.cmpxchg(item, args[2], args[3], "seq_cst", "seq_cst"), 1)
+    return types.boolean(array, types.int64, types.int64, types.int64), codegen
 
 
 @numba.njit(inline="always")
@@ -158,7 +189,15 @@ def keep_off_poster(control: np.ndarray, masks: np.ndarray) -> None:
         control[_MOVED] = 1
 
 
-@numba.njit(inline="always")
+@numba.njit(cache=True, nogil=True)
+def take_part(control: np.ndarray, seq: int) -> bool:
+    """Take part ``seq`` of ``control``'s helper to run: True for the one thread that takes it
+    (the helper in its serve loop, or the caller in `SpinTeam.wait`), which then runs it and
+    `mark_done`s it; False for the other, which leaves it alone."""
+    return _compare_and_swap(control, _TAKEN, seq - 1, seq)
+
+
+@numba.njit(cache=True, nogil=True)
 def mark_done(control: np.ndarray, seq: int) -> None:
     """(serve loops) The part's results are visible, then it counts as done."""
     _fence()
@@ -203,11 +242,14 @@ def post_and_count_asleep(row: np.ndarray) -> int:
 @numba.njit(cache=True, nogil=True)
 def wait_done(control: np.ndarray, seq: int, rounds: int) -> bool:
     """(callers) Spin until part ``seq`` of ``control``'s helper is done; False after ``rounds``
-    rounds without (then `SpinTeam.wait`, which wakes and checks the helper)."""
+    rounds without, or after `START_ROUNDS` if the helper has not taken it yet (then
+    `SpinTeam.wait` takes it over, or wakes and checks the helper)."""
     for i in range(rounds):
         _fence()
         if control[_DONE] >= seq:
             return True
+        if i >= START_ROUNDS and control[_TAKEN] < seq:
+            return False
         if i >= 32:
             _sched_yield()
     return False
@@ -248,12 +290,15 @@ def range_cuts(n: int, count: int, align: int) -> np.ndarray:
 
 
 class SpinTeam:
-    """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
+    """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time;
+    ``run_part`` runs a part posted in a control row (what ``serve`` runs for each part it
+    takes), for a caller taking a part over."""
 
     def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, np.ndarray], int],
-                 name: str = "asyncinfer-team"):
+                 run_part: Callable[[np.ndarray], None], name: str = "asyncinfer-team"):
         self.helpers = helpers
         self._serve = serve
+        self._run_part = run_part
         # the cores a helper may run on, and the affinity masks it moves off its poster's core with
         # (`placement.py`); none where it never moves
         self._cores = placement.allowed_cores() if placement.enabled() else []
@@ -263,6 +308,8 @@ class SpinTeam:
         self._cond = threading.Condition()
         self._sleeping = [False] * helpers
         self._stopped = False
+        self._absent_until = self._absent_since = 0.0  # (`_take_over`)
+        self._absences = 0
         self._name = name
         self._threads: list[threading.Thread] = []
         self._scratch = np.empty(0, np.uint8)
@@ -298,7 +345,7 @@ class SpinTeam:
     def claim(self) -> np.ndarray | None:
         """The control rows (one per helper) for this caller alone until `release`; None when
         another caller holds the team or it is closed (the caller runs its parts itself)."""
-        if self._stopped or not self._busy.acquire(blocking=False):
+        if self._stopped or time.monotonic() < self._absent_until or not self._busy.acquire(blocking=False):
             return None
         try:
             self._start_threads()
@@ -317,15 +364,39 @@ class SpinTeam:
             self._cond.notify_all()
 
     def wait(self, helper: int, seq: int | None = None) -> None:
-        """Wait until part ``seq`` of ``helper`` (default: the last posted) is done, waking it if a
+        """Wait until part ``seq`` of ``helper`` (default: the last posted) is done: run here if
+        the helper has not started it (`take_part`), else waited for, waking the helper if a
         wake-up was lost."""
+        row = self._control[helper]
         if seq is None:
-            seq = int(self._control[helper, _POSTED])
-        while not wait_done(self._control[helper], seq, WAIT_ROUNDS):
+            seq = int(row[_POSTED])
+        if wait_done(row, seq, START_ROUNDS + 1) or self._take_over(row, seq):
+            return
+        while not wait_done(row, seq, WAIT_ROUNDS):
             with self._cond:  # (a wake-up lost to a race would cost this much, never a hang)
                 self._cond.notify_all()
             if not self._threads[helper].is_alive():  # (interpreter shutdown): never wait forever
                 raise RuntimeError(f"{self._threads[helper].name} stopped before its part ran")
+
+    def _take_over(self, row: np.ndarray, seq: int) -> bool:
+        """Run part ``seq`` of ``row`` here if its helper has not taken it; whether it did. A
+        helper that was not asleep, yet did not start its part while the caller ran its own, was
+        kept off the cores by other work: after `ABSENT_COUNT` such parts within
+        `ABSENT_WINDOW_S`, the team declines every caller (`claim`) for `ABSENT_HOLD_S`, so that
+        their kernels run whole rather than post parts for a helper that may be preempted
+        halfway through one."""
+        if not take_part(row, seq):
+            return False
+        if not row[_ASLEEP]:
+            now = time.monotonic()
+            if now - self._absent_since > ABSENT_WINDOW_S:
+                self._absent_since, self._absences = now, 0
+            self._absences += 1
+            if self._absences >= ABSENT_COUNT:
+                self._absent_until = now + ABSENT_HOLD_S
+        self._run_part(row)
+        mark_done(row, seq)
+        return True
 
     def wait_posted(self, helpers: int) -> None:
         """`wait` for the last part posted to each of the first ``helpers`` helpers: after a

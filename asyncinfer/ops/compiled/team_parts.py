@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...concurrency.spin_team import KIND, keep_off_poster, mark_done, next_post
+from ...concurrency.spin_team import KIND, keep_off_poster, mark_done, next_post, take_part
 from . import kernel
 from .attention import PART_KIND as ATTENTION
 from .attention import PRODUCTS_PART_KIND as ATTENTION_PRODUCTS
@@ -52,45 +52,52 @@ from .normalization import rows_part
 def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray) -> int:
     """Run the parts posted to this helper's ``control`` row until none came for ``rounds``
     rounds (returns the last sequence number) or the team stops (returns -1); each off its
-    poster's core (`keep_off_poster`, ``masks``)."""
+    poster's core (`keep_off_poster`, ``masks``), unless its poster took it over first."""
     while True:
         seq = next_post(control, seen, rounds)
         if seq == seen or seq < 0:
             return seq
         keep_off_poster(control, masks)
         seen = seq
-        if control[KIND] == ATTENTION:
-            attention_part(control)
-        elif control[KIND] == ATTENTION_PRODUCTS:
-            products_part(control)
-        elif control[KIND] == CONV:
-            conv_part(control)
-        elif control[KIND] == GEMM:
-            gemm_part(control)
-        elif control[KIND] == PANEL_GEMM:
-            panel_gemm_part(control)
-        elif control[KIND] == WINOGRAD:
-            band_part(control)
-        elif control[KIND] == DEPTHWISE:
-            depthwise_part(control)
-        elif control[KIND] == POINTWISE:
-            pointwise_part(control)
-        elif control[KIND] == SMALL_MAP:
-            small_map_part(control)
-        elif control[KIND] == POOL:
-            pool_part(control)
-        elif control[KIND] == DIRECT:
-            direct_part(control)
-        elif control[KIND] == DIRECT_PANELS:
-            direct_panel_part(control)
-        elif control[KIND] == SUM:
-            add_part(control)
-        elif control[KIND] == AFFINE:
-            affine_part(control)
-        elif control[KIND] == ACTIVATE:
-            activate_part(control)
-        elif control[KIND] == ROWS:
-            rows_part(control)
-        else:
-            few_rows_part(control)
-        mark_done(control, seq)
+        if take_part(control, seq):
+            run_part(control)
+            mark_done(control, seq)
+
+
+@kernel
+def run_part(control: np.ndarray) -> None:
+    """Run the part posted in ``control`` (a helper's, or its poster's taking it over), by its kind."""
+    if control[KIND] == ATTENTION:
+        attention_part(control)
+    elif control[KIND] == ATTENTION_PRODUCTS:
+        products_part(control)
+    elif control[KIND] == CONV:
+        conv_part(control)
+    elif control[KIND] == GEMM:
+        gemm_part(control)
+    elif control[KIND] == PANEL_GEMM:
+        panel_gemm_part(control)
+    elif control[KIND] == WINOGRAD:
+        band_part(control)
+    elif control[KIND] == DEPTHWISE:
+        depthwise_part(control)
+    elif control[KIND] == POINTWISE:
+        pointwise_part(control)
+    elif control[KIND] == SMALL_MAP:
+        small_map_part(control)
+    elif control[KIND] == POOL:
+        pool_part(control)
+    elif control[KIND] == DIRECT:
+        direct_part(control)
+    elif control[KIND] == DIRECT_PANELS:
+        direct_panel_part(control)
+    elif control[KIND] == SUM:
+        add_part(control)
+    elif control[KIND] == AFFINE:
+        affine_part(control)
+    elif control[KIND] == ACTIVATE:
+        activate_part(control)
+    elif control[KIND] == ROWS:
+        rows_part(control)
+    else:
+        few_rows_part(control)
