@@ -31,8 +31,8 @@ from typing import Any
 from bench import common
 
 # Every benchmark, in the order a full run takes them (the CPU ones first: they gate the floors).
-BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "real_models", "ort_tools", "load_time", "generate",
-                               "pixel", "serving", "serving_load", "gpu_compute")
+BENCHMARKS: tuple[str, ...] = ("latency", "overhead", "concurrency", "contention", "real_models", "ort_tools", "load_time",
+                               "generate", "pixel", "serving", "serving_load", "gpu_compute")
 
 # Our own packages: failing to import one of them is a bug to report, not a missing dependency.
 OWN_PACKAGES = ("asyncinfer", "bench")

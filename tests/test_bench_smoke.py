@@ -194,6 +194,31 @@ def test_load_time_floors_and_external_copy(monkeypatch, tmp_path):
         np.testing.assert_array_equal(external.constants[name], value)
 
 
+def test_contention_on_squeezenet():
+    pytest.importorskip("onnxruntime", reason="the contention benchmark compares against onnxruntime")
+    from bench import contention
+
+    if (reason := contention.unavailable_reason()) is not None:
+        pytest.skip(reason)
+    result = contention.run(["squeezenet"], seconds=0.1, rounds=1, verbose=False)
+    r = result["models"]["squeezenet"]
+    assert "error" not in r, r.get("error")
+    assert result["busy_cores"] >= 1
+    for engine in r["engines"].values():
+        for case in ("alone", "busy"):
+            assert engine[case]["runs"] >= 1
+            assert 0 < engine[case]["median_ms"] <= engine[case]["max_ms"]
+        assert engine["slowdown"] == pytest.approx(engine["busy"]["median_ms"] / engine["alone"]["median_ms"])
+    assert r["ratio_busy"] == pytest.approx(r["engines"]["asyncinfer"]["busy"]["median_ms"]
+                                            / r["engines"]["ort"]["busy"]["median_ms"])
+    assert r["ratio_busy_await"] == pytest.approx(r["engines"]["asyncinfer_await"]["busy"]["median_ms"]
+                                                  / r["engines"]["ort"]["busy"]["median_ms"])
+    assert set(r["engines"]) == set(contention.ENGINES)
+    assert set(contention.key_figures(result)) == {
+        "squeezenet busy/alone asyncinfer", "squeezenet busy/alone asyncinfer_await", "squeezenet busy/alone ort",
+        "squeezenet busy ai/ORT", "squeezenet busy ai await/ORT"}
+
+
 def test_concurrency_floors_need_throughput_at_least_ort():
     fast = {"ratio": 1.2, "engines": {"asyncinfer": {"loop_lag": {"p99_ms": 3.0, "max_ms": 9.0}}}}
     conc = {"tasks": 8, "models": {"fast": fast, "slow": {"ratio": 0.5}, "broken": {"error": "did not load"}}}
