@@ -189,15 +189,15 @@ def keep_off_poster(control: np.ndarray, masks: np.ndarray) -> None:
         control[_MOVED] = 1
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(inline="always")
 def take_part(control: np.ndarray, seq: int) -> bool:
-    """Take part ``seq`` of ``control``'s helper to run: True for the one thread that takes it
-    (the helper in its serve loop, or the caller in `SpinTeam.wait`), which then runs it and
-    `mark_done`s it; False for the other, which leaves it alone."""
+    """(serve loops) Take part ``seq`` of ``control``'s helper to run: True for the one thread
+    that takes it (the helper, or its poster taking it over, `SpinTeam.wait`), which then runs
+    it and `mark_done`s it; False for the other, which leaves it alone."""
     return _compare_and_swap(control, _TAKEN, seq - 1, seq)
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(inline="always")
 def mark_done(control: np.ndarray, seq: int) -> None:
     """(serve loops) The part's results are visible, then it counts as done."""
     _fence()
@@ -290,23 +290,22 @@ def range_cuts(n: int, count: int, align: int) -> np.ndarray:
 
 
 class SpinTeam:
-    """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time;
-    ``run_part`` runs a part posted in a control row (what ``serve`` runs for each part it
-    takes), for a caller taking a part over."""
+    """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
 
     def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, np.ndarray], int],
-                 run_part: Callable[[np.ndarray], None], name: str = "asyncinfer-team"):
+                 name: str = "asyncinfer-team"):
         self.helpers = helpers
         self._serve = serve
-        self._run_part = run_part
         # the cores a helper may run on, and the affinity masks it moves off its poster's core with
         # (`placement.py`); none where it never moves
         self._cores = placement.allowed_cores() if placement.enabled() else []
         self._masks = placement.off_core_masks(self._cores)
+        self._no_moves = placement.off_core_masks([])  # (a caller running a part in `_take_over`)
         self._control = np.zeros((helpers, _ROW), dtype=np.int64)
         self._busy = threading.Lock()
         self._cond = threading.Condition()
         self._sleeping = [False] * helpers
+        self._serving = [False] * helpers  # (a helper thread still starting is not absent)
         self._stopped = False
         self._absent_until = self._absent_since = 0.0  # (`_take_over`)
         self._absences = 0
@@ -370,33 +369,31 @@ class SpinTeam:
         row = self._control[helper]
         if seq is None:
             seq = int(row[_POSTED])
-        if wait_done(row, seq, START_ROUNDS + 1) or self._take_over(row, seq):
-            return
+        if not wait_done(row, seq, START_ROUNDS + 1):
+            self._take_over(helper, seq)
         while not wait_done(row, seq, WAIT_ROUNDS):
             with self._cond:  # (a wake-up lost to a race would cost this much, never a hang)
                 self._cond.notify_all()
             if not self._threads[helper].is_alive():  # (interpreter shutdown): never wait forever
                 raise RuntimeError(f"{self._threads[helper].name} stopped before its part ran")
 
-    def _take_over(self, row: np.ndarray, seq: int) -> bool:
-        """Run part ``seq`` of ``row`` here if its helper has not taken it; whether it did. A
-        helper that was not asleep, yet did not start its part while the caller ran its own, was
-        kept off the cores by other work: after `ABSENT_COUNT` such parts within
-        `ABSENT_WINDOW_S`, the team declines every caller (`claim`) for `ABSENT_HOLD_S`, so that
-        their kernels run whole rather than post parts for a helper that may be preempted
-        halfway through one."""
-        if not take_part(row, seq):
-            return False
-        if not row[_ASLEEP]:
+    def _take_over(self, helper: int, seq: int) -> None:
+        """Run part ``seq`` of ``helper`` here unless the helper takes it first: one round of the
+        helper's own serve loop (`take_part` inside; the same compiled code, no second copy of
+        it in memory), kept where it runs. A helper serving already and not asleep, yet not
+        started on its part while the caller ran its own, was kept off the cores by other work:
+        after `ABSENT_COUNT` such parts within `ABSENT_WINDOW_S`, the team declines every caller
+        (`claim`) for `ABSENT_HOLD_S`, so that their kernels run whole rather than post parts
+        for a helper that may be preempted halfway through one."""
+        row = self._control[helper]
+        if self._serving[helper] and not row[_ASLEEP]:
             now = time.monotonic()
             if now - self._absent_since > ABSENT_WINDOW_S:
                 self._absent_since, self._absences = now, 0
             self._absences += 1
             if self._absences >= ABSENT_COUNT:
                 self._absent_until = now + ABSENT_HOLD_S
-        self._run_part(row)
-        mark_done(row, seq)
-        return True
+        self._serve(row, seq - 1, 1, self._no_moves)
 
     def wait_posted(self, helpers: int) -> None:
         """`wait` for the last part posted to each of the first ``helpers`` helpers: after a
@@ -435,6 +432,12 @@ class SpinTeam:
         return view
 
     def _start_threads(self) -> None:
+        if not self._threads:
+            # The serve loop loaded here first, from numba's cache (half a second for one that runs
+            # every kind of part): a helper loading it itself could still be at it when a later
+            # run comes, whose caller then waits for it (a Llama block's first run after
+            # `warmup()` 16x its steady time, now and then).
+            self._serve(np.zeros(_ROW, np.int64), 0, 0, self._no_moves)
         while len(self._threads) < self.helpers:
             index = len(self._threads)
             # the helper starts from the sequence number as it is now, before any post it must see
@@ -447,6 +450,7 @@ class SpinTeam:
     def _loop(self, index: int, seen: int) -> None:
         lower_this_thread()  # a compute thread: see concurrency/priority.py
         control = self._control[index]
+        self._serving[index] = True
         while True:
             last = self._serve(control, seen, SPIN_ROUNDS, self._masks)
             if last < 0 or self._stopped:

@@ -79,7 +79,7 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
     another caller holds leaves the whole attention on this thread."""
     from asyncinfer.concurrency.spin_team import SpinTeam
     from asyncinfer.ops import fused
-    from asyncinfer.ops.compiled.team_parts import run_part, serve_parts
+    from asyncinfer.ops.compiled.team_parts import serve_parts
 
     keys, depth = 70, 64
     arena = RNG.standard_normal((batch, kv_heads, keys + 32, depth)).astype(np.float32)
@@ -94,11 +94,11 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
 
     alone = attend()  # no team bound: one thread
     monkeypatch.setattr(fused, "ATTENTION_SPLIT_MIN_MACS", 0)
-    team = SpinTeam(helpers, serve_parts, run_part, name="test-team")
+    team = SpinTeam(helpers, serve_parts, name="test-team")
     split: list[int] = []
     heads_on_team = fused._heads_on_team
     monkeypatch.setattr(fused, "_heads_on_team", lambda *args: split.append(1) or heads_on_team(*args))
-    _shared_and_held_alike(attend, alone, team)
+    _shared_and_held_alike(attend, alone, team, monkeypatch)
     assert len(split) == 2
     k_full, v_full = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
     np.testing.assert_allclose(alone, _definition(q, k_full, v_full, np.float32(8.0), True, keep, bias),
@@ -163,7 +163,7 @@ def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread
     """Bands of heads on the spinning helpers give the one-thread result bit for bit, and a team
     another caller holds leaves every head on this thread."""
     from asyncinfer.concurrency.spin_team import SpinTeam
-    from asyncinfer.ops.compiled.team_parts import run_part, serve_parts
+    from asyncinfer.ops.compiled.team_parts import serve_parts
     _requires_blas_call()
     q = RNG.standard_normal((2, 6, 33, 32)).astype(np.float32)
     k, v = (RNG.standard_normal((2, 6, 50, 32)).astype(np.float32) for _ in range(2))
@@ -174,7 +174,7 @@ def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread
         return op.run(q, k, v, np.float32(8.0), keep, FILL, bias)
 
     alone = attend()
-    _shared_and_held_alike(attend, alone, SpinTeam(helpers, serve_parts, run_part, name="test-team"))
+    _shared_and_held_alike(attend, alone, SpinTeam(helpers, serve_parts, name="test-team"), monkeypatch)
     np.testing.assert_allclose(alone, _definition(q, k, v, np.float32(8.0), True, keep, bias), rtol=1e-5, atol=1e-5)
 
 
@@ -201,11 +201,14 @@ def test_a_perm_that_does_not_fit_the_input_is_a_clear_error():
         ops.create(layer)
 
 
-def _shared_and_held_alike(attend, alone: np.ndarray, team) -> None:
+def _shared_and_held_alike(attend, alone: np.ndarray, team, monkeypatch) -> None:
     """``attend()`` with ``team`` bound (as on the CPU backend's pool threads) gives ``alone``, the
     one-thread result, bit for bit; so does it while another caller holds the team (every head
     then runs on this thread). Closes the team."""
-    from asyncinfer.concurrency import parallel
+    from asyncinfer.concurrency import parallel, spin_team
+    # (more helpers than cores, on a small machine: parts they miss would have the team decline
+    # the claim below for a while, `SpinTeam._take_over`)
+    monkeypatch.setattr(spin_team, "ABSENT_COUNT", 1 << 62)
     try:
         with parallel.pool_bound(None, team.helpers + 1, team):
             shared = attend()

@@ -52,52 +52,49 @@ from .normalization import rows_part
 def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray) -> int:
     """Run the parts posted to this helper's ``control`` row until none came for ``rounds``
     rounds (returns the last sequence number) or the team stops (returns -1); each off its
-    poster's core (`keep_off_poster`, ``masks``), unless its poster took it over first."""
+    poster's core (`keep_off_poster`, ``masks``), unless another thread took it first
+    (`take_part`: the poster takes a part over by running this loop for one round, its masks
+    empty, `SpinTeam.wait`)."""
     while True:
         seq = next_post(control, seen, rounds)
         if seq == seen or seq < 0:
             return seq
         keep_off_poster(control, masks)
         seen = seq
-        if take_part(control, seq):
-            run_part(control)
-            mark_done(control, seq)
-
-
-@kernel
-def run_part(control: np.ndarray) -> None:
-    """Run the part posted in ``control`` (a helper's, or its poster's taking it over), by its kind."""
-    if control[KIND] == ATTENTION:
-        attention_part(control)
-    elif control[KIND] == ATTENTION_PRODUCTS:
-        products_part(control)
-    elif control[KIND] == CONV:
-        conv_part(control)
-    elif control[KIND] == GEMM:
-        gemm_part(control)
-    elif control[KIND] == PANEL_GEMM:
-        panel_gemm_part(control)
-    elif control[KIND] == WINOGRAD:
-        band_part(control)
-    elif control[KIND] == DEPTHWISE:
-        depthwise_part(control)
-    elif control[KIND] == POINTWISE:
-        pointwise_part(control)
-    elif control[KIND] == SMALL_MAP:
-        small_map_part(control)
-    elif control[KIND] == POOL:
-        pool_part(control)
-    elif control[KIND] == DIRECT:
-        direct_part(control)
-    elif control[KIND] == DIRECT_PANELS:
-        direct_panel_part(control)
-    elif control[KIND] == SUM:
-        add_part(control)
-    elif control[KIND] == AFFINE:
-        affine_part(control)
-    elif control[KIND] == ACTIVATE:
-        activate_part(control)
-    elif control[KIND] == ROWS:
-        rows_part(control)
-    else:
-        few_rows_part(control)
+        if not take_part(control, seq):
+            continue
+        if control[KIND] == ATTENTION:
+            attention_part(control)
+        elif control[KIND] == ATTENTION_PRODUCTS:
+            products_part(control)
+        elif control[KIND] == CONV:
+            conv_part(control)
+        elif control[KIND] == GEMM:
+            gemm_part(control)
+        elif control[KIND] == PANEL_GEMM:
+            panel_gemm_part(control)
+        elif control[KIND] == WINOGRAD:
+            band_part(control)
+        elif control[KIND] == DEPTHWISE:
+            depthwise_part(control)
+        elif control[KIND] == POINTWISE:
+            pointwise_part(control)
+        elif control[KIND] == SMALL_MAP:
+            small_map_part(control)
+        elif control[KIND] == POOL:
+            pool_part(control)
+        elif control[KIND] == DIRECT:
+            direct_part(control)
+        elif control[KIND] == DIRECT_PANELS:
+            direct_panel_part(control)
+        elif control[KIND] == SUM:
+            add_part(control)
+        elif control[KIND] == AFFINE:
+            affine_part(control)
+        elif control[KIND] == ACTIVATE:
+            activate_part(control)
+        elif control[KIND] == ROWS:
+            rows_part(control)
+        else:
+            few_rows_part(control)
+        mark_done(control, seq)
