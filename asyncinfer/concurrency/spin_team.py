@@ -63,9 +63,10 @@ WAIT_ROUNDS = 1 << 16
 #: is still not there.
 START_ROUNDS = 16
 #: A helper found absent (`SpinTeam._take_over`) this many times within this window makes the
-#: team decline callers for the hold: one absence alone is common on an idle machine too (a
-#: hypervisor or another thread holding the helper's core a moment: 3-12 in 300 runs).
-ABSENT_COUNT, ABSENT_WINDOW_S, ABSENT_HOLD_S = 3, 0.02, 0.1
+#: team decline callers for the hold: absences come on a quiet VM too (its hypervisor or another
+#: thread holding the helper's core a moment: a hold on each single one held the team 3-12 times
+#: in 300 runs of a model, 3 in 20 ms 0 in a quiet phase and 1-4 in a noisy one, 8 in 20 ms 1-4).
+ABSENT_COUNT, ABSENT_WINDOW_S, ABSENT_HOLD_S = 8, 0.02, 0.1
 #: What a caller's compiled post-and-finish call (`compiled.depthwise_parts.post_and_finish_depthwise`...)
 #: returns: a helper was asleep (its part posted, nothing run yet: `SpinTeam.settle` wakes the team,
 #: then runs its own part and waits, the call's two halves), every part done, or a helper not
@@ -386,6 +387,8 @@ class SpinTeam:
         (`claim`) for `ABSENT_HOLD_S`, so that their kernels run whole rather than post parts
         for a helper that may be preempted halfway through one."""
         row = self._control[helper]
+        if row[_TAKEN] >= seq:  # the helper has it (a part longer than the caller's): wait for it
+            return
         if self._serving[helper] and not row[_ASLEEP]:
             now = time.monotonic()
             if now - self._absent_since > ABSENT_WINDOW_S:
