@@ -23,7 +23,10 @@ _running = threading.local()
 class TaskFuture:
     """Result (or failure) of one task; callbacks fire exactly once, on the completing thread."""
 
-    __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "_event", "label")
+    # A run creates and completes one future per layer: 0.33 + 0.42 µs each with an event slot
+    # and a list per future, a third of a small layer's cost. So no list until a callback comes,
+    # and a thread blocked in `wait` is an Event among the callbacks (set at once, never queued).
+    __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "label")
 
     def __init__(self, label: str = "", lock: threading.Lock | None = None) -> None:
         # Futures made together (a run's layers) may share one ``lock``: no method holds it while
@@ -33,8 +36,7 @@ class TaskFuture:
         self._state = _PENDING
         self._value: Any = None
         self._error: BaseException | None = None
-        self._callbacks: list[Callable[["TaskFuture"], None]] | None = []
-        self._event: threading.Event | None = None
+        self._callbacks: list[Callable[["TaskFuture"], None] | threading.Event] | None = None
         self.label = label
 
     @classmethod
@@ -42,27 +44,31 @@ class TaskFuture:
         fut = cls(label)
         fut._state = _DONE
         fut._value = value
-        fut._callbacks = None
         return fut
 
     # -- completion ------------------------------------------------------------------------
     def set_result(self, value: Any) -> None:
-        self._finish(_DONE, value, None)
-
-    def set_exception(self, error: BaseException) -> None:
-        self._finish(_FAILED, None, error)
-
-    def _finish(self, state: int, value: Any, error: BaseException | None) -> None:
+        # (`set_exception`'s body, not a shared helper: one call less on every layer of a run)
         with self._lock:
             if self._state != _PENDING:
                 return  # first completion wins (a cancelled task may still be finished by its thread)
-            self._state, self._value, self._error = state, value, error
-            callbacks, self._callbacks = self._callbacks, None
-            event = self._event
-        if event is not None:
-            event.set()
+            self._state = _DONE
+            self._value = value
+            callbacks = self._callbacks
+            self._callbacks = None
         if callbacks:
-            _run_callbacks(self, callbacks)
+            _notify(self, callbacks)
+
+    def set_exception(self, error: BaseException) -> None:
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._state = _FAILED
+            self._error = error
+            callbacks = self._callbacks
+            self._callbacks = None
+        if callbacks:
+            _notify(self, callbacks)
 
     # -- observation -----------------------------------------------------------------------
     def done(self) -> bool:
@@ -76,7 +82,10 @@ class TaskFuture:
         callback: if it raises, the error is logged)."""
         with self._lock:
             if self._state == _PENDING:
-                self._callbacks.append(fn)  # type: ignore[union-attr]
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
                 return
         _run_callbacks(self, [fn])
 
@@ -84,12 +93,14 @@ class TaskFuture:
         """Block the calling thread until done; True if done."""
         if self._state != _PENDING:
             return True
+        event = threading.Event()
         with self._lock:
             if self._state != _PENDING:
                 return True
-            if self._event is None:
-                self._event = threading.Event()
-            event = self._event
+            if self._callbacks is None:
+                self._callbacks = [event]
+            else:
+                self._callbacks.append(event)
         return event.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
@@ -111,6 +122,15 @@ class TaskFuture:
     def __repr__(self) -> str:
         state = {_PENDING: "pending", _DONE: "done", _FAILED: "failed"}[self._state]
         return f"<TaskFuture {self.label} {state}>"
+
+
+def _notify(future: TaskFuture, callbacks: list) -> None:
+    """Wake the threads blocked in ``future.wait`` now, then run its callbacks."""
+    waiters = [c for c in callbacks if type(c) is threading.Event]
+    for event in waiters:
+        event.set()
+    if len(waiters) < len(callbacks):
+        _run_callbacks(future, [c for c in callbacks if type(c) is not threading.Event])
 
 
 def _run_callbacks(future: TaskFuture, callbacks: list[Callable[[TaskFuture], None]]) -> None:

@@ -23,6 +23,7 @@ from .schema import attribute_defaults, schema_version
 
 if TYPE_CHECKING:
     from ..model.ir import Layer
+    from .epilogue import Activations
 
 _REQUIRED = object()
 T = TypeVar("T")
@@ -166,12 +167,20 @@ class Op:
         out = self.run(*inputs, **options)
         return out if isinstance(out, tuple) else (out,)
 
-    def bound_run(self) -> Callable[[list], list]:
+    def bound_run(self, activations: Activations = ()) -> Callable[[list], list]:
         """`run` as one callable from the list of inputs to the list of outputs: what a job
-        calls for each of its layers (no fused activations). An op whose ``run`` does per-call
-        work that its attributes settle once (an opset test, keyword arguments) may return a
-        leaner callable computing the very same outputs: it runs for every layer of every run."""
+        calls for each of its layers, with the layer's fused ``activations`` for a kernel that
+        `takes_activations` (others are given none: the backend applies theirs after). An op
+        whose ``run`` does per-call work that its attributes settle once (an opset test, keyword
+        arguments, a case looked up) may return a leaner callable computing the very same
+        outputs: it runs for every layer of every run."""
         run = self.run
+        if activations:
+            def activated(args: list) -> list:
+                out = run(*args, activations=activations)
+                return list(out) if isinstance(out, tuple) else [out]
+
+            return activated
 
         def outputs(args: list) -> list:
             out = run(*args)

@@ -122,3 +122,59 @@ def test_an_lstm_bound_to_its_weights_gives_runs_bits(seq, batch, bias, states, 
         with pytest.raises(Exception) as from_bound:
             bound(wrong)
         assert type(from_bound.value) is type(from_run.value) and str(from_bound.value) == str(from_run.value)
+
+
+def _relu() -> tuple:
+    """A fused Relu, as the plan hands a layer's activations to its kernel: (op, extra inputs)."""
+    return ((ops.create(Layer(name="relu0", op_type="Relu", inputs=["y"], outputs=["z"], version=14)), ()),)
+
+
+@pytest.mark.parametrize("x_shape, w_shape, pads", [
+    ((1, 6, 9), (4, 6, 3), [1, 1]),            # a voice detector's 1-D conv
+    ((1, 8, 5, 5), (16, 8, 1, 1), [0] * 4),    # a 1x1 conv
+    ((2, 3, 12, 12), (8, 3, 3, 3), [1] * 4),   # a stem
+])
+def test_a_conv_bound_with_its_activation_gives_runs_bits(x_shape, w_shape, pads, rng):
+    """A conv with a fused Relu, bound as a job calls it: `run`'s bits on the first call (the full
+    way) and on later ones (the short way its first call kept); for another weight object, or
+    another input shape, whatever `run` gives for them."""
+    layer = Layer(name="conv0", op_type="Conv", inputs=["x", "w", "b"], outputs=["y"], attrs={"pads": pads},
+                  version=11)
+    op, activations = ops.create(layer), _relu()
+    w, b = rng.standard_normal(w_shape).astype(np.float32), rng.standard_normal(w_shape[0]).astype(np.float32)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    expected = np.maximum(ops.create(layer).run(x, w, b), 0)
+    bound = op.bound_run(activations)
+    for _ in range(3):
+        (got,) = bound([x, w, b])
+        assert got.shape == expected.shape and got.dtype == np.float32
+        np.testing.assert_array_equal(got, expected)
+    assert op._known is not None  # (the short way was taken)
+    other = -w
+    np.testing.assert_array_equal(bound([x, other, b])[0], np.maximum(ops.create(layer).run(x, other, b), 0))
+    wider = rng.standard_normal(x_shape[:-1] + (x_shape[-1] + 2,)).astype(np.float32)
+    np.testing.assert_array_equal(bound([wider, w, b])[0], np.maximum(ops.create(layer).run(wider, w, b), 0))
+
+
+def test_an_add_bound_with_its_activation_gives_runs_bits(rng):
+    """An Add with a fused Relu, bound as a job calls it: `run` with the activation."""
+    op = bound_op("Add", 14, [np.float32(0.25) * np.arange(12, dtype=np.float32).reshape(3, 4)])
+    activations = _relu()
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    expected = op.run(x, op.bound_constant(1), activations=activations)
+    (got,) = op.bound_run(activations)([x, op.bound_constant(1)])
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got, np.maximum(x + op.bound_constant(1), 0))
+
+
+@pytest.mark.parametrize("op_type", ["Add", "Sub", "Mul", "BitwiseAnd", "Max"])
+def test_a_binary_entry_of_one_ufunc_is_called_as_that_ufunc(op_type):
+    """An entry whose ``fn`` is one ufunc call names it (the CPU op calls NumPy's straight), and
+    gives that ufunc's result through its ``fn`` too (the device backends' way)."""
+    from asyncinfer.ops.pointwise import BINARY_OPS
+
+    fn = BINARY_OPS[op_type].fn
+    a, b = np.array([6, 3, -2], np.int32), np.array([5, 1, 4], np.int32)
+    ufunc = getattr(np, fn.ufunc)
+    assert isinstance(ufunc, np.ufunc)
+    np.testing.assert_array_equal(fn(np, a, b), ufunc(a, b))

@@ -64,6 +64,32 @@ def test_futures_sharing_a_lock_complete_each_other_from_callbacks_and_waiters()
     assert third.result(timeout=0) == [0] and not lock.locked()
 
 
+def test_a_blocked_waiter_wakes_when_its_future_completes_inside_another_ones_callback():
+    """Callbacks of a completion made inside a callback wait for the outer one to return (constant
+    stack depth), but a thread blocked in `wait` is woken at the completion itself: here the outer
+    callback waits for that thread, which would deadlock if its wake-up were queued too."""
+    from asyncinfer.concurrency.future import TaskFuture
+
+    outer, inner = TaskFuture("outer"), TaskFuture("inner")
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: inner.wait(5) and woke.set(), daemon=True)
+    waiter.start()
+    while inner._callbacks is None:  # (the waiter is registered)
+        time.sleep(0.001)
+    order: list = []
+    inner.add_done_callback(lambda _: order.append("inner callback"))
+
+    def complete_inner_then_wait_for_the_waiter(_: TaskFuture) -> None:
+        inner.set_result([1])
+        order.append("waiter woke" if woke.wait(5) else "waiter still blocked")
+
+    outer.add_done_callback(complete_inner_then_wait_for_the_waiter)
+    outer.set_result([0])
+    waiter.join(5)
+    assert order == ["waiter woke", "inner callback"]
+    assert inner.exception() is None and inner.peek() == [1]
+
+
 def test_each_layer_is_a_future_completing_in_dependency_order(add_chain_model):
     model = ai.load_model(add_chain_model(4), optimize=False)
     with ai.Worker(model) as worker:

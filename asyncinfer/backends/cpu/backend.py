@@ -192,9 +192,12 @@ class CPUBackend(Backend):
         return not (kernel.multithreaded and self._uses_lane)
 
     def inline_compute(self, step: Step) -> Callable[[list], list]:
-        if step.activations:
-            return functools.partial(_compute, step)
-        return step.kernel.bound_run()  # the kernel is the op (`prepare`)
+        # (the kernel is the op: `prepare`)
+        if not step.activations:
+            return step.kernel.bound_run()
+        if step.kernel.takes_activations:
+            return step.kernel.bound_run(step.activations)
+        return functools.partial(_compute, step)
 
     def run_now(self, step: Step, args: list, done: StepDone) -> None:
         # Jobs hold no kernel that needs the lane (`job_may_hold`).
