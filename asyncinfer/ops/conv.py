@@ -95,8 +95,11 @@ class Conv(_ConvBase):
     def bound_run(self, activations: Activations = ()) -> Callable[[list], list]:
         # `run`'s test for its short way made here, on the list a job holds: a small conv's call
         # (a voice detector's 1-D convs, MobileNetV3's squeeze-and-excitation ones) went through
-        # four calls and a case tuple before it, ~1 µs of a 5 µs layer
+        # four calls and a case tuple before it, ~1 µs of a 5 µs layer. (Not for a conv whose
+        # layer does more than the conv, `ConvMaxPool` and the like: their own `run`.)
         run = self.run
+        if type(self).run is not Conv.run:
+            return super().bound_run(activations)
 
         def outputs(args: list) -> list:
             x = args[0]
