@@ -23,13 +23,15 @@ from .schema import attribute_defaults, schema_version
 
 if TYPE_CHECKING:
     from ..model.ir import Layer
-    from .epilogue import Activations
 
 _REQUIRED = object()
 T = TypeVar("T")
 # Operand shapes whose derived geometry a layer remembers (`Op.per_shape`); a model fed ever new
 # shapes starts afresh past this many.
 SHAPES_KEPT = 64
+
+#: A layer's fused activations, as the plan hands them to its kernel: (op, its extra inputs) each.
+Activations = Sequence[tuple["Op", Sequence[Any]]]
 
 
 class Op:

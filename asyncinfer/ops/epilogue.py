@@ -14,11 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from .base import Op
+from .base import Activations
 from .compiled import epilogue as compiled
 from .elementwise import clip_bounds
-
-Activations = Sequence[tuple[Op, Sequence[Any]]]
 
 
 @dataclass(frozen=True)
