@@ -23,9 +23,10 @@ _running = threading.local()
 class TaskFuture:
     """Result (or failure) of one task; callbacks fire exactly once, on the completing thread."""
 
-    # A run creates and completes one future per layer: 0.33 + 0.42 µs each with an event slot
-    # and a list per future, a third of a small layer's cost. So no list until a callback comes,
-    # and a thread blocked in `wait` is an Event among the callbacks (set at once, never queued).
+    # A run creates and completes one future per layer, a quarter of a small layer's cost: 0.53
+    # µs with an event slot and a callback list per future, 0.44 with neither. So no list until
+    # a callback comes, and a thread blocked in `wait` is an Event among the callbacks (set at
+    # the completion itself, never queued behind callbacks).
     __slots__ = ("_lock", "_state", "_value", "_error", "_callbacks", "label")
 
     def __init__(self, label: str = "", lock: threading.Lock | None = None) -> None:
