@@ -27,10 +27,14 @@ def _ours(proto_or_path, feeds: dict, optimize: bool = True) -> dict[str, np.nda
 
 @pytest.mark.parametrize("name, rtol, atol", light_params(LIGHT_MODELS))
 def test_light_model_matches_shipped_output(name, rtol, atol):
+    """Run after run: a worker's first run takes each layer's full way, later ones the short ways
+    the first kept (a conv's plan, a shape op's target), and each must give the model's values."""
     proto = onnx.load(light_path(name))
     input_name, x = light_input(proto)
-    got = list(_ours(light_path(name), {input_name: x}).values())[0]
-    np.testing.assert_allclose(got, light_expected(name), rtol=rtol, atol=atol)
+    with ai.Worker(ai.load_model(light_path(name))) as worker:
+        for run in ("first", "second", "third"):
+            got = list(worker.run_blocking({input_name: x}).values())[0]
+            np.testing.assert_allclose(got, light_expected(name), rtol=rtol, atol=atol, err_msg=f"the {run} run")
 
 
 # Random weights make every kernel matter. Tolerance: float32 through ~50-120 layers, each
