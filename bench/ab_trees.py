@@ -11,8 +11,9 @@ the medians::
     python3 bench/ab_trees.py --old /tmp/start mobilenet_v3_small squeezenet
     python3 bench/ab_trees.py --old /tmp/start --mode await --rounds 24 --runs 8 resnet18
 
-A model is a light-zoo name (``bench/common.py``) or a real architecture (``bench/architectures.py``,
-built and cached on first use). Both children take the models, their inputs and this script from
+A model is a light-zoo name (``bench/common.py``), a real architecture (``bench/architectures.py``,
+built and cached on first use) or ``add_chain_N``, `bench overhead`'s chain of N tiny ``Add``
+layers (per-layer cost). Both children take the models, their inputs and this script from
 the new tree (``--new``, by default this checkout); only ``asyncinfer`` comes from each tree.
 Prints one row per model: the medians and p10s of each tree, ``new / old``. Writes nothing.
 """
@@ -41,9 +42,12 @@ def _child(tree: str, name: str, mode: str, threads: int) -> None:
     sys.path.insert(0, str(REPO_ROOT))
     import asyncio  # noqa: PLC0415
 
-    from bench import architectures, common  # noqa: PLC0415
+    from bench import architectures, common, overhead  # noqa: PLC0415
 
-    if name in architectures.ARCHITECTURES:
+    if name.startswith("add_chain_"):  # `bench overhead`'s chain of tiny Adds: per-layer cost
+        layers = int(name.removeprefix("add_chain_"))
+        model, inputs = ai.load_model(overhead.add_chain_model(layers)), overhead.add_chain_inputs()
+    elif name in architectures.ARCHITECTURES:
         model = ai.load_model(str(architectures.model_path(name)))
         inputs = architectures.ARCHITECTURES[name].inputs()
     else:
@@ -111,7 +115,7 @@ def compare(old: str, new: str, name: str, *, mode: str = "block", rounds: int =
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="+", help="light-zoo or real-architecture names")
+    parser.add_argument("models", nargs="+", help="light-zoo or real-architecture names, or add_chain_N")
     parser.add_argument("--old", help="the old tree (a checkout or a git worktree)")
     parser.add_argument("--new", default=str(REPO_ROOT), help="the new tree (default: this checkout)")
     parser.add_argument("--mode", choices=("block", "await"), default="block",

@@ -64,7 +64,12 @@ class Segment:
     nodes: list[Node]
     light: bool                    # its steps may run inside a job
     sources: tuple[int, ...] = ()  # sources outside the segment that its steps wait for
-    labels: tuple[tuple[int, str], ...] = ()  # (step index, layer name) of each step: its future's
+    #: (step index, layer name) of each step whose future is made when the segment is submitted
+    labels: tuple[tuple[int, str], ...] = ()
+    #: Its steps that only later steps of the segment read (not its last, not a kept value):
+    #: nothing outside waits for them, so a run makes their futures only when asked
+    #: (`Execution.step_future`), and the job passes their values on in the run's value list.
+    private: tuple[int, ...] = ()
 
 
 @dataclass
@@ -197,7 +202,7 @@ class Plan:
         # ... and their futures, born complete and shared by every run of this plan: their values
         # are never released (like constants), so no run writes into them.
         self.precomputed_futures: list[tuple[int, TaskFuture]] = []
-        self._futures_template: list[TaskFuture | None] | None = None  # see `run_futures`
+        self._run_templates: tuple[list[TaskFuture | None], list[Any]] | None = None  # see `run_state`
         self._host_outputs: list[tuple[str, Ref]] | None = None         # see `host_outputs`
         self._plan_releases()
         self.segments = self._plan_segments()
@@ -285,7 +290,7 @@ class Plan:
         planned again; layers, kernels and device constants are shared."""
         plan = copy.copy(self)
         plan.__dict__.update(changes)
-        plan._futures_template = plan._serial_variant = plan._host_outputs = None
+        plan._run_templates = plan._serial_variant = plan._host_outputs = None
         plan.nodes = [replace(node, release=[]) for node in self.nodes]
         plan._plan_releases()
         plan.segments = plan._plan_segments()
@@ -302,19 +307,21 @@ class Plan:
             outputs = self._host_outputs = sorted(on_host, key=lambda item: -item[1][0])
         return outputs
 
-    def run_futures(self) -> list[TaskFuture | None]:
-        """A new run's list of futures (one per source: steps, inputs, constants): None for the
-        steps and inputs, the shared born-complete futures of the constants and of the
-        precomputed steps in place. One list copy a run (GPT-2's decode step has ~560
-        precomputed steps: a loop placing them cost 30-60 µs a step)."""
-        template = self._futures_template
-        if template is None:
-            template = [None] * self.n_sources
-            template[self.n_sources - len(self.constant_futures):] = self.constant_futures
+    def run_state(self) -> tuple[list[TaskFuture | None], list[Any]]:
+        """A new run's futures and values, one of each per source (steps, inputs, constants):
+        None for the steps and inputs, the constants and precomputed steps in place (their
+        shared born-complete futures, their lists of outputs). Two list copies a run (GPT-2's
+        decode step has ~560 precomputed steps: a loop placing them cost 30-60 µs a step)."""
+        templates = self._run_templates
+        if templates is None:
+            futures: list[TaskFuture | None] = [None] * self.n_sources
+            futures[self.n_sources - len(self.constant_futures):] = self.constant_futures
             for index, future in self.precomputed_futures:
-                template[index] = future
-            self._futures_template = template
-        return template.copy()
+                futures[index] = future
+            # (a precomputed step no one reads is born failed: its value None, read by no step)
+            values = [None if f is None else f.peek() for f in futures]
+            templates = self._run_templates = (futures, values)
+        return templates[0].copy(), templates[1].copy()
 
     def info(self, name: str) -> TensorInfo | None:
         """What the model declares or shape inference knows of value ``name`` (None: nothing)."""
@@ -389,9 +396,19 @@ class Plan:
                 continue
             segments.append(Segment([node], light))
             members = {node.index}
+        kept = {ref[0] for ref in (*self.output_refs, *self.kept_refs)}
+        kept |= {self.refs[o.name][0] for o in self.model.outputs}
+        readers: dict[int, set[int]] = {}
+        for node in self.nodes:
+            for s in node.sources:
+                readers.setdefault(s, set()).add(node.index)
         for segment in segments:
-            segment.labels = tuple((n.index, n.layer.name) for n in segment.nodes)
             inside = {n.index for n in segment.nodes}
+            last = segment.nodes[-1].index
+            private = {n.index for n in segment.nodes
+                       if n.index != last and n.index not in kept and readers.get(n.index, set()) <= inside}
+            segment.private = tuple(sorted(private))
+            segment.labels = tuple((n.index, n.layer.name) for n in segment.nodes if n.index not in private)
             segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources
                                             if s not in inside and s not in ready}))
         return segments

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -133,10 +133,11 @@ class ShapePlans:
             self._observing.add(key)
         return self.base.keeping(self._names), key
 
-    def observe(self, key: tuple, futures: list[TaskFuture | None]) -> None:
-        """Record the shape-determined values of a first run (``futures``: the run's step
-        futures) when its layers complete; a failed run records nothing."""
-        pending = [futures[i] for i in self.nodes]
+    def observe(self, key: tuple, step_future: Callable[[int], TaskFuture | None]) -> None:
+        """Record the shape-determined values of a first run (``step_future``: the future of one
+        of the run's steps, `Execution.step_future`) when its layers complete; a failed run
+        records nothing."""
+        pending = [step_future(i) for i in self.nodes]
         remaining = [len(pending)]
         lock = threading.Lock()
 

@@ -203,7 +203,7 @@ class Worker:
             plan = plan.for_serial_runs()
         execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile), serial=serial)
         if observed is not None:
-            execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.futures))
+            execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.step_future))
         return execution
 
     def _recorder(self, profile: Profile | None) -> RunRecorder | None:

@@ -120,13 +120,13 @@ def test_values_are_kept_only_for_runs_that_ask(add_chain_model):
         plain = worker.schedule(x)
         plain.wait_blocking(30)
         t1 = plain.plan.refs["t1"]
-        assert plain.futures[t1[0]].peek()[t1[1]] is RELEASED  # freed after its last reader
+        assert plain.step_future(t1[0]).peek()[t1[1]] is RELEASED  # freed after its last reader
         asked = worker.schedule(x, outputs=["t1"])
         asked.wait_blocking(30)
-        np.testing.assert_array_equal(asked.futures[t1[0]].peek()[t1[1]], np.full((1, 4), 2, np.float32))
+        np.testing.assert_array_equal(asked.step_future(t1[0]).peek()[t1[1]], np.full((1, 4), 2, np.float32))
         again = worker.schedule(x)
         again.wait_blocking(30)
-        assert again.futures[t1[0]].peek()[t1[1]] is RELEASED  # the default plan is untouched
+        assert again.step_future(t1[0]).peek()[t1[1]] is RELEASED  # the default plan is untouched
         # One plan per requested set, cached (bounded: names may come from untrusted requests).
         assert worker._plans.get(["t1"]) is asked.plan and asked.plan is not plain.plan
         assert worker._plans.get(["y"]) is plain.plan

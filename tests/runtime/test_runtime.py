@@ -95,7 +95,7 @@ def test_each_layer_is_a_future_completing_in_dependency_order(add_chain_model):
     with ai.Worker(model) as worker:
         execution = worker.schedule(np.zeros((1, 4), np.float32))
         worker.peek_output().readback_and_clone()
-        layer_futures = execution.futures[: len(model.layers)]
+        layer_futures = [execution.step_future(i) for i in range(len(model.layers))]
         assert all(f.done() and not f.failed() for f in layer_futures)
         assert [f.label for f in layer_futures] == [l.name for l in model.layers]
         last = model.layers[-1].name
@@ -447,9 +447,9 @@ def test_intermediate_values_are_released_after_their_last_reader(add_chain_mode
         worker.peek_output().readback_and_clone()
         from asyncinfer.runtime.execution import RELEASED
 
-        intermediates = [execution.futures[i].peek()[0] for i in range(len(model.layers) - 1)]
+        intermediates = [execution.step_future(i).peek()[0] for i in range(len(model.layers) - 1)]
         assert all(v is RELEASED for v in intermediates)
-        assert execution.futures[len(model.layers) - 1].peek()[0] is not None  # the output is kept
+        assert execution.step_future(len(model.layers) - 1).peek()[0] is not None  # the output is kept
 
 
 def test_placement_reports_every_layer_on_cpu(digits_model):
@@ -782,6 +782,70 @@ def test_a_path_of_light_layers_runs_as_one_segment_with_every_layer_future_obse
         futures = [execution.layer_future(f"add{i}") for i in range(50)]
         assert all(f.done() and not f.failed() for f in futures)  # each layer completed its own future
         np.testing.assert_array_equal(futures[-1].peek()[0], np.full((1, 4), 50))
+
+
+def _private_chain(gate_name: str) -> ai.Model:
+    """x → add0 → add1 → Gate → add2 → add3 → y, one segment: every step but the last is read
+    only by the next (segment-private), and the run waits in the gate."""
+    one = helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])
+    nodes = [helper.make_node("Add", ["x", "one"], ["t0"], name="add0"),
+             helper.make_node("Add", ["t0", "one"], ["t1"], name="add1"),
+             helper.make_node("Gate", ["t1"], ["g"], domain=TEST_DOMAIN, gate=gate_name, name="gate"),
+             helper.make_node("Add", ["g", "one"], ["t2"], name="add2"),
+             helper.make_node("Add", ["t2", "one"], ["y"], name="add3")]
+    return ai.load_model(make_model(nodes, [tensor_info("x", [2])], [tensor_info("y", [2])], [one]), optimize=False)
+
+
+def test_a_segment_private_layer_future_is_made_when_asked_and_completes_with_the_layer(gate):
+    from asyncinfer.runtime.execution import LAZY, RELEASED
+
+    name, event = gate
+    with ai.Worker(_private_chain(name)) as worker:
+        (segment,) = worker._plan.segments
+        assert [worker._plan.nodes[i].layer.name for i in segment.private] == ["add0", "add1", "gate", "add2"]
+        execution = worker.schedule(np.zeros(2, np.float32))
+        assert execution.futures[segment.private[-1]] is LAZY  # nobody asked yet: none made
+        assert execution.layer_future("add1").wait(10)  # made pending; completes before the gate
+        done_before = execution.layer_future("add0")  # computed already: made complete
+        assert done_before.done() and not done_before.failed() and done_before.label == "add0"
+        assert done_before.peek()[0] is RELEASED  # (add1 read it)
+        after = execution.layer_future("add2")  # made pending while the job waits in the gate
+        assert not after.done() and execution.layer_future("add2") is after
+        seen = []
+        after.add_done_callback(lambda f: seen.append(f.peek()[0].copy()))  # before the next layer frees it
+        event.set()
+        np.testing.assert_array_equal(execution.take_output().readback_and_clone().numpy(), [4, 4])
+        assert after.wait(10) and len(seen) == 1
+        np.testing.assert_array_equal(seen[0], [3, 3])
+        assert execution.layer_future("add2").peek()[0] is RELEASED  # freed after its reader, as before
+
+
+def test_a_segment_private_layer_future_made_after_a_failure_carries_it(gate):
+    name, event = gate
+    with ai.Worker(_gated_chain(name, 6, fail=True)) as worker:
+        execution = worker.schedule(np.ones(2, np.float32))
+        pending = execution.layer_future("add2")
+        event.set()
+        assert _done_within(worker.peek_output())
+        for layer in ("add_f", "add1", "add2", "add3"):  # made now, or before the failure came
+            future = execution.layer_future(layer)
+            assert future.done() and future.failed(), layer
+            assert "broken" in str(future.exception())
+        assert pending.failed()
+
+
+def test_layer_futures_asked_for_while_runs_go_on_all_complete_with_their_layer(add_chain_model):
+    """Futures made on demand race with the job completing their layer: each must complete (none
+    lost to the race, none completed twice with different values) and outputs stay right."""
+    model = ai.load_model(add_chain_model(40), optimize=False)
+    names = [layer.name for layer in model.layers]
+    with ai.Worker(model, threads=2) as worker:
+        for _ in range(30):
+            execution = worker.schedule(np.zeros((1, 4), np.float32))
+            futures = [execution.layer_future(n) for n in reversed(names)]  # while the job runs
+            assert all(f.wait(10) and not f.failed() for f in futures)
+            np.testing.assert_array_equal(execution.read_outputs_blocking()["y"], np.full((1, 4), 40))
+            assert len({id(execution.layer_future(n)) for n in names}) == len(names)
 
 
 def test_a_branch_leaving_a_segment_runs_while_the_segment_is_still_busy(gate):

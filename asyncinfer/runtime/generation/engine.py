@@ -324,7 +324,7 @@ class GenerationEngine:
                 if all(s.cancelled for s in batch.rows):  # cancelled while it was being scheduled
                     execution.cancel()
             if observe is not None:  # the first run of its signature records its shape values
-                self._shapes.observe(observe, execution.futures)  # type: ignore[union-attr]
+                self._shapes.observe(observe, execution.step_future)
 
         observe = None
         try:
