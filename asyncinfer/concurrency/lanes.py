@@ -101,6 +101,11 @@ class LanePool:
         """Threads waiting for work now."""
         return len(self._idle)
 
+    @property
+    def queued(self) -> int:
+        """Pieces of work waiting for a thread now (read without the lock: a moment's count)."""
+        return len(self._queue)
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` on a thread that said it is `finishing` (but for the calling thread
         itself), else on the most recently idle thread, else on the next to finish (a thread is

@@ -262,6 +262,43 @@ def test_kernels_leave_the_team_alone_while_another_pool_thread_works(backend_wi
     assert backend._working == 0
 
 
+def test_work_queued_for_a_lane_keeps_kernels_off_the_team(monkeypatch):
+    """Work waiting in the pool's queue is a request waiting for a core, which a helper would only
+    take from it: a kernel running meanwhile sees no team, and one running alone again does."""
+    from asyncinfer.backends.cpu.backend import CPUBackend
+
+    monkeypatch.setenv("ASYNCINFER_CPU_LANES", "1")  # one lane: the second job queues behind the first
+    backend = CPUBackend(threads=2)
+    try:
+        if backend._team is None:
+            pytest.skip("BLAS is not pinned to one thread here (ASYNCINFER_BLAS_THREADS or no threadpoolctl): "
+                        "the backend keeps no team")
+        seen: list[bool] = []
+        done = threading.Semaphore(0)
+
+        class Job:
+            serial = False
+
+            def __init__(self, until_queued: bool):
+                self.until_queued = until_queued
+
+            def run(self) -> None:
+                deadline = time.monotonic() + 10
+                while self.until_queued and not backend._pool.queued and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                seen.append(parallel.team() is not None)
+                done.release()
+
+        backend._submit(Job(False))
+        assert done.acquire(timeout=10)
+        backend._submit(Job(True))
+        backend._submit(Job(False))
+        assert done.acquire(timeout=10) and done.acquire(timeout=10)
+        assert seen == [True, False, True]
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize("run_over, hold_s, team_after", [
     (True, 60.0, False),   # a run ended beside another: the next moments stay crowded
     (True, 0.0, True),     # ... until the hold is over
