@@ -174,17 +174,22 @@ class _SegmentJob:
         inline = done_type is _StepDone
         last = self.segment.nodes[-1]
         for node in self.segment.nodes:
+            # (a loop, not a list comprehension and a second pass for RELEASED: 0.1 µs less a layer)
+            args: list = []
+            released = False
             try:
-                args = [None if r is None else values[r[0]][r[1]] for r in node.inputs]  # type: ignore[index]
+                for r in node.inputs:
+                    if r is None:
+                        args.append(None)
+                        continue
+                    value = values[r[0]][r[1]]  # type: ignore[index]
+                    if value is RELEASED:
+                        released = True
+                    args.append(value)
             except TypeError:  # a failed input has no value: let the general path report it
                 execution._arguments(node)
                 continue
             compute = node.inline if inline else None
-            released = False
-            for a in args:
-                if a is RELEASED:
-                    released = True
-                    break
             if compute is not None and not released and not execution._cancelled:
                 step = node.step
                 try:
