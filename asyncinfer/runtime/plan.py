@@ -244,8 +244,7 @@ class Plan:
     def _unread(self, precomputed: dict[int, list[Any]]) -> list[int]:
         """The steps no output, kept value or running step needs once ``precomputed`` are known."""
         n_steps = len(self.nodes)
-        needed = {ref[0] for ref in (*self.output_refs, *self.kept_refs)}
-        needed |= {self.refs[o.name][0] for o in self.model.outputs}
+        needed = {ref[0] for ref in self._kept_values()}
         unread = []
         for node in reversed(self.nodes):
             if node.index in precomputed:
@@ -396,8 +395,7 @@ class Plan:
                 continue
             segments.append(Segment([node], light))
             members = {node.index}
-        kept = {ref[0] for ref in (*self.output_refs, *self.kept_refs)}
-        kept |= {self.refs[o.name][0] for o in self.model.outputs}
+        kept = {ref[0] for ref in self._kept_values()}
         readers: dict[int, set[int]] = {}
         for node in self.nodes:
             for s in node.sources:
@@ -413,10 +411,15 @@ class Plan:
                                             if s not in inside and s not in ready}))
         return segments
 
+    def _kept_values(self) -> set[Ref]:
+        """The values a run keeps for its whole life, never released: what it returns, the
+        model's outputs and the values kept for later runs (``keeping``)."""
+        return set(self.output_refs) | {self.refs[o.name] for o in self.model.outputs} | self.kept_refs
+
     def _plan_releases(self) -> None:
         """Free each intermediate value after its last reader, so a run holds only live tensors."""
         n_steps = len(self.nodes)
-        keep = set(self.output_refs) | {self.refs[o.name] for o in self.model.outputs} | self.kept_refs
+        keep = self._kept_values()
         # Steps complete out of order, so "last in plan order" is not "last in time": count readers.
         self.reader_counts: dict[Ref, int] = {}
         for node in self.nodes:
