@@ -116,8 +116,21 @@ class RunModeTuner:
                 return
             self._times[trial.serial].append(seconds)
             if min(len(times) for times in self._times.values()) >= SAMPLES:
-                serial, parallel = (min(self._times[mode]) for mode in (True, False))
-                self._chosen = serial <= MARGIN * parallel
+                self._choose()
+
+    def settle(self) -> bool:
+        """Choose now from the clean timings so far, by the same rule, if each mode has one
+        (``warmup()``'s time ran out before `SAMPLES` of each: its caller wants the steady state
+        next, not more alternating runs; a model slow enough to run out of that time is one whose
+        runs vary least, relative to their length). Returns whether a mode is chosen."""
+        with self._lock:
+            if self._chosen is None and all(self._times.values()):
+                self._choose()
+            return self._chosen is not None
+
+    def _choose(self) -> None:  # (under the lock)
+        serial, parallel = (min(self._times[mode]) for mode in (True, False))
+        self._chosen = serial <= MARGIN * parallel
 
     def timings(self) -> dict[str, list[float]]:
         """The clean timings so far, in seconds, by mode."""

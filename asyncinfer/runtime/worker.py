@@ -27,8 +27,10 @@ from .profiling import Profile, RunRecorder
 from .tuning import QuickRuns, RunModeTuner, mode_requested
 
 
-#: How long ``warmup()`` keeps running the model, after its first run, for the worker to choose
-#: serial or parallel runs (runtime/tuning.py); later runs finish the choice otherwise.
+#: How long ``warmup()`` keeps running the model, after its first run (which pays the kernels'
+#: loading), for the worker to choose serial or parallel runs (runtime/tuning.py); when it runs
+#: out first, the choice is made from the runs timed so far (`RunModeTuner.settle`), so the
+#: first request after ``warmup()`` runs as the steady state does.
 WARMUP_TUNING_S = 1.0
 
 
@@ -288,7 +290,8 @@ class Worker:
         pool started, the allocator's pages warm and the kernels' scratch buffers made. On the
         cpu backend it also runs the model until the worker has timed its runs step after step
         against branches side by side and kept the faster (about a dozen runs, for at most
-        `WARMUP_TUNING_S` seconds after the first; see the "How a model runs" docs).
+        `WARMUP_TUNING_S` seconds after the first, then it chooses from the runs timed by then;
+        see the "How a model runs" docs).
 
         With no inputs, zeros of each input's declared type and shape are used (a symbolic or
         unknown dimension counts as 1); give example inputs for models whose layers depend on input
@@ -300,10 +303,11 @@ class Worker:
             ExecutionError: the model failed on them (give example inputs that it accepts).
         """
         inputs = inputs or (example_inputs(self.model),)
-        start = time.perf_counter()
         await self.run(*inputs, **named)
+        start = time.perf_counter()
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
             await self.run(*inputs, **named)
+        self._run_mode.settle()
         for _ in range(2):  # a quick model's first run on the loop's thread (tuning.QuickRuns)
             if self._quick_runs is None or self._quick_runs.settled():
                 break
@@ -312,10 +316,11 @@ class Worker:
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
         """Blocking twin of [`warmup`][asyncinfer.Worker.warmup]. Do not call it on an event loop."""
         inputs = inputs or (example_inputs(self.model),)
-        start = time.perf_counter()
         self.run_blocking(*inputs, **named)
+        start = time.perf_counter()
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
             self.run_blocking(*inputs, **named)
+        self._run_mode.settle()
 
     # -- generation -----------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,

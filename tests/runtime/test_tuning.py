@@ -114,6 +114,37 @@ def test_warmup_leaves_a_cpu_worker_decided(digits_model):
         assert worker._run_mode.mode in ("serial", "parallel")
 
 
+def test_settle_chooses_from_the_timings_so_far_once_each_mode_has_one():
+    tuner = RunModeTuner()
+    for _ in range(SKIPPED):
+        _timed(tuner, {True: 1.0, False: 1.0})
+    assert not tuner.settle() and tuner.deciding  # no timing yet
+    _timed(tuner, {True: 0.7, False: 1.0})  # parallel first
+    assert not tuner.settle() and tuner.deciding  # serial runs not timed yet
+    _timed(tuner, {True: 0.7, False: 1.0})
+    assert tuner.settle() and tuner.mode == "serial"
+    slower = RunModeTuner()
+    for _ in range(SKIPPED + 2):
+        _timed(slower, {True: MARGIN * 1.5, False: 1.0})
+    assert slower.settle() and slower.mode == "parallel"
+    assert RunModeTuner("parallel").settle()  # a fixed mode is settled from the start
+
+
+def test_warmup_that_runs_out_of_time_still_leaves_the_worker_decided(monkeypatch, digits_model):
+    """A model whose runs are too slow for `SAMPLES` of each within `WARMUP_TUNING_S` (here: the
+    samples wanted raised out of reach) gets its mode from the runs warmup timed, so the requests
+    after it do not alternate."""
+    from asyncinfer.runtime import worker as worker_module
+
+    monkeypatch.setattr(tuning, "SAMPLES", 10**6)
+    monkeypatch.setattr(worker_module, "WARMUP_TUNING_S", 0.05)
+    with ai.Worker(digits_model, "cpu") as worker:
+        worker.warmup_blocking()
+        timings = worker._run_mode.timings()
+        assert worker._run_mode.mode in ("serial", "parallel")
+        assert timings["serial"] and timings["parallel"]
+
+
 def test_a_device_worker_runs_in_parallel_untuned(digits_model):
     require_pixel()
     with ai.Worker(digits_model, "gpu_pixel") as worker:
