@@ -102,6 +102,11 @@ class LanePool:
         return len(self._idle)
 
     @property
+    def spinning(self) -> int:
+        """Idle threads spinning for work now, a core each (read without the lock: a moment's count)."""
+        return sum(1 for idle in list(self._idle) if idle.spinning)
+
+    @property
     def queued(self) -> int:
         """Pieces of work waiting for a thread now (read without the lock: a moment's count)."""
         return len(self._queue)

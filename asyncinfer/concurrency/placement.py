@@ -15,7 +15,12 @@ that core binds itself to the process's other cores before it runs the part
 made from Python it first waited for the GIL, which the lanes hold under load). The OS can then
 no longer put them together until the poster itself moves. A helper going to sleep (idle a
 millisecond) is unbound again: kept bound, it spun on its one core beside a busy lane under 8
-concurrent requests (8-10% fewer runs/s).
+concurrent requests (8-10% fewer runs/s). And the poster may move onto the one core left to
+the helper: the helper, at a low priority (`priority.py`), then waits there while the poster
+runs, misses every part and cannot move itself, so a poster that finds its helper absent and
+bound unbinds it (`spin_team.SpinTeam._take_over`): after a worker's tuning runs the spin team
+otherwise sat out the first requests after ``warmup()`` (GPT-2 decode 17-18 ms a run for 100 ms
+against 12-13).
 
 Binding every compute thread to a fixed core instead stacked a parallel run's second lane on
 the helper's core (ResNet-18 10.6 -> 20 ms); binding the lanes alone (lane ``i`` to the
@@ -73,12 +78,14 @@ def cores_of(mask: np.ndarray) -> set[int]:
     return {w * 64 + b for w in range(mask.shape[0]) for b in range(64) if int(mask[w]) >> b & 1}
 
 
-def bind_all(cores: list[int]) -> None:
-    """Unbind the calling thread (a helper gone idle) back to every one of ``cores`` (the
-    allowed ones). A sandbox refusing it leaves the thread where it was."""
+def bind_all(cores: list[int], thread_id: int = 0) -> None:
+    """Unbind a thread (by default the calling one: a helper gone idle) back to every one of
+    ``cores`` (the allowed ones); ``thread_id``: another thread's native id (a helper its poster
+    found bound to the poster's own core, `spin_team.SpinTeam._take_over`). A sandbox refusing
+    it leaves the thread where it was."""
     if cores:
         try:
-            os.sched_setaffinity(0, cores)
+            os.sched_setaffinity(thread_id, cores)
         except OSError:
             pass
 

@@ -217,6 +217,18 @@ def post(control: np.ndarray) -> int:
     return seq
 
 
+@numba.njit(inline="always")
+def flag_asleep(control: np.ndarray, value: int) -> None:
+    """(serve loops, a helper's own) Raise (1) or lower (0) the helper's asleep flag, GIL-free:
+    raised as the loop returns for want of parts, lowered as it starts again. The helper's way
+    to sleep and back (`SpinTeam._loop`) is Python, which waits for the GIL (up to the
+    interpreter's switch interval while a caller runs Python): a caller posting meanwhile must
+    wake it (`asleep`), not count it kept off the cores by another process
+    (`SpinTeam._take_over`). The helper looks for a post again before it sleeps."""
+    control[_ASLEEP] = value
+    _fence()
+
+
 @numba.njit(cache=True, nogil=True)
 def asleep(control: np.ndarray) -> bool:
     """(callers, after `post`) Whether the helper went to sleep and must be woken (`SpinTeam.wake`):
@@ -274,13 +286,6 @@ def _load(control: np.ndarray, index: int) -> int:
     return control[index]
 
 
-@numba.njit(cache=True)
-def _store(control: np.ndarray, index: int, value: int) -> None:
-    """``control[index] = value``, visible before anything this thread reads next."""
-    control[index] = value
-    _fence()
-
-
 @functools.lru_cache(maxsize=256)
 def range_cuts(n: int, count: int, align: int) -> np.ndarray:
     """The bounds of ``count`` ranges of ``[0, n)`` for a caller and its helpers, each but the
@@ -293,10 +298,15 @@ def range_cuts(n: int, count: int, align: int) -> np.ndarray:
 class SpinTeam:
     """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
 
-    def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, np.ndarray], int],
-                 name: str = "asyncinfer-team"):
+    def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, np.ndarray, bool], int],
+                 name: str = "asyncinfer-team", busy_here: Callable[[], bool] | None = None):
+        """``busy_here``: whether threads of this process other than the caller have work now (a
+        CPU backend's other lanes): a helper absent then was kept off the cores by them, which the
+        caller's kernels already heed (`parallel.team`), not by a neighbour, and counts for no hold
+        (`_take_over`)."""
         self.helpers = helpers
         self._serve = serve
+        self._busy_here = busy_here
         # the cores a helper may run on, and the affinity masks it moves off its poster's core with
         # (`placement.py`); none where it never moves
         self._cores = placement.allowed_cores() if placement.enabled() else []
@@ -385,18 +395,28 @@ class SpinTeam:
         started on its part while the caller ran its own, was kept off the cores by other work:
         after `ABSENT_COUNT` such parts within `ABSENT_WINDOW_S`, the team declines every caller
         (`claim`) for `ABSENT_HOLD_S`, so that their kernels run whole rather than post parts
-        for a helper that may be preempted halfway through one."""
+        for a helper that may be preempted halfway through one. A helper bound off an earlier
+        poster's core (`placement.py`) is unbound instead: the caller may be on the core left to
+        it, where it waits at its low priority. Absences while this process's
+        other threads work (``busy_here``) do not count: a worker's tuning runs, branches side by
+        side, left the hold on for the first requests after ``warmup()`` (GPT-2 decode's first
+        three runs 14-18 ms against 11-13, the helper idle)."""
         row = self._control[helper]
         if row[_TAKEN] >= seq:  # the helper has it (a part longer than the caller's): wait for it
             return
-        if self._serving[helper] and not row[_ASLEEP]:
+        thread_id = self._threads[helper].native_id
+        if self._serving[helper] and not row[_ASLEEP] and row[_MOVED] and thread_id:
+            # bound off an earlier poster's core, onto the one this caller may now run on: free
+            # it to run anywhere (the next post moves it off this caller's core if need be)
+            placement.bind_all(self._cores, thread_id)
+        elif self._serving[helper] and not row[_ASLEEP] and not (self._busy_here is not None and self._busy_here()):
             now = time.monotonic()
             if now - self._absent_since > ABSENT_WINDOW_S:
                 self._absent_since, self._absences = now, 0
             self._absences += 1
             if self._absences >= ABSENT_COUNT:
                 self._absent_until = now + ABSENT_HOLD_S
-        self._serve(row, seq - 1, 1, self._no_moves)
+        self._serve(row, seq - 1, 1, self._no_moves, False)
 
     def wait_posted(self, helpers: int) -> None:
         """`wait` for the last part posted to each of the first ``helpers`` helpers: after a
@@ -440,7 +460,7 @@ class SpinTeam:
             # every kind of part): a helper loading it itself could still be at it when a later
             # run comes, whose caller then waits for it (a Llama block's first run after
             # `warmup()` 16x its steady time, now and then).
-            self._serve(np.zeros(_ROW, np.int64), 0, 0, self._no_moves)
+            self._serve(np.zeros(_ROW, np.int64), 0, 0, self._no_moves, False)
         while len(self._threads) < self.helpers:
             index = len(self._threads)
             # the helper starts from the sequence number as it is now, before any post it must see
@@ -455,7 +475,7 @@ class SpinTeam:
         control = self._control[index]
         self._serving[index] = True
         while True:
-            last = self._serve(control, seen, SPIN_ROUNDS, self._masks)
+            last = self._serve(control, seen, SPIN_ROUNDS, self._masks, True)
             if last < 0 or self._stopped:
                 return
             seen = last
@@ -464,10 +484,10 @@ class SpinTeam:
                 placement.bind_all(self._cores)
             with self._cond:  # idle for a while: sleep until a caller posts
                 self._sleeping[index] = True
-                _store(control, _ASLEEP, 1)  # then look for a post: see `asleep`
+                # (the serve loop raised the asleep flag as it returned, and lowers it when it
+                # starts again: look for a post now, see `asleep`)
                 while _load(control, _POSTED) == seen and not self._stopped:
                     self._cond.wait()
-                _store(control, _ASLEEP, 0)
                 self._sleeping[index] = False
 
     def close(self) -> None:

@@ -452,7 +452,7 @@ def test_with_pinning_off_a_helper_stays_where_it_is(monkeypatch):
     assert cores == {_CORES[0]}
 
 
-def _stalled_team(monkeypatch, release: threading.Event) -> SpinTeam:
+def _stalled_team(monkeypatch, release: threading.Event, busy_here=None) -> SpinTeam:
     """A one-helper team whose helper, awake (not flagged asleep), takes no part until ``release``
     is set: what a helper the OS keeps off the cores (another process's threads) looks like."""
     real_loop = SpinTeam._loop
@@ -463,7 +463,7 @@ def _stalled_team(monkeypatch, release: threading.Event) -> SpinTeam:
         return real_loop(self, index, seen)
 
     monkeypatch.setattr(SpinTeam, "_loop", stalled)
-    return SpinTeam(1, serve_parts, name="test-team")
+    return SpinTeam(1, serve_parts, name="test-team", busy_here=busy_here)
 
 
 def test_a_part_its_helper_does_not_start_is_run_by_the_caller(monkeypatch):
@@ -507,3 +507,65 @@ def test_a_helper_missing_parts_again_and_again_has_the_team_decline_callers_for
     finally:
         release.set()
         team.close()
+
+
+def test_absences_while_the_process_s_own_threads_work_bring_no_hold(monkeypatch):
+    """A helper kept off the cores while the backend's other lanes work (``busy_here``: a parallel
+    run's branches, as in a worker's tuning runs) is no sign of a neighbour: however many parts
+    the caller takes over then, callers are still served; once the lanes are idle, absences
+    count again."""
+    monkeypatch.setattr(spin_team, "ABSENT_WINDOW_S", 600.0)
+    release = threading.Event()
+    busy = [True]
+    team = _stalled_team(monkeypatch, release, busy_here=lambda: busy[0])
+    a, b = _operands(1, 16, 16)
+    y = np.zeros((1, 16), np.float32)
+    try:
+        for _ in range(2 * spin_team.ABSENT_COUNT):
+            assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
+        assert team.try_run([], lambda: None), "absences among our own busy threads: no hold"
+        busy[0] = False
+        for _ in range(spin_team.ABSENT_COUNT):
+            assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
+        assert not team.try_run([], lambda: None), "absences with nothing else of ours running: held"
+    finally:
+        release.set()
+        team.close()
+
+
+def test_a_helper_bound_to_its_poster_s_core_is_unbound_not_held_against(monkeypatch):
+    """A helper moved off an earlier poster's core (`placement.py`) is left one core; a poster
+    now on that core finds it absent part after part (at its low priority it waits there): the
+    poster unbinds it to every allowed core, and counts no absence for it."""
+    cores = placement.allowed_cores()
+    if len(cores) < 2 or not placement.enabled():
+        pytest.skip("needs two cores to bind a helper to one of (and ASYNCINFER_PIN_THREADS not 0)")
+    monkeypatch.setattr(spin_team, "ABSENT_WINDOW_S", 600.0)
+    release = threading.Event()
+    team = _stalled_team(monkeypatch, release)
+    a, b = _operands(1, 16, 16)
+    y = np.zeros((1, 16), np.float32)
+    try:
+        assert team.try_run([], lambda: None)  # starts the helper
+        helper = team._threads[0].native_id
+        os.sched_setaffinity(helper, cores[:1])
+        team._control[0, spin_team._MOVED] = 1
+        for _ in range(2 * spin_team.ABSENT_COUNT):
+            assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
+        assert sorted(os.sched_getaffinity(helper)) == cores
+        assert team._absences == 0 and team.try_run([], lambda: None), "a bound helper is no absent one"
+    finally:
+        release.set()
+        team.close()
+
+
+def test_a_helper_s_own_serve_loop_flags_it_asleep_as_it_returns():
+    """The helper's way to its sleep is Python, waiting for the GIL: the serve loop itself raises
+    the asleep flag as it runs out of parts, so a caller posting meanwhile wakes it rather than
+    counting it absent. A caller taking a part over (not the helper's own loop) leaves the flag
+    alone."""
+    row = spin_team.signal_row()
+    masks = placement.off_core_masks([])
+    assert serve_parts(row, 0, 1, masks, True) == 0 and spin_team.asleep(row)
+    row[spin_team._ASLEEP] = 0
+    assert serve_parts(row, 0, 1, masks, False) == 0 and not spin_team.asleep(row)

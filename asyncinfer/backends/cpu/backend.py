@@ -82,7 +82,8 @@ class CPUBackend(Backend):
         self._helpers = ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="asyncinfer-part",
                                            initializer=self._start_thread)
         # compiled parts (a decode step's GEMVs) go to spinning helpers that start them in microseconds
-        self._team = SpinTeam(self.threads - 1, serve_parts) if self._blas_single and self.threads > 1 else None
+        self._team = (SpinTeam(self.threads - 1, serve_parts, busy_here=self._lanes_busy)
+                      if self._blas_single and self.threads > 1 else None)
         # the lanes: the most recently idle takes the next work, warm (`concurrency/lanes.py`)
         self._pool = LanePool(self.lanes, "asyncinfer-cpu", self._start_thread)
         # chain: work queued on this thread; caller: in `submit_here`; counted: in `_working`
@@ -124,6 +125,12 @@ class CPUBackend(Backend):
         the hold now and then, and kernels took the team ~35 times a second with 6-7 runs queued
         (now ~6, at moments nothing is queued; runs/s within the noise, 0.99x)."""
         return self._working > 1 or self._pool.queued > 0 or time.monotonic() < self._crowded_until
+
+    def _lanes_busy(self) -> bool:
+        """Whether this backend's other threads use cores now: working (`_crowded`) or spinning
+        for work after it (a parallel run's lanes): the spin team's helper missing parts then
+        is no sign of another process on its core (`SpinTeam._take_over`)."""
+        return self._crowded() or self._pool.spinning > 0
 
     def prepare(self, layer: Layer, op: Op, types: ValueTypes) -> Op:
         return op  # the reference op is the CPU kernel (load_model checked every op has one)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...concurrency.spin_team import KIND, keep_off_poster, mark_done, next_post, take_part
+from ...concurrency.spin_team import KIND, flag_asleep, keep_off_poster, mark_done, next_post, take_part
 from . import kernel
 from .attention import PART_KIND as ATTENTION
 from .attention import PRODUCTS_PART_KIND as ATTENTION_PRODUCTS
@@ -49,15 +49,20 @@ from .normalization import rows_part
 
 
 @kernel
-def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray) -> int:
+def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray, own_loop: bool) -> int:
     """Run the parts posted to this helper's ``control`` row until none came for ``rounds``
     rounds (returns the last sequence number) or the team stops (returns -1); each off its
     poster's core (`keep_off_poster`, ``masks``), unless another thread took it first
     (`take_part`: the poster takes a part over by running this loop for one round, its masks
-    empty, `SpinTeam.wait`)."""
+    empty, ``own_loop`` false, `SpinTeam.wait`). The helper's ``own_loop`` is flagged awake
+    while it runs, asleep from the moment it returns (`flag_asleep`)."""
+    if own_loop:
+        flag_asleep(control, 0)
     while True:
         seq = next_post(control, seen, rounds)
         if seq == seen or seq < 0:
+            if own_loop:
+                flag_asleep(control, 1)
             return seq
         keep_off_poster(control, masks)
         seen = seq
