@@ -397,17 +397,19 @@ class SpinTeam:
         (`claim`) for `ABSENT_HOLD_S`, so that their kernels run whole rather than post parts
         for a helper that may be preempted halfway through one. A helper bound off an earlier
         poster's core (`placement.py`) is unbound instead: the caller may be on the core left to
-        it, where it waits at its low priority. Absences while this process's
-        other threads work (``busy_here``) do not count: a worker's tuning runs, branches side by
-        side, left the hold on for the first requests after ``warmup()`` (GPT-2 decode's first
-        three runs 14-18 ms against 11-13, the helper idle)."""
+        it, where it waits at its low priority (after a worker's tuning runs this held the team
+        off the first requests after ``warmup()``: GPT-2 decode's first runs 17-18 ms against
+        12-13). Absences while this process's other threads work or spin (``busy_here``) do not
+        count either: they, not a neighbour, kept it off."""
         row = self._control[helper]
         if row[_TAKEN] >= seq:  # the helper has it (a part longer than the caller's): wait for it
             return
         thread_id = self._threads[helper].native_id
         if self._serving[helper] and not row[_ASLEEP] and row[_MOVED] and thread_id:
             # bound off an earlier poster's core, onto the one this caller may now run on: free
-            # it to run anywhere (the next post moves it off this caller's core if need be)
+            # it to run anywhere (the next post moves it off this caller's core if need be); no
+            # longer flagged moved, so that its next absence counts
+            row[_MOVED] = 0
             placement.bind_all(self._cores, thread_id)
         elif self._serving[helper] and not row[_ASLEEP] and not (self._busy_here is not None and self._busy_here()):
             now = time.monotonic()
