@@ -15,12 +15,13 @@ that core binds itself to the process's other cores before it runs the part
 made from Python it first waited for the GIL, which the lanes hold under load). The OS can then
 no longer put them together until the poster itself moves. A helper going to sleep (idle a
 millisecond) is unbound again: kept bound, it spun on its one core beside a busy lane under 8
-concurrent requests (8-10% fewer runs/s). And the poster may move onto the one core left to
-the helper: the helper, at a low priority (`priority.py`), then waits there while the poster
-runs, misses every part and cannot move itself, so a poster that finds its helper absent and
-bound unbinds it (`spin_team.SpinTeam._take_over`): after a worker's tuning runs the spin team
-otherwise sat out the first requests after ``warmup()`` (GPT-2 decode 17-18 ms a run for 100 ms
-against 12-13).
+concurrent requests (8-10% fewer runs/s). A helper woken onto its poster's core, or left only
+that core by an earlier poster, waits there at its low priority (`priority.py`) while the poster
+runs, and misses every part: it cannot move itself, and the OS's balancer takes milliseconds
+to. So a poster that finds its helper absent binds it off the poster's own core
+(`spin_team.SpinTeam._take_over`, two system calls, only then): after a worker's tuning runs the
+spin team otherwise sat out the first requests after ``warmup()`` (GPT-2 decode 17-18 ms a run
+for 100 ms, against 12-13).
 
 Binding every compute thread to a fixed core instead stacked a parallel run's second lane on
 the helper's core (ResNet-18 10.6 -> 20 ms); binding the lanes alone (lane ``i`` to the
@@ -33,6 +34,8 @@ or with a single core to run on, nothing is bound.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import numpy as np
@@ -78,14 +81,52 @@ def cores_of(mask: np.ndarray) -> set[int]:
     return {w * 64 + b for w in range(mask.shape[0]) for b in range(64) if int(mask[w]) >> b & 1}
 
 
-def bind_all(cores: list[int], thread_id: int = 0) -> None:
-    """Unbind a thread (by default the calling one: a helper gone idle) back to every one of
-    ``cores`` (the allowed ones); ``thread_id``: another thread's native id (a helper its poster
-    found bound to the poster's own core, `spin_team.SpinTeam._take_over`). A sandbox refusing
-    it leaves the thread where it was."""
+def bind_all(cores: list[int]) -> None:
+    """Unbind the calling thread (a helper gone idle) back to every one of ``cores`` (the
+    allowed ones). A sandbox refusing it leaves the thread where it was."""
     if cores:
         try:
-            os.sched_setaffinity(thread_id, cores)
+            os.sched_setaffinity(0, cores)
         except OSError:
             pass
 
+
+
+@functools.lru_cache(maxsize=1)
+def _getcpu() -> "ctypes._CFuncPtr | None":
+    try:
+        return ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):  # not glibc/musl on Linux
+        return None
+
+
+def current_core() -> int | None:
+    """The core the calling thread runs on now (None where the OS does not say)."""
+    getcpu = _getcpu()
+    if getcpu is None:
+        return None
+    core = getcpu()
+    return core if core >= 0 else None
+
+
+def bind_off(thread_id: int, cores: list[int], core: int) -> bool:
+    """Bind thread ``thread_id`` to every one of ``cores`` but ``core`` (a helper its poster found
+    waiting on the poster's own core, `spin_team.SpinTeam._take_over`); whether it was bound:
+    not when nothing would be left, or a sandbox refuses."""
+    others = [c for c in cores if c != core]
+    if not others:
+        return False
+    try:
+        os.sched_setaffinity(thread_id, others)
+    except OSError:
+        return False
+    return True
+
+
+def bound_off(thread_id: int, cores: list[int], core: int) -> bool:
+    """Whether thread ``thread_id`` may run on every one of ``cores`` but ``core``, and not on
+    ``core`` (False where the OS does not say)."""
+    try:
+        return set(os.sched_getaffinity(thread_id)) == {c for c in cores if c != core}
+    except (OSError, AttributeError):
+        return False

@@ -395,30 +395,34 @@ class SpinTeam:
         started on its part while the caller ran its own, was kept off the cores by other work:
         after `ABSENT_COUNT` such parts within `ABSENT_WINDOW_S`, the team declines every caller
         (`claim`) for `ABSENT_HOLD_S`, so that their kernels run whole rather than post parts
-        for a helper that may be preempted halfway through one. A helper bound off an earlier
-        poster's core (`placement.py`) is unbound instead: the caller may be on the core left to
-        it, where it waits at its low priority (after a worker's tuning runs this held the team
-        off the first requests after ``warmup()``: GPT-2 decode's first runs 17-18 ms against
-        12-13). Absences while this process's other threads work or spin (``busy_here``) do not
-        count either: they, not a neighbour, kept it off."""
+        for a helper that may be preempted halfway through one. A helper not bound off the
+        caller's core may be waiting on that very core at its low priority (woken there, or left
+        only that core by an earlier poster): it is bound off it too (`placement.py`), and runs
+        the next parts on the other cores if nothing else holds them; left waiting, after a
+        worker's tuning runs, it missed part after part and held the team off the first requests
+        after ``warmup()`` (GPT-2 decode's first runs 17-18 ms against 12-13). Absences while
+        this process's other threads work or spin (``busy_here``) do not count: they, not a
+        neighbour, kept it off."""
         row = self._control[helper]
         if row[_TAKEN] >= seq:  # the helper has it (a part longer than the caller's): wait for it
             return
-        thread_id = self._threads[helper].native_id
-        if self._serving[helper] and not row[_ASLEEP] and row[_MOVED] and thread_id:
-            # bound off an earlier poster's core, onto the one this caller may now run on: free
-            # it to run anywhere (the next post moves it off this caller's core if need be); no
-            # longer flagged moved, so that its next absence counts
-            row[_MOVED] = 0
-            placement.bind_all(self._cores, thread_id)
-        elif self._serving[helper] and not row[_ASLEEP] and not (self._busy_here is not None and self._busy_here()):
-            now = time.monotonic()
-            if now - self._absent_since > ABSENT_WINDOW_S:
-                self._absent_since, self._absences = now, 0
-            self._absences += 1
-            if self._absences >= ABSENT_COUNT:
-                self._absent_until = now + ABSENT_HOLD_S
+        if self._serving[helper] and not row[_ASLEEP] and not (self._busy_here is not None and self._busy_here()):
+            thread_id, core = self._threads[helper].native_id, placement.current_core()
+            if (self._cores and thread_id and core is not None and not placement.bound_off(thread_id, self._cores, core)
+                    and placement.bind_off(thread_id, self._cores, core)):
+                row[_MOVED] = 1  # it may wait on this caller's core: moved off it (unbound when idle)
+            self._count_absence()
         self._serve(row, seq - 1, 1, self._no_moves, False)
+
+    def _count_absence(self) -> None:
+        """A helper kept off the cores (`_take_over`): the `ABSENT_COUNT`-th within the window
+        holds the team off callers."""
+        now = time.monotonic()
+        if now - self._absent_since > ABSENT_WINDOW_S:
+            self._absent_since, self._absences = now, 0
+        self._absences += 1
+        if self._absences >= ABSENT_COUNT:
+            self._absent_until = now + ABSENT_HOLD_S
 
     def wait_posted(self, helpers: int) -> None:
         """`wait` for the last part posted to each of the first ``helpers`` helpers: after a

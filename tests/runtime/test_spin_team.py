@@ -466,6 +466,24 @@ def _stalled_team(monkeypatch, release: threading.Event, busy_here=None) -> Spin
     return SpinTeam(1, serve_parts, name="test-team", busy_here=busy_here)
 
 
+def _keep_helper_off_the_caller_s_core(team: SpinTeam) -> list[int]:
+    """Start ``team``'s helper and, where there are two cores, keep the calling thread on the
+    first and the helper on the others: the helper, absent, is then kept off by something else
+    (here: its stall), which is what counts (`SpinTeam._take_over` first moves a helper that
+    may be waiting on the caller's core). Returns the caller's cores: undo with `_free_the_caller`."""
+    assert team.try_run([], lambda: None)
+    cores = placement.allowed_cores()
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, cores[:1])
+        os.sched_setaffinity(team._threads[0].native_id, cores[1:])
+    return cores
+
+
+def _free_the_caller(cores: list[int]) -> None:
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, cores)
+
+
 def test_a_part_its_helper_does_not_start_is_run_by_the_caller(monkeypatch):
     """The caller, its own part done, takes over a part its helper has not started: the result is
     the kernel's, and the helper, arriving later, finds the part taken and leaves it alone."""
@@ -496,6 +514,7 @@ def test_a_helper_missing_parts_again_and_again_has_the_team_decline_callers_for
     team = _stalled_team(monkeypatch, release)
     a, b = _operands(1, 16, 16)
     y = np.zeros((1, 16), np.float32)
+    cores = _keep_helper_off_the_caller_s_core(team)
     try:
         for _ in range(spin_team.ABSENT_COUNT - 1):
             assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
@@ -505,6 +524,7 @@ def test_a_helper_missing_parts_again_and_again_has_the_team_decline_callers_for
         time.sleep(0.25)
         assert team.try_run([], lambda: None), "the hold is over"
     finally:
+        _free_the_caller(cores)
         release.set()
         team.close()
 
@@ -520,6 +540,7 @@ def test_absences_while_the_process_s_own_threads_work_bring_no_hold(monkeypatch
     team = _stalled_team(monkeypatch, release, busy_here=lambda: busy[0])
     a, b = _operands(1, 16, 16)
     y = np.zeros((1, 16), np.float32)
+    cores = _keep_helper_off_the_caller_s_core(team)
     try:
         for _ in range(2 * spin_team.ABSENT_COUNT):
             assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
@@ -529,34 +550,34 @@ def test_absences_while_the_process_s_own_threads_work_bring_no_hold(monkeypatch
             assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
         assert not team.try_run([], lambda: None), "absences with nothing else of ours running: held"
     finally:
+        _free_the_caller(cores)
         release.set()
         team.close()
 
 
-def test_a_helper_bound_to_its_poster_s_core_is_unbound_not_held_against(monkeypatch):
-    """A helper moved off an earlier poster's core (`placement.py`) is left one core; a poster
-    now on that core finds it absent part after part (at its low priority it waits there): the
-    poster unbinds it to every allowed core and counts no absence for it; absent again, free to
-    run anywhere, it counts."""
+def test_a_helper_not_bound_off_its_poster_s_core_is_moved_off_it(monkeypatch):
+    """An absent helper free to run on its poster's core (woken there, or left only that core by
+    an earlier poster) may be waiting there at its low priority: the poster binds it off its own
+    core (and counts the absence, as every one)."""
     cores = placement.allowed_cores()
-    if len(cores) < 2 or not placement.enabled():
-        pytest.skip("needs two cores to bind a helper to one of (and ASYNCINFER_PIN_THREADS not 0)")
+    if len(cores) < 2 or not placement.enabled() or placement.current_core() is None:
+        pytest.skip("needs two cores, thread affinities and sched_getcpu (and ASYNCINFER_PIN_THREADS not 0)")
     monkeypatch.setattr(spin_team, "ABSENT_WINDOW_S", 600.0)
     release = threading.Event()
     team = _stalled_team(monkeypatch, release)
     a, b = _operands(1, 16, 16)
     y = np.zeros((1, 16), np.float32)
+    os.sched_setaffinity(0, cores[:1])  # the caller on one core, for the test's length
     try:
         assert team.try_run([], lambda: None)  # starts the helper
         helper = team._threads[0].native_id
-        os.sched_setaffinity(helper, cores[:1])
-        team._control[0, spin_team._MOVED] = 1
+        os.sched_setaffinity(helper, cores[:1])  # left only the caller's core by an earlier poster
         assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
-        assert sorted(os.sched_getaffinity(helper)) == cores and not team._control[0, spin_team._MOVED]
-        assert team._absences == 0, "a helper bound to one core is no absent one"
+        assert sorted(os.sched_getaffinity(helper)) == cores[1:] and team._control[0, spin_team._MOVED]
         assert team.try_run([post_arguments(a, b, y, 0, 16, 16, _NONE)], lambda: None)
-        assert team._absences == 1, "unbound and absent still: counted"
+        assert sorted(os.sched_getaffinity(helper)) == cores[1:] and team._absences == 2
     finally:
+        os.sched_setaffinity(0, cores)
         release.set()
         team.close()
 
