@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -25,6 +26,8 @@ GOOD = np.ones((2, 3), np.float32)
 @pytest.mark.parametrize("args, kwargs, message", [
     ((GOOD,), {}, r"missing input\(s\) \['b'\]"),
     (({"a": GOOD, "b": GOOD, "c": GOOD},), {}, r"unknown input\(s\) \['c'\]"),
+    (({"a": GOOD, "c": GOOD},), {}, r"unknown input\(s\) \['c'\]"),  # as many as declared, one wrong
+    ((MappingProxyType({"a": GOOD}),), {}, r"missing input\(s\) \['b'\]"),  # a Mapping, not a dict
     ((GOOD, GOOD, GOOD), {}, "3 positional inputs given, the model takes 2"),
     ((GOOD, GOOD.astype(np.float64)), {}, "'b' must be float32, got float64"),
     ((GOOD, np.ones((2, 4), np.float32)), {}, r"'b' must have shape \(N, 3\).*axis 1 is 4"),

@@ -71,6 +71,38 @@ def test_a_timed_block_reports_its_time_and_whether_it_raised():
     assert tuner.begin() == tuning.Trial(True, tuner._started)  # nothing left in flight: timed
 
 
+def test_runs_after_the_choice_take_the_chosen_trial_and_count_nothing():
+    """Once chosen, `begin` hands every run one shared trial and `end` ignores it (no lock on the
+    hot path); a run begun while deciding and ending after the choice is still counted out."""
+    tuner = RunModeTuner()
+    for _ in range(SKIPPED):
+        _timed(tuner, {True: 1.0, False: 1.0})
+    straggler = tuner.begin()  # in flight across the choice (timed: it began alone)
+    assert straggler.start is not None
+    tuner.end(straggler, 1.0, True)
+    while tuner.deciding:
+        _timed(tuner, {True: 0.5, False: 1.0})
+    late = tuner.begin()
+    assert late is tuner.begin() and late == tuning.Trial(True)  # one shared, untimed trial
+    in_flight = tuner._in_flight
+    tuner.end(late, 9.0, True)
+    assert tuner._in_flight == in_flight and tuner.timings()["serial"] == [0.5] * SAMPLES
+    fixed = RunModeTuner("parallel")
+    assert fixed.begin() is fixed.begin() == tuning.Trial(False)
+
+
+def test_a_run_begun_while_deciding_is_counted_out_after_the_choice():
+    tuner = RunModeTuner()
+    for _ in range(SKIPPED):
+        _timed(tuner, {True: 1.0, False: 1.0})
+    early = tuner.begin()
+    tuner._chosen = True  # (the choice made meanwhile by another thread)
+    tuner._chosen_trial = tuning.Trial(True)
+    assert tuner._in_flight == 1
+    tuner.end(early, 1.0, True)
+    assert tuner._in_flight == 0
+
+
 def test_a_fixed_mode_is_never_tuned():
     serial, parallel = RunModeTuner("serial"), RunModeTuner("parallel")
     assert {_timed(serial, {True: 9.0, False: 1.0}) for _ in range(20)} == {True}
