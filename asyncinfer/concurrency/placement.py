@@ -91,7 +91,6 @@ def bind_all(cores: list[int]) -> None:
             pass
 
 
-
 @functools.lru_cache(maxsize=1)
 def _getcpu() -> "ctypes._CFuncPtr | None":
     try:
