@@ -18,9 +18,9 @@ from ..limits import Limits
 from ..model.ir import Layer, Model, TensorInfo
 from ..ops.elementwise import compute_dtype
 from .patterns import (PATTERN_PASSES, fuse_add_layer_norm, fuse_channel_shuffles, fuse_conv_max_pools,
-                       fuse_gemm_reshapes, fuse_joined_convs, fuse_matmul_bias, fuse_reshape_transposes,
-                       fuse_residual_adds, fuse_sibling_convs, fuse_sibling_products, fuse_split_heads,
-                       fuse_squeeze_excite)
+                       fuse_gemm_reshapes, fuse_joined_conv_max_pools, fuse_joined_convs, fuse_matmul_bias,
+                       fuse_reshape_transposes, fuse_residual_adds, fuse_sibling_convs, fuse_sibling_products,
+                       fuse_split_heads, fuse_squeeze_excite)
 
 # Ops whose output depends only on the *shape* of their input: CPU-bound propagation stops there.
 SHAPE_ONLY_OPS = {"Shape", "Size"}
@@ -829,6 +829,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_sibling_convs", fuse_sibling_convs),  # (after: a 1x1 conv joined to a 3x3 one is taken)
     ("fuse_residual_adds", fuse_residual_adds),  # (after both, and the Add's activations)
     ("fuse_conv_max_pools", fuse_conv_max_pools),  # (after the convs' activations)
+    ("fuse_joined_conv_max_pools", fuse_joined_conv_max_pools),  # (after fuse_joined_convs)
     ("fuse_reshape_transposes", fuse_reshape_transposes),
     ("fuse_split_heads", fuse_split_heads),
     ("mark_cache_appends", mark_cache_appends),

@@ -51,6 +51,7 @@ SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
 JOINED_CONV = ("JoinedConv", 1)  # in FUSED_DOMAIN
 RESIDUAL_CONV = ("ResidualConv", 1)  # in FUSED_DOMAIN
 CONV_MAX_POOL = ("ConvMaxPool", 1)  # in FUSED_DOMAIN
+JOINED_CONV_MAX_POOL = ("JoinedConvMaxPool", 1)  # in FUSED_DOMAIN
 ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
 MAGNITUDE = ("Magnitude", 1)  # in FUSED_DOMAIN
 #: Ops that read only the shape of their input: a Reshape they also read may still be fused away.
@@ -1146,10 +1147,7 @@ def fuse_conv_max_pools(model: Model) -> int:
     the kernel too)."""
     g, count = _Graph(model), 0
     for pool in g.candidates("MaxPool"):
-        if (len([o for o in pool.outputs if o]) != 1 or len(pool.outputs) > 1 and pool.outputs[1]
-                or [int(k) for k in pool.attrs.get("kernel_shape", ())] != [3, 3]
-                or [int(s) for s in pool.attrs.get("strides", ())] != [2, 2]
-                or any(int(d) != 1 for d in pool.attrs.get("dilations", ()))):
+        if not _three_by_two_max_pool(pool):
             continue
         conv = g.producers.get(pool.inputs[0])
         if (conv is None or id(conv) in g.removed or conv.op_type != "Conv" or conv.domain or len(conv.inputs) < 2
@@ -1169,6 +1167,39 @@ def fuse_conv_max_pools(model: Model) -> int:
                       domain=FUSED_DOMAIN, version=CONV_MAX_POOL[1], fused=list(conv.fused),
                       expansion=expansion)
         g.replace(pattern, pool, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def _three_by_two_max_pool(pool: Layer) -> bool:
+    """Whether ``pool`` (a MaxPool) is a 3x3/2 window of one output (no indices)."""
+    return not (len([o for o in pool.outputs if o]) != 1 or len(pool.outputs) > 1 and pool.outputs[1]
+                or [int(k) for k in pool.attrs.get("kernel_shape", ())] != [3, 3]
+                or [int(s) for s in pool.attrs.get("strides", ())] != [2, 2]
+                or any(int(d) != 1 for d in pool.attrs.get("dilations", ())))
+
+
+def fuse_joined_conv_max_pools(model: Model) -> int:
+    """``MaxPool(JoinedConv(X, …))`` → ``JoinedConvMaxPool`` (``ops/conv_pool.py``): SqueezeNet
+    1.1's fire modules before its pools, whose 1.5 and 0.75 MB maps then stay in the core's L2
+    wherever the joined conv runs on one thread. Runs after ``fuse_joined_convs``; taken when the
+    pool is a 3x3/2 window with one output and nothing fused after it, and the joined convs'
+    result is read by the pool alone. Its expansion is the joined convs' layers, then the pool's
+    (for backends without the kernel); the fused op checks the rest at run time (the kernels the
+    two would take) and else runs the two."""
+    g, count = _Graph(model), 0
+    for pool in g.candidates("MaxPool"):
+        if not _three_by_two_max_pool(pool):
+            continue
+        joined = g.producers.get(pool.inputs[0])
+        if (joined is None or id(joined) in g.removed or (joined.domain, joined.op_type) != (FUSED_DOMAIN, JOINED_CONV[0])
+                or joined.fused or not g.private(pool.inputs[0])):
+            continue
+        fused = Layer(name=pool.name, op_type=JOINED_CONV_MAX_POOL[0], inputs=list(joined.inputs),
+                      outputs=[pool.outputs[0]], domain=FUSED_DOMAIN, version=JOINED_CONV_MAX_POOL[1],
+                      expansion=[*joined.expansion, replace(pool)])
+        g.replace([joined, pool], pool, fused)
         count += 1
     g.commit()
     return count

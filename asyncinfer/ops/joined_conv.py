@@ -42,7 +42,7 @@ class JoinedConv(Op):
     multithreaded = True
 
     def check(self) -> None:
-        *convs, concat = self.layer.expansion or [None]
+        *convs, concat = self._joined_layers() or [None]
         if (not convs or concat is None or concat.op_type != "Concat" or any(c.op_type != "Conv" for c in convs)
                 or len(self.layer.inputs) != 1 + 2 * len(convs)):
             self.unsupported("a JoinedConv layer is made by the loader from convs of one input and their Concat")
@@ -59,17 +59,34 @@ class JoinedConv(Op):
         for i, conv in enumerate(self.convs):  # (each conv's own kept weights, where it runs alone)
             conv.bind_constants({j: constants[2 * i + j] for j in (1, 2) if 2 * i + j in constants})
 
+    def _joined_layers(self) -> list:
+        """The layers this one joins: the convs and their Concat (its expansion)."""
+        return list(self.layer.expansion)
+
     def run(self, x: np.ndarray, *operands: np.ndarray | None) -> np.ndarray:
+        plan = self.panel_plan(x, operands)
+        if plan is not None:
+            return run_direct_panels(plan, x)
+        return self._run_apart(x, operands)
+
+    def panel_plan(self, x: np.ndarray, operands: tuple[np.ndarray | None, ...]) -> PanelPlan | None:
+        """The panel kernel's plan for this input and these weights (None: the convs run apart),
+        the last case's kept."""
         case = (x.shape, x.dtype, *operands)
         joined = self._joined
         if joined is not None and _same(joined[0], case):
-            return run_direct_panels(joined[1], x)
-        if self._apart is None or not _same(self._apart, case):
-            plan = self._plan(x, operands)
-            if plan is not None:
-                self._joined = (case, plan)
-                return run_direct_panels(plan, x)
+            return joined[1]
+        if self._apart is not None and _same(self._apart, case):
+            return None
+        plan = self._plan(x, operands)
+        if plan is None:
             self._apart = case
+        else:
+            self._joined = (case, plan)
+        return plan
+
+    def _run_apart(self, x: np.ndarray, operands: tuple[np.ndarray | None, ...]) -> np.ndarray:
+        """The convs one by one, then their Concat."""
         results = [conv.run(x, operands[2 * i], operands[2 * i + 1], activations=self.activations[i])
                    for i, conv in enumerate(self.convs)]
         return self.concat.run(*results)

@@ -1395,6 +1395,92 @@ def test_joined_convs_on_gpu_pixel_run_the_layers_they_replaced_there():
                                      "fuse_joined_convs")
 
 
+# -- joined convs and the max pool after them ---------------------------------------------------
+def _fire_pool_model(*, pool: tuple[int, int] = (3, 2), pool_pads=(0, 0, 0, 0), ceil: int = 1,
+                     also_read: bool = False, indices: bool = False, **fire) -> onnx.ModelProto:
+    """`_fire_model` (``fire``) on a 15x21 map, its Concat's result → MaxPool (window, stride)
+    ``pool``, ``pool_pads``, ``ceil`` (SqueezeNet 1.1's by default) → y. ``also_read``: the
+    Concat's result is a graph output too; ``indices``: the pool gives its indices too."""
+    proto = _fire_model(size=(15, 21), **fire)
+    graph = proto.graph
+    concat = graph.node[-1]
+    concat.output[0] = "j"
+    outputs = ["y", "i"] if indices else ["y"]
+    graph.node.append(helper.make_node("MaxPool", ["j"], outputs, kernel_shape=[pool[0]] * 2,
+                                       strides=[pool[1]] * 2, pads=list(pool_pads), ceil_mode=ceil))
+    del graph.output[:]
+    graph.output.extend([tensor_info(name, None) for name in outputs + (["j"] if also_read else [])])
+    return proto
+
+
+def _fire_pool_input(images: int, nan: bool) -> np.ndarray:
+    x = RNG.standard_normal((images, FIRE_C, 15, 21)).astype(np.float32)
+    if nan:
+        x.flat[::29] = np.nan  # a NaN in a window makes its max NaN, both ways
+    return x
+
+
+@pytest.mark.parametrize("variant", [{}, dict(pool_pads=(1, 1, 1, 1), ceil=0), dict(activations=(None, None)),
+                                     dict(last=40)])  # (the last panel of channels full)
+def test_joined_convs_and_their_max_pool_are_one_layer(variant, monkeypatch):
+    """``MaxPool(Concat(Relu(Conv1x1(x)), Relu(Conv3x3(x))))`` becomes one ``JoinedConvMaxPool``.
+    On one thread (other requests keep the other cores busy: `parallel.crowded`) it runs the
+    fused loop, a panel of channels at a time; a request alone on two threads may split the two
+    layers instead. Either way: the very bits of the layers unfused, batch after batch, NaNs
+    too, and the definition's values."""
+    from asyncinfer.concurrency import parallel
+    from asyncinfer.ops import conv_pool
+
+    proto = _fire_pool_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_joined_convs"] == 1
+    assert model.optimizations["fuse_joined_conv_max_pools"] == 1
+    assert [l.op_type for l in model.layers] == ["JoinedConvMaxPool"]
+    assert [l.op_type for l in model.layers[0].expansion] == ["Conv", "Conv", "Concat", "MaxPool"]
+    fused_runs, fused_run = [], conv_pool.run_panel_conv_pool
+
+    def counted(conv, pool, x):
+        fused_runs.append(x.shape)
+        return fused_run(conv, pool, x)
+    monkeypatch.setattr(conv_pool, "run_panel_conv_pool", counted)
+    with ai.Worker(model, "cpu", threads=2) as worker, ai.Worker(ai.load_model(proto, optimize=False), "cpu") as plain:
+        [op] = [node.step.op for node in worker._plan.nodes if node.layer.op_type == "JoinedConvMaxPool"]
+        for images in (1, 2, 1):
+            for nan in (False, True):
+                x = _fire_pool_input(images, nan)
+                want = plain.run_blocking(x)["y"]
+                np.testing.assert_array_equal(worker.run_blocking(x)["y"], want)
+                operands = [model.constants.get(name) for name in model.layers[0].inputs[1:]]
+                calls = len(fused_runs)
+                with parallel.pool_bound(None, 1, None, lambda: True):
+                    np.testing.assert_array_equal(op(x, *operands)[0], want)
+                assert fused_runs[calls:] == [x.shape]  # (crowded: the fused loop, once)
+                if not nan:  # (onnx.reference's MaxPool passes NaNs over)
+                    np.testing.assert_allclose(want, ReferenceEvaluator(proto).run(None, {"x": x})[0],
+                                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [dict(also_read=True),  # the joined result read elsewhere too
+                                     dict(pool=(2, 2)),  # not a 3x3/2 pool
+                                     dict(indices=True)])  # the pool's indices wanted
+def test_joined_convs_before_other_max_pools_stay_apart(variant):
+    proto = _fire_pool_model(**variant)
+    model = ai.load_model(proto)
+    assert model.optimizations["fuse_joined_convs"] == 1
+    assert model.optimizations["fuse_joined_conv_max_pools"] == 0
+    x = _fire_pool_input(2, False)
+    with ai.Worker(model, "cpu") as worker:
+        got = worker.run_blocking(x)
+    want = ReferenceEvaluator(proto).run(None, {"x": x})
+    for name, value in zip([o.name for o in proto.graph.output], want):
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_a_joined_conv_max_pool_on_gpu_pixel_runs_the_layers_it_replaced_there():
+    """(the convs with their Relus, the Concat and the MaxPool)"""
+    _runs_its_expansion_on_gpu_pixel(_fire_pool_model(), _fire_pool_input(1, False), "fuse_joined_conv_max_pools")
+
+
 # -- 1x1 convs of one input side by side ---------------------------------------------------------
 def _sibling_1x1_model(*, widths=(24, 40, 8), activations=("Relu", "Relu", "Relu"), biases=(True, True, True),
                        kernels=(1, 1, 1), strides=(1, 1, 1), shared_weight: bool = False,

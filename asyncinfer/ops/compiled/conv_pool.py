@@ -1,11 +1,12 @@
-"""A stem conv and the 3x3/2 max pool after it, one block of channels at a time through a buffer
+"""Convs and the 3x3/2 max pool after them, one block of channels at a time through a buffer
 that stays in the core's L2 (`ops/conv_pool.py` says when).
 
-Unfused, the stem's output (SqueezeNet's 64 x 111x111, ResNet's 64 x 112x112: 3.2 MB) is stored
-past the core's L2 and read back by the pool. Here each image's block of `BLOCK_ROWS` channels
-is summed into this thread's buffer (`direct.direct_conv`, the same kernel and order of sums as
-the unfused layer: the same bits), then pooled from there (`pool_three.max_three_by_two`):
-only the pooled map, a quarter of the size, leaves the core.
+Unfused, the conv's output (SqueezeNet's stem, 64 x 111x111, and ResNet's, 64 x 112x112: 3.2 MB;
+its fire modules' joined 1x1 and 3x3 expand convs before a pool, 128 x 55x55 and 256 x 27x27:
+1.5 and 0.75 MB) is stored past the core's L2 and read back by the pool. Here each image's block
+of channels is summed into this thread's buffer by the unfused layer's own kernel, in its order
+of sums (the same bits), then pooled from there (`pool_three.max_three_by_two`): only the pooled
+map, a quarter of the size, leaves the core.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from . import kernel
 from .direct import LANES, WIDE_VECTORS, direct_conv
+from .direct_panels import direct_panel_conv
 from .panels import BLOCK_ROWS
 from .pool_three import max_three_by_two
 
@@ -46,3 +48,30 @@ def buffer_size(out_height: int, out_width: int) -> int:
     """Float32 values of a thread's buffer for `conv_max_pool`: a block's conv planes, and the
     conv's tail and spare blocks."""
     return BLOCK_ROWS * (out_height * out_width + LANES + WIDE_VECTORS * LANES)
+
+
+@kernel(contract=False)
+def panel_conv_max_pool(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray, panel_taps: np.ndarray,
+                        buffer: np.ndarray, bias: np.ndarray, block: np.ndarray, y: np.ndarray, out_height: int,
+                        out_width: int, row_stride: int, column_stride: int, act: int, a: float, b: float,
+                        top: int, left: int, lowest: float) -> None:
+    """``y`` (N, M, Hq, Wq) = the 3x3/2 max pool (``top``, ``left`` rows and columns of padding
+    before the map, holding ``lowest``) of the conv `direct_panels.direct_panel_conv` computes
+    with these operands (``out_height`` x ``out_width`` outputs at ``row_stride``,
+    ``column_stride``; epilogue ``act``, ``a``, ``b``), one panel of channels of one image at a
+    time: ``buffer`` (at least ``panels.shape[2]·out_height·out_width`` values) and ``block`` are
+    this thread's."""
+    m = y.shape[1]
+    width = panels.shape[2]
+    span = out_height * out_width
+    for i in range(y.shape[0]):
+        for p in range(panels.shape[0]):
+            c0 = p * width
+            channels = min(width, m - c0)
+            # the panel as a conv of its own: its weights, taps and biases, its channels the buffer's
+            planes = buffer[:channels * span].reshape(1, channels, span)
+            direct_panel_conv(panels[p:p + 1], padded[i:i + 1], tap_sets, panel_taps[p:p + 1], planes,
+                              bias[c0:c0 + width], block, 0, out_height, out_height, out_width, row_stride,
+                              column_stride, act, a, b)
+            max_three_by_two(planes.reshape(channels, out_height, out_width), y[i, c0:c0 + channels], 0, channels,
+                             top, left, lowest)
