@@ -151,19 +151,22 @@ def padded_input(shape: tuple[int, ...], top: int, left: int, x_shape: tuple[int
     ``phases·j + f`` at ``f·W/phases + j``). The buffer is kept for the same shape and place of ``x``, so
     its border stays zero between runs and a run copies only the input into it
     (`compiled.direct.copy_inside`: writing the border too took 4x as long on a 224x224 image)."""
+    source = np.ascontiguousarray(x)
+    if source.shape != x_shape:  # (a new view only where needed: NumPy calls cost µs each, cold)
+        source = source.reshape(x_shape)
     if shape == x_shape and phases == 1:  # (no padding, nothing read past the input: read it in place)
-        return np.ascontiguousarray(x).reshape(x_shape)
+        return source
     buffers = getattr(_PADDED, "buffers", None)
     if buffers is None:
         buffers = _PADDED.buffers = {}
     key = (shape, top, left, x_shape, phases)
-    buffer = buffers.pop(key, None)
-    if buffer is None:
+    buffer = buffers.get(key)
+    if buffer is None:  # (the oldest shape makes way: a model of more shapes pads some twice a run)
         buffer = np.zeros(shape, np.float32)
         while len(buffers) >= PADDED_SHAPES:
             del buffers[next(iter(buffers))]
-    buffers[key] = buffer  # (the most recent last)
-    copy_inside(np.ascontiguousarray(x).reshape(x_shape), buffer, top, left, phases)
+        buffers[key] = buffer
+    copy_inside(source, buffer, top, left, phases)
     return buffer
 
 

@@ -397,6 +397,27 @@ def test_depthwise_is_thread_safe(rng):
         np.testing.assert_array_equal(y, expected[k % 4])
 
 
+def test_scratch_keeps_a_view_per_shape_of_one_buffer_per_thread_and_slot():
+    """Layers asking in turn for shapes of one slot get the same views again (no new NumPy
+    objects a layer), all of one buffer; a larger shape grows the buffer; another thread or slot
+    has its own."""
+    scratch = conv_kernels.scratch
+    a, b = scratch((3, 5), np.float32, "test_slot"), scratch((7,), np.float64, "test_slot")
+    assert scratch((3, 5), np.float32, "test_slot") is a and scratch((7,), np.float64, "test_slot") is b
+    assert a.shape == (3, 5) and a.dtype == np.float32 and b.shape == (7,) and b.dtype == np.float64
+    assert np.shares_memory(a, b) and a.ctypes.data % 64 == 0  # (one buffer, from a cache line)
+    assert not np.shares_memory(a, scratch((3, 5), np.float32, "other_slot"))
+    with ThreadPoolExecutor(1) as pool:
+        assert not np.shares_memory(a, pool.submit(scratch, (3, 5), np.float32, "test_slot").result())
+    big = scratch((1 << 19,), np.float32, "test_slot")  # (2 MiB: past the first buffer's 1 MiB)
+    assert big.shape == (1 << 19,) and not np.shares_memory(big, a)
+    again = scratch((3, 5), np.float32, "test_slot")
+    assert again is not a and np.shares_memory(again, big)  # (views of the new buffer from then on)
+    for k in range(conv_kernels.SCRATCH_VIEWS + 1):  # (a slot keeps a bounded number of views)
+        assert scratch((k + 1,), np.float32, "test_slot").shape == (k + 1,)
+    assert np.shares_memory(scratch((1,), np.float32, "test_slot"), big)
+
+
 @pytest.mark.parametrize("x_shape, w_shape, attrs", [
     ((1, 1, 640), (258, 1, 256), dict(strides=[128])),            # an STFT as a strided 1-D conv
     ((2, 2, 300), (5, 2, 80), dict(strides=[3], pads=[7, 2])),     # many taps, two channels, pads
