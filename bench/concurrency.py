@@ -11,14 +11,17 @@ fixed time, two ways in alternating blocks:
 
 Throughput: after ``seconds`` no task starts a new run; every run started is counted, over the
 time from the block's start to the last one's end (no partial run is lost or counted twice).
-The median runs/s of each engine over the rounds gives the ratio asyncinfer/ORT (above 1:
-asyncinfer serves more). Meanwhile a 1 ms ``asyncio.sleep`` ticker on the same loop records how
+Each round runs one block of each engine back to back (the order alternating), and the ratio
+asyncinfer/ORT (above 1: asyncinfer serves more) is the median of the rounds' ratios: the
+machines these run on change speed by 10-20% from one minute to the next, and two blocks side by
+side see the same phase where the medians of each engine's blocks did not (two rounds of 5 s
+gave 0.84-0.91 for the same code in one morning). Meanwhile a 1 ms ``asyncio.sleep`` ticker on the same loop records how
 late it wakes up (p50/p99/max over each engine's blocks). For context, the single-request latency
 of each engine (``await``, nothing else running). Outputs are checked against ORT first. The
 timed blocks run with the heap frozen (`common.frozen_heap`), as a latency-minded application
 runs once its models are loaded: a full garbage collection would stall the loop 20-60 ms.
 
-    python3 bench/concurrency.py [--models squeezenet resnet50] [--tasks 8] [--seconds 5] [--rounds 2]
+    python3 bench/concurrency.py [--models squeezenet resnet50] [--tasks 8] [--seconds 2.5] [--rounds 4]
 """
 from __future__ import annotations
 
@@ -75,7 +78,7 @@ async def drive(call: Call, tasks: int, seconds: float) -> tuple[int, float, lis
 
 
 async def measure_model_async(proto: onnx.ModelProto, inputs: dict[str, np.ndarray], *, tasks: int = 8,
-                              seconds: float = 5.0, rounds: int = 2, repeats: int = 8,
+                              seconds: float = 2.5, rounds: int = 4, repeats: int = 8,
                               threads: int | None = None) -> dict[str, Any]:
     """Throughput and loop lag of both engines under ``tasks`` concurrent tasks (module docstring)."""
     threads = threads or common.default_threads()
@@ -106,12 +109,13 @@ async def measure_model_async(proto: onnx.ModelProto, inputs: dict[str, np.ndarr
                       "single_request": latency[name].to_dict(),
                       "loop_lag": {"ticks": len(lags[name]), **common.percentiles_ms(lags[name], (50, 99))}}
                for name in ENGINES}
+    round_ratios = [ours / theirs for ours, theirs in zip(rps["asyncinfer"], rps["ort"])]
     return {"threads": threads, "tasks": tasks, "seconds": seconds, "rounds": rounds, "max_abs_diff": max_diff,
-            "engines": engines, "ratio": engines["asyncinfer"]["runs_per_s"] / engines["ort"]["runs_per_s"]}
+            "engines": engines, "round_ratios": round_ratios, "ratio": statistics.median(round_ratios)}
 
 
-def run(models: Sequence[str] = ("squeezenet", "resnet50"), *, tasks: int = 8, seconds: float = 5.0,
-        rounds: int = 2, repeats: int = 8, threads: int | None = None, verbose: bool = True) -> dict[str, Any]:
+def run(models: Sequence[str] = ("squeezenet", "resnet50"), *, tasks: int = 8, seconds: float = 2.5,
+        rounds: int = 4, repeats: int = 8, threads: int | None = None, verbose: bool = True) -> dict[str, Any]:
     """Measure every light model named; one that cannot load or mismatches ORT is recorded as an error."""
     def measure(name: str) -> dict[str, Any]:
         proto = common.load_light_model(name)
@@ -135,8 +139,8 @@ def print_report(result: dict[str, Any]) -> None:
     common.print_table(["model / engine", "runs/s", "×ORT", "1-req ms", "lag p50 ms", "lag p99 ms", "lag max ms",
                         "note"], rows,
                        title=f"{result['tasks']} concurrent tasks, batch 1, {result['threads']} threads, "
-                             f"{result['rounds']} x {result['seconds']:g} s blocks per engine (median runs/s); "
-                             f"loop lag of a 1 ms ticker meanwhile")
+                             f"{result['rounds']} rounds of a {result['seconds']:g} s block per engine (median "
+                             f"runs/s; ×ORT: median of the rounds' ratios); loop lag of a 1 ms ticker meanwhile")
 
 
 # -- `python -m bench` (bench/runner.py) ---------------------------------------------------------
@@ -164,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["squeezenet", "resnet50"],
                         help="light model-zoo names (default: squeezenet resnet50)")
     parser.add_argument("--tasks", type=int, default=8, help="concurrent asyncio tasks (default 8)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each block (default 5)")
-    parser.add_argument("--rounds", type=int, default=2, help="blocks per engine, alternating (default 2)")
+    parser.add_argument("--seconds", type=float, default=2.5, help="length of each block (default 2.5)")
+    parser.add_argument("--rounds", type=int, default=4, help="blocks per engine, alternating (default 4)")
     parser.add_argument("--repeats", type=int, default=8, help="timed single requests per engine (default 8)")
     common.add_engine_args(parser, "concurrency.json")
     args = parser.parse_args(argv)
