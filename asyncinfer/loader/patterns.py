@@ -1193,8 +1193,8 @@ def fuse_joined_conv_max_pools(model: Model) -> int:
         if not _three_by_two_max_pool(pool):
             continue
         joined = g.producers.get(pool.inputs[0])
-        if (joined is None or id(joined) in g.removed or (joined.domain, joined.op_type) != (FUSED_DOMAIN, JOINED_CONV[0])
-                or joined.fused or not g.private(pool.inputs[0])):
+        if (joined is None or id(joined) in g.removed or joined.domain != FUSED_DOMAIN
+                or joined.op_type != JOINED_CONV[0] or joined.fused or not g.private(pool.inputs[0])):
             continue
         fused = Layer(name=pool.name, op_type=JOINED_CONV_MAX_POOL[0], inputs=list(joined.inputs),
                       outputs=[pool.outputs[0]], domain=FUSED_DOMAIN, version=JOINED_CONV_MAX_POOL[1],

@@ -42,8 +42,8 @@ from .compiled.direct_panels import BLOCK_POSITIONS
 from .compiled.panels import BLOCK_ROWS
 from .compiled.pool import THREE_BY_TWO
 from .conv import Conv, same_case
-from .conv_direct import DirectPlan, direct_plan, padded_input, takes_direct
-from .conv_direct import PANEL_WIDTH, PanelPlan, run_direct_panels
+from .conv_direct import (PANEL_WIDTH, DirectPlan, PanelPlan, direct_plan, padded_input, run_direct_panels,
+                          takes_direct)
 from .conv_kernels import scratch
 from .epilogue import Activations, Epilogue
 from .fused import FUSED_DOMAIN
