@@ -15,11 +15,12 @@ Each round runs one block of each engine back to back (the order alternating), a
 asyncinfer/ORT (above 1: asyncinfer serves more) is the median of the rounds' ratios: the
 machines these run on change speed by 10-20% from one minute to the next, and two blocks side by
 side see the same phase where the medians of each engine's blocks did not (two rounds of 5 s
-gave 0.84-0.91 for the same code in one morning). Meanwhile a 1 ms ``asyncio.sleep`` ticker on the same loop records how
-late it wakes up (p50/p99/max over each engine's blocks). For context, the single-request latency
-of each engine (``await``, nothing else running). Outputs are checked against ORT first. The
-timed blocks run with the heap frozen (`common.frozen_heap`), as a latency-minded application
-runs once its models are loaded: a full garbage collection would stall the loop 20-60 ms.
+gave 0.84-0.91 for the same code in one morning). Meanwhile a 1 ms ``asyncio.sleep`` ticker on
+the same loop records how late it wakes up (p50/p99/max over each engine's blocks). For
+context, the single-request latency of each engine (``await``, nothing else running). Outputs
+are checked against ORT first. The timed blocks run with the heap frozen (`common.frozen_heap`),
+as a latency-minded application runs once its models are loaded: a full garbage collection
+would stall the loop 20-60 ms.
 
     python3 bench/concurrency.py [--models squeezenet resnet50] [--tasks 8] [--seconds 2.5] [--rounds 4]
 """
