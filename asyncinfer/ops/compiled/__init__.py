@@ -14,7 +14,8 @@ a row held in L1.
   other files (a `panels` block inside `few_rows.few_rows_matmul`, itself inside
   `team_parts.serve_parts`) would keep running their old code after they changed: importing this
   package drops every cached kernel when any kernel source differs from the last import's
-  (`cache_stamp`).
+  (`cache_stamp`). A kernel loaded from the cache keeps its LLVM IR as bitcode, not as numba's
+  parsed module (`cached_ir`: 36 MB for the serve loop alone).
 - Kernels have no default arguments (`kernel` refuses them): numba's dispatcher types a call that
   leaves one out on its slow path (`_compile_for_args`), about 80 µs a call against 1 µs: a
   depthwise conv's blocks of channels each paid it (MobileNetV3-small's 576ch@7 5x5 on one core:
@@ -30,11 +31,12 @@ from typing import Any, TypeVar
 
 import numba
 
-from . import cache_stamp
+from . import cache_stamp, cached_ir
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 cache_stamp.refresh()  # (before any kernel loads from the cache: they load on their first call)
+cached_ir.keep_bitcode_unparsed()
 
 
 def _no_defaults(fn: Callable[..., Any]) -> None:
