@@ -6,6 +6,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import asyncinfer as ai
+from asyncinfer.loader import optimize as optimizer
+from asyncinfer.model.ir import Layer, Model, TensorInfo
 from conftest import make_model, shape_arithmetic_model, tensor_info
 
 
@@ -93,6 +95,25 @@ def test_conv_batchnorm_folding_and_relu_fusion_keep_results(rng):
     assert [l.op_type for l in plain.layers] == ["Conv", "BatchNormalization", "Relu"]
     x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
     np.testing.assert_allclose(_run(optimized, x)["y"], _run(plain, x)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_weights_a_pass_replaced_are_dropped(rng):
+    optimized = ai.load_model(_conv_bn_relu_model(rng))
+    # (the conv's weight and bias and the four of the BatchNormalization: only the folded pair is read)
+    assert optimized.optimizations["drop_unread_constants"] == 6
+    assert set(optimized.constants) == set(optimized.layers[0].inputs[1:])
+
+
+def test_constants_still_read_by_a_fused_part_an_expansion_or_an_output_stay():
+    f32 = np.dtype(np.float32)
+    relu = Layer("act", "PRelu", ["y", "slope"], ["y"])
+    original = Layer("orig", "Mul", ["x", "w_orig"], ["y"])
+    fused = Layer("joined", "Mul", ["x", "w_joined"], ["y"], fused=[relu], expansion=[original])
+    constants = {name: np.ones(2, f32) for name in ("slope", "w_orig", "w_joined", "gone", "out_c")}
+    model = Model(inputs=[TensorInfo("x", f32, (2,))], layers=[fused], constants=constants, opsets={"": 17},
+                  outputs=[TensorInfo("y", f32, (2,)), TensorInfo("out_c", f32, (2,))])
+    assert optimizer.drop_unread_constants(model) == 1
+    assert sorted(model.constants) == ["out_c", "slope", "w_joined", "w_orig"]
 
 
 def test_fusion_skipped_when_the_intermediate_is_an_output():
