@@ -26,34 +26,55 @@ def inner(x):
     return 2.0 * x + 1.0
 """
 
+# Run twice on one cache folder: the first process compiles and caches inner, the second loads it.
+# ``numba_as_is``: the process leaves numba's code library alone (a cache written by plain numba).
 _PROGRAM = """
-import sys, numba
+import sys, numba, llvmlite.binding as llvm
 sys.path.insert(0, {folder!r})
+if {numba_as_is!r}:
+    from numba.core import codegen
+    codegen.CPUCodeLibrary._asyncinfer_keeps_bitcode = True  # (install() then leaves numba as it is)
 from asyncinfer.ops.compiled import cached_ir
-assert cached_ir.keep_bitcode_unparsed()
+cached_ir.keep_bitcode_unparsed()
+parses = []
+parse = llvm.parse_bitcode
+llvm.parse_bitcode = lambda data: parses.append(len(data)) or parse(data)
 import kernels
 assert kernels.inner(2.0) == 5.0
 library = kernels.inner.overloads[kernels.inner.signatures[0]].library
-print("loaded" if library._shared_module is None and "_asyncinfer_bitcode" in library.__dict__ else "compiled")
+loaded = "_asyncinfer_bitcode" in library.__dict__ and library._shared_module is None
+print("loaded" if loaded else "compiled", "parsed" if parses else "unparsed")
 
 @numba.njit
 def outer(x):  # (compiled here, not cached: it links inner's library, whose IR was kept as bytes)
     return kernels.inner(x) * 10.0
 
 assert outer(2.0) == 50.0, outer(2.0)
-assert "_asyncinfer_bitcode" not in library.__dict__ and library._shared_module is not None  # (parsed back)
+assert "_asyncinfer_bitcode" not in library.__dict__ and library._shared_module is not None
 print("linked")
 """
 
 
-def test_a_kernel_loaded_from_the_cache_still_links_into_a_new_caller(tmp_path):
-    (tmp_path / "kernels.py").write_text(_KERNELS)
-    program = textwrap.dedent(_PROGRAM).format(folder=str(tmp_path))
-    env_cache = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+def _twice(folder, numba_as_is_first: bool) -> list[list[str]]:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(folder / f"cache-{numba_as_is_first}")}
     seen = []
-    for _ in range(2):  # the first process compiles and caches inner, the second loads it
-        proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, **env_cache})
+    for numba_as_is in (numba_as_is_first, False):
+        program = textwrap.dedent(_PROGRAM).format(folder=str(folder), numba_as_is=numba_as_is)
+        proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         seen.append(proc.stdout.split())
-    assert seen == [["compiled", "linked"], ["loaded", "linked"]]
+    return seen
+
+
+def test_a_cached_kernel_loads_without_a_parse_and_still_links_into_a_new_caller(tmp_path):
+    (tmp_path / "kernels.py").write_text(_KERNELS)
+    # (the second process loads inner with the names of its symbols beside its bitcode: nothing to parse)
+    assert _twice(tmp_path, numba_as_is_first=False) == [["compiled", "unparsed", "linked"],
+                                                         ["loaded", "unparsed", "linked"]]
+
+
+def test_a_cache_written_by_plain_numba_loads_parsed_and_is_not_kept(tmp_path):
+    (tmp_path / "kernels.py").write_text(_KERNELS)
+    # (numba's cache layout: the bitcode is parsed for its symbols' names, then only the bytes kept)
+    assert _twice(tmp_path, numba_as_is_first=True) == [["compiled", "unparsed", "linked"],
+                                                        ["loaded", "parsed", "linked"]]
