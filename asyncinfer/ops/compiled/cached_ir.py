@@ -15,38 +15,21 @@ first run of MobileNetV3-small left 80 MB of them resident.
   its bitcode, so a later process loads it without parsing anything;
 - a loaded kernel keeps its bitcode as bytes, and parses it the first time a later compile links
   against it (a new caller still inlines it). A cache written without the names (by numba before
-  this was installed) is parsed as numba does and the module dropped at once, the pages of a
-  large parse handed back to the system (glibc keeps freed small blocks otherwise).
+  this was installed) is parsed as numba does and the module dropped at once.
 
 numba's cache index is tied to numba's version, so a cache of this layout is never read by
 another numba, and where numba's code library is not laid out as expected nothing is installed.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-from collections.abc import Callable
 from typing import Any
 
 import llvmlite.binding as llvm
 from numba.core import codegen
 
-#: A parse freed from a bitcode this large hands its pages back (one ``malloc_trim``, ~4 ms on a
-#: 200 MB heap): below it, the freed blocks are reused by the next kernels' parses.
-TRIM_AFTER_BITCODE_BYTES = 1 << 20
-
 _LIBRARY: Any = codegen.CPUCodeLibrary
 _METHODS = ("_unserialize", "_get_module_for_linking", "serialize_using_object_code", "enable_object_caching",
             "_set_compiled_object", "_finalize_final_module")
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (returns free heap pages to the system), where the C library has it."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return libc.malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError, TypeError):
-        return None
 
 
 def defined_names(module: Any) -> tuple[str, ...]:
@@ -66,7 +49,6 @@ def keep_bitcode_unparsed() -> bool:
     load = _LIBRARY._unserialize.__func__
     serialize = _LIBRARY.serialize_using_object_code
     module_for_linking = _LIBRARY._get_module_for_linking
-    trim = _malloc_trim()
 
     def serialize_using_object_code(self: Any) -> Any:
         name, kind, data = serialize(self)
@@ -92,8 +74,6 @@ def keep_bitcode_unparsed() -> bool:
         if kind == "object" and getattr(library, "_shared_module", None) is not None:
             library._shared_module = None  # llvmlite disposes of the module with its last reference
             library._asyncinfer_bitcode = data[1]
-            if trim is not None and len(data[1]) >= TRIM_AFTER_BITCODE_BYTES:
-                trim(0)
         return library
 
     def _get_module_for_linking(self: Any) -> Any:
