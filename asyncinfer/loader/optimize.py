@@ -307,8 +307,7 @@ def remove_dead_layers(model: Model) -> int:
             needed.update(n for n in layer.inputs if n)
     removed = len(model.layers) - len(live)
     model.layers = live[::-1]
-    for name in [c for c in model.constants if c not in needed]:
-        del model.constants[name]
+    drop_unread_constants(model)  # (the dead layers' weights: the passes after need not see them)
     return removed
 
 
