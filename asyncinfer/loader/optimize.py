@@ -363,7 +363,7 @@ class _Affine:
             self.rank = w.ndim
             self.dtype = w.dtype
             # its float64 copy is made at write_back, one conv at a time (a model's convs all in
-            # float64 at once were twice its weights: ResNet-18's load peaked 90 MB higher)
+            # float64 at once were twice its weights: ResNet-18's load peaked 69 MB higher)
             self.conv_weight, self.scales = w, []
             bias = layer.inputs[2] if len(layer.inputs) > 2 else ""
             self.bias = c[bias].astype(np.float64) if bias else np.zeros(self.channels)
