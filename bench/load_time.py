@@ -3,11 +3,13 @@
 Each engine loads the model in a fresh subprocess (so peak RSS is its own), after the files were
 read once into the page cache (neither pays the disk). Per engine: the time to a runnable
 session (``load_model`` + ``Worker``; ``InferenceSession``), peak RSS after load and after a run
-(relative to the model's size on disk), then for asyncinfer the first run after ``warmup()``
-against the steady-state median; each engine in three processes taking turns, each figure the
-median over them (``--processes``). Models: the GPT-2 decode step and the Llama-style block of
-``real_models``, saved once as ``model.onnx`` + one weights file (what exporters write for large
-models).
+(relative to the model's size on disk), the cold start (importing the engine, loading the model
+and its first run: ``warmup()`` for asyncinfer, which loads its kernels, a plain run for ORT;
+what a fresh process, a CLI or a scaled-out replica waits for its first result), then for
+asyncinfer the first run after ``warmup()`` against the steady-state median; each engine in
+three processes taking turns, each figure the median over them (``--processes``). Models: the
+GPT-2 decode step and the Llama-style block of ``real_models``, saved once as ``model.onnx`` + one
+weights file (what exporters write for large models).
 
     python3 bench/load_time.py [--models gpt2_decode llama_block] [--runs 10]
 """
@@ -49,7 +51,9 @@ def rss():  # peak resident bytes of this process: VmHWM (ru_maxrss survives exe
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 out = {{"rss_before": rss()}}
 if engine == "asyncinfer":
+    start = time.perf_counter()
     import asyncinfer as ai
+    out["import_s"] = time.perf_counter() - start
     start = time.perf_counter()
     worker = ai.Worker(ai.load_model(path), "cpu")
     out["load_s"] = time.perf_counter() - start
@@ -59,13 +63,16 @@ if engine == "asyncinfer":
     out["warmup_s"] = time.perf_counter() - start
     run = lambda: worker.run_blocking(inputs)
 else:
+    start = time.perf_counter()
     import onnxruntime as ort
+    out["import_s"] = time.perf_counter() - start
     start = time.perf_counter()
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     out["load_s"] = time.perf_counter() - start
     out["rss_load"] = rss()
     run = lambda: session.run(None, inputs)
 start = time.perf_counter(); run(); out["first_s"] = time.perf_counter() - start
+out["cold_s"] = out["import_s"] + out["load_s"] + out.get("warmup_s", out["first_s"])
 times = []
 for _ in range(runs):
     start = time.perf_counter(); run(); times.append(time.perf_counter() - start)
@@ -119,6 +126,7 @@ def measure(name: str, runs: int = 10, processes: int = 3) -> dict[str, Any]:
         "model_mib": size / 2**20, "processes": processes,
         "asyncinfer": ai, "ort": ort,
         "load_ratio": ai["load_s"] / ort["load_s"],
+        "cold_start_ratio": ai["cold_s"] / ort["cold_s"],
         "rss_load_x_model": {"asyncinfer": (ai["rss_load"] - ai["rss_before"]) / size,
                              "ort": (ort["rss_load"] - ort["rss_before"]) / size},
         "rss_run_x_model": {"asyncinfer": (ai["rss_run"] - ai["rss_before"]) / size,
@@ -144,17 +152,20 @@ def print_report(result: dict[str, Any]) -> None:
     print("\nLarge models as external data, each engine in a fresh process (RSS: growth over the "
           "interpreter's, as a multiple of the model's size on disk)")
     header = (f"{'model':<12} {'MiB':>6}  {'load ai s':>9} {'load ORT s':>10} {'ratio':>6}  "
-              f"{'RSS ai':>6} {'RSS ORT':>7}  {'run RSS ai':>10} {'run RSS ORT':>11}  {'1st/steady ai':>13}")
+              f"{'RSS ai':>6} {'RSS ORT':>7}  {'run RSS ai':>10} {'run RSS ORT':>11}  {'1st/steady ai':>13}  "
+              f"{'cold ai s':>9} {'cold ORT s':>10}")
     print(header)
     print("-" * len(header))
     for name, r in result["models"].items():
         if "error" in r:
             print(f"{name:<12} error: {r['error']}")
             continue
-        print(f"{name:<12} {r['model_mib']:>6.0f}  {r['asyncinfer']['load_s']:>9.3f} {r['ort']['load_s']:>10.3f} "
-              f"{r['load_ratio']:>6.2f}  {r['rss_load_x_model']['asyncinfer']:>6.2f} {r['rss_load_x_model']['ort']:>7.2f}  "
+        ai, ort = r["asyncinfer"], r["ort"]
+        print(f"{name:<12} {r['model_mib']:>6.0f}  {ai['load_s']:>9.3f} {ort['load_s']:>10.3f} "
+              f"{r['load_ratio']:>6.2f}  "
+              f"{r['rss_load_x_model']['asyncinfer']:>6.2f} {r['rss_load_x_model']['ort']:>7.2f}  "
               f"{r['rss_run_x_model']['asyncinfer']:>10.2f} {r['rss_run_x_model']['ort']:>11.2f}  "
-              f"{r['first_after_warmup_x_steady']:>13.2f}")
+              f"{r['first_after_warmup_x_steady']:>13.2f}  {ai['cold_s']:>9.3f} {ort['cold_s']:>10.3f}")
     print(f"floors: load ratio <= {LOAD_RATIO_FLOOR}, RSS <= {RSS_FLOOR}x the model, "
           f"first run after warmup() <= {WARM_FLOOR}x steady")
 
@@ -169,6 +180,7 @@ def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
         "load_ratio_max": max((r["load_ratio"] for r in ok), default=None),
         "rss_x_model_max": max((r["rss_run_x_model"]["asyncinfer"] for r in ok), default=None),
         "first_after_warmup_x_steady_max": max((r["first_after_warmup_x_steady"] for r in ok), default=None),
+        "cold_start_ratio_max": max((r["cold_start_ratio"] for r in ok), default=None),
     }
 
 
