@@ -2,13 +2,15 @@
 caller never waits for a helper that has not started."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-import asyncinfer as ai
 from asyncinfer.concurrency import parallel
 from asyncinfer.ops.linalg import matmul
 
@@ -82,20 +84,48 @@ def test_split_matmul_equals_numpy(pool, shapes, monkeypatch):
     assert calls == [2]
 
 
+# In a process of its own (another test's worker left undisposed would hold the pin): BLAS at one
+# thread while a worker lives, a library loaded since the first worker started (SciPy's own, its
+# linear algebra's) pinned by the next, each library's own count back after the last one closes.
+_BLAS_PROGRAM = """
+import importlib.resources, json, threadpoolctl
+import asyncinfer as ai
+def blas_threads():
+    return {lib["filepath"]: lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"}
+seen = {"before": blas_threads()}
+model = ai.load_model((importlib.resources.files("asyncinfer.assets") / "digits_cnn.onnx").read_bytes())
+first = ai.Worker(model)
+seen["first"] = blas_threads()
+try:
+    import scipy.linalg  # noqa: F401 (its own OpenBLAS, loaded while a worker lives)
+except ImportError:
+    pass
+seen["loaded"] = blas_threads()
+second = ai.Worker(model)
+seen["second"] = blas_threads()
+second.dispose()
+seen["second_closed"] = blas_threads()
+first.dispose()
+seen["after"] = blas_threads()
+print(json.dumps(seen))
+"""
+
+
 def test_blas_is_single_threaded_while_a_cpu_worker_lives_and_restored_after():
-    threadpoolctl = pytest.importorskip("threadpoolctl")
+    pytest.importorskip("threadpoolctl")
     from asyncinfer.backends.cpu import blas
 
     if not blas.pinned():
         pytest.skip("ASYNCINFER_BLAS_THREADS is set: BLAS keeps the threads it asks for")
-
-    def blas_threads():
-        return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib["user_api"] == "blas"]
-
-    before = blas_threads()
-    if not before:
+    proc = subprocess.run([sys.executable, "-c", _BLAS_PROGRAM], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    if not seen["before"]:
         pytest.skip("no BLAS library found by threadpoolctl")
-    model_bytes = (__import__("importlib").resources.files("asyncinfer.assets") / "digits_cnn.onnx").read_bytes()
-    with ai.Worker(ai.load_model(model_bytes)):
-        assert all(n == 1 for n in blas_threads())
-    assert blas_threads() == before
+    assert set(seen["first"].values()) == {1}
+    assert set(seen["second"].values()) == {1} and set(seen["second"]) == set(seen["loaded"])
+    assert set(seen["second_closed"].values()) == {1}  # (the first worker still lives)
+    loaded_since = {path: n for path, n in seen["loaded"].items() if path not in seen["before"]}
+    assert seen["after"] == {**seen["before"], **loaded_since}
+
+

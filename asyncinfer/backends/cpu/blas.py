@@ -12,8 +12,10 @@ threads start a GEMM part faster than a pool thread wakes, so a lone request ran
 requests, the rule wins by far. For the GEMMs where that start-up matters most, a decode step's
 few-row products, the backend keeps spinning helpers of its own (``concurrency/spin_team.py``),
 which start a part as fast as OpenBLAS's threads do. The setting is process-wide (BLAS has no per-thread
-one): it is made when the first CPU backend starts and undone when the last one closes.
-``ASYNCINFER_BLAS_THREADS=n`` keeps BLAS at ``n`` threads instead (the backend then runs one
+one): it is made when the first CPU backend starts, made again by each later one for any BLAS
+library loaded since (SciPy's own, which its linear algebra loads: a first Erf run imports it,
+and a worker would otherwise live beside its spinning threads), and undone when the last one
+closes. ``ASYNCINFER_BLAS_THREADS=n`` keeps BLAS at ``n`` threads instead (the backend then runs one
 GEMM kernel at a time, as BLAS already uses the cores).
 """
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Any
 
 _lock = threading.Lock()
 _users = 0
-_limiter: Any = None
+# One per backend start that found a BLAS library not at one thread, in order (undone in reverse)
+_limiters: list[Any] = []
 
 
 def requested_threads() -> int | None:
@@ -39,25 +42,28 @@ def pinned() -> bool:
 
 
 def acquire() -> bool:
-    """A CPU backend starts: pin BLAS to one thread (the first backend does it). True if BLAS
-    calls are single-threaded, so the backend may run GEMMs side by side and split them."""
-    global _users, _limiter
+    """A CPU backend starts: pin every BLAS library loaded now to one thread (the first backend,
+    and a later one for the libraries loaded since). True if BLAS calls are single-threaded, so
+    the backend may run GEMMs side by side and split them."""
+    global _users
     with _lock:
         _users += 1
-        if _users == 1 and pinned():
-            try:
-                from threadpoolctl import threadpool_limits
-            except ImportError:  # without threadpoolctl, BLAS keeps its own threads
-                return False
-            _limiter = threadpool_limits(limits=1, user_api="blas")
-        return _limiter is not None
+        if not pinned():
+            return False
+        try:
+            from threadpoolctl import threadpool_info, threadpool_limits
+        except ImportError:  # without threadpoolctl, BLAS keeps its own threads
+            return False
+        if not _limiters or any(lib["num_threads"] != 1 for lib in threadpool_info() if lib["user_api"] == "blas"):
+            _limiters.append(threadpool_limits(limits=1, user_api="blas"))
+        return True
 
 
 def release() -> None:
-    """A CPU backend closed: the last one gives BLAS its threads back."""
-    global _users, _limiter
+    """A CPU backend closed: the last one gives every BLAS library its threads back."""
+    global _users
     with _lock:
         _users -= 1
-        if _users == 0 and _limiter is not None:
-            _limiter.restore_original_limits()
-            _limiter = None
+        if _users == 0:
+            while _limiters:
+                _limiters.pop().restore_original_limits()
