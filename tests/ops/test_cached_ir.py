@@ -63,15 +63,22 @@ print("linked")
 """
 
 
-def _twice(folder, numba_as_is_first: bool) -> list[list[str]]:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(folder / f"cache-{numba_as_is_first}")}
+def _in_processes(program: str, cache, runs: list[dict]) -> list[list[str]]:
+    """``program`` formatted with each of ``runs`` in turn, each in a process of its own on the
+    numba cache folder ``cache``: the words each printed."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
     seen = []
-    for numba_as_is in (numba_as_is_first, False):
-        program = textwrap.dedent(_PROGRAM).format(folder=str(folder), numba_as_is=numba_as_is)
-        proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
+    for fields in runs:
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(program).format(**fields)], capture_output=True,
+                              text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         seen.append(proc.stdout.split())
     return seen
+
+
+def _twice(folder, numba_as_is_first: bool) -> list[list[str]]:
+    runs = [{"folder": str(folder), "numba_as_is": numba_as_is} for numba_as_is in (numba_as_is_first, False)]
+    return _in_processes(_PROGRAM, folder / f"cache-{numba_as_is_first}", runs)
 
 
 def test_a_cached_kernel_loads_without_a_parse_and_still_links_into_a_new_caller(tmp_path):
@@ -114,13 +121,8 @@ print("refreshed" if refreshes else "not-refreshed")
 
 def test_a_cached_kernel_loads_without_numbas_target_refreshed_unless_a_symbol_is_missing(tmp_path):
     (tmp_path / "kernels.py").write_text(_KERNELS)
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    seen = []
-    for hide in (False, False, True):  # (compiles, loads, loads with the allocator hidden)
-        program = textwrap.dedent(_LOADS).format(folder=str(tmp_path), hide=hide)
-        proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        seen.append(proc.stdout.split())
+    runs = [{"folder": str(tmp_path), "hide": hide} for hide in (False, False, True)]  # (compiles, loads, hidden)
+    seen = _in_processes(_LOADS, tmp_path / "cache", runs)
     assert seen == [["refreshed", "refreshed"],  # (a compile refreshes numba's target)
                     ["not-refreshed", "not-refreshed"],
                     ["not-refreshed", "refreshed"]]
@@ -142,13 +144,8 @@ print("asyncinfer" if "asyncinfer" in sys.modules else "plain",
 
 def test_another_packages_cache_written_beside_asyncinfer_loads_in_plain_numba(tmp_path):
     (tmp_path / "kernels.py").write_text(_KERNELS)
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    seen = []
-    for with_asyncinfer in (True, False):
-        program = textwrap.dedent(_USER).format(folder=str(tmp_path), with_asyncinfer=with_asyncinfer)
-        proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        seen.append(proc.stdout.split())
+    runs = [{"folder": str(tmp_path), "with_asyncinfer": with_asyncinfer} for with_asyncinfer in (True, False)]
+    seen = _in_processes(_USER, tmp_path / "cache", runs)
     assert seen == [["asyncinfer", "compiled"], ["plain", "cached"]]
 
 
