@@ -28,15 +28,15 @@ from ..concurrency import parallel, spin_team
 from ..concurrency.aligned import aligned_bytes
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
-
-# The kernels' inline helpers as plain Python for this module's Python: a compiled helper called
-# from Python is compiled for that call in every process, uncached (0.45 s of a first run)
-window_extent, vector_groups = window_extent.py_func, vector_groups.py_func
 from .compiled.depthwise_block import KNOWN_WINDOWS
 from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, finish_depthwise,
                                        post_and_finish_depthwise, scratch_floats)
 from .compiled.panels import VECTOR_BYTES
 from .epilogue import NO_ACTIVATION, Epilogue
+
+# The kernels' inline helpers as plain Python for this module's Python: a compiled helper called
+# from Python is compiled for that call in every process, uncached (0.45 s of a first run)
+window_extent, vector_groups = window_extent.py_func, vector_groups.py_func
 
 # From this many multiply-adds on (about 1.5 ms on one core), a kernel's images or output rows are
 # shared out between threads (see run_tasks). Below it, waking a helper thread (100-300 µs on the
