@@ -1,8 +1,9 @@
 """A kernel loaded from numba's cache keeps its IR as bitcode, parsed only when a later compile
 links against it, and loads without numba's target refreshed (asyncinfer/ops/compiled/cached_ir.py):
 the same machine code runs, a new caller still links, the parsed module (about 14x the bitcode) is
-not kept, no registry module is imported unless the kernel uses a symbol only one adds, and other
-functions' caches stay readable by numba without asyncinfer."""
+not kept, no registry module is imported unless the kernel uses a symbol only one adds, other
+functions' caches stay readable by numba without asyncinfer, and numba's runtime is compiled once
+and loaded as machine code after."""
 from __future__ import annotations
 
 import os
@@ -126,6 +127,37 @@ def test_a_cached_kernel_loads_without_numbas_target_refreshed_unless_a_symbol_i
     assert seen == [["refreshed", "refreshed"],  # (a compile refreshes numba's target)
                     ["not-refreshed", "not-refreshed"],
                     ["not-refreshed", "refreshed"]]
+
+
+# numba's runtime (NRT) started for a kernel of ours loaded from the cache: compiled (numba's
+# LLVM module built) only where no earlier process left its machine code, or where that file is
+# damaged; ``allocating`` calls the runtime, so a runtime loaded wrong would not give 10.
+_RUNTIME = """
+import sys
+from numba.core.runtime import nrtdynmod
+sys.path.insert(0, {folder!r})
+from asyncinfer.ops.compiled import cached_ir
+cached_ir.PACKAGES = ("kernels",)
+builds = []
+create = nrtdynmod.create_nrt_module
+nrtdynmod.create_nrt_module = lambda context: builds.append(1) or create(context)
+import kernels
+assert kernels.allocating(5) == 10
+print("runtime-compiled" if builds else "runtime-loaded")
+"""
+
+
+def test_numbas_runtime_is_compiled_once_then_loaded_and_a_damaged_copy_is_compiled_again(tmp_path):
+    (tmp_path / "kernels.py").write_text(_KERNELS)
+    cache = tmp_path / "cache"
+    runs = [{"folder": str(tmp_path)}] * 2
+    # (the first process compiles the kernels and the runtime, caching both; the second loads them)
+    assert _in_processes(_RUNTIME, cache, runs) == [["runtime-compiled"], ["runtime-loaded"]]
+    [saved] = cache.rglob(cached_ir.RUNTIME_FILE.format(key="*"))
+    data = bytearray(saved.read_bytes())
+    data[-100] ^= 0xFF  # (a bit of its machine code flipped: the digest no longer matches)
+    saved.write_bytes(bytes(data))
+    assert _in_processes(_RUNTIME, cache, runs) == [["runtime-compiled"], ["runtime-loaded"]]
 
 
 # A function of another package (a user's own) cached in a process that imported asyncinfer is

@@ -26,6 +26,10 @@ functions it calls) and the symbols it was linked against.
 - a kernel loads with numba's runtime started, not its target refreshed: the refresh is done
   first only where a symbol the kernel uses is not there yet (one a refresh's import would add),
   and a compile refreshes the target as ever;
+- numba's runtime (NRT), which numba compiles from LLVM IR in every process (60-100 ms, and
+  20-30 MB of LLVM's own code paged in to optimise it), is compiled once and kept as machine code
+  beside the kernels' caches, under a name of the numba, llvmlite and CPU that compiled it
+  (`start_runtime`);
 - a loaded kernel keeps its bitcode as bytes, and parses it the first time a later compile links
   against it (a new caller still inlines it). A cache written without the names (by numba before
   this was installed) is loaded as numba does (the target refreshed first) and the module dropped
@@ -38,12 +42,21 @@ installed.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import pickle
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
+import llvmlite
 import llvmlite.binding as llvm
-from numba.core import caching, codegen
-from numba.core.runtime import rtsys
+import numba
+from numba.core import caching, codegen, config
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.runtime import _nrt_python, nrtdynmod, rtsys
 
 #: The packages whose functions' caches take the lean layout and loads (`keep_bitcode_unparsed`).
 PACKAGES: tuple[str, ...] = ("asyncinfer",)
@@ -142,7 +155,7 @@ def keep_bitcode_unparsed() -> bool:
         # starts numba's runtime only, and `_unserialize` refreshes where a symbol is missing
         if not (_of_packages(self) and isinstance(target_context.codegen(), codegen.JITCPUCodegen)):
             return load_overload(self, sig, target_context)
-        rtsys.initialize(target_context)
+        start_runtime(target_context)
         _ours.loading = target_context
         try:
             with self._guard_against_spurious_io_errors():
@@ -175,3 +188,94 @@ def _refresh_target() -> None:
     if context is not None:
         _ours.loading = None
         context.refresh()
+
+
+# -- numba's runtime as machine code ----------------------------------------------------------------
+#: The runtime's cache file, in the folder numba caches asyncinfer's kernels in; ``key`` hashes
+#: the numba, llvmlite and CPU (the codegen's triple, name and features) that compiled it.
+RUNTIME_FILE = "numba-runtime-{key}.nbo"
+_DIGEST_BYTES = hashlib.sha256().digest_size
+# numba's choice of cache folder: its cache implementation's locators (``_CacheImpl`` in older numba)
+_LOCATORS: Any = getattr(getattr(caching, "CacheImpl", getattr(caching, "_CacheImpl", None)), "_locator_classes",
+                         None)
+
+
+def _runtime_path(context: Any) -> Path | None:
+    """Where the runtime's machine code for ``context``'s codegen is cached: numba's cache folder
+    for this module's functions (``NUMBA_CACHE_DIR``, the package's ``__pycache__`` where it is
+    writable, the user's cache), or None where numba would not cache there."""
+    key = repr((numba.__version__, llvmlite.__version__, context.codegen().magic_tuple()))
+    for locator_class in _LOCATORS:
+        locator = locator_class.from_function(start_runtime, __file__)
+        if locator is not None:
+            name = RUNTIME_FILE.format(key=hashlib.sha256(key.encode()).hexdigest()[:16])
+            return Path(locator.get_cache_path()) / name
+    return None
+
+
+def _load_runtime(context: Any, path: Path) -> Any:
+    """The runtime's code library from ``path``, or None where it is missing, not whole (its
+    digest is checked before anything is unpickled) or needs a symbol this process lacks (LLVM
+    would abort on it)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    digest, payload = data[:_DIGEST_BYTES], data[_DIGEST_BYTES:]
+    if hashlib.sha256(payload).digest() != digest:
+        return None
+    state = pickle.loads(payload)
+    engine = context.codegen()._engine
+    if not (state[1] == "object" and len(state[2]) == 4 and _resolvable(engine, state[2][3])):
+        return None
+    return context.codegen().unserialize_library(state)
+
+
+def _compile_runtime(context: Any, path: Path | None) -> Any:
+    """The runtime's code library compiled as numba compiles it, its machine code kept, and
+    written to ``path`` (atomically; a folder that refuses is left alone)."""
+    module, library = nrtdynmod.create_nrt_module(context)
+    library.add_ir_module(module)
+    library.enable_object_caching()
+    library.finalize()
+    if path is None:
+        return library
+    _ours.saving = True  # (serialized with the names it defines and uses, as a kernel of ours)
+    try:
+        payload = pickle.dumps(library.serialize_using_object_code(), protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        _ours.saving = False
+    partial = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name)
+        with os.fdopen(handle, "wb") as f:
+            f.write(hashlib.sha256(payload).digest() + payload)
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError, TypeError):  # (TypeError: no partial file was made)
+            os.unlink(partial)
+    return library
+
+
+def start_runtime(context: Any) -> None:
+    """Start numba's runtime (NRT) for ``context``'s codegen, as ``rtsys.initialize`` does, with
+    its functions loaded as machine code where an earlier process compiled them (`RUNTIME_FILE`),
+    else compiled and kept there. Where the runtime has started, or numba's is not laid out as
+    expected, ``rtsys.initialize`` does what it does."""
+    laid_out = (getattr(rtsys, "_init", None) is False and hasattr(_nrt_python, "c_helpers")
+                and hasattr(nrtdynmod, "create_nrt_module") and _LOCATORS is not None)
+    if not (laid_out and keep_bitcode_unparsed()):
+        rtsys.initialize(context)
+        return
+    with global_compiler_lock:
+        if rtsys._init:
+            return
+        if config.NRT_STATS:
+            _nrt_python.memsys_enable_stats()
+        for name, address in _nrt_python.c_helpers.items():  # (the C functions its code calls)
+            llvm.add_symbol(name if name.startswith("_") else "NRT_" + name, address)
+        path = _runtime_path(context)
+        library = _load_runtime(context, path) if path is not None else None
+        rtsys._library = library if library is not None else _compile_runtime(context, path)
+        rtsys._init = True
