@@ -3,9 +3,10 @@
 Each engine loads the model in a fresh subprocess (so peak RSS is its own), after the files were
 read once into the page cache (neither pays the disk). Per engine: the time to a runnable
 session (``load_model`` + ``Worker``; ``InferenceSession``), peak RSS after load and after a run
-(relative to the model's size on disk), the cold start (importing the engine, loading the model
-and its first run: ``warmup()`` for asyncinfer, which loads its kernels, a plain run for ORT;
-what a fresh process, a CLI or a scaled-out replica waits for its first result), then for
+(relative to the model's size on disk), and that peak past the RSS the engine's import left
+(what each further model in a process costs), the cold start (importing the engine, loading the
+model and its first run: ``warmup()`` for asyncinfer, which loads its kernels, a plain run for
+ORT; what a fresh process, a CLI or a scaled-out replica waits for its first result), then for
 asyncinfer the first run after ``warmup()`` against the steady-state median; each engine in
 three processes taking turns, each figure the median over them (``--processes``). Models: the
 GPT-2 decode step and the Llama-style block of ``real_models``, saved once as ``model.onnx`` + one
@@ -54,6 +55,7 @@ if engine == "asyncinfer":
     start = time.perf_counter()
     import asyncinfer as ai
     out["import_s"] = time.perf_counter() - start
+    out["rss_import"] = rss()
     start = time.perf_counter()
     worker = ai.Worker(ai.load_model(path), "cpu")
     out["load_s"] = time.perf_counter() - start
@@ -66,6 +68,7 @@ else:
     start = time.perf_counter()
     import onnxruntime as ort
     out["import_s"] = time.perf_counter() - start
+    out["rss_import"] = rss()
     start = time.perf_counter()
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     out["load_s"] = time.perf_counter() - start
@@ -131,6 +134,9 @@ def measure(name: str, runs: int = 10, processes: int = 3) -> dict[str, Any]:
                              "ort": (ort["rss_load"] - ort["rss_before"]) / size},
         "rss_run_x_model": {"asyncinfer": (ai["rss_run"] - ai["rss_before"]) / size,
                             "ort": (ort["rss_run"] - ort["rss_before"]) / size},
+        # what the model itself holds: the same peak over the engine's import (paid once a process)
+        "rss_past_import_x_model": {"asyncinfer": (ai["rss_run"] - ai["rss_import"]) / size,
+                                    "ort": (ort["rss_run"] - ort["rss_import"]) / size},
         "first_after_warmup_x_steady": statistics.median(first_x_steady),
         "first_after_warmup_x_steady_each": first_x_steady,
     }
@@ -150,9 +156,11 @@ def run(models: Sequence[str] = MODELS, runs: int = 10, processes: int = 3, verb
 
 def print_report(result: dict[str, Any]) -> None:
     print("\nLarge models as external data, each engine in a fresh process (RSS: growth over the "
-          "interpreter's, as a multiple of the model's size on disk)")
+          "interpreter's, as a multiple of the model's size on disk; past import: the peak after a run "
+          "over the RSS after the engine's import)")
     header = (f"{'model':<12} {'MiB':>6}  {'load ai s':>9} {'load ORT s':>10} {'ratio':>6}  "
-              f"{'RSS ai':>6} {'RSS ORT':>7}  {'run RSS ai':>10} {'run RSS ORT':>11}  {'1st/steady ai':>13}  "
+              f"{'RSS ai':>6} {'RSS ORT':>7}  {'run RSS ai':>10} {'run RSS ORT':>11}  {'past import ai':>14} {'ORT':>5}  "
+              f"{'1st/steady ai':>13}  "
               f"{'cold ai s':>9} {'cold ORT s':>10}")
     print(header)
     print("-" * len(header))
@@ -165,6 +173,7 @@ def print_report(result: dict[str, Any]) -> None:
               f"{r['load_ratio']:>6.2f}  "
               f"{r['rss_load_x_model']['asyncinfer']:>6.2f} {r['rss_load_x_model']['ort']:>7.2f}  "
               f"{r['rss_run_x_model']['asyncinfer']:>10.2f} {r['rss_run_x_model']['ort']:>11.2f}  "
+              f"{r['rss_past_import_x_model']['asyncinfer']:>14.2f} {r['rss_past_import_x_model']['ort']:>5.2f}  "
               f"{r['first_after_warmup_x_steady']:>13.2f}  {ai['cold_s']:>9.3f} {ort['cold_s']:>10.3f}")
     print(f"floors: load ratio <= {LOAD_RATIO_FLOOR}, RSS <= {RSS_FLOOR}x the model, "
           f"first run after warmup() <= {WARM_FLOOR}x steady")
@@ -179,6 +188,7 @@ def key_figures(result: dict[str, Any]) -> dict[str, float | None]:
     return {
         "load_ratio_max": max((r["load_ratio"] for r in ok), default=None),
         "rss_x_model_max": max((r["rss_run_x_model"]["asyncinfer"] for r in ok), default=None),
+        "rss_past_import_x_model_max": max((r["rss_past_import_x_model"]["asyncinfer"] for r in ok), default=None),
         "first_after_warmup_x_steady_max": max((r["first_after_warmup_x_steady"] for r in ok), default=None),
         "cold_start_ratio_max": max((r["cold_start_ratio"] for r in ok), default=None),
     }
