@@ -159,9 +159,8 @@ def print_report(result: dict[str, Any]) -> None:
           "interpreter's, as a multiple of the model's size on disk; past import: the peak after a run "
           "over the RSS after the engine's import)")
     header = (f"{'model':<12} {'MiB':>6}  {'load ai s':>9} {'load ORT s':>10} {'ratio':>6}  "
-              f"{'RSS ai':>6} {'RSS ORT':>7}  {'run RSS ai':>10} {'run RSS ORT':>11}  {'past import ai':>14} {'ORT':>5}  "
-              f"{'1st/steady ai':>13}  "
-              f"{'cold ai s':>9} {'cold ORT s':>10}")
+              f"{'RSS ai':>6} {'RSS ORT':>7}  {'run RSS ai':>10} {'run RSS ORT':>11}  "
+              f"{'past import ai':>14} {'ORT':>5}  {'1st/steady ai':>13}  {'cold ai s':>9} {'cold ORT s':>10}")
     print(header)
     print("-" * len(header))
     for name, r in result["models"].items():
