@@ -155,7 +155,7 @@ def test_numbas_runtime_is_compiled_once_then_loaded_and_a_damaged_copy_is_compi
     assert _in_processes(_RUNTIME, cache, runs) == [["runtime-compiled"], ["runtime-loaded"]]
     [saved] = cache.rglob(cached_ir.RUNTIME_FILE.format(key="*"))
     data = bytearray(saved.read_bytes())
-    data[-100] ^= 0xFF  # (a bit of its machine code flipped: the digest no longer matches)
+    data[-100] ^= 0xFF  # (one byte of it changed: the digest no longer matches)
     saved.write_bytes(bytes(data))
     assert _in_processes(_RUNTIME, cache, runs) == [["runtime-compiled"], ["runtime-loaded"]]
 
