@@ -37,6 +37,7 @@ import anyio.abc
 import anyio.to_thread
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from ..files import write_atomically
 from .protocol import ProtocolError
 from .service import InferenceService
 from .statistics import ProcessSnapshot
@@ -243,7 +244,7 @@ class WorkerGroup:
             return
         text = json.dumps(self._service.snapshot().to_json(), separators=(",", ":"))
         if text != self._written:
-            await anyio.to_thread.run_sync(_write_atomic, self.stats_dir / f"{os.getpid()}.json", text)
+            await anyio.to_thread.run_sync(write_atomically, self.stats_dir / f"{os.getpid()}.json", text)
             self._written = text
 
     def _read_snapshots(self, skip: set[int]) -> list[ProcessSnapshot]:
@@ -280,7 +281,7 @@ class WorkerGroup:
                 model = action.get("model")
                 owner = state["trace"]["server"] if model is None else state["trace"]["models"].setdefault(model, {})
                 owner.update(action["changes"])
-            _write_atomic(self.folder / "control.json", json.dumps(state))
+            write_atomically(self.folder / "control.json", json.dumps(state))
 
     async def _watch_parent(self) -> None:
         """Shut this worker down (as SIGTERM does) once the supervisor is gone."""
@@ -297,12 +298,6 @@ def _ready(service: InferenceService, name: str) -> bool:
         return service.model_ready(name)
     except ProtocolError:
         return False
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class _locked:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..files import write_atomically
 from ..runtime.profiling import Profile
 from .protocol import ProtocolError
 
@@ -212,10 +213,8 @@ class Tracer:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def _write(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp.write_text(json.dumps(self.traces(), separators=(",", ":")), encoding="utf-8")
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps(self.traces(), separators=(",", ":")))
         except OSError as exc:  # a full disk must not fail the request that was traced
             logger.warning("could not write trace file %s: %s", path, exc)
 

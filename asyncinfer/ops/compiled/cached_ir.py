@@ -44,9 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import pickle
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -57,6 +55,8 @@ import numba
 from numba.core import caching, codegen, config
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.runtime import _nrt_python, nrtdynmod, rtsys
+
+from ...files import write_atomically
 
 #: The packages whose functions' caches take the lean layout and loads (`keep_bitcode_unparsed`).
 PACKAGES: tuple[str, ...] = ("asyncinfer",)
@@ -245,16 +245,9 @@ def _compile_runtime(context: Any, path: Path | None) -> Any:
         payload = pickle.dumps(library.serialize_using_object_code(), protocol=pickle.HIGHEST_PROTOCOL)
     finally:
         _ours.saving = False
-    partial = None
-    try:
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name)
-        with os.fdopen(handle, "wb") as f:
-            f.write(hashlib.sha256(payload).digest() + payload)
-        os.replace(partial, path)
-    except OSError:
-        with contextlib.suppress(OSError, TypeError):  # (TypeError: no partial file was made)
-            os.unlink(partial)
+        write_atomically(path, hashlib.sha256(payload).digest() + payload)
     return library
 
 
