@@ -515,6 +515,44 @@ def llama_block(layers: int = 2, hidden: int = 1024, heads: int = 16, ffn: int =
     return g.model()
 
 
+def vit_b16(layers: int = 12, hidden: int = 768, heads: int = 12, mlp: int = 3072, size: int = 224,
+            patch: int = 16) -> onnx.ModelProto:
+    """torchvision's ViT-B/16 (86 M parameters, 330 MiB of float32): 16×16 patch Conv, Reshape and
+    Transpose to tokens, the class token Expanded to the batch and Concatenated, position embedding
+    Add; per block LayerNormalization, attention with one fused in-projection MatMul+Add Split into
+    q/k/v (nn.MultiheadAttention's in_proj), heads, QKᵀ/√d, Softmax, MatMul V, out-projection,
+    residual, LayerNormalization, GELU MLP (Erf), residual; final LayerNormalization, the class
+    token by Gather and the 1000-way head Gemm. The issue's large-model load case."""
+    g = GraphBuilder(f"vit_b{patch}_l{layers}", seed=16)
+    d, tokens = hidden // heads, (size // patch) ** 2 + 1
+    x = g.input("input", FLOAT, ["batch", 3, size, size])
+    with g.scope("conv_proj"):
+        p = g.conv(x, 3, hidden, patch, stride=patch, pad=0, bias=True, gain=1.0)
+        b = g.shape_dims(p, [0])[0]
+        p = g.op("Transpose", g.op("Reshape", p, g.op("Concat", b, g.ints([hidden, -1]), axis=0)), perm=[0, 2, 1])
+    with g.scope("encoder"):
+        cls = g.op("Expand", g.const(g.rng.normal(0, 0.02, (1, 1, hidden)).astype(np.float32), "class_token"),
+                   g.op("Concat", b, g.ints([1, 1]), axis=0))
+        h = g.op("Add", g.op("Concat", cls, p, axis=1),
+                 g.const(g.rng.normal(0, 0.02, (1, tokens, hidden)).astype(np.float32), "pos_embedding"))
+    for i in range(layers):
+        with g.scope(f"encoder.layers.{i}.self_attention"):
+            qkv = g.linear(g.layernorm(h, hidden, eps=1e-6), hidden, 3 * hidden)
+            q, k, v = g.op("Split", qkv, g.ints([hidden] * 3), axis=2, outputs=3)
+            q = _split_heads(g, q, heads, d, [0, 2, 1, 3])
+            k = _split_heads(g, k, heads, d, [0, 2, 3, 1])
+            v = _split_heads(g, v, heads, d, [0, 2, 1, 3])
+            probs = g.op("Softmax", g.op("Div", g.op("MatMul", q, k), g.scalar(math.sqrt(d))), axis=-1)
+            h = g.op("Add", g.linear(_merge_heads(g, g.op("MatMul", probs, v), hidden), hidden, hidden), h)
+        with g.scope(f"encoder.layers.{i}.mlp"):
+            f = g.act(g.linear(g.layernorm(h, hidden, eps=1e-6), hidden, mlp, gain=math.sqrt(2.0)), "gelu")
+            h = g.op("Add", g.linear(f, mlp, hidden), h)
+    with g.scope("heads"):
+        first = g.op("Gather", g.layernorm(h, hidden, eps=1e-6), g.scalar(0, np.int64), axis=1)
+        g.output(g.gemm(first, hidden, 1000), "logits", FLOAT, ["batch", 1000])
+    return g.model()
+
+
 # -- detection --------------------------------------------------------------------------------------
 SSD_CLASSES = 91
 SSD_ANCHORS = 6
@@ -751,6 +789,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in [
                  large=True),
     Architecture("llama_block", llama_block, _llama_inputs,
                  "Llama-style decoder: 2 layers of 1024, 16 heads, MLP 2816, prefill seq 128", large=True),
+    Architecture("vit_b16", vit_b16, lambda: {"input": image(1)},
+                 "ViT-B/16 (86 M parameters), 224², batch 1", large=True),
     Architecture("ssdlite_nms", ssdlite_nms, lambda: {"images": image(1, 320)},
                  "SSDLite-style detector 320², 3234 anchors, TopK 300 + NonMaxSuppression",
                  index_outputs=("selected_indices",)),

@@ -9,10 +9,11 @@ model and its first run: ``warmup()`` for asyncinfer, which loads its kernels, a
 ORT; what a fresh process, a CLI or a scaled-out replica waits for its first result), then for
 asyncinfer the first run after ``warmup()`` against the steady-state median; each engine in
 three processes taking turns, each figure the median over them (``--processes``). Models: the
-GPT-2 decode step and the Llama-style block of ``real_models``, saved once as ``model.onnx`` + one
-weights file (what exporters write for large models).
+GPT-2 decode step, the Llama-style block and ViT-B/16 (330 MiB: the issue's large model) of
+``real_models``, saved once as ``model.onnx`` + one weights file (what exporters write for large
+models).
 
-    python3 bench/load_time.py [--models gpt2_decode llama_block] [--runs 10]
+    python3 bench/load_time.py [--models gpt2_decode llama_block vit_b16] [--runs 10]
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` and the checkout'
 
 from bench import architectures, common
 
-MODELS = ("gpt2_decode", "llama_block")
+MODELS = ("gpt2_decode", "llama_block", "vit_b16")
 QUICK: dict[str, Any] = {"models": ("gpt2_decode",), "runs": 3, "processes": 1}
 # The issue's floors: session creation within 2x ORT's, peak RSS within 1.5x the model's size,
 # the first run after warmup() within 1.2x of the steady state.
