@@ -411,6 +411,34 @@ def test_small_architectures_are_valid_onnx():
         assert set(arch.inputs()) == names, name
 
 
+
+def test_vit_builder_on_a_small_shape_agrees_with_the_reference():
+    """ViT-B/16's builder (`bench load_time`'s large model) on a toy size: valid ONNX, and
+    asyncinfer's run agrees with `onnx.reference` (the full size is built by the benchmark)."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    import asyncinfer as ai
+    from bench import architectures
+
+    proto = architectures.vit_b16(layers=2, hidden=32, heads=4, mlp=64, size=32, patch=8)
+    onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    image = architectures.image(2, size=32)
+    [expected] = ReferenceEvaluator(proto).run(None, {"input": image})
+    with ai.Worker(ai.load_model(proto.SerializeToString()), "cpu") as worker:
+        got = worker.run_blocking({"input": image})["logits"]
+    assert got.shape == (2, 1000)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_load_time_children_import_with_the_bytecode_cache_on(monkeypatch):
+    from bench import load_time
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("ASYNCINFER_BENCH_PROBE", "kept")
+    env = load_time._child_env()
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["ASYNCINFER_BENCH_PROBE"] == "kept"
+
 # -- the runner: python -m bench ---------------------------------------------------------------------
 def test_every_benchmark_offers_what_the_runner_calls():
     for name in runner.BENCHMARKS:
