@@ -1,18 +1,18 @@
 """Load time, memory and warm-up of large models kept as external data: asyncinfer vs ORT.
 
 Each engine loads the model in a fresh subprocess (so peak RSS is its own), after the files were
-read once into the page cache and both engines imported once with Python's bytecode cache on (neither
-pays the disk or a compile of its Python modules, as an installed package would not). Per engine: the time to a runnable
-session (``load_model`` + ``Worker``; ``InferenceSession``), peak RSS after load and after a run
-(relative to the model's size on disk), and that peak past the RSS the engine's import left
-(what each further model in a process costs), the cold start (importing the engine, loading the
-model and its first run: ``warmup()`` for asyncinfer, which loads its kernels, a plain run for
-ORT; what a fresh process, a CLI or a scaled-out replica waits for its first result), then for
-asyncinfer the first run after ``warmup()`` against the steady-state median; each engine in
-three processes taking turns, each figure the median over them (``--processes``). Models: the
-GPT-2 decode step, the Llama-style block and ViT-B/16 (330 MiB: the issue's large model) of
-``real_models``, saved once as ``model.onnx`` + one weights file (what exporters write for large
-models).
+read once into the page cache and both engines imported once with Python's bytecode cache on
+(neither pays the disk, nor a compile of its Python modules, as an installed package would not).
+Per engine: the time to a runnable session (``load_model`` + ``Worker``; ``InferenceSession``),
+peak RSS after load and after a run (relative to the model's size on disk), and that peak past
+the RSS the engine's import left (what each further model in a process costs), the cold start
+(importing the engine, loading the model and its first run: ``warmup()`` for asyncinfer, which
+loads its kernels, a plain run for ORT; what a fresh process, a CLI or a scaled-out replica
+waits for its first result), then for asyncinfer the first run after ``warmup()`` against the
+steady-state median; each engine in three processes taking turns, each figure the median over
+them (``--processes``). Models: the GPT-2 decode step, the Llama-style block and ViT-B/16 (330
+MiB: the issue's large model) of ``real_models``, saved once as ``model.onnx`` + one weights
+file (what exporters write for large models).
 
     python3 bench/load_time.py [--models gpt2_decode llama_block vit_b16] [--runs 10]
 """
@@ -106,7 +106,7 @@ def external_copy(name: str) -> Path:
 def _child_env() -> dict[str, str]:
     """The children's environment: this one's, with Python's bytecode cache on (an installed
     package has its ``.pyc`` files; with ``PYTHONDONTWRITEBYTECODE`` set, as on some CI and
-    development machines, every import compiled asyncinfer's 130 modules from source: 0.25 s of
+    development machines, every import compiled asyncinfer's 133 modules from source: 0.25 s of
     its cold start)."""
     env = dict(os.environ)
     env.pop("PYTHONDONTWRITEBYTECODE", None)

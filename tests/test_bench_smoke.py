@@ -411,7 +411,6 @@ def test_small_architectures_are_valid_onnx():
         assert set(arch.inputs()) == names, name
 
 
-
 def test_vit_builder_on_a_small_shape_agrees_with_the_reference():
     """ViT-B/16's builder (`bench load_time`'s large model) on a toy size: valid ONNX, and
     asyncinfer's run agrees with `onnx.reference` (the full size is built by the benchmark)."""
@@ -438,6 +437,7 @@ def test_load_time_children_import_with_the_bytecode_cache_on(monkeypatch):
     monkeypatch.setenv("ASYNCINFER_BENCH_PROBE", "kept")
     env = load_time._child_env()
     assert "PYTHONDONTWRITEBYTECODE" not in env and env["ASYNCINFER_BENCH_PROBE"] == "kept"
+
 
 # -- the runner: python -m bench ---------------------------------------------------------------------
 def test_every_benchmark_offers_what_the_runner_calls():
