@@ -20,7 +20,11 @@ noise only adds time, in bursts (SqueezeNet's serial runs 5.5 ms, 9-11 in a burs
 over three of five runs lets medians pick the slower mode for the rest of the process (twice a
 process A/B ran SqueezeNet 1.35x slower, the speed of its parallel runs). Until then, runs that
 overlap others are parallel, as before tuning existed.
-``ASYNCINFER_RUN_MODE`` = ``serial`` or ``parallel`` fixes the choice (default ``auto``).
+``ASYNCINFER_RUN_MODE`` = ``serial`` or ``parallel`` fixes the choice (default ``auto``). A model
+that is one path (its plan one segment: SqueezeNet, DenseNet-121, MobileNetV3, the digits CNN)
+has no branches to start apart, so its runs are serial from the first (`run_mode`): tuning
+alternated the same steps in the same order for a dozen runs (DenseNet-121: most of a second of
+`warmup()`), and always kept serial ones.
 """
 from __future__ import annotations
 
@@ -28,6 +32,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 #: Clean timings of each mode before the choice.
 SAMPLES = 5
@@ -52,6 +60,12 @@ def mode_requested() -> str:
     """``ASYNCINFER_RUN_MODE`` (``auto`` when unset or not one of `MODES`)."""
     value = os.environ.get("ASYNCINFER_RUN_MODE", "").strip().lower()
     return value if value in MODES else "auto"
+
+
+def run_mode(requested: str, plan: "Plan") -> str:
+    """The mode a CPU worker's tuner starts from: ``requested`` (`mode_requested`), except that
+    ``auto`` on a plan of one segment is ``serial`` (nothing to run side by side)."""
+    return "serial" if requested == "auto" and len(plan.segments) == 1 else requested
 
 
 @dataclass(frozen=True)

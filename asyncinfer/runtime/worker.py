@@ -24,7 +24,7 @@ from .outputs import OutputPlans
 from .specialise import ShapePlans, signature
 from .plan import Placement, Plan
 from .profiling import Profile, RunRecorder
-from .tuning import QuickRuns, RunModeTuner, mode_requested
+from .tuning import QuickRuns, RunModeTuner, mode_requested, run_mode
 
 
 #: How long ``warmup()`` keeps running the model, after its first run (which pays the kernels'
@@ -89,7 +89,8 @@ class Worker:
         self._shape_plans = ShapePlans(self._plan)
         # serial or parallel runs, chosen by timing both (runtime/tuning.py); device backends'
         # runs stay parallel (their steps are queued on the device, not run by the pool)
-        self._run_mode = RunModeTuner(mode_requested() if isinstance(self._backend, CPUBackend) else "parallel")
+        self._run_mode = RunModeTuner(run_mode(mode_requested(), self._plan)
+                                      if isinstance(self._backend, CPUBackend) else "parallel")
         # awaited runs quick enough to take their steps on the loop's thread (runtime/tuning.py)
         self._quick_runs = QuickRuns() if isinstance(self._backend, CPUBackend) else None
         self._profiles: tuple[Profile, ...] = ()  # attached by profile(): every run records into them

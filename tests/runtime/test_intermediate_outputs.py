@@ -113,7 +113,8 @@ def test_inputs_and_constants_are_values_too():
     np.testing.assert_array_equal(got["dense"], DENSE)
 
 
-def test_values_are_kept_only_for_runs_that_ask(add_chain_model):
+def test_values_are_kept_only_for_runs_that_ask(add_chain_model, monkeypatch):
+    monkeypatch.setenv("ASYNCINFER_RUN_MODE", "parallel")  # (a serial run takes its plan's serial variant)
     model = ai.load_model(add_chain_model(4), optimize=False)  # y = x + 1 + 1 + 1 + 1 via t0, t1, t2
     x = np.zeros((1, 4), np.float32)
     with ai.Worker(model) as worker:

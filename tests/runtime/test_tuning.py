@@ -12,6 +12,18 @@ from asyncinfer.runtime.tuning import MARGIN, SAMPLES, SKIPPED, RunModeTuner
 from pixel_testing import require_pixel
 
 
+def _branching_model() -> ai.Model:
+    """Two branches of one input joined again: a plan of several segments, whose runs are tuned
+    (the digits CNN is one path)."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["b"]),
+             helper.make_node("Sigmoid", ["b"], ["c"]), helper.make_node("Add", ["a", "c"], ["y"])]
+    graph = helper.make_graph(nodes, "branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64])])
+    return ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+
+
 def _timed(tuner: RunModeTuner, seconds: dict[bool, float], ok: bool = True) -> bool:
     trial = tuner.begin()
     tuner.end(trial, seconds[trial.serial], ok)
@@ -139,11 +151,29 @@ async def test_serial_and_parallel_runs_give_the_same_results_and_layer_futures(
                 np.testing.assert_array_equal(got[name], value)
 
 
-def test_warmup_leaves_a_cpu_worker_decided(digits_model):
-    with ai.Worker(digits_model, "cpu") as worker:
+def test_warmup_leaves_a_cpu_worker_decided():
+    with ai.Worker(_branching_model(), "cpu") as worker:
         assert worker._run_mode.deciding
         worker.warmup_blocking()
         assert worker._run_mode.mode in ("serial", "parallel")
+
+
+def test_a_model_of_one_path_runs_serial_untuned(monkeypatch, digits_model, digits_samples):
+    """The digits CNN is one path (one segment): nothing to start side by side, so its runs are
+    serial from the first and `warmup()` runs it once; a fixed mode is still obeyed."""
+    monkeypatch.delenv("ASYNCINFER_RUN_MODE", raising=False)
+    with ai.Worker(digits_model, "cpu") as worker:
+        assert len(worker._plan.segments) == 1
+        assert worker._run_mode.mode == "serial"
+        assert worker.schedule(digits_samples[0][:2]).serial
+        with worker.profile() as profile:
+            worker.warmup_blocking()
+        assert len(profile.runs) == 1
+    monkeypatch.setenv("ASYNCINFER_RUN_MODE", "parallel")
+    with ai.Worker(digits_model, "cpu") as worker:
+        assert worker._run_mode.mode == "parallel"
+    with ai.Worker(_branching_model(), "cpu") as worker:  # (and a model of branches is tuned)
+        assert len(worker._plan.segments) > 1
 
 
 def test_settle_chooses_from_the_timings_so_far_once_each_mode_has_one():
@@ -162,7 +192,7 @@ def test_settle_chooses_from_the_timings_so_far_once_each_mode_has_one():
     assert RunModeTuner("parallel").settle()  # a fixed mode is settled from the start
 
 
-def test_warmup_that_runs_out_of_time_still_leaves_the_worker_decided(monkeypatch, digits_model):
+def test_warmup_that_runs_out_of_time_still_leaves_the_worker_decided(monkeypatch):
     """A model whose runs are too slow for `SAMPLES` of each within `WARMUP_TUNING_S` (here: the
     samples wanted raised out of reach) gets its mode from the runs warmup timed, so the requests
     after it do not alternate."""
@@ -170,7 +200,7 @@ def test_warmup_that_runs_out_of_time_still_leaves_the_worker_decided(monkeypatc
 
     monkeypatch.setattr(tuning, "SAMPLES", 10**6)
     monkeypatch.setattr(worker_module, "WARMUP_TUNING_S", 0.05)
-    with ai.Worker(digits_model, "cpu") as worker:
+    with ai.Worker(_branching_model(), "cpu") as worker:
         worker.warmup_blocking()
         timings = worker._run_mode.timings()
         assert worker._run_mode.mode in ("serial", "parallel")

@@ -416,12 +416,20 @@ def ranged_model() -> onnx.ModelProto:
                       extra_domains=())
 
 
+def branching_model() -> onnx.ModelProto:
+    """y = relu(x) + sigmoid(-x) on [N, 3]: two branches, so its CPU runs are tuned (serial or
+    parallel) by its first runs (a model of one path runs serial from the first)."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Neg", ["x"], ["b"]),
+             helper.make_node("Sigmoid", ["b"], ["c"]), helper.make_node("Add", ["a", "c"], ["y"])]
+    return make_model(nodes, [tensor_info("x", ["N", 3])], [tensor_info("y", ["N", 3])], [], extra_domains=())
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("repository", [False, True])
 async def test_warmup_runs_each_model_before_it_is_ready(repository, tmp_path, caplog):
     """With ``warmup=True`` a model is READY after a run on zeros (its CPU run mode chosen), and
     one that zeros cannot run is served all the same, the log saying why; off by default."""
-    models = {"scaled": scaled_model(2.0), "ranged": ranged_model()}
+    models = {"scaled": scaled_model(2.0), "ranged": ranged_model(), "branching": branching_model()}
     if repository:
         for name, proto in models.items():
             add_version(tmp_path, name, 1, proto)
@@ -432,10 +440,10 @@ async def test_warmup_runs_each_model_before_it_is_ready(repository, tmp_path, c
     async with make(warmup=True) as service:
         scaled, ranged = service.models["scaled"], service.models["ranged"]
         assert scaled.settings.warmup and ranged.state.name == scaled.state.name == "READY"
-        assert scaled.worker._run_mode.mode != "deciding"
+        assert service.models["branching"].worker._run_mode.mode != "deciding"
         answer = await ranged.worker.run({"limit": np.float32(3), "delta": np.float32(1)})
         np.testing.assert_array_equal(answer["y"], [0, 1, 2])  # the worker serves after its failed warm-up
     assert "'ranged' version 1: warm-up on zeros skipped" in caplog.text
     async with make() as service:
         assert not service.models["scaled"].settings.warmup
-        assert service.models["scaled"].worker._run_mode.mode == "deciding"
+        assert service.models["branching"].worker._run_mode.mode == "deciding"
