@@ -289,10 +289,11 @@ class Worker:
     async def warmup(self, *inputs: Any, **named: Any) -> None:
         """Run the model and discard the results, so the first real request finds the thread
         pool started, the allocator's pages warm and the kernels' scratch buffers made. On the
-        cpu backend it also runs the model until the worker has timed its runs step after step
-        against branches side by side and kept the faster (about a dozen runs, for at most
-        `WARMUP_TUNING_S` seconds after the first, then it chooses from the runs timed by then;
-        see the "How a model runs" docs).
+        cpu backend, for a model with branches, it also runs the model until the worker has timed
+        its runs step after step against branches side by side and kept the faster (about a dozen
+        runs, for at most `WARMUP_TUNING_S` seconds after the first, then it chooses from the runs
+        timed by then; a model of one path runs step after step untuned; see the "How a model
+        runs" docs).
 
         With no inputs, zeros of each input's declared type and shape are used (a symbolic or
         unknown dimension counts as 1); give example inputs for models whose layers depend on input
