@@ -20,7 +20,9 @@ from asyncinfer.loader.optimize import eliminate_identities
 from asyncinfer.model.ir import Layer, Model, TensorInfo
 
 N = 1000
-RATIO_BOUND = 8.0  # for 4x the nodes: linear gives ~4, quadratic ~16
+# For 4x the nodes: linear gives ~4 (3-5 alone), quadratic ~16. Inside a full CI run on 2 busy
+# cores linear loads measured up to 9.0x (shape folding; 8.1x initializers) in both tries.
+RATIO_BOUND = 11.0
 
 
 def _vi(name, shape, dtype=TensorProto.FLOAT):
@@ -132,7 +134,7 @@ def test_load_time_is_linear_in_the_node_count(shape):
     small, large = SHAPES[shape](N), SHAPES[shape](4 * N)
     ai.load_model(small)  # warm caches (schemas, kernels) before timing
     ratios = []
-    for _ in range(2):  # one retry: a busy machine may slow one measurement, not both
+    for _ in range(3):  # retries: a busy machine may slow one measurement, not all
         ratios.append(_best_ratio(small, large))
         if ratios[-1] < RATIO_BOUND:
             return
