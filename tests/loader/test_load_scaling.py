@@ -1,9 +1,9 @@
 """Load time grows linearly with the model: no pass, walk or check is quadratic in the node count.
 
 An untrusted model of 100,000 nodes must not take hours to refuse or load. The timing test
-compares load times of N and 4N nodes (best of a few repeats, generous bound, one retry), which
-tells linear (ratio ≈ 4) from quadratic (≈ 16) without timing anything in absolute terms; the
-optimizer's Identity pass is also checked by counting its work directly.
+compares load times of N and 4N nodes (loaded in turn, best of four each, generous bound, two
+retries), which tells linear (ratio ≈ 4) from quadratic (≈ 16) without timing anything in
+absolute terms; the optimizer's Identity pass is also checked by counting its work directly.
 """
 from __future__ import annotations
 
