@@ -304,7 +304,8 @@ class Worker:
                 cannot be made up (a sequence input, or one whose rank is not declared).
             ExecutionError: the model failed on them (give example inputs that it accepts).
         """
-        inputs = inputs or (example_inputs(self.model),)
+        if not inputs and not named:
+            inputs = (example_inputs(self.model),)
         await self.run(*inputs, **named)
         start = time.perf_counter()
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
@@ -317,7 +318,8 @@ class Worker:
 
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
         """Blocking twin of [`warmup`][asyncinfer.Worker.warmup]. Do not call it on an event loop."""
-        inputs = inputs or (example_inputs(self.model),)
+        if not inputs and not named:
+            inputs = (example_inputs(self.model),)
         self.run_blocking(*inputs, **named)
         start = time.perf_counter()
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:

@@ -59,6 +59,19 @@ def test_an_input_of_unknown_rank_needs_an_example():
         ai.Worker(model, warmup=True)
 
 
+@pytest.mark.anyio
+async def test_examples_given_by_name_are_the_ones_run():
+    proto = make_model([helper.make_node("Relu", ["x"], ["y"], name="relu")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], extra_domains=())
+    example = np.ones((3, 2), np.float32)  # (its rank is not declared: nothing could be made up)
+    async with ai.Worker(ai.load_model(proto)) as worker:
+        with worker.profile() as profile:
+            await worker.warmup(x=example)
+            worker.warmup_blocking(x=example)
+    assert {r.output_shapes for r in profile.records} == {((3, 2),)}
+
+
 def _pool_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name.startswith("asyncinfer-cpu")}
 
