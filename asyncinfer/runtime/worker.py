@@ -68,6 +68,7 @@ class Worker:
         BackendUnavailableError: the backend cannot run on this machine (says what is missing).
         InputError: ``warmup=True`` on a model whose example inputs cannot be made up (see
             `warmup()`).
+        TypeError, ValueError: ``threads`` is not a positive integer.
     """
 
     def __init__(self, model: Model, backend: BackendType | str | Backend = BackendType.CPU, *,

@@ -321,6 +321,23 @@ def test_peek_before_schedule_is_a_clear_error(add_chain_model):
             worker.peek_output()
 
 
+@pytest.mark.parametrize("threads, error, message", [
+    (0, ValueError, "at least 1, got 0"), (-2, ValueError, "at least 1, got -2"),
+    ("2", TypeError, "positive integer .*got str '2'"), (1.5, TypeError, "got float 1.5"),
+    (True, TypeError, "got True")])
+def test_a_thread_count_that_is_not_a_positive_integer_is_refused(add_chain_model, threads, error, message):
+    model = ai.load_model(add_chain_model(1))
+    before = set(threading.enumerate())
+    with pytest.raises(error, match=message):
+        ai.Worker(model, threads=threads)
+    assert not {t for t in threading.enumerate() if t.name.startswith("asyncinfer")} - before
+
+
+def test_a_numpy_integer_is_a_thread_count(add_chain_model):
+    with ai.Worker(ai.load_model(add_chain_model(1)), threads=np.int64(2)) as worker:
+        assert worker._backend.threads == 2 and type(worker._backend.threads) is int
+
+
 def test_dispose_stops_the_threads_and_refuses_use(add_chain_model):
     before = {t.name for t in threading.enumerate()}
     worker = ai.Worker(ai.load_model(add_chain_model(2)), threads=2)

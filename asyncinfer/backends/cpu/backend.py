@@ -27,6 +27,7 @@ current one. Light kernels still run beside them.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import threading
 import time
@@ -61,6 +62,22 @@ Work = Union[Task, Job]  # what the pool runs: one step, or a job of consecutive
 CROWDED_HOLD_S = 0.005
 
 
+def _thread_count(threads: int | None) -> int:
+    """``threads`` checked (a positive integer; a NumPy one will do), or the core count for None."""
+    if threads is None:
+        return max(1, os.cpu_count() or 1)
+    if isinstance(threads, bool):
+        raise TypeError(f"threads must be a positive integer or None (the core count), got {threads!r}")
+    try:
+        count = operator.index(threads)
+    except TypeError:
+        raise TypeError(f"threads must be a positive integer or None (the core count), "
+                        f"got {type(threads).__name__} {threads!r}") from None
+    if count < 1:
+        raise ValueError(f"threads must be at least 1, got {count}")
+    return count
+
+
 def lanes_requested() -> int | None:
     """The lane count asked for with ASYNCINFER_CPU_LANES (None: one per thread)."""
     value = os.environ.get("ASYNCINFER_CPU_LANES", "").strip()
@@ -74,7 +91,7 @@ class CPUBackend(Backend):
     runs_jobs = True
 
     def __init__(self, threads: int | None = None):
-        self.threads = max(1, threads or os.cpu_count() or 1)
+        self.threads = _thread_count(threads)
         self.lanes = min(self.threads, lanes_requested() or self.threads)
         tune_allocator()
         self._blas_single = blas.acquire()
