@@ -59,7 +59,8 @@ def read_model_proto(source: ModelSource, limits: Limits = DEFAULT_LIMITS) -> tu
         except OSError as exc:
             raise ModelLoadError(f"{path}: cannot read: {exc}") from exc
         if size is None:
-            raise ModelLoadError(f"{path}: no such model file")
+            raise ModelLoadError(f"{path}: a directory, not a model file" if path.is_dir() else
+                                 f"{path}: no such model file")
         limits.check_model("max_model_bytes", size, f"{path}: model file size in bytes")
         try:
             with open(path, "rb") as f:  # one byte more than stat said: the file may grow meanwhile

@@ -87,6 +87,8 @@ def test_empty_and_missing_files(tmp_path):
         ai.load_model(empty)
     with pytest.raises(ai.ModelLoadError, match="no such model file"):
         ai.load_model(tmp_path / "missing.onnx")
+    with pytest.raises(ai.ModelLoadError, match="a directory, not a model file"):
+        ai.load_model(tmp_path)
 
 
 def test_truncated_file(tmp_path):
