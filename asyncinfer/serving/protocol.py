@@ -371,6 +371,8 @@ def unpack_bytes(name: str, chunk: bytes, count: int) -> np.ndarray:
 
 
 def _from_json(name: str, data: Any, datatype: str, dtype: np.dtype, shape: list[int], count: int) -> np.ndarray:
+    if not isinstance(data, list):  # (the protocol's 'data' is a list, flat or nested: a scalar or null is not)
+        raise ProtocolError(400, f"input {name!r}: 'data' must be a list (flat or nested), got {_json_type(data)}")
     try:
         raw = np.array(data, dtype=object if dtype == np.dtype(object) else None)
     except (ValueError, TypeError, OverflowError) as exc:  # ragged nesting, numbers NumPy cannot hold
@@ -477,6 +479,14 @@ def _to_binary(array: np.ndarray) -> bytes:
             parts.append(struct.pack("<I", len(raw)) + raw)
         return b"".join(parts)
     return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for error messages."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", dict: "an object"}.get(
+        type(value), type(value).__name__)
 
 
 def _to_json_data(array: np.ndarray) -> list[Any]:
