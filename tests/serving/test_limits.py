@@ -166,9 +166,11 @@ BAD_BODIES = [
     ("mixed sign big ints", image([1, 1, 8, 2], [-1, 2 ** 64] * 8), "got mixed or non-numeric values"),
     ("dicts as data", image([1, 1, 8, 8], [{}] * 64), "got mixed or non-numeric values"),
     ("null data", json.dumps({"inputs": [{"name": "image", "shape": [1, 1, 8, 8], "datatype": "FP32",
-                                          "data": None}]}).encode(), "'data' must be a list (flat or nested), got null"),
+                                          "data": None}]}).encode(),
+     "'data' must be a list (flat or nested), got null"),
     ("scalar data", json.dumps({"inputs": [{"name": "image", "shape": [1, 1, 1, 1], "datatype": "FP32",
-                                            "data": 0.5}]}).encode(), "'data' must be a list (flat or nested), got a number"),
+                                            "data": 0.5}]}).encode(),
+     "'data' must be a list (flat or nested), got a number"),
     ("long datatype", json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "F" * 10_000,
                                               "data": [1]}]}).encode(), "unknown datatype 'FFFF"),
 ]
