@@ -305,8 +305,7 @@ class Worker:
                 cannot be made up (a sequence input, or one whose rank is not declared).
             ExecutionError: the model failed on them (give example inputs that it accepts).
         """
-        if not inputs and not named:
-            inputs = (example_inputs(self.model),)
+        inputs = self._warmup_inputs(inputs, named)
         await self.run(*inputs, **named)
         start = time.perf_counter()
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
@@ -317,10 +316,14 @@ class Worker:
                 break
             await self.run(*inputs, **named)
 
+    def _warmup_inputs(self, inputs: tuple, named: dict) -> tuple:
+        """The positional inputs a warm-up runs: those given, or made-up examples when none were
+        given at all (neither positionally nor by name)."""
+        return inputs if inputs or named else (example_inputs(self.model),)
+
     def warmup_blocking(self, *inputs: Any, **named: Any) -> None:
         """Blocking twin of [`warmup`][asyncinfer.Worker.warmup]. Do not call it on an event loop."""
-        if not inputs and not named:
-            inputs = (example_inputs(self.model),)
+        inputs = self._warmup_inputs(inputs, named)
         self.run_blocking(*inputs, **named)
         start = time.perf_counter()
         while self._run_mode.deciding and time.perf_counter() - start < WARMUP_TUNING_S:
