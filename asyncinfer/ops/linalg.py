@@ -31,15 +31,20 @@ TEAM_MIN_MACS = 1_000_000
 # A GEMM of a few rows (a decode step's 8 × 768 @ 768 × 2304) is bound by reading B, not by its
 # multiply-adds. From this size of B on it runs in `compiled.few_rows` (B read once, where BLAS
 # packs it first from two rows on: 3x the time of one row), and from SPLIT_MIN_B_BYTES on it is
-# split along K across the pool. Neither choice depends on the number of rows, so a stream's
-# results do not depend on who shares its decode step.
+# split along K across the spin team's helpers (or the pool). Neither choice depends on the number
+# of rows, so a stream's results do not depend on who shares its decode step.
 FEW_ROWS = 16
 FEW_ROWS_MIN_B_BYTES = 256 << 10
 # ... and only when K is at least this many times the rows: B then outweighs the result. A
 # convolution's few output channels by a shallow im2col matrix (16 x 27 @ 27 x 50176) keep BLAS,
 # which ran it 3.5x faster. A decoder's K (its hidden size, 256 and more) passes for 16 rows.
 FEW_ROWS_MIN_DEPTH = 16
-SPLIT_MIN_B_BYTES = 2 << 20
+# One core reads B at ~29 GB/s out of L3 (2-vCPU Xeon, AVX-512), so from 1 MiB on each of two
+# parts is 15 µs or more, which the spin team's helpers start in microseconds. (2 MiB was chosen
+# when parts went to pool threads, 50-300 µs to wake.) One row, 2 threads, the whole Gemm run:
+# 512 x 1000 hot 92 -> 42-46 µs, after 16 MB of other memory 156 -> 127; 1 MiB of B 117-125 ->
+# 106-113 after the 16 MB (bench-style script, this session's notes in docs/benchmarks.md).
+SPLIT_MIN_B_BYTES = 1 << 20
 # Columns of y a few-row GEMM adds into per pass over B: 8192 for one row (768 x 50257 logits),
 # 4096 from two rows on (measured 5-15% faster than 1024 for 8 and 16 rows: each row of B is
 # then read in longer contiguous runs, and 16 rows of 4096 floats still sit in L2).
