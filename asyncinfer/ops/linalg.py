@@ -43,7 +43,7 @@ FEW_ROWS_MIN_DEPTH = 16
 # parts is 15 µs or more, which the spin team's helpers start in microseconds. (2 MiB was chosen
 # when parts went to pool threads, 50-300 µs to wake.) One row, 2 threads, the whole Gemm run:
 # 512 x 1000 hot 92 -> 42-46 µs, after 16 MB of other memory 156 -> 127; 1 MiB of B 117-125 ->
-# 106-113 after the 16 MB (bench-style script, this session's notes in docs/benchmarks.md).
+# 106-113 after the 16 MB (docs/benchmarks.md, forty-seventh session).
 SPLIT_MIN_B_BYTES = 1 << 20
 # Columns of y a few-row GEMM adds into per pass over B: 8192 for one row (768 x 50257 logits),
 # 4096 from two rows on (measured 5-15% faster than 1024 for 8 and 16 rows: each row of B is
