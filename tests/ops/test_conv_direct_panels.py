@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.ops import conv_direct, conv_winograd
+from asyncinfer.ops.compiled import direct_panels
 from asyncinfer.ops.compiled.direct_panels import WIDTH
 from asyncinfer.ops.epilogue import NO_ACTIVATION
 
@@ -34,6 +35,11 @@ CASES = {
     "no_pads": ((1, 10, 9, 9), 7, (3, 3), (1, 1), (1, 1), [0, 0, 0, 0]),
     "images": ((3, 16, 5, 6), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
     "few_positions_large_stride": ((2, 3, 4, 70), 37, (3, 9), (3, 20), (1, 1), [1, 2, 0, 1]),  # 2x4 positions
+    # rows of 14 positions or more in row blocks (with AVX-512), a partial last panel across rows
+    "row_blocks": ((1, 8, 4, 28), 2 * WIDTH + 5, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 28 = 2 x 14
+    "row_blocks_overlapping": ((2, 8, 3, 27), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 27 = 14 + 13 more
+    "row_blocks_stride2": ((1, 8, 7, 56), 2 * WIDTH, (3, 3), (2, 2), (1, 1), [1, 1, 1, 1]),  # 28 wide
+    "row_too_short_for_blocks": ((1, 8, 3, 20), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 2 x 14 for 20: across
 }
 
 
@@ -110,13 +116,22 @@ def test_an_input_without_padding_is_read_in_place(rng):
 
 
 @pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
-@pytest.mark.parametrize("name", ["every_block_size", "partial_panel"])
+@pytest.mark.parametrize("name", ["every_block_size", "partial_panel", "row_blocks_overlapping"])
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng, monkeypatch):
     """Bias and activation in the register blocks equal the conv followed by the activation op,
     bit for bit, NaN and infinities included."""
     monkeypatch.setattr(conv_direct, "PANEL_MIN_DEPTH", 1)
     x, w, b, attrs = _operands(name, rng)
     assert_fused_activation_bits(make_op("Conv", attrs, n_inputs=3), x, w, b, activation)
+
+
+@pytest.mark.skipif(not direct_panels.ROW_BLOCKS, reason="row blocks are for AVX-512's 32 vector registers")
+def test_which_rows_take_row_blocks():
+    """Rows of 14 or more positions whose last block overlaps little (the cases above run each
+    way: row_blocks* and row_too_short_for_blocks)."""
+    blocks = direct_panels.row_blocks_of.py_func
+    assert [blocks(width, 1) for width in (7, 13, 14, 20, 27, 28, 35, 55, 56, 112)] == [0, 0, 1, 0, 2, 2, 0, 4, 4, 8]
+    assert blocks(28, 2) == 2 and blocks(28, 3) == 0
 
 
 def test_the_bits_of_the_stem_kernel(rng):

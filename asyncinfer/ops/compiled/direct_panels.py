@@ -14,7 +14,10 @@ one contiguous row of the packed weights (`pack_joined_taps`). The map's positio
 end) are cut into blocks of 8, then 4, 2 and 1 at the end, so no position is computed in vain on
 any width; each finished block (bias and activation in registers,
 `panels._store_column_biased`) is stored transposed into the NCHW output, a cost only a deep sum
-can pay (``C·kh·kw`` ≥ 64).
+can pay (``C·kh·kw`` ≥ 64). With AVX-512, rows of 14 positions or more at strides 1 and 2 are cut
+into row blocks instead, 14 consecutive positions of one row read through one pointer
+(`row_blocks_of`): 28 sums in registers where 8 positions' own starts left room for 16, 10-15%
+faster on ResNet-18's 3x3 convs of 56x56 to 14x14 maps, one core.
 
 Each panel sums the taps of its own set (an offset table per set, a set and a count per panel):
 one set for a conv, one per conv for convs of one input computed side by side into one result
@@ -39,7 +42,7 @@ from numba.extending import intrinsic
 
 from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
                                       post_and_count_asleep, wait_all)
-from . import kernel
+from . import inline, kernel
 from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums,
                      pack_panels, panel_width, transposed_writer)
 from .pointwise import finishing
@@ -51,6 +54,13 @@ WIDTH = panel_width(np.float32)
 #: Positions of the widest block: 8 x two vectors of sums with AVX-512's 32 vector registers, 4
 #: with the 16 of AVX2 (or NEON's 32 of half the width), as `panels.BLOCK_ROWS`.
 BLOCK_POSITIONS = BLOCK_ROWS
+#: Positions of a row block (`_tap_block`'s ``spacing``): 14 consecutive positions of an output row
+#: x two vectors of sums fill AVX-512's registers (28 sums, 2 weight vectors, a broadcast). On
+#: ResNet's 3x3 64 -> 64 at 56x56, one core, the sums alone: 186-199 GFLOP/s against 160-178
+#: for the 8-position blocks (`bench/register_blocks.py`). Only with AVX-512 (`ROW_BLOCKS`): with
+#: 16 registers they would spill, and a shorter row block is not measured.
+ROW_POSITIONS = 14
+ROW_BLOCKS = BLOCK_POSITIONS == 8
 
 
 def pack_joined_taps(weights: Sequence[np.ndarray]) -> np.ndarray:
@@ -72,7 +82,7 @@ def pack_joined_taps(weights: Sequence[np.ndarray]) -> np.ndarray:
     return pack_panels(columns)
 
 
-def _tap_block(rows: int, to_output: bool = False) -> Any:
+def _tap_block(rows: int, to_output: bool = False, spacing: int = 0) -> Any:
     """An intrinsic ``block(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)``:
     ``y[r, j] = Σ_t image.flat[base + starts[r] + offsets[t]] · panels[p, t, j]`` for ``r < rows`` and the
     panel's ``j``, summed over ``t < taps`` in registers, then finished as ``finish`` says with a
@@ -80,14 +90,20 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
     its data pointer (a zero-padded image); each position has its own start, so a block may run
     across output rows.
 
-    ``to_output`` (8 rows): ``y`` is an image's output (M, Ho·Wo) and a last argument ``first``
-    the block's first position: ``y[p·W + j, first + r]`` = those sums, the block transposed in registers
-    and stored as a vector of 8 positions per channel (`panels.transposed_writer`)."""
-    assert not to_output or rows == 8
+    ``to_output``: ``y`` is an image's output (M, Ho·Wo) and a last argument ``first`` the block's
+    first position: ``y[p·W + j, first + r]`` = those sums, the block transposed in registers and
+    stored as vectors of 8 positions per channel (`panels.transposed_writer`).
+
+    ``spacing`` (with ``to_output``): the positions are consecutive on one output row, ``spacing``
+    elements apart in the image (the conv's stride), and ``starts`` is one integer, the first's:
+    ``image.flat[base + starts + r·spacing + offsets[t]]``. One pointer then reaches every
+    position's value (constant displacements), where a start each took a register per position:
+    AVX-512's 32 registers hold 14 positions x 2 vectors of sums (`ROW_POSITIONS`)."""
+    assert not spacing or to_output
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        image_arr, offsets_arr, starts_arr, panel_arr, y_arr = (
-            context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 5, 7))
+        image_arr, offsets_arr, panel_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
+                                                    for i in (0, 1, 5, 7))
         base_, taps_, p_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 4, 6))
         code = BlockIR(context, builder, sig.args[0].dtype)
         size, vector, at, const = code.size, code.vector, code.at, code.const
@@ -99,9 +115,14 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
         panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
         y_stride = builder.extract_value(y_arr.strides, 0)
         panel = at(panel_arr.data, builder.mul(p_, panel_stride))
-        origins = [at(image_arr.data, builder.mul(builder.add(base_, builder.load(builder.gep(starts_arr.data,
-                                                                                              [const(r)]))),
-                                                  const(size))) for r in range(rows)]
+        if spacing:
+            start = context.cast(builder, args[3], sig.args[3], types.int64)
+            origins = [at(image_arr.data, builder.mul(builder.add(base_, start), const(size)))]
+        else:
+            starts_arr = context.make_array(sig.args[3])(context, builder, args[3])
+            origins = [at(image_arr.data, builder.mul(builder.add(base_, builder.load(builder.gep(starts_arr.data,
+                                                                                                  [const(r)]))),
+                                                      const(size))) for r in range(rows)]
 
         def y_vector(r: int, v: int) -> Any:
             return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
@@ -112,8 +133,10 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
             row = at(panel, builder.mul(loop.index, row_stride))
             columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                     align=size) for v in range(PANEL_VECTORS)]
-            for r, origin in enumerate(origins):
-                value = builder.load(builder.bitcast(at(origin, offset), element.as_pointer()), align=size)
+            taps = ([at(at(origins[0], offset), const(r * spacing * size)) for r in range(rows)] if spacing
+                    else [at(origin, offset) for origin in origins])
+            for r, tap in enumerate(taps):
+                value = builder.load(builder.bitcast(tap, element.as_pointer()), align=size)
                 spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
                                                 undefined, broadcast)
                 for v, column in enumerate(columns):
@@ -144,6 +167,21 @@ def _tap_block(rows: int, to_output: bool = False) -> Any:
 
 _block8, _block4, _block2, _block1 = (_tap_block(rows) for rows in (8, 4, 2, 1))
 _block8_to_output = _tap_block(8, to_output=True)
+#: Row blocks (`_tap_block`'s ``spacing``) of convs of stride 1 and 2 along the rows.
+_row_stride1, _row_stride2 = (_tap_block(ROW_POSITIONS, to_output=True, spacing=s) for s in (1, 2))
+
+
+@inline
+def row_blocks_of(out_width: int, column_stride: int) -> int:
+    """How many row blocks (`ROW_POSITIONS` wide) `direct_panel_conv` cuts each output row into,
+    0 for none (blocks across the rows' ends instead): rows they fit with little waste, a row's last
+    block ending at its end, overlapping the one before (the same sums twice, the same bits). 56,
+    28 and 14 wide are whole blocks, 27 and 55 waste 1 position in 28 and 56; 7, 13, 20 or 35 wide
+    keep the 8-position blocks, which waste none (at 0.88 of a row block's speed)."""
+    if not ROW_BLOCKS or column_stride > 2 or out_width < ROW_POSITIONS:
+        return 0
+    blocks = -(-out_width // ROW_POSITIONS)
+    return blocks if 10 * out_width >= 9 * blocks * ROW_POSITIONS else 0
 
 
 @kernel(contract=False)
@@ -160,8 +198,8 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
     P·W. ``block`` (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store.
     ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`).
 
-    A part's rows of one image and panel are cut into blocks of `BLOCK_POSITIONS` positions
-    across the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row
+    A part's rows of one image and panel are cut into row blocks where `row_blocks_of` says,
+    else into blocks of `BLOCK_POSITIONS` positions across the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row
     alone were 4, 2 and 1, the last two half as fast a position or less)."""
     width = panels.shape[2]
     av, bv = np.float32(a), np.float32(b)
@@ -172,6 +210,8 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
     m = y.shape[1]
     rows_total = y.shape[0] * out_height
     starts = np.empty(BLOCK_POSITIONS, np.int64)
+    row_blocks = row_blocks_of(out_width, column_stride)
+    by_rows = row_blocks > 0
     u = u0
     while u < u1:
         p, q = u // rows_total, u % rows_total
@@ -180,6 +220,19 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
         base, out = i * plane, y[i]
         offsets, taps = tap_sets[panel_taps[p, 0]], panel_taps[p, 1]
         channels = min(width, m - p * width)
+        if by_rows and channels == width:
+            for row in range(oy, last):
+                for k in range(row_blocks):
+                    column = min(k * ROW_POSITIONS, out_width - ROW_POSITIONS)
+                    start = row * row_stride * wp + column * column_stride
+                    if column_stride == 1:
+                        _row_stride1(flat, offsets, base, start, taps, panels, p, out, finish, bias, av, bv,
+                                     row * out_width + column)
+                    else:
+                        _row_stride2(flat, offsets, base, start, taps, panels, p, out, finish, bias, av, bv,
+                                     row * out_width + column)
+            u += last - oy
+            continue
         v, end = oy * out_width, last * out_width
         while v < end:
             rows = end - v

@@ -140,32 +140,44 @@ def columns_of_eight(builder: Any, rows: list[Any]) -> list[Any]:
 
 def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channel0: Any,
                       vector: Any) -> Callable[[list[list[Any]]], None]:
-    """``write(values)`` for `_store_column_biased`: a block's finished ``values`` (8 positions x
+    """``write(values)`` for `_store_column_biased`: a block's finished ``values`` (positions x
     vectors of channels) stored transposed into ``y`` (channels, positions), ``y[channel0 + j,
-    first + r]`` (i64 IR values), eight channels at a time (`columns_of_eight`), a vector of 8
-    positions per channel: where a store of each value through a scratch block took a sixth of a
-    shallow conv's time (16 -> 64 channels at 55x55)."""
+    first + r]`` (i64 IR values), eight positions and eight channels at a time
+    (`columns_of_eight`), a vector of 8 positions per channel (a last group of fewer positions:
+    stores of 4, 2 and 1 of them): where a store of each value through a scratch block took a
+    sixth of a shallow conv's time (16 -> 64 channels at 55x55)."""
     i32, i64 = ir.IntType(32), ir.IntType(64)
     lanes = vector.count
     size = context.get_abi_sizeof(vector.element)
-    eight = ir.VectorType(vector.element, 8)
     undefined = ir.Constant(vector, ir.Undefined)
     y_stride = builder.extract_value(y_arr.strides, 0)
     byte_ptr = ir.IntType(8).as_pointer()
 
     def write(values: list[list[Any]]) -> None:
-        assert len(values) == 8
-        for chunk in range(len(values[0]) * lanes // 8):
-            v, lane = divmod(chunk * 8, lanes)
+        for group in range(0, len(values), 8):
+            rows = values[group:group + 8]
+            count = len(rows)
+            rows = rows + [[undefined] * len(rows[0])] * (8 - count)  # (lanes past count: never stored)
+            for chunk in range(len(rows[0]) * lanes // 8):
+                v, lane = divmod(chunk * 8, lanes)
 
-            def channels(row: list[Any]) -> Any:  # the chunk's 8 channels of a row (past one vector: the next)
-                picks = ir.Constant(ir.VectorType(i32, 8), [lane + k for k in range(8)])
-                return builder.shuffle_vector(row[v], row[v + 1] if lane + 8 > lanes else undefined, picks)
-            for j, column in enumerate(columns_of_eight(builder, [channels(row) for row in values])):
-                channel = builder.add(channel0, ir.Constant(i64, chunk * 8 + j))
-                offset = builder.add(builder.mul(channel, y_stride), builder.mul(first, ir.Constant(i64, size)))
-                target = builder.gep(builder.bitcast(y_arr.data, byte_ptr), [offset])
-                builder.store(column, builder.bitcast(target, eight.as_pointer()), align=size)
+                def channels(row: list[Any]) -> Any:  # the chunk's 8 channels of a row (past one vector: the next)
+                    picks = ir.Constant(ir.VectorType(i32, 8), [lane + k for k in range(8)])
+                    return builder.shuffle_vector(row[v], row[v + 1] if lane + 8 > lanes else undefined, picks)
+                for j, column in enumerate(columns_of_eight(builder, [channels(row) for row in rows])):
+                    channel = builder.add(channel0, ir.Constant(i64, chunk * 8 + j))
+                    start = 0
+                    for piece in (8, 4, 2, 1):  # count's binary digits, widest first
+                        if count - start < piece:
+                            continue
+                        offset = builder.add(builder.mul(channel, y_stride),
+                                             builder.mul(builder.add(first, ir.Constant(i64, group + start)),
+                                                         ir.Constant(i64, size)))
+                        target = builder.gep(builder.bitcast(y_arr.data, byte_ptr), [offset])
+                        part = column if piece == 8 else builder.shuffle_vector(
+                            column, column, ir.Constant(ir.VectorType(i32, piece), list(range(start, start + piece))))
+                        builder.store(part, builder.bitcast(target, part.type.as_pointer()), align=size)
+                        start += piece
     return write
 
 
