@@ -43,6 +43,10 @@ CASES = {
     # maps under 16 positions (SSDlite's extra layers and heads): one position, and a 3x3 map
     "one_position": ((1, 40, 1, 1), 70, (1, 1), 1),
     "three_by_three": ((2, 33, 3, 3), 2 * _WIDTH, (1, 1), 1),
+    # `small_map_conv`'s input over SMALL_MAP_WHOLE_BYTES: positions in bands through every panel
+    # (1023 = 4 bands and a rest), each band's last wide block overlapping the one before
+    "banded": ((1, 272, 33, 31), 2 * _WIDTH + 5, (1, 1), 1),
+    "banded_strided": ((1, 264, 66, 62), 40, (2, 2), 1),
 }
 
 

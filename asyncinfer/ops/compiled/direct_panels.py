@@ -43,8 +43,8 @@ from numba.extending import intrinsic
 from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
                                       post_and_count_asleep, wait_all)
 from . import inline, kernel
-from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, BlockIR, _store_column_biased, initial_sums,
-                     pack_panels, panel_width, transposed_writer)
+from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, WIDE_BLOCKS, WIDE_ROWS, BlockIR, _store_column_biased,
+                     initial_sums, pack_panels, panel_width, transposed_writer)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -54,13 +54,11 @@ WIDTH = panel_width(np.float32)
 #: Positions of the widest block: 8 x two vectors of sums with AVX-512's 32 vector registers, 4
 #: with the 16 of AVX2 (or NEON's 32 of half the width), as `panels.BLOCK_ROWS`.
 BLOCK_POSITIONS = BLOCK_ROWS
-#: Positions of a row block (`_tap_block`'s ``spacing``): 14 consecutive positions of an output row
-#: x two vectors of sums fill AVX-512's registers (28 sums, 2 weight vectors, a broadcast). On
-#: ResNet's 3x3 64 -> 64 at 56x56, one core, the sums alone: 186-199 GFLOP/s against 160-178
-#: for the 8-position blocks (`bench/register_blocks.py`). Only with AVX-512 (`ROW_BLOCKS`): with
-#: 16 registers they would spill, and a shorter row block is not measured.
-ROW_POSITIONS = 14
-ROW_BLOCKS = BLOCK_POSITIONS == 8
+#: Positions of a row block (`_tap_block`'s ``spacing``, `panels.WIDE_ROWS`), with AVX-512 only
+#: (`ROW_BLOCKS`). On ResNet's 3x3 64 -> 64 at 56x56, one core, the sums alone: 186-199 GFLOP/s
+#: against 160-178 for the 8-position blocks (`bench/register_blocks.py`).
+ROW_POSITIONS = WIDE_ROWS
+ROW_BLOCKS = WIDE_BLOCKS
 
 
 def pack_joined_taps(weights: Sequence[np.ndarray]) -> np.ndarray:

@@ -52,6 +52,12 @@ _WIDE = _host_has("avx512f")
 VECTOR_BYTES = 64 if _WIDE else 32
 #: Rows of a (and of y) per register block.
 BLOCK_ROWS = 8 if _WIDE else 4
+#: Rows of a wide block, whose rows' values one pointer reaches (adjacent, or a constant stride
+#: apart): 14 x two vectors of sums, the panel's two vectors and a broadcast fill AVX-512's 32
+#: registers, where 8 rows leave the loop's loads and addressing a larger share. Only with AVX-512
+#: (`WIDE_BLOCKS`): with 16 registers they would spill (and are not measured there).
+WIDE_ROWS = 14
+WIDE_BLOCKS = _WIDE
 
 
 def panel_width(dtype: Any) -> int:
@@ -203,10 +209,10 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
     transpose, as long as its product), each step's values of a on ``rows`` cache lines that
     the next 15 steps read too (`gemm.panel_gemm`).
 
-    ``to_output`` (8 rows, ``column_bias``): ``y`` is the conv's output (channels, positions) and
+    ``to_output`` (8 or `WIDE_ROWS` rows, ``column_bias``): ``y`` is the conv's output (channels, positions) and
     the block's sums go to ``y[c0 + j, r0 + r]``, transposed in registers (`transposed_writer`);
     ``r0`` is also the first of a's columns read. The sums start from zero (no `ADD_TO_Y`)."""
-    assert not to_output or (rows == 8 and column_bias and not rows_in_place)
+    assert not to_output or (rows in (8, WIDE_ROWS) and column_bias and not rows_in_place)
 
     @intrinsic
     def block(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any, c0: Any,
@@ -452,6 +458,9 @@ _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, colu
 #: prefetching the next panel's rows (for a panel's last blocks: deep weights come from memory).
 _by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0)
 _by_column8_to_output_ahead = _register_block(8, column_bias=True, to_output=True)
+#: The same with `WIDE_ROWS` positions (AVX-512).
+_by_column14_to_output = _register_block(WIDE_ROWS, column_bias=True, to_output=True, ahead=0)
+_by_column14_to_output_ahead = _register_block(WIDE_ROWS, column_bias=True, to_output=True)
 #: Blocks with a bias per column reading a's rows in place (`_register_block`).
 _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
 

@@ -49,8 +49,9 @@ from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _by_column1, _by_column2, _by_column4, _by_column8,
-                     _by_column8_to_output, _by_column8_to_output_ahead, _strided1, _strided2, _strided4, _strided8,
-                     pack_panels, panel_width)
+                     _by_column8_to_output, _by_column8_to_output_ahead, _by_column14_to_output,
+                     _by_column14_to_output_ahead, _strided1, _strided2, _strided4, _strided8,
+                     pack_panels, panel_width, WIDE_BLOCKS, WIDE_ROWS)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -81,6 +82,15 @@ BAND_PANELS = 16
 #: core, caches flushed, 2048 -> 512 at 7x7 (six blocks, a panel of 256 KiB) 616 µs prefetching
 #: on every block, 725 on none, 609 on the last four.
 LAST_BLOCKS_AHEAD = 4
+
+#: `small_map_conv`'s positions go by in bands of this many bytes of input (at least 8 positions),
+#: each through every panel of channels before the next band: swept whole for each panel, an
+#: input larger than L2 came from L3 once a panel.
+SMALL_MAP_BAND_BYTES = 256 << 10
+#: ... where its positions' input is more than this: one that stays in L2 keeps one sweep a panel
+#: (bands then cost more in their panels' weights read again and their output rows' store streams
+#: cut short: 64 -> 256 at 56x56 790 -> 925 µs in bands).
+SMALL_MAP_WHOLE_BYTES = 1 << 20
 
 _WIDTH = panel_width(np.float32)
 
@@ -407,44 +417,57 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
     av, bv = np.float32(a), np.float32(b)
     finish = finishing(act)
     block = np.empty((8, width), np.float32)
+    step = WIDE_ROWS if WIDE_BLOCKS else 8
+    band = r1 - r0 if 4 * c * (r1 - r0) <= SMALL_MAP_WHOLE_BYTES else max(step, SMALL_MAP_BAND_BYTES // (4 * c) // step * step)
     for i in range(i0, i1):
-        gathered = -1
-        for q in range(q0, q1):
-            g, p = q // count, q % count
+        for g in range(q0 // count, (q1 - 1) // count + 1):
+            p0, p1 = max(q0, g * count) - g * count, min(q1, (g + 1) * count) - g * count
             source = x[i, g * c:(g + 1) * c]
             if strided:
-                if gathered != g:
-                    _gather(source, columns, in_width, out_width, sh, sw)
-                    gathered = g
+                _gather(source, columns, in_width, out_width, sh, sw)
                 source = columns
             out, group_bias, weights = _group_rows(y, i, g, groups, mg, shuffled), bias[g], panels[g]
-            full = (p + 1) * width <= mg  # a whole panel of channels: its blocks of 8 stored as they finish
-            r = r0
-            while r < r1:
-                rows = r1 - r
-                if rows >= 8 and full:
-                    if r + LAST_BLOCKS_AHEAD * 8 < r1:
-                        _by_column8_to_output(source, weights, p, 0, c, out, r, p * width, finish, group_bias, av, bv)
-                    else:  # (the next panel's weights on their way meanwhile)
-                        _by_column8_to_output_ahead(source, weights, p, 0, c, out, r, p * width, finish, group_bias,
-                                                    av, bv)
-                    r += 8
-                    continue
-                if rows >= 8:
-                    rows = 8
-                    _by_column8(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
-                elif rows >= 4:
-                    rows = 4
-                    _by_column4(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
-                elif rows >= 2:
-                    rows = 2
-                    _by_column2(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
-                else:
-                    _by_column1(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
-                _store_block(block, out, r, rows, p * width)
-                r += rows
-
-
+            for b0 in range(r0, r1, band):
+                b1 = min(r1, b0 + band)
+                for p in range(p0, p1):
+                    full = (p + 1) * width <= mg  # a whole panel of channels: its blocks stored as they finish
+                    if full and WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS:
+                        # wide blocks, the last ending at the band's end (overlapping the one
+                        # before: the same sums again, the same bits)
+                        for r in range(b0, b1, WIDE_ROWS):
+                            s = min(r, b1 - WIDE_ROWS)
+                            if s + LAST_BLOCKS_AHEAD * WIDE_ROWS < b1:
+                                _by_column14_to_output(source, weights, p, 0, c, out, s, p * width, finish,
+                                                       group_bias, av, bv)
+                            else:  # (the next panel's weights on their way meanwhile)
+                                _by_column14_to_output_ahead(source, weights, p, 0, c, out, s, p * width, finish,
+                                                             group_bias, av, bv)
+                        continue
+                    r = b0
+                    while r < b1:
+                        rows = b1 - r
+                        if rows >= 8 and full:
+                            if r + LAST_BLOCKS_AHEAD * 8 < b1:
+                                _by_column8_to_output(source, weights, p, 0, c, out, r, p * width, finish, group_bias,
+                                                      av, bv)
+                            else:  # (the next panel's weights on their way meanwhile)
+                                _by_column8_to_output_ahead(source, weights, p, 0, c, out, r, p * width, finish,
+                                                            group_bias, av, bv)
+                            r += 8
+                            continue
+                        if rows >= 8:
+                            rows = 8
+                            _by_column8(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                        elif rows >= 4:
+                            rows = 4
+                            _by_column4(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                        elif rows >= 2:
+                            rows = 2
+                            _by_column2(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                        else:
+                            _by_column1(source[:, r:], weights, p, 0, c, block, 0, 0, finish, group_bias, av, bv)
+                        _store_block(block, out, r, rows, p * width)
+                        r += rows
 
 
 @kernel(contract=False)
