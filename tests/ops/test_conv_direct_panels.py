@@ -40,6 +40,9 @@ CASES = {
     "row_blocks_overlapping": ((2, 8, 3, 27), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 27 = 14 + 13 more
     "row_blocks_stride2": ((1, 8, 7, 56), 2 * WIDTH, (3, 3), (2, 2), (1, 1), [1, 1, 1, 1]),  # 28 wide
     "row_too_short_for_blocks": ((1, 8, 3, 20), WIDTH, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),  # 2 x 14 for 20: across
+    # 7 wide: rows in pairs, the last pair overlapping (7 rows), at strides 1 and 2; a partial panel across rows
+    "paired_rows": ((2, 8, 7, 7), 2 * WIDTH + 3, (3, 3), (1, 1), (1, 1), [1, 1, 1, 1]),
+    "paired_rows_stride2": ((1, 8, 14, 13), WIDTH, (3, 3), (2, 2), (1, 1), [1, 1, 1, 1]),
 }
 
 
@@ -116,7 +119,7 @@ def test_an_input_without_padding_is_read_in_place(rng):
 
 
 @pytest.mark.parametrize("activation", sorted(EPILOGUE_ACTIVATIONS))
-@pytest.mark.parametrize("name", ["every_block_size", "partial_panel", "row_blocks_overlapping"])
+@pytest.mark.parametrize("name", ["every_block_size", "partial_panel", "row_blocks_overlapping", "paired_rows"])
 def test_fused_activation_gives_the_bits_of_the_standalone_op(activation, name, rng, monkeypatch):
     """Bias and activation in the register blocks equal the conv followed by the activation op,
     bit for bit, NaN and infinities included."""

@@ -80,7 +80,7 @@ def pack_joined_taps(weights: Sequence[np.ndarray]) -> np.ndarray:
     return pack_panels(columns)
 
 
-def _tap_block(rows: int, to_output: bool = False, spacing: int = 0) -> Any:
+def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int = 0) -> Any:
     """An intrinsic ``block(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi)``:
     ``y[r, j] = Σ_t image.flat[base + starts[r] + offsets[t]] · panels[p, t, j]`` for ``r < rows`` and the
     panel's ``j``, summed over ``t < taps`` in registers, then finished as ``finish`` says with a
@@ -96,8 +96,18 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0) -> Any:
     elements apart in the image (the conv's stride), and ``starts`` is one integer, the first's:
     ``image.flat[base + starts + r·spacing + offsets[t]]``. One pointer then reaches every
     position's value (constant displacements), where a start each took a register per position:
-    AVX-512's 32 registers hold 14 positions x 2 vectors of sums (`ROW_POSITIONS`)."""
+    AVX-512's 32 registers hold 14 positions x 2 vectors of sums (`ROW_POSITIONS`).
+
+    ``line`` (with ``spacing``): the block covers ``rows / line`` whole output rows of ``line``
+    positions each (a 7x7 map's rows two at a time), ``starts`` an array again, ``starts[k]`` the
+    first position's of row ``k``: position ``r`` reads ``image.flat[base + starts[r // line] +
+    (r % line)·spacing + offsets[t]]``, a pointer a row.
+
+    Row blocks take a last argument ``ahead`` (0 or 1): prefetch the weights of the panel that
+    many on as this one's are read (a panel's last block: the next one's first block then finds
+    its weights in L2, not in memory, as a model's deep layers' weights are between runs)."""
     assert not spacing or to_output
+    assert not line or (spacing and rows % line == 0)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         image_arr, offsets_arr, panel_arr, y_arr = (context.make_array(sig.args[i])(context, builder, args[i])
@@ -113,26 +123,39 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0) -> Any:
         panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
         y_stride = builder.extract_value(y_arr.strides, 0)
         panel = at(panel_arr.data, builder.mul(p_, panel_stride))
-        if spacing:
+        if spacing and not line:
             start = context.cast(builder, args[3], sig.args[3], types.int64)
             origins = [at(image_arr.data, builder.mul(builder.add(base_, start), const(size)))]
         else:
             starts_arr = context.make_array(sig.args[3])(context, builder, args[3])
             origins = [at(image_arr.data, builder.mul(builder.add(base_, builder.load(builder.gep(starts_arr.data,
                                                                                                   [const(r)]))),
-                                                      const(size))) for r in range(rows)]
+                                                      const(size))) for r in range(rows // line if line else rows)]
+        per_origin = line or rows  # (positions reached from one pointer, with ``spacing``)
 
         def y_vector(r: int, v: int) -> Any:
             return builder.bitcast(at(y_arr.data, builder.add(builder.mul(const(r), y_stride),
                                                               const(v * VECTOR_BYTES))), vector.as_pointer())
         sums = initial_sums(context, builder, sig, args, None if to_output else y_vector, rows, PANEL_VECTORS, vector)
+        if spacing:
+            prefetch = builder.module.declare_intrinsic(
+                "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [code.byte_ptr, i32, i32, i32]))
+            ahead = builder.mul(context.cast(builder, args[13], sig.args[13], types.int64), panel_stride)
         with cgutils.for_range(builder, taps_) as loop:
             offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [loop.index])), const(size))
             row = at(panel, builder.mul(loop.index, row_stride))
+            if spacing:  # (ahead 0: this row again, in L1 already; a prefetch never faults)
+                later = at(row, ahead)
+                for line_bytes in range(0, PANEL_VECTORS * VECTOR_BYTES, 64):
+                    builder.call(prefetch, [at(later, const(line_bytes)), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                                            ir.Constant(i32, 1)])
             columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                     align=size) for v in range(PANEL_VECTORS)]
-            taps = ([at(at(origins[0], offset), const(r * spacing * size)) for r in range(rows)] if spacing
-                    else [at(origin, offset) for origin in origins])
+            if spacing:
+                lines = [at(origin, offset) for origin in origins]
+                taps = [at(lines[r // per_origin], const(r % per_origin * spacing * size)) for r in range(rows)]
+            else:
+                taps = [at(origin, offset) for origin in origins]
             for r, tap in enumerate(taps):
                 value = builder.load(builder.bitcast(tap, element.as_pointer()), align=size)
                 spread = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
@@ -146,6 +169,15 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0) -> Any:
         _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
                              y_vector, p_, write)
         return context.get_dummy_value()
+
+    if spacing:
+        @intrinsic
+        def row_block(typingctx: Any, image: Any, offsets: Any, base: Any, starts: Any, taps: Any, panels: Any,
+                      p: Any, y: Any, finish: Any, bias: Any, lo: Any, hi: Any, first: Any, ahead: Any) -> Any:
+            return (types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi, first, ahead),
+                    codegen)
+
+        return row_block
 
     if to_output:
         @intrinsic
@@ -167,6 +199,11 @@ _block8, _block4, _block2, _block1 = (_tap_block(rows) for rows in (8, 4, 2, 1))
 _block8_to_output = _tap_block(8, to_output=True)
 #: Row blocks (`_tap_block`'s ``spacing``) of convs of stride 1 and 2 along the rows.
 _row_stride1, _row_stride2 = (_tap_block(ROW_POSITIONS, to_output=True, spacing=s) for s in (1, 2))
+#: Row blocks of two output rows of 7 (`_tap_block`'s ``line``): 7x7 maps, whose rows end to end
+#: took 8-position blocks (a start each) and a last block of 1.
+PAIRED_WIDTH = ROW_POSITIONS // 2
+_pair_stride1, _pair_stride2 = (_tap_block(ROW_POSITIONS, to_output=True, spacing=s, line=PAIRED_WIDTH)
+                                for s in (1, 2))
 
 
 @inline
@@ -196,9 +233,10 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
     P·W. ``block`` (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store.
     ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`).
 
-    A part's rows of one image and panel are cut into row blocks where `row_blocks_of` says,
-    else into blocks of `BLOCK_POSITIONS` positions across the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row
-    alone were 4, 2 and 1, the last two half as fast a position or less)."""
+    A part's rows of one image and panel are cut into row blocks where `row_blocks_of` says, in
+    pairs on maps 7 wide (`PAIRED_WIDTH`), else into blocks of `BLOCK_POSITIONS` positions across
+    the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row alone were
+    4, 2 and 1, the last two half as fast a position or less)."""
     width = panels.shape[2]
     av, bv = np.float32(a), np.float32(b)
     finish = finishing(act)
@@ -210,6 +248,7 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
     starts = np.empty(BLOCK_POSITIONS, np.int64)
     row_blocks = row_blocks_of(out_width, column_stride)
     by_rows = row_blocks > 0
+    paired = ROW_BLOCKS and out_width == PAIRED_WIDTH and column_stride <= 2
     u = u0
     while u < u1:
         p, q = u // rows_total, u % rows_total
@@ -218,17 +257,33 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
         base, out = i * plane, y[i]
         offsets, taps = tap_sets[panel_taps[p, 0]], panel_taps[p, 1]
         channels = min(width, m - p * width)
+        # the panel's last block prefetches the next panel's weights (its rows end a part, or the image)
+        has_next = 1 if p + 1 < panels.shape[0] else 0
         if by_rows and channels == width:
             for row in range(oy, last):
                 for k in range(row_blocks):
                     column = min(k * ROW_POSITIONS, out_width - ROW_POSITIONS)
                     start = row * row_stride * wp + column * column_stride
+                    ahead = has_next if row == last - 1 and k == row_blocks - 1 else 0
                     if column_stride == 1:
                         _row_stride1(flat, offsets, base, start, taps, panels, p, out, finish, bias, av, bv,
-                                     row * out_width + column)
+                                     row * out_width + column, ahead)
                     else:
                         _row_stride2(flat, offsets, base, start, taps, panels, p, out, finish, bias, av, bv,
-                                     row * out_width + column)
+                                     row * out_width + column, ahead)
+            u += last - oy
+            continue
+        if paired and channels == width and last - oy >= 2:
+            for row in range(oy, last, 2):
+                top = min(row, last - 2)  # (a last pair overlapping the one before: the same bits again)
+                starts[0], starts[1] = top * row_stride * wp, (top + 1) * row_stride * wp
+                ahead = has_next if row + 2 >= last else 0
+                if column_stride == 1:
+                    _pair_stride1(flat, offsets, base, starts, taps, panels, p, out, finish, bias, av, bv,
+                                  top * out_width, ahead)
+                else:
+                    _pair_stride2(flat, offsets, base, starts, taps, panels, p, out, finish, bias, av, bv,
+                                  top * out_width, ahead)
             u += last - oy
             continue
         v, end = oy * out_width, last * out_width
