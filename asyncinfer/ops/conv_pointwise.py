@@ -182,13 +182,16 @@ POSITION_BLOCK = 8
 
 def _small_map_parts(n: int, total: int, span: int, count: int) -> list[tuple[int, ...]]:
     """`small_map_conv`'s parts (i0, i1, q0, q1, r0, r1) for ``count`` threads over ``total``
-    panels of output channels: images, else panels where they divide evenly or are many (each
-    thread then reads only its panels' weights: ResNet-50's 512 -> 2048 at 7x7 has 4 MB), else
-    blocks of `POSITION_BLOCK` positions, every panel (three panels of 96 channels: 1 against 2)."""
+    panels of output channels: images, else panels where they divide evenly or are many and the
+    weights are the larger operand (each thread then reads only its panels' weights: ResNet-50's
+    512 -> 2048 at 7x7 has 4 MB), else blocks of `POSITION_BLOCK` positions, every panel (three
+    panels of 96 channels: 1 against 2; and a map larger than its panels of weights, each thread
+    then reading only its positions' input: ResNet-50's 256 -> 64 at 56x56, whose two panels
+    each read the whole 3.2 MB input took as long on two cores as on one)."""
     if count == 1 or n >= count:
         cuts = [n * i // count for i in range(count + 1)]
         return [(cuts[i], cuts[i + 1], 0, total, 0, span) for i in range(count)]
-    if total % count == 0 or total >= 8 * count:
+    if (total % count == 0 or total >= 8 * count) and span <= total * panel_width(np.float32):
         cuts = [total * i // count for i in range(count + 1)]
         return [(0, n, cuts[i], cuts[i + 1], 0, span) for i in range(count) if cuts[i] < cuts[i + 1]]
     blocks = -(-span // POSITION_BLOCK)

@@ -202,6 +202,8 @@ def test_small_maps_split_by_even_panels_else_by_blocks_of_positions():
     assert parts(1, 3, 12, 4) == [(0, 1, 0, 3, 0, 8), (0, 1, 0, 3, 8, 12)]  # no empty parts
     assert parts(3, 3, 49, 2) == [(0, 1, 0, 3, 0, 49), (1, 3, 0, 3, 0, 49)]  # images first
     assert parts(1, 3, 49, 1) == [(0, 1, 0, 3, 0, 49)]
+    # a map larger than its panels' weights (two panels of 64 channels at 56x56): positions
+    assert parts(1, 2, 3136, 2) == [(0, 1, 0, 2, 0, 1568), (0, 1, 0, 2, 1568, 3136)]
 
 
 def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
