@@ -77,11 +77,22 @@ def test_shared_with_the_spin_team_gives_the_same_bits(name, helpers, rng, monke
     with spin_team_bound(helpers) as runs:
         plan = _plan(x, w, b, attrs)
         shared = conv_direct.run_direct_panels(plan, x)
-    assert len(plan.parts) == helpers + 1 and runs.shared
-    units = plan.panels.shape[0] * x.shape[0] * plan.y_shape[2]
-    assert plan.parts[0][0] == 0 and plan.parts[-1][1] == units
-    assert all(a[1] == b_[0] for a, b_ in zip(plan.parts, plan.parts[1:]))
+    assert 1 < len(plan.parts) <= helpers + 1 and runs.shared
+    _assert_parts_tile(plan, x.shape[0] * plan.y_shape[2])
     np.testing.assert_array_equal(shared, alone)
+
+
+def _assert_parts_tile(plan, rows):
+    """The parts (u0, u1, q0, q1) cover every panel at every output row once: bands of rows, every
+    panel's units each, or ranges of the units of all rows, one after another."""
+    total = plan.panels.shape[0]
+    if all(q0 == 0 and q1 == rows for _, _, q0, q1 in plan.parts):
+        spans, end = [(u0, u1) for u0, u1, _, _ in plan.parts], total * rows
+    else:
+        assert all(u0 == 0 and u1 == total * (q1 - q0) for u0, u1, q0, q1 in plan.parts)
+        spans, end = [(q0, q1) for _, _, q0, q1 in plan.parts], rows
+    assert spans[0][0] == 0 and spans[-1][1] == end
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
 def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
@@ -242,13 +253,11 @@ def test_joined_convs_give_each_conv_its_own_sums(name, helpers, rng, monkeypatc
         with spin_team_bound(helpers) as runs:
             plan = conv_direct.joined_panel_plan(x.shape, [c for c, _ in convs], strides, out, NO_ACTIVATION)
             got = conv_direct.run_direct_panels(plan, x)
-        assert len(plan.parts) == helpers + 1 and runs.shared
+        assert 1 < len(plan.parts) <= helpers + 1 and runs.shared
     else:
         plan = conv_direct.joined_panel_plan(x.shape, [c for c, _ in convs], strides, out, NO_ACTIVATION)
         got = conv_direct.run_direct_panels(plan, x)
-    units = plan.panels.shape[0] * x.shape[0] * out[0]
-    assert plan.parts[0][0] == 0 and plan.parts[-1][1] == units
-    assert all(a[1] == b_[0] for a, b_ in zip(plan.parts, plan.parts[1:]))
+    _assert_parts_tile(plan, x.shape[0] * out[0])
     start = 0
     for conv, attrs in convs:
         m = conv.weight.shape[0]
@@ -262,9 +271,11 @@ def test_joined_convs_give_each_conv_its_own_sums(name, helpers, rng, monkeypatc
     assert got.shape == (x.shape[0], start, *out)
 
 
-def test_joined_parts_share_the_taps_not_the_units(monkeypatch):
-    """A 1x1 conv's panels beside a 3x3's: the cut falls where the taps summed (and each unit's
-    stores) are half done, not at half the units (which would leave one thread every 1x1 panel)."""
+def test_parts_are_rows_where_the_input_outweighs_the_weights_else_units_by_their_taps(monkeypatch):
+    """Two threads: a band of rows each where the input is the larger operand (each reads only its
+    rows' input) and the rows divide evenly enough; else ranges of units (panels x rows), cut where
+    the taps summed are half done (a 1x1 conv's panels beside a 3x3's take a ninth of the time:
+    not at half the units, which would leave one thread every 1x1 panel)."""
     monkeypatch.setattr(conv_direct.parallel, "team_size", lambda: 2)
     monkeypatch.setattr(conv_direct, "TEAM_MIN_MACS", 0)
     c, h = 16, 10
@@ -272,8 +283,14 @@ def test_joined_parts_share_the_taps_not_the_units(monkeypatch):
              conv_direct.PanelConv(np.zeros((2 * WIDTH, c, 3, 3), np.float32), None, (1, 1), (1, 1))]
     plan = conv_direct.joined_panel_plan((1, c, h, h), convs, (1, 1), (h, h), NO_ACTIVATION)
     assert plan.panel_taps.tolist() == [[0, c]] * 2 + [[1, 9 * c]] * 2
+    assert plan.panels.nbytes == 4 * 9 * c * WIDTH * 4 > 4 * c * (h + 2) ** 2  # weights outweigh the input
     cost = lambda u0, u1: sum(int(plan.panel_taps[u // h, 1]) + conv_direct.UNIT_OVERHEAD_TAPS  # noqa: E731
                               for u in range(u0, u1))
-    (a0, a1), (b0, b1) = plan.parts
+    (a0, a1, _, _), (b0, b1, _, _) = plan.parts
     assert a1 == b0 and abs(cost(a0, a1) - cost(b0, b1)) <= 9 * c + conv_direct.UNIT_OVERHEAD_TAPS
     assert 2 * h < a1 < 4 * h  # (inside the 3x3's first panel)
+    wide = conv_direct.joined_panel_plan((1, c, 35, 35), convs, (1, 1), (35, 35), NO_ACTIVATION)  # 88 KB of input
+    total = wide.panels.shape[0]
+    assert wide.parts == ((0, total * 17, 0, 17), (0, total * 18, 17, 35))
+    odd = conv_direct.joined_panel_plan((1, c, 31, 9), convs, (1, 1), (31, 9), NO_ACTIVATION)  # 21 KB: weights
+    assert odd.parts[0][2:] == (0, 31)

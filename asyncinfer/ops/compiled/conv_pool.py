@@ -71,7 +71,7 @@ def panel_conv_max_pool(panels: np.ndarray, padded: np.ndarray, tap_sets: np.nda
             # the panel as a conv of its own: its weights, taps and biases, its channels the buffer's
             planes = buffer[:channels * span].reshape(1, channels, span)
             direct_panel_conv(panels[p:p + 1], padded[i:i + 1], tap_sets, panel_taps[p:p + 1], planes,
-                              bias[c0:c0 + width], block, 0, out_height, out_height, out_width, row_stride,
-                              column_stride, act, a, b)
+                              bias[c0:c0 + width], block, 0, out_height, 0, out_height, out_height, out_width,
+                              row_stride, column_stride, act, a, b)
             max_three_by_two(planes.reshape(channels, out_height, out_width), y[i, c0:c0 + channels], 0, channels,
                              top, left, lowest)

@@ -221,19 +221,21 @@ def row_blocks_of(out_width: int, column_stride: int) -> int:
 
 @kernel(contract=False)
 def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarray, panel_taps: np.ndarray,
-                      y: np.ndarray, bias: np.ndarray, block: np.ndarray, u0: int, u1: int, out_height: int,
-                      out_width: int, row_stride: int, column_stride: int, act: int, a: float, b: float) -> None:
-    """Units ``u0:u1`` of the conv of the padded images ``padded`` (N, C, Hp, Wp) with the packed
-    weights ``panels`` (P, taps, W) (`pack_joined_taps`): unit ``u`` is panel ``u // (N·Ho)`` of output row
-    ``u % (N·Ho)`` counted through the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``).
-    Panel ``p`` sums its first ``panel_taps[p, 1]`` taps, tap ``t`` reading
+                      y: np.ndarray, bias: np.ndarray, block: np.ndarray, u0: int, u1: int, q0: int, q1: int,
+                      out_height: int, out_width: int, row_stride: int, column_stride: int, act: int, a: float,
+                      b: float) -> None:
+    """Units ``u0:u1`` of the band of output rows ``q0:q1`` of the conv of the padded images
+    ``padded`` (N, C, Hp, Wp) with the packed weights ``panels`` (P, taps, W) (`pack_joined_taps`):
+    unit ``u`` is panel ``u // (q1 - q0)`` at row ``q0 + u % (q1 - q0)``, the rows counted through
+    the images (row ``q`` is image ``q // Ho``'s row ``q % Ho``). Panel ``p`` sums its first
+    ``panel_taps[p, 1]`` taps, tap ``t`` reading
     ``padded[i].flat[offsets[t] + oy·row_stride·Wp + ox·column_stride]`` with ``offsets =
     tap_sets[panel_taps[p, 0]]`` (one set for a conv; a joined conv's panels each their own
     conv's, `joined_taps`): ``y`` (N, M, Ho·Wo) = act(sums + ``bias``), ``bias`` zero-padded to
     P·W. ``block`` (`BLOCK_POSITIONS`, W) holds a finished block before its transposed store.
     ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`).
 
-    A part's rows of one image and panel are cut into row blocks where `row_blocks_of` says, in
+    The rows of one image and panel are cut into row blocks where `row_blocks_of` says, in
     pairs on maps 7 wide (`PAIRED_WIDTH`), else into blocks of `BLOCK_POSITIONS` positions across
     the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row alone were
     4, 2 and 1, the last two half as fast a position or less)."""
@@ -244,16 +246,16 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
     plane = padded.shape[1] * padded.shape[2] * wp
     flat = padded.reshape(padded.shape[0] * plane)
     m = y.shape[1]
-    rows_total = y.shape[0] * out_height
     starts = np.empty(BLOCK_POSITIONS, np.int64)
     row_blocks = row_blocks_of(out_width, column_stride)
     by_rows = row_blocks > 0
     paired = ROW_BLOCKS and out_width == PAIRED_WIDTH and column_stride <= 2
+    band = q1 - q0
     u = u0
     while u < u1:
-        p, q = u // rows_total, u % rows_total
+        p, q = u // band, q0 + u % band
         i, oy = q // out_height, q % out_height
-        last = min(out_height, oy + u1 - u)  # this image's rows of the part, in this panel
+        last = min(out_height, oy + min(q1 - q, u1 - u))  # this image's rows of the part, in this panel
         base, out = i * plane, y[i]
         offsets, taps = tap_sets[panel_taps[p, 0]], panel_taps[p, 1]
         channels = min(width, m - p * width)
@@ -321,7 +323,7 @@ def post_panels(control: np.ndarray, panels: np.ndarray, padded: np.ndarray, tap
                 panel_taps: np.ndarray, y: np.ndarray, bias: np.ndarray, blocks: np.ndarray, numbers: np.ndarray,
                 parts: np.ndarray, out_height: int, out_width: int, row_stride: int, column_stride: int,
                 act: int) -> int:
-    """Post part ``i + 1`` of ``parts`` (rows of units ``u0, u1``) to helper ``i`` of a claimed
+    """Post part ``i + 1`` of ``parts`` (rows ``u0, u1, q0, q1``) to helper ``i`` of a claimed
     team's ``control`` (its finished blocks in ``blocks[i]``), for `direct_panel_part` to run as
     `direct_panel_conv` on these arrays; the epilogue's ``a, b`` in float64 ``numbers``. Returns
     how many of those helpers were asleep (the caller wakes them). One compiled call: building
@@ -341,8 +343,9 @@ def post_panels(control: np.ndarray, panels: np.ndarray, padded: np.ndarray, tap
         row[p + 4], row[p + 5], row[p + 6], row[p + 7] = (y.ctypes.data, bias.ctypes.data, blocks[i].ctypes.data,
                                                           numbers.ctypes.data)
         q = p + 8
-        row[q], row[q + 1], row[q + 2], row[q + 3] = parts[i + 1, 0], parts[i + 1, 1], out_height, out_width
-        row[q + 4], row[q + 5], row[q + 6] = row_stride, column_stride, act
+        row[q], row[q + 1], row[q + 2], row[q + 3] = parts[i + 1, 0], parts[i + 1, 1], parts[i + 1, 2], parts[i + 1, 3]
+        row[q + 4], row[q + 5], row[q + 6] = out_height, out_width, row_stride
+        row[q + 7], row[q + 8] = column_stride, act
         sleeping += post_and_count_asleep(row)
     return sleeping
 
@@ -355,8 +358,8 @@ def finish_panels(control: np.ndarray, panels: np.ndarray, padded: np.ndarray, t
     """Run part 0 of ``parts`` here (``block`` this thread's), then wait for the parts
     `post_panels` posted; False when a helper is not done within ``rounds`` spins (the caller
     then waits the slow way, `SpinTeam.wait`)."""
-    direct_panel_conv(panels, padded, tap_sets, panel_taps, y, bias, block, parts[0, 0], parts[0, 1], out_height,
-                      out_width, row_stride, column_stride, act, a, b)
+    direct_panel_conv(panels, padded, tap_sets, panel_taps, y, bias, block, parts[0, 0], parts[0, 1], parts[0, 2],
+                      parts[0, 3], out_height, out_width, row_stride, column_stride, act, a, b)
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
@@ -395,5 +398,5 @@ def direct_panel_part(control: np.ndarray) -> None:
     numbers = numba.carray(address_as_pointer(control[p + 7], np.float64), (2,))
     q = p + 8
     direct_panel_conv(panels, padded, tap_sets, panel_taps, y, bias, block, control[q], control[q + 1],
-                      control[q + 2], control[q + 3], control[q + 4], control[q + 5], control[q + 6], numbers[0],
-                      numbers[1])
+                      control[q + 2], control[q + 3], control[q + 4], control[q + 5], control[q + 6], control[q + 7],
+                      control[q + 8], numbers[0], numbers[1])

@@ -418,7 +418,8 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
     finish = finishing(act)
     block = np.empty((8, width), np.float32)
     step = WIDE_ROWS if WIDE_BLOCKS else 8
-    band = r1 - r0 if 4 * c * (r1 - r0) <= SMALL_MAP_WHOLE_BYTES else max(step, SMALL_MAP_BAND_BYTES // (4 * c) // step * step)
+    band = (r1 - r0 if 4 * c * (r1 - r0) <= SMALL_MAP_WHOLE_BYTES
+            else max(step, SMALL_MAP_BAND_BYTES // (4 * c) // step * step))
     for i in range(i0, i1):
         for g in range(q0 // count, (q1 - 1) // count + 1):
             p0, p1 = max(q0, g * count) - g * count, min(q1, (g + 1) * count) - g * count
