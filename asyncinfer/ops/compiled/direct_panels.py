@@ -43,8 +43,8 @@ from numba.extending import intrinsic
 from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
                                       post_and_count_asleep, wait_all)
 from . import inline, kernel
-from .panels import (BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, WIDE_BLOCKS, WIDE_ROWS, BlockIR, _store_column_biased,
-                     initial_sums, pack_panels, panel_width, transposed_writer)
+from .panels import (A_AHEAD, BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, WIDE_BLOCKS, WIDE_ROWS, BlockIR,
+                     _store_column_biased, initial_sums, pack_panels, panel_width, transposed_writer)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -154,6 +154,9 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int =
             if spacing:
                 lines = [at(origin, offset) for origin in origins]
                 taps = [at(lines[r // per_origin], const(r % per_origin * spacing * size)) for r in range(rows)]
+                if not line:  # (the row's values further on: the map's rows are many streams, too many to follow)
+                    builder.call(prefetch, [at(lines[0], const(A_AHEAD)), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                            ir.Constant(i32, 1)])
             else:
                 taps = [at(origin, offset) for origin in origins]
             for r, tap in enumerate(taps):

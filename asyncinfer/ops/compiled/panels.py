@@ -188,7 +188,7 @@ def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channe
 
 
 def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False,
-                    to_output: bool = False, ahead: int = 1) -> Any:
+                    to_output: bool = False, ahead: int = 1, a_ahead: int = 0) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
     ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
@@ -256,7 +256,11 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
                                             ir.Constant(i32, 1)])
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
                                         align=size) for v in range(PANEL_VECTORS)]
-                multiply_add(builder, sums, at(a_rows, builder.mul(loop.index, a_step)), columns, spacing)
+                step = at(a_rows, builder.mul(loop.index, a_step))
+                if a_ahead:
+                    builder.call(prefetch, [at(step, const(a_ahead)), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                            ir.Constant(i32, 1)])
+                multiply_add(builder, sums, step, columns, spacing)
             values = [[builder.load(v) for v in row] for row in sums]
             if column_bias:
                 write = transposed_writer(context, builder, y_arr, r0_, c0_, vector) if to_output else None
@@ -454,13 +458,15 @@ _strided8, _strided4, _strided2, _strided1 = (_register_block(rows, ahead=2) for
 #: take `_by_column8_to_output_ahead`.
 _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True, ahead=0)
                                                       for rows in (8, 4, 2, 1))
+#: Bytes ahead of each step's values of a that the blocks storing to an output prefetch.
+A_AHEAD = 256
 #: `_by_column8` storing its block transposed into a (channels, positions) output; ``_ahead``:
 #: prefetching the next panel's rows (for a panel's last blocks: deep weights come from memory).
-_by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0)
-_by_column8_to_output_ahead = _register_block(8, column_bias=True, to_output=True)
+_by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD)
+_by_column8_to_output_ahead = _register_block(8, column_bias=True, to_output=True, a_ahead=A_AHEAD)
 #: The same with `WIDE_ROWS` positions (AVX-512).
-_by_column14_to_output = _register_block(WIDE_ROWS, column_bias=True, to_output=True, ahead=0)
-_by_column14_to_output_ahead = _register_block(WIDE_ROWS, column_bias=True, to_output=True)
+_by_column14_to_output = _register_block(WIDE_ROWS, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD)
+_by_column14_to_output_ahead = _register_block(WIDE_ROWS, column_bias=True, to_output=True, a_ahead=A_AHEAD)
 #: Blocks with a bias per column reading a's rows in place (`_register_block`).
 _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
 
