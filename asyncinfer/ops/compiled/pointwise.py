@@ -373,15 +373,16 @@ def pack_weights(wt: np.ndarray) -> np.ndarray:
 
 
 @numba.njit(inline="always")
-def _gather(x: np.ndarray, columns: np.ndarray, in_width: int, out_width: int, sh: int, sw: int) -> None:
-    """``columns[c, v]`` = the input position output position ``v`` of a strided 1x1 conv reads.
-    (Row by row: a division per position cost more than the conv's multiply-adds on few output
-    channels, ResNet-50's 256 -> 128 1x1/2 at 56x56 on one core 593 µs against 261 on the
-    gathered input.)"""
-    out_height = columns.shape[1] // out_width
+def _gather(x: np.ndarray, columns: np.ndarray, in_width: int, out_width: int, sh: int, sw: int, r0: int,
+            r1: int) -> None:
+    """``columns[c, v]`` = the input position output position ``v`` of a strided 1x1 conv reads,
+    for the output rows of positions ``r0:r1`` (a part's: threads splitting the positions each
+    gathered the whole map before). (Row by row: a division per position cost more than the
+    conv's multiply-adds on few output channels, ResNet-50's 256 -> 128 1x1/2 at 56x56 on one
+    core 593 µs against 261 on the gathered input.)"""
     for c in range(x.shape[0]):
         source, target = x[c], columns[c]
-        for oh in range(out_height):
+        for oh in range(r0 // out_width, (r1 - 1) // out_width + 1):
             row = source[oh * sh * in_width:]
             at = oh * out_width
             for ow in range(out_width):
@@ -425,7 +426,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
             p0, p1 = max(q0, g * count) - g * count, min(q1, (g + 1) * count) - g * count
             source = x[i, g * c:(g + 1) * c]
             if strided:
-                _gather(source, columns, in_width, out_width, sh, sw)
+                _gather(source, columns, in_width, out_width, sh, sw, r0, r1)
                 source = columns
             out, group_bias, weights = _group_rows(y, i, g, groups, mg, shuffled), bias[g], panels[g]
             for b0 in range(r0, r1, band):
