@@ -211,7 +211,9 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
 
     ``to_output`` (8 or `WIDE_ROWS` rows, ``column_bias``): ``y`` is the conv's output (channels, positions) and
     the block's sums go to ``y[c0 + j, r0 + r]``, transposed in registers (`transposed_writer`);
-    ``r0`` is also the first of a's columns read. The sums start from zero (no `ADD_TO_Y`)."""
+    ``r0`` is also the first of a's columns read. The sums start from zero (no `ADD_TO_Y`).
+
+    ``a_ahead``: each step also prefetches a's values that many bytes further on (`A_AHEAD`)."""
     assert not to_output or (rows in (8, WIDE_ROWS) and column_bias and not rows_in_place)
 
     @intrinsic
@@ -458,7 +460,11 @@ _strided8, _strided4, _strided2, _strided1 = (_register_block(rows, ahead=2) for
 #: take `_by_column8_to_output_ahead`.
 _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True, ahead=0)
                                                       for rows in (8, 4, 2, 1))
-#: Bytes ahead of each step's values of a that the blocks storing to an output prefetch.
+#: Bytes ahead of each step's values of a that the blocks storing to an output prefetch: a's rows
+#: are a map's channels read in place (`pointwise.small_map_conv`), C rows a plane apart, more
+#: streams than the hardware prefetchers follow, and in a model's run the map comes from memory.
+#: One core / two, after a 64 MB sweep: 64 -> 64 at 56x56 542/346 -> 272/228 µs, 256 -> 64 at
+#: 56x56 1151/740 -> 855/508; 128, 512 and 1024 bytes measured no better.
 A_AHEAD = 256
 #: `_by_column8` storing its block transposed into a (channels, positions) output; ``_ahead``:
 #: prefetching the next panel's rows (for a panel's last blocks: deep weights come from memory).

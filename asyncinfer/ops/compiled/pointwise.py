@@ -24,10 +24,15 @@ ahead (`panels._strided8`). A later block of C adds to the sums the
 earlier ones stored (`panels._more8`...), so each value is summed from zero along C one
 multiply-add after another, whatever the blocking: the same bits for any split between threads.
 
-`small_map_conv` (deep inputs on small maps): the other way round, positions are the blocks'
-rows, read in place from the input, and the weights are packed once into panels of output
-channels (`pack_weights`); each block is stored transposed. No position is padded (a 7x7 map is
-49 rows), at the cost of scalar stores that only a deep sum pays for.
+`small_map_conv` (deep inputs on small maps, and most 1x1s of the classic CNNs): the other way
+round, positions are the blocks' rows, read in place from the input, and the weights are packed
+once into panels of output channels (`pack_weights`); each block is stored transposed (in
+registers for a whole panel of channels). No position is padded (a 7x7 map is 49 rows): blocks of
+14 positions with AVX-512 (`panels.WIDE_ROWS`), the last overlapping the one before, else 8, 4, 2
+and 1. An input over `SMALL_MAP_WHOLE_BYTES` goes by in bands of positions through every panel
+(`SMALL_MAP_BAND_BYTES`), and each step prefetches its input row a few lines ahead
+(`panels.A_AHEAD`): inside a model's run the map comes from memory, in more streams than the
+prefetchers follow.
 
 Both kernels can store the channels in a channel shuffle's order instead (``shuffled``: the
 ``Reshape(N, G, M/G, H, W) → Transpose(0, 2, 1, 3, 4) → Reshape(N, M, H, W)`` that follows each
@@ -409,7 +414,8 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
     small map, float32: the
     positions are the register blocks' rows, read in place from the input, and the weights the
     packed panels (`pack_weights`, (G, P, Cg, W)), so no position is computed in vain; each block
-    is finished into a small buffer and stored transposed into ``y`` (N, M, Ho·Wo). ``bias`` is
+    is finished and stored transposed into ``y`` (N, M, Ho·Wo), in registers for a whole panel of
+    channels, else through a small buffer; the positions go by in bands (the module docstring). ``bias`` is
     (G, P·W), zero past each group's channels; ``columns`` (Cg, Ho·Wo) takes a strided conv's
     gathered input; ``shuffled`` as `pointwise_conv`'s."""
     groups, count, c, width = panels.shape
