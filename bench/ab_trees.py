@@ -87,9 +87,15 @@ def compare(old: str, new: str, name: str, *, mode: str = "block", rounds: int =
     """Medians and p10s (ms) of ``name``'s runs under the asyncinfer of trees ``old`` and
     ``new``, taking turns in blocks of ``runs`` for ``rounds`` rounds, and ``new / old``."""
     trees = {"old": old, "new": new}
-    children = {label: subprocess.Popen(
-        [sys.executable, __file__, "--child", tree, "--mode", mode, "--threads", str(threads), name],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for label, tree in trees.items()}
+    commands = {label: [sys.executable, __file__, "--child", tree, "--mode", mode, "--threads", str(threads), name]
+                for label, tree in trees.items()}
+    # a throwaway child of each tree first: a tree just edited has its kernel caches dropped
+    # (`compiled.cache_stamp`), and a process that compiled its kernels ran 5-7% slower than one
+    # that loaded them (MobileNetV3-small, the same code in two trees: 1.073, then 0.984)
+    for command in commands.values():
+        subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, check=True)
+    children = {label: subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for label, command in commands.items()}
     try:
         for label, child in children.items():
             if child.stdout.readline().strip() != "ready":  # type: ignore[union-attr]

@@ -182,8 +182,8 @@ def test_helpers_found_asleep_are_woken_before_the_callers_part(kernel, rng, mon
         posted.append(pointwise.post_pointwise(control, wt, x, y, bias, buffers, numbers, *rest[:-1]))
         return HELPERS_ASLEEP
 
-    def post_small_map_only(control, panels, x, y, bias, columns, own, numbers, *rest):
-        posted.append(pointwise.post_small_map(control, panels, x, y, bias, columns, numbers, *rest[:-1]))
+    def post_small_map_only(control, panels, x, y, bias, columns, own, residual, numbers, *rest):
+        posted.append(pointwise.post_small_map(control, panels, x, y, bias, columns, residual, numbers, *rest[:-1]))
         return HELPERS_ASLEEP
     monkeypatch.setattr(conv_pointwise, "post_and_finish_pointwise", post_pointwise_only)
     monkeypatch.setattr(conv_pointwise, "post_and_finish_small_map", post_small_map_only)

@@ -145,21 +145,27 @@ def columns_of_eight(builder: Any, rows: list[Any]) -> list[Any]:
 
 
 def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channel0: Any,
-                      vector: Any) -> Callable[[list[list[Any]]], None]:
+                      vector: Any, residual: Any = None) -> Callable[..., None]:
     """``write(values)`` for `_store_column_biased`: a block's finished ``values`` (positions x
     vectors of channels) stored transposed into ``y`` (channels, positions), ``y[channel0 + j,
     first + r]`` (i64 IR values), eight positions and eight channels at a time
     (`columns_of_eight`), a vector of 8 positions per channel (a last group of fewer positions:
     stores of 4, 2 and 1 of them): where a store of each value through a scratch block took a
-    sixth of a shallow conv's time (16 -> 64 channels at 55x55)."""
+    sixth of a shallow conv's time (16 -> 64 channels at 55x55).
+
+    With ``residual`` (an array of y's shape, channels x positions), ``write(values, post)``
+    stores ``post(value + residual[...])`` instead (``post`` None: the sum), a vector of
+    positions of one channel at a time: a residual Add and its activation on the way out
+    (`_store_residual`)."""
     i32, i64 = ir.IntType(32), ir.IntType(64)
     lanes = vector.count
     size = context.get_abi_sizeof(vector.element)
     undefined = ir.Constant(vector, ir.Undefined)
     y_stride = builder.extract_value(y_arr.strides, 0)
+    r_stride = None if residual is None else builder.extract_value(residual.strides, 0)
     byte_ptr = ir.IntType(8).as_pointer()
 
-    def write(values: list[list[Any]]) -> None:
+    def write(values: list[list[Any]], post: Callable[[Any], Any] | None = None) -> None:
         for group in range(0, len(values), 8):
             rows = values[group:group + 8]
             count = len(rows)
@@ -176,19 +182,25 @@ def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channe
                     for piece in (8, 4, 2, 1):  # count's binary digits, widest first
                         if count - start < piece:
                             continue
-                        offset = builder.add(builder.mul(channel, y_stride),
-                                             builder.mul(builder.add(first, ir.Constant(i64, group + start)),
-                                                         ir.Constant(i64, size)))
-                        target = builder.gep(builder.bitcast(y_arr.data, byte_ptr), [offset])
+                        position = builder.mul(builder.add(first, ir.Constant(i64, group + start)),
+                                               ir.Constant(i64, size))
+                        target = builder.gep(builder.bitcast(y_arr.data, byte_ptr),
+                                             [builder.add(builder.mul(channel, y_stride), position)])
                         part = column if piece == 8 else builder.shuffle_vector(
                             column, column, ir.Constant(ir.VectorType(i32, piece), list(range(start, start + piece))))
+                        if residual is not None:
+                            source = builder.gep(builder.bitcast(residual.data, byte_ptr),
+                                                 [builder.add(builder.mul(channel, r_stride), position)])
+                            part = builder.fadd(part, builder.load(builder.bitcast(source, part.type.as_pointer()),
+                                                                   align=size))
+                            part = part if post is None else post(part)
                         builder.store(part, builder.bitcast(target, part.type.as_pointer()), align=size)
                         start += piece
     return write
 
 
 def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False,
-                    to_output: bool = False, ahead: int = 1, a_ahead: int = 0) -> Any:
+                    to_output: bool = False, ahead: int = 1, a_ahead: int = 0, residual: bool = False) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
     ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
@@ -213,65 +225,79 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
     the block's sums go to ``y[c0 + j, r0 + r]``, transposed in registers (`transposed_writer`);
     ``r0`` is also the first of a's columns read. The sums start from zero (no `ADD_TO_Y`).
 
-    ``a_ahead``: each step also prefetches a's values that many bytes further on (`A_AHEAD`)."""
+    ``a_ahead``: each step also prefetches a's values that many bytes further on (`A_AHEAD`).
+
+    ``residual`` (``to_output``): the block takes one more argument, ``res``, an array of y's
+    shape, and stores ``y[c, r] = act(sums + bias[c] + res[c, r])``: the conv's result, then a
+    residual Add and its activation, `finish` `BIAS` (none) or `BIAS_RELU` (`_store_residual`)."""
     assert not to_output or (rows in (8, WIDE_ROWS) and column_bias and not rows_in_place)
+    assert not residual or to_output
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        a_arr, panel_arr, y_arr = (context.make_array(t)(context, builder, v)
+                                   for t, v in zip((sig.args[0], sig.args[1], sig.args[5]),
+                                                   (args[0], args[1], args[5])))
+        p_, k0_, k1_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6, 7))
+        code = BlockIR(context, builder, sig.args[0].dtype)
+        size, vector, at, const = code.size, code.vector, code.at, code.const
+        prefetch = builder.module.declare_intrinsic(
+            "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [code.byte_ptr, i32, i32, i32]))
+
+        y_stride = builder.extract_value(y_arr.strides, 0)
+        panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
+        if rows_in_place:  # a step is the next value of each row; the rows a row stride apart
+            spacing = builder.extract_value(a_arr.strides, 0)
+            a_step = const(size)
+            a_rows = at(a_arr.data, builder.mul(r0_, spacing))
+        else:  # a step is a row of ``columns``, the block's rows side by side in it
+            spacing = None
+            a_step = builder.extract_value(a_arr.strides, 0)
+            a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
+        y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride), builder.mul(c0_, const(size))))
+        panel = at(panel_arr.data, builder.mul(p_, panel_stride))
+
+        def y_vector(r: int, v: int) -> Any:
+            return builder.bitcast(at(y_block, builder.add(builder.mul(const(r), y_stride), const(v * VECTOR_BYTES))),
+                                   vector.as_pointer())
+        sums = initial_sums(context, builder, sig, args, None if to_output else y_vector, rows, PANEL_VECTORS,
+                            vector)
+        res_arr = context.make_array(sig.args[12])(context, builder, args[12]) if residual else None
+        with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
+            row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
+            later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
+            for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64) if ahead else ():
+                builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                                        ir.Constant(i32, 1)])
+            columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
+                                    align=size) for v in range(PANEL_VECTORS)]
+            step = at(a_rows, builder.mul(loop.index, a_step))
+            if a_ahead:
+                builder.call(prefetch, [at(step, const(a_ahead)), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                        ir.Constant(i32, 1)])
+            multiply_add(builder, sums, step, columns, spacing)
+        values = [[builder.load(v) for v in row] for row in sums]
+        if residual:
+            _store_residual(context, builder, sig, args, values, p_,
+                            transposed_writer(context, builder, y_arr, r0_, c0_, vector, res_arr))
+        elif column_bias:
+            write = transposed_writer(context, builder, y_arr, r0_, c0_, vector) if to_output else None
+            _store_column_biased(context, builder, sig, args, values, y_vector, p_, write)
+        else:
+            _store_finished(context, builder, sig, args, values, y_vector, r0_)
+        return context.get_dummy_value()
+
+    if residual:
+        @intrinsic
+        def block_residual(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any,
+                           c0: Any, finish: Any, bias: Any, lo: Any, hi: Any, res: Any) -> Any:
+            return types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi, res), codegen
+        return block_residual
 
     @intrinsic
     def block(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any, c0: Any,
               finish: Any, bias: Any, lo: Any, hi: Any) -> Any:
-        signature = types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            i32 = ir.IntType(32)
-            a_arr, panel_arr, y_arr = (context.make_array(t)(context, builder, v)
-                                       for t, v in zip((sig.args[0], sig.args[1], sig.args[5]),
-                                                       (args[0], args[1], args[5])))
-            p_, k0_, k1_, r0_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 3, 4, 6, 7))
-            code = BlockIR(context, builder, sig.args[0].dtype)
-            size, vector, at, const = code.size, code.vector, code.at, code.const
-            prefetch = builder.module.declare_intrinsic(
-                "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [code.byte_ptr, i32, i32, i32]))
-
-            y_stride = builder.extract_value(y_arr.strides, 0)
-            panel_stride, row_stride = (builder.extract_value(panel_arr.strides, i) for i in (0, 1))
-            if rows_in_place:  # a step is the next value of each row; the rows a row stride apart
-                spacing = builder.extract_value(a_arr.strides, 0)
-                a_step = const(size)
-                a_rows = at(a_arr.data, builder.mul(r0_, spacing))
-            else:  # a step is a row of ``columns``, the block's rows side by side in it
-                spacing = None
-                a_step = builder.extract_value(a_arr.strides, 0)
-                a_rows = at(a_arr.data, builder.mul(r0_, const(size)))
-            y_block = at(y_arr.data, builder.add(builder.mul(r0_, y_stride), builder.mul(c0_, const(size))))
-            panel = at(panel_arr.data, builder.mul(p_, panel_stride))
-
-            def y_vector(r: int, v: int) -> Any:
-                return builder.bitcast(at(y_block, builder.add(builder.mul(const(r), y_stride), const(v * VECTOR_BYTES))),
-                                       vector.as_pointer())
-            sums = initial_sums(context, builder, sig, args, None if to_output else y_vector, rows, PANEL_VECTORS,
-                                vector)
-            with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
-                row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
-                later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
-                for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64) if ahead else ():
-                    builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                                            ir.Constant(i32, 1)])
-                columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
-                                        align=size) for v in range(PANEL_VECTORS)]
-                step = at(a_rows, builder.mul(loop.index, a_step))
-                if a_ahead:
-                    builder.call(prefetch, [at(step, const(a_ahead)), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                            ir.Constant(i32, 1)])
-                multiply_add(builder, sums, step, columns, spacing)
-            values = [[builder.load(v) for v in row] for row in sums]
-            if column_bias:
-                write = transposed_writer(context, builder, y_arr, r0_, c0_, vector) if to_output else None
-                _store_column_biased(context, builder, sig, args, values, y_vector, p_, write)
-            else:
-                _store_finished(context, builder, sig, args, values, y_vector, r0_)
-            return context.get_dummy_value()
-
-        return signature, codegen
+        return types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi), codegen
 
     return block
 
@@ -422,19 +448,10 @@ def _store_column_biased(context: Any, builder: Any, sig: Any, args: Any, sums: 
     ``bias``, which is padded to whole panels). ``write(values)``, when given, stores the finished
     vectors (rows x vectors) itself instead of each through ``y_vector(r, v)``."""
     finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
-    lanes = finisher.vector.count
     size = context.get_abi_sizeof(finisher.vector.element)
-    width = len(sums[0]) * lanes
 
     def store(activation: Callable[[Any], Any] | None) -> None:
-        values: list[list[Any]] = [list(row) for row in sums]
-        if activation is not None:
-            for v in range(len(sums[0])):
-                offset = builder.add(builder.mul(p, ir.Constant(p.type, width)), ir.Constant(p.type, v * lanes))
-                at = builder.gep(finisher.bias.data, [offset])
-                b = builder.load(builder.bitcast(at, finisher.vector.as_pointer()), align=size)
-                for row in values:
-                    row[v] = activation(builder.fadd(row[v], b))
+        values = sums if activation is None else _column_biased(finisher, sums, p, activation)
         if write is not None:
             write(values)
             return
@@ -442,6 +459,45 @@ def _store_column_biased(context: Any, builder: Any, sig: Any, args: Any, sums: 
             for v, value in enumerate(row):
                 builder.store(value, y_vector(r, v), align=size)
     finisher.cases(store)
+
+
+def _column_biased(finisher: _Finisher, sums: list[list[Any]], p: Any,
+                   activation: Callable[[Any], Any]) -> list[list[Any]]:
+    """``activation(sums[r][v] + bias[p·W + v·lanes ...])``: each vector of the block's columns
+    plus its whole vector of ``bias`` (padded to whole panels), then the activation."""
+    builder, vector = finisher.builder, finisher.vector
+    lanes, size = vector.count, {ir.FloatType: 4, ir.DoubleType: 8}[type(vector.element)]
+    width = len(sums[0]) * lanes
+    values: list[list[Any]] = [list(row) for row in sums]
+    for v in range(len(sums[0])):
+        offset = builder.add(builder.mul(p, ir.Constant(p.type, width)), ir.Constant(p.type, v * lanes))
+        at = builder.gep(finisher.bias.data, [offset])
+        b = builder.load(builder.bitcast(at, vector.as_pointer()), align=size)
+        for row in values:
+            row[v] = activation(builder.fadd(row[v], b))
+    return values
+
+
+def _store_residual(context: Any, builder: Any, sig: Any, args: Any, sums: list[list[Any]], p: Any,
+                    write: Callable[..., None]) -> None:
+    """A residual block's store (`_register_block` with ``residual``): the sums plus their
+    column's bias, then through ``write`` (`transposed_writer` with the residual) plus the
+    residual and, where ``finish`` is `BIAS_RELU`, a Relu as the Add's fused one does it
+    (`compiled.one_pass`: NaN passes, -0 gives +0); any other finish: no activation. Each an
+    IEEE add of its own, no FMA: the bits of the conv, then the Add layer."""
+    finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
+    values = _column_biased(finisher, sums, p, lambda v: v)
+
+    def relu(v: Any) -> Any:
+        zero = ir.Constant(v.type, [0.0] * v.type.count)
+        return builder.select(builder.fcmp_unordered(">", v, zero), v, zero)
+
+    relu_code = ir.Constant(finisher.code.type, BIAS_RELU)
+    with builder.if_else(builder.icmp_unsigned("==", finisher.code, relu_code)) as (then, otherwise):
+        with then:
+            write(values, relu)
+        with otherwise:
+            write(values, None)
 
 
 _block8, _block4, _block2, _block1 = (_register_block(rows) for rows in (8, 4, 2, 1))
@@ -473,6 +529,11 @@ _by_column8_to_output_ahead = _register_block(8, column_bias=True, to_output=Tru
 #: The same with `WIDE_ROWS` positions (AVX-512).
 _by_column14_to_output = _register_block(WIDE_ROWS, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD)
 _by_column14_to_output_ahead = _register_block(WIDE_ROWS, column_bias=True, to_output=True, a_ahead=A_AHEAD)
+#: Both sizes adding a residual map on the way out (``residual``: a ResidualConv's Add fused into
+#: its stores), without and with (``_ahead``) the next panel's rows prefetched.
+_by_column8_residual, _by_column8_residual_ahead, _by_column14_residual, _by_column14_residual_ahead = (
+    _register_block(rows, column_bias=True, to_output=True, ahead=ahead, a_ahead=A_AHEAD, residual=True)
+    for rows in (8, WIDE_ROWS) for ahead in (0, 1))
 #: Blocks with a bias per column reading a's rows in place (`_register_block`).
 _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
 
