@@ -35,6 +35,8 @@ CASES = {
     "strided": ((1, 7, 25, 37), 60, (2, 3), 1),
     "images": ((3, 6, 10, 10), 20, (1, 1), 1),
     "wide_map": ((1, 16, 40, 41), 24, (1, 1), 1),          # 1640 positions: panels to share out
+    # an output over CACHED_OUTPUT_BYTES: blocks of channels through bands of panels
+    "large_output": ((1, 8, 64, 72), 40, (1, 1), 1),
     "grouped": ((1, 12, 7, 9), 54, (1, 1), 3),             # bands of channels across the groups' edges
     "grouped_wide": ((2, 8, 20, 21), 36, (2, 1), 4),       # ShuffleNet's grouped 1x1s, strided, two images
     # three panels of channels: `small_map_conv` shares blocks of positions (MobileNetV3's 96 at 7x7)
@@ -191,6 +193,17 @@ def test_helpers_found_asleep_are_woken_before_the_callers_part(kernel, rng, mon
         shared = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
     assert runs.shared == 1 and len(posted) == 1 and runs.wakes == 1
     np.testing.assert_array_equal(shared, alone)
+
+def test_panels_of_positions_or_bands_of_channels_whichever_shares_more_evenly():
+    parts = conv_pointwise._panel_parts
+    # 14x14: 7 panels split 4 / 3, 272 channels 136 / 136
+    assert parts(1, 196, 272, 2, 32) == [(0, 1, 0, 196, 0, 136), (0, 1, 0, 196, 136, 272)]
+    # 28x28: 25 panels split 13 / 12, 136 channels 17 blocks split 9 / 8 (a tie in panels' favour)
+    assert parts(1, 784, 136, 2, 32) == [(0, 1, 0, 416, 0, 136), (0, 1, 416, 784, 0, 136)]
+    assert parts(1, 40, 1100, 2, 32) == [(0, 1, 0, 40, 0, 544), (0, 1, 0, 40, 544, 1100)]  # a few panels
+    assert parts(1, 1640, 12, 2, 32) == [(0, 1, 0, 832, 0, 12), (0, 1, 832, 1640, 0, 12)]  # few channels
+    assert parts(2, 196, 272, 2, 32) == [(0, 1, 0, 196, 0, 272), (1, 2, 0, 196, 0, 272)]  # images first
+
 
 def test_small_maps_split_by_even_panels_else_by_blocks_of_positions():
     parts = conv_pointwise._small_map_parts

@@ -19,8 +19,9 @@ activated and stored while it is in L1. Cache blocking: C in blocks of `DEPTH` (
 is 16 KiB), channels in blocks of `CHANNELS` (their weights' block of C stays in L2), and each
 register block of channels goes through a band of `BAND_PANELS` panels before the next (a few
 output planes written at a time: store streams the prefetchers follow; the band's panels, 256
-KiB at most, are read again from L2 for each block), the panels read in place prefetched two
-ahead (`panels._strided8`). A later block of C adds to the sums the
+KiB at most, are read again from L2 for each block), unless the output stays in cache
+(`CACHED_OUTPUT_BYTES`: then each panel goes through every block of channels while it is in L1),
+the panels read in place prefetched two ahead (`panels._strided8`). A later block of C adds to the sums the
 earlier ones stored (`panels._more8`...), so each value is summed from zero along C one
 multiply-add after another, whatever the blocking: the same bits for any split between threads.
 
@@ -82,6 +83,11 @@ PACK_MIN_CHANNELS = 128
 #: in a model's run. One core, caches flushed first (hot unchanged): 16 -> 64 at 55x55 224-232
 #: -> 132-134 µs, 32 -> 128 at 27x27 155-163 -> 114-115, 64 -> 16 at 55x55 217-232 -> 191-199.
 BAND_PANELS = 16
+#: ... unless a group's output in the part is at most this many bytes: then each panel goes
+#: through every block of channels in turn while it is in L1, its output rows staying in cache
+#: (one core, hot: ShuffleNet's grouped 272 -> 272 1x1 at 14x14 60 -> 55.5 µs, 136 -> 136 at
+#: 28x28 56-63 -> 54).
+CACHED_OUTPUT_BYTES = 512 << 10
 
 #: `small_map_conv`'s last blocks of positions on each panel of channels that prefetch the next
 #: panel's weights (one block's steps go by too fast for memory to deliver a deep panel): one
@@ -232,14 +238,16 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
             last = 0 if in_place else count - 1  # the partial panel's place in ``panels``
             out, rest, weights = _group_rows(y, i, g, groups, mg, shuffled), tail[g * mg:(g + 1) * mg], wt[g]
             group_bias = bias[g * mg:(g + 1) * mg]
+            # a panel at a time through every block of channels where their output stays in cache
+            bands = 1 if 4 * (hi - lo) * (v1 - v0) <= CACHED_OUTPUT_BYTES else BAND_PANELS
             for b0 in range(lo, hi, CHANNELS):
                 b1 = min(hi, b0 + CHANNELS)
                 for k0 in range(0, c, DEPTH):
                     k1 = min(c, k0 + DEPTH)
                     cols = weights[k0:k1]
-                    for band in range(0, whole, BAND_PANELS):
+                    for band in range(0, whole, bands):
                         for r in range(b0, b1, BLOCK_ROWS):
-                            for p in range(band, min(band + BAND_PANELS, whole)):
+                            for p in range(band, min(band + bands, whole)):
                                 _channel_blocks(cols, columns, p, k0, k1, out, v0 + p * width, r,
                                                 min(b1, r + BLOCK_ROWS), k1 == c, group_bias, act, av, bv)
                     if partial:  # (through the tail)
