@@ -222,10 +222,10 @@ RESIDUAL_MAX_POSITIONS = 1024
 
 
 def adds_residual(plan: PointwisePlan) -> bool:
-    """Whether `run_pointwise` can add a residual map to this plan's conv as it stores it: a
-    `small_map_conv` on a map of at most `RESIDUAL_MAX_POSITIONS`, unshuffled, whose epilogue
-    (then the Add's, after the sum) is none or a Relu."""
-    return (plan.small_map and not plan.shuffled and plan.epilogue.kind in (NONE, RELU)
+    """Whether `run_pointwise` can add a residual map to this plan's conv as it stores it: a map
+    of at most `RESIDUAL_MAX_POSITIONS`, unshuffled, an epilogue (then the Add's, after the sum)
+    of none or a Relu."""
+    return (not plan.shuffled and plan.epilogue.kind in (NONE, RELU)
             and plan.y_shape[2] * plan.y_shape[3] <= RESIDUAL_MAX_POSITIONS)
 
 
@@ -233,7 +233,7 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray, residual: np.ndarray | Non
     """The conv of ``x`` (the plan's input shape) as planned: a fresh (N, M, Ho, Wo) array (its
     channels shuffled where the plan says). With ``residual`` (float32, C-contiguous, the
     output's shape; only where `adds_residual`), ``act(conv + residual)``: the plan's epilogue
-    then is the residual Add's activation, applied after the sum (`compiled.pointwise.small_map_conv`)."""
+    then is the residual Add's activation, applied after the sum (`compiled.pointwise`)."""
     x = np.ascontiguousarray(x).reshape(plan.x_shape)
     y = np.empty(plan.y_shape, np.float32)
     flat = y.reshape(plan.y_shape[0], plan.y_shape[1], -1)
@@ -247,7 +247,7 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray, residual: np.ndarray | Non
             small_map_parts(plan.weights, x, flat, plan.bias, own.reshape(plan.weights.shape[2], -1), extra, parts, 0,
                             *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled)
         else:
-            pointwise_parts(plan.weights, x, flat, plan.bias, own, parts, 0, plan.panels, *plan.geometry,
+            pointwise_parts(plan.weights, x, flat, plan.bias, own, extra, parts, 0, plan.panels, *plan.geometry,
                             epilogue.kind, epilogue.a, epilogue.b, plan.shuffled)
         return y
     try:
@@ -263,11 +263,11 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray, residual: np.ndarray | Non
                         (control, plan.weights, x, flat, plan.bias, columns, extra, parts, *plan.geometry,
                          epilogue.kind, epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS), len(parts) - 1)
         else:
-            status = post_and_finish_pointwise(control, plan.weights, x, flat, plan.bias, helpers, own,
+            status = post_and_finish_pointwise(control, plan.weights, x, flat, plan.bias, helpers, own, extra,
                                                epilogue.numbers, parts, plan.panels, *plan.geometry, epilogue.kind,
                                                plan.shuffled, spin_team.WAIT_ROUNDS)
             team.settle(status, finish_pointwise,  # type: ignore[union-attr]
-                        (control, plan.weights, x, flat, plan.bias, own, parts, plan.panels, *plan.geometry,
+                        (control, plan.weights, x, flat, plan.bias, own, extra, parts, plan.panels, *plan.geometry,
                          epilogue.kind, epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS),
                         len(parts) - 1)
     finally:

@@ -7,11 +7,12 @@ written its own. The loader joins the two (`loader.patterns.fuse_residual_adds`)
 that runs the conv, then adds the shortcut into the conv's fresh result, in place and with the
 Add's activation (`one_pass.fused_add`): the very bits of the two layers, one layer fewer.
 
-Where the conv is a 1x1 on `compiled.pointwise.small_map_conv` over a map of at most
-`conv_pointwise.RESIDUAL_MAX_POSITIONS` (ResNet-50's 28x28 to 7x7 expansions, MobileNetV3's
-576 -> 96 at 7x7), the shortcut is added as the conv's results leave the registers, before the
-Add's activation (`conv_pointwise.run_pointwise` with a residual): the Add's pass over three maps
-becomes one more read in the conv's stores. In ResNet-50's run on the 2-core VM its 1024-channel
+Where the conv is a 1x1 on `compiled.pointwise` over a map of at most
+`conv_pointwise.RESIDUAL_MAX_POSITIONS` (ResNet-50's 28x28 to 7x7 expansions, the projections
+of MobileNetV3's and EfficientNet's inverted residuals, ShuffleNet's grouped 1x1s), the shortcut
+is added as the conv's results leave the registers, before the Add's activation
+(`conv_pointwise.run_pointwise` with a residual): the Add's pass over three maps becomes one
+more read in the conv's stores. In ResNet-50's run on the 2-core VM its 1024-channel
 ones at 14x14 took 405 µs on average, 387 so; the 2048-channel ones at 7x7 514 and 480. The same
 bits: each value is the conv's float32 result plus the shortcut, then the activation as the Add's.
 """

@@ -1,8 +1,9 @@
-"""A ResidualConv whose 1x1 conv runs on `small_map_conv` adds its residual in the conv's stores
-(`ops/residual_conv.py`): the very bits of the Conv and Add layers unfused, and the definition's
-values, on every path of the kernel's stores (whole and partial panels of channels, blocks of 14
-and 8 positions with the last overlapping, fewer than 8, bands of a large input), alone and
-shared with a spinning helper."""
+"""A ResidualConv whose 1x1 conv runs on `compiled.pointwise` adds its residual in the conv's
+stores (`ops/residual_conv.py`): the very bits of the Conv and Add layers unfused, and the
+definition's values, on every path of both kernels' stores (`small_map_conv`: whole and partial
+panels of channels, blocks of 14 and 8 positions with the last overlapping, fewer than 8, bands
+of a large input; `pointwise_conv`: whole panels of positions and a partial one through the
+tail, blocks of channels, blocks of depth), alone and shared with a spinning helper."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,7 +36,10 @@ def _model(cin: int, cout: int, height: int, width: int, activation: str | None)
     (512, 40, 14, 14),   # a whole panel and a partial one
     (48, 32, 3, 5),      # 15 positions
     (512, 32, 2, 3),     # 6 positions: fewer than a block, through the scratch block
-    (1024, 64, 32, 32)])  # an input over 1 MiB: positions in bands
+    (1024, 64, 32, 32),  # an input over 1 MiB: positions in bands
+    # `pointwise_conv` (positions in panels): whole panels and a partial one (63 positions), 40
+    # channels (blocks of 8: the last of 8, 4... on AVX2), a depth in two blocks (DEPTH 128)
+    (88, 24, 28, 28), (240, 40, 7, 9), (200, 48, 14, 14)])
 @pytest.mark.parametrize("activation", ["Relu", None])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_residual_is_added_in_the_convs_stores(cin, cout, height, width, activation, threads, monkeypatch):

@@ -227,11 +227,11 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
 
     ``a_ahead``: each step also prefetches a's values that many bytes further on (`A_AHEAD`).
 
-    ``residual`` (``to_output``): the block takes one more argument, ``res``, an array of y's
-    shape, and stores ``y[c, r] = act(sums + bias[c] + res[c, r])``: the conv's result, then a
-    residual Add and its activation, `finish` `BIAS` (none) or `BIAS_RELU` (`_store_residual`)."""
+    ``residual``: the block takes one more argument, ``res``, an array of y's shape, and stores
+    the conv's result plus ``res`` at the same place, then the residual Add's activation: `finish`
+    `BIAS` (none) or `BIAS_RELU` (`_store_residual` for ``to_output``, else `_store_rows_residual`)."""
     assert not to_output or (rows in (8, WIDE_ROWS) and column_bias and not rows_in_place)
-    assert not residual or to_output
+    assert not residual or to_output or not column_bias
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         i32 = ir.IntType(32)
@@ -277,9 +277,17 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
                                         ir.Constant(i32, 1)])
             multiply_add(builder, sums, step, columns, spacing)
         values = [[builder.load(v) for v in row] for row in sums]
-        if residual:
+        if residual and to_output:
             _store_residual(context, builder, sig, args, values, p_,
                             transposed_writer(context, builder, y_arr, r0_, c0_, vector, res_arr))
+        elif residual:  # a's rows are y's: each vector plus the residual's at the same place
+            res_stride = builder.extract_value(res_arr.strides, 0)
+            res_block = at(res_arr.data, builder.add(builder.mul(r0_, res_stride), builder.mul(c0_, const(size))))
+
+            def res_vector(r: int, v: int) -> Any:
+                return builder.bitcast(at(res_block, builder.add(builder.mul(const(r), res_stride),
+                                                                 const(v * VECTOR_BYTES))), vector.as_pointer())
+            _store_rows_residual(context, builder, sig, args, values, y_vector, res_vector, r0_)
         elif column_bias:
             write = transposed_writer(context, builder, y_arr, r0_, c0_, vector) if to_output else None
             _store_column_biased(context, builder, sig, args, values, y_vector, p_, write)
@@ -478,6 +486,34 @@ def _column_biased(finisher: _Finisher, sums: list[list[Any]], p: Any,
     return values
 
 
+def _add_relu(builder: Any, v: Any) -> Any:
+    """A residual Add's Relu on a vector, as `compiled.one_pass` does it (NaN passes, -0 gives +0)."""
+    zero = ir.Constant(v.type, [0.0] * v.type.count)
+    return builder.select(builder.fcmp_unordered(">", v, zero), v, zero)
+
+
+def _store_rows_residual(context: Any, builder: Any, sig: Any, args: Any, sums: list[list[Any]],
+                         y_vector: Callable[[int, int], Any], res_vector: Callable[[int, int], Any], r0: Any) -> None:
+    """`_store_finished` of a residual block (`_register_block` with ``residual``, rows y's): each
+    vector plus its row's bias, plus the residual's vector at the same place, then a Relu where
+    ``finish`` is `BIAS_RELU` (`_add_relu`), else none; each an IEEE add of its own."""
+    finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
+
+    def store(relu: bool) -> None:
+        for r, row in enumerate(sums):
+            b = finisher.spread(builder.load(builder.gep(finisher.bias.data, [builder.add(r0, ir.Constant(r0.type, r))])))
+            for v, value in enumerate(row):
+                total = builder.fadd(builder.fadd(value, b), builder.load(res_vector(r, v), align=4))
+                builder.store(_add_relu(builder, total) if relu else total, y_vector(r, v), align=4)
+
+    relu_code = ir.Constant(finisher.code.type, BIAS_RELU)
+    with builder.if_else(builder.icmp_unsigned("==", finisher.code, relu_code)) as (then, otherwise):
+        with then:
+            store(True)
+        with otherwise:
+            store(False)
+
+
 def _store_residual(context: Any, builder: Any, sig: Any, args: Any, sums: list[list[Any]], p: Any,
                     write: Callable[..., None]) -> None:
     """A residual block's store (`_register_block` with ``residual``): the sums plus their
@@ -487,15 +523,10 @@ def _store_residual(context: Any, builder: Any, sig: Any, args: Any, sums: list[
     IEEE add of its own, no FMA: the bits of the conv, then the Add layer."""
     finisher = _Finisher(context, builder, sig, args, sums[0][0].type)
     values = _column_biased(finisher, sums, p, lambda v: v)
-
-    def relu(v: Any) -> Any:
-        zero = ir.Constant(v.type, [0.0] * v.type.count)
-        return builder.select(builder.fcmp_unordered(">", v, zero), v, zero)
-
     relu_code = ir.Constant(finisher.code.type, BIAS_RELU)
     with builder.if_else(builder.icmp_unsigned("==", finisher.code, relu_code)) as (then, otherwise):
         with then:
-            write(values, relu)
+            write(values, lambda v: _add_relu(builder, v))
         with otherwise:
             write(values, None)
 
@@ -508,6 +539,9 @@ _block8, _block4, _block2, _block1 = (_register_block(rows) for rows in (8, 4, 2
 #: 32 at 27x27 167-172 -> 105-110, 16 -> 64 at 55x55 168-175 -> 143-146; hot the same. (Packed
 #: panels, one sequential run each, keep one: two measured no better, at times worse.)
 _strided8, _strided4, _strided2, _strided1 = (_register_block(rows, ahead=2) for rows in (8, 4, 2, 1))
+#: The same adding a residual map as they store (a ResidualConv's last block of depth).
+_strided8_residual, _strided4_residual, _strided2_residual, _strided1_residual = (
+    _register_block(rows, ahead=2, residual=True) for rows in (8, 4, 2, 1))
 #: The same blocks with a bias per column (`_register_block`).
 #: They prefetch nothing: `pointwise.small_map_conv` runs every block of positions on one panel
 #: before the next, so the next panel's rows, prefetched on each of them, were needed only after

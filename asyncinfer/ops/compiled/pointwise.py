@@ -57,8 +57,9 @@ from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWI
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _by_column1, _by_column2, _by_column4, _by_column8,
                      _by_column8_to_output, _by_column8_to_output_ahead, _by_column14_to_output,
                      _by_column14_to_output_ahead, _by_column8_residual, _by_column8_residual_ahead,
-                     _by_column14_residual, _by_column14_residual_ahead, _strided1, _strided2, _strided4, _strided8,
-                     pack_panels, panel_width, WIDE_BLOCKS, WIDE_ROWS)
+                     _by_column14_residual, _by_column14_residual_ahead, _strided1, _strided1_residual, _strided2,
+                     _strided2_residual, _strided4, _strided4_residual, _strided8, _strided8_residual, pack_panels,
+                     panel_width, WIDE_BLOCKS, WIDE_ROWS)
 
 #: The kinds of spin-team parts that are a `pointwise_conv` range and a `small_map_conv` one.
 PART_KIND, SMALL_MAP_PART_KIND = 6, 7
@@ -170,37 +171,64 @@ def _group_rows(y: np.ndarray, i: int, g: int, groups: int, mg: int, shuffled: b
 
 @numba.njit(inline="always")
 def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: int, y: np.ndarray, c0: int,
-                    m0: int, m1: int, last: bool, bias: np.ndarray, act: int, av: float, bv: float) -> None:
+                    m0: int, m1: int, last: bool, bias: np.ndarray, act: int, av: float, bv: float,
+                    res: np.ndarray, adding: bool) -> None:
     """Channels ``m0:m1`` of panel ``p`` over depth ``k0:k1`` (``cols`` = wt[k0:k1]), into ``y``'s
     columns ``c0:c0 + W``, adding to what earlier blocks of depth stored; ``last``: the last block
-    of depth, so finish each block of channels in registers."""
+    of depth, so finish each block of channels in registers, with ``adding`` plus the residual
+    ``res`` (y's rows) before the activation (`NONE` or `RELU`)."""
     finish = finishing(act) if last else RAW
     if k0 > 0:
         finish |= ADD_TO_Y
+    residual = adding and last
     r = m0
     while r < m1:
         rows = m1 - r
         if rows >= BLOCK_ROWS:
             rows = BLOCK_ROWS
             if BLOCK_ROWS == 8:
-                _strided8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+                if residual:
+                    _strided8_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
+                else:
+                    _strided8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            elif residual:
+                _strided4_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
             else:
                 _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         elif rows >= 4:
             rows = 4
-            _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            if residual:
+                _strided4_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
+            else:
+                _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         elif rows >= 2:
             rows = 2
-            _strided2(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+            if residual:
+                _strided2_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
+            else:
+                _strided2(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+        elif residual:
+            _strided1_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
         else:
             _strided1(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
         r += rows
 
 
+@numba.njit(inline="always")
+def _add_run(source: np.ndarray, res: np.ndarray, row: np.ndarray, s: int, count: int, relu: bool) -> None:
+    """``row[s + j] = source[j] + res[s + j]`` for ``j < count``, then a Relu as `compiled.one_pass`'s
+    where ``relu`` (NaN passes, -0 gives +0)."""
+    zero = np.float32(0.0)
+    for j in range(count):
+        v = source[j] + res[s + j]
+        row[s + j] = v if not relu or (v > zero) | (v != v) else zero
+
+
 @kernel(contract=False)
 def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, panels: np.ndarray,
-                   tail: np.ndarray, i0: int, i1: int, v0: int, v1: int, m0: int, m1: int, in_width: int,
-                   out_width: int, sh: int, sw: int, act: int, a: float, b: float, shuffled: bool) -> None:
+                   tail: np.ndarray, residual: np.ndarray, i0: int, i1: int, v0: int, v1: int, m0: int, m1: int,
+                   in_width: int, out_width: int, sh: int, sw: int, act: int, a: float, b: float,
+                   shuffled: bool) -> None:
     """Output positions ``v0:v1`` of channels ``m0:m1`` of images ``i0:i1`` of a 1x1 conv of G
     groups: ``y[i, m, v] = act(wt[g, :, m - g·Mg] @ x[i, g·Cg:(g + 1)·Cg, src(v)] + bias[m])``
     with ``g = m // Mg``, float32. ``wt`` is each group's weights transposed (G, Cg, Mg),
@@ -210,8 +238,11 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
     positions of a strided conv, or at unit stride only the last partial panel (whole ones are
     read in place); ``tail`` (M, W) takes the partial panel's results before their copy out.
     ``act``, ``a``, ``b``: the epilogue (`compiled.epilogue`); ``shuffled``: channel ``m`` stored
-    as row ``(m % Mg)·G + m // Mg`` (`_group_rows`)."""
+    as row ``(m % Mg)·G + m // Mg`` (`_group_rows`). A ``residual`` of y's shape (none: no
+    images) is added as `small_map_conv` adds it."""
     groups, c, mg = wt.shape
+    adding = residual.shape[0] > 0
+    tail_act = NONE if adding else act  # (the partial panel's residual and activation: in its copy out)
     width = panels.shape[2]
     count = (v1 - v0 + width - 1) // width
     s = v0 + (count - 1) * width
@@ -237,6 +268,7 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
                 _pack(source, panels, v0, v1, in_width, out_width, sh, sw)
             last = 0 if in_place else count - 1  # the partial panel's place in ``panels``
             out, rest, weights = _group_rows(y, i, g, groups, mg, shuffled), tail[g * mg:(g + 1) * mg], wt[g]
+            extra = _group_rows(residual, i, g, groups, mg, shuffled) if adding else out
             group_bias = bias[g * mg:(g + 1) * mg]
             # a panel at a time through every block of channels where their output stays in cache
             bands = 1 if 4 * (hi - lo) * (v1 - v0) <= CACHED_OUTPUT_BYTES else BAND_PANELS
@@ -249,13 +281,17 @@ def pointwise_conv(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarra
                         for r in range(b0, b1, BLOCK_ROWS):
                             for p in range(band, min(band + bands, whole)):
                                 _channel_blocks(cols, columns, p, k0, k1, out, v0 + p * width, r,
-                                                min(b1, r + BLOCK_ROWS), k1 == c, group_bias, act, av, bv)
+                                                min(b1, r + BLOCK_ROWS), k1 == c, group_bias, act, av, bv, extra,
+                                                adding)
                     if partial:  # (through the tail)
-                        _channel_blocks(cols, panels, last, k0, k1, rest, 0, b0, b1, k1 == c, group_bias, act, av,
-                                        bv)
+                        _channel_blocks(cols, panels, last, k0, k1, rest, 0, b0, b1, k1 == c, group_bias, tail_act,
+                                        av, bv, extra, False)
             if partial:
                 for r in range(lo, hi):
                     row, source = out[r], rest[r]
+                    if adding:
+                        _add_run(source, extra[r], row, s, v1 - s, act == RELU)
+                        continue
                     for j in range(v1 - s):
                         row[s + j] = source[j]
 
@@ -274,15 +310,20 @@ def pointwise_buffer_size(count: int, c: int, m: int) -> int:
 
 @kernel(contract=False)
 def pointwise_parts(wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray, buffer: np.ndarray,
-                    parts: np.ndarray, first: int, count: int, in_width: int, out_width: int, sh: int, sw: int,
-                    act: int, a: float, b: float, shuffled: bool) -> None:
+                    residual: np.ndarray, parts: np.ndarray, first: int, count: int, in_width: int, out_width: int,
+                    sh: int, sw: int, act: int, a: float, b: float, shuffled: bool) -> None:
     """`pointwise_conv` of each part from row ``first`` of ``parts`` (i0, i1, v0, v1, m0, m1) in
     turn, each part's panels and tail in ``buffer`` (`pointwise_buffer_size` values, at least
     ``count`` panels)."""
     panels, tail = _pointwise_arrays(buffer, count, wt.shape[1], y.shape[1])
     for k in range(first, parts.shape[0]):
-        pointwise_conv(wt, x, y, bias, panels, tail, parts[k, 0], parts[k, 1], parts[k, 2], parts[k, 3], parts[k, 4],
-                       parts[k, 5], in_width, out_width, sh, sw, act, a, b, shuffled)
+        pointwise_conv(wt, x, y, bias, panels, tail, residual, parts[k, 0], parts[k, 1], parts[k, 2], parts[k, 3],
+                       parts[k, 4], parts[k, 5], in_width, out_width, sh, sw, act, a, b, shuffled)
+
+
+#: Where in a spin team's control row the posts put the residual's address (after `_post_range`'s
+#: values) and its count of images (0: none).
+_RESIDUAL_AT = ARGS + 27
 
 
 @numba.njit(inline="always")
@@ -301,8 +342,8 @@ def _post_range(row: np.ndarray, part: np.ndarray, in_width: int, out_width: int
 
 @kernel
 def post_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
-                   buffers: np.ndarray, numbers: np.ndarray, parts: np.ndarray, count: int, in_width: int,
-                   out_width: int, sh: int, sw: int, act: int, shuffled: bool) -> int:
+                   buffers: np.ndarray, residual: np.ndarray, numbers: np.ndarray, parts: np.ndarray, count: int,
+                   in_width: int, out_width: int, sh: int, sw: int, act: int, shuffled: bool) -> int:
     """Post part ``i + 1`` of ``parts`` to helper ``i`` of a claimed team's ``control`` (its buffer
     ``buffers[i]``, as `pointwise_parts`'), for `pointwise_part` to run; the epilogue's ``a, b``
     in float64 ``numbers``. Returns how many of those helpers were asleep (the caller wakes
@@ -320,33 +361,36 @@ def post_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.nda
         row[at + 8], row[at + 9], row[at + 10], row[at + 11] = wt.ctypes.data, x.ctypes.data, y.ctypes.data, bias.ctypes.data
         row[at + 12], row[at + 13] = panels, panels + count * c * _WIDTH * 4
         row[at + 14] = numbers.ctypes.data
+        row[_RESIDUAL_AT], row[_RESIDUAL_AT + 1] = residual.ctypes.data, residual.shape[0]
         sleeping += _post_range(row, parts[i + 1], in_width, out_width, sh, sw, act, shuffled)
     return sleeping
 
 
 @kernel(contract=False)
 def finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
-                     buffer: np.ndarray, parts: np.ndarray, count: int, in_width: int, out_width: int, sh: int,
-                     sw: int, act: int, a: float, b: float, shuffled: bool, rounds: int) -> bool:
+                     buffer: np.ndarray, residual: np.ndarray, parts: np.ndarray, count: int, in_width: int,
+                     out_width: int, sh: int, sw: int, act: int, a: float, b: float, shuffled: bool,
+                     rounds: int) -> bool:
     """Run part 0 of ``parts`` here (``buffer`` as `pointwise_parts`'), then wait for the parts
     `post_pointwise` posted; False when a helper is not done within ``rounds`` spins (the caller
     then waits the slow way, `SpinTeam.wait`)."""
-    pointwise_parts(wt, x, y, bias, buffer, parts[:1], 0, count, in_width, out_width, sh, sw, act, a, b, shuffled)
+    pointwise_parts(wt, x, y, bias, buffer, residual, parts[:1], 0, count, in_width, out_width, sh, sw, act, a, b,
+                    shuffled)
     return wait_all(control, parts.shape[0] - 1, rounds)
 
 
 @kernel(contract=False)
 def post_and_finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.ndarray,
-                              buffers: np.ndarray, buffer: np.ndarray, numbers: np.ndarray, parts: np.ndarray,
-                              count: int, in_width: int, out_width: int, sh: int, sw: int, act: int, shuffled: bool,
-                              rounds: int) -> int:
+                              buffers: np.ndarray, buffer: np.ndarray, residual: np.ndarray, numbers: np.ndarray,
+                              parts: np.ndarray, count: int, in_width: int, out_width: int, sh: int, sw: int, act: int,
+                              shuffled: bool, rounds: int) -> int:
     """`post_pointwise`, then `finish_pointwise` (``buffer`` this thread's) unless a helper was
     asleep: `spin_team.HELPERS_ASLEEP` (nothing run here yet), `PARTS_DONE` or `PARTS_RUNNING`."""
-    if post_pointwise(control, wt, x, y, bias, buffers, numbers, parts, count, in_width, out_width, sh, sw, act,
-                      shuffled):
+    if post_pointwise(control, wt, x, y, bias, buffers, residual, numbers, parts, count, in_width, out_width, sh, sw,
+                      act, shuffled):
         return HELPERS_ASLEEP
-    if finish_pointwise(control, wt, x, y, bias, buffer, parts, count, in_width, out_width, sh, sw, act, numbers[0],
-                        numbers[1], shuffled, rounds):
+    if finish_pointwise(control, wt, x, y, bias, buffer, residual, parts, count, in_width, out_width, sh, sw, act,
+                        numbers[0], numbers[1], shuffled, rounds):
         return PARTS_DONE
     return PARTS_RUNNING
 
@@ -367,8 +411,10 @@ def pointwise_part(control: np.ndarray) -> None:
     panels = numba.carray(address_as_pointer(control[p + 4], np.float32), (count, c, _WIDTH))
     tail = numba.carray(address_as_pointer(control[p + 5], np.float32), (m, _WIDTH))
     numbers = numba.carray(address_as_pointer(control[p + 6], np.float64), (2,))
+    residual = numba.carray(address_as_pointer(control[_RESIDUAL_AT], np.float32),
+                            (control[_RESIDUAL_AT + 1], m, ys))
     q = p + 7
-    pointwise_conv(wt, x, y, bias, panels, tail, control[q], control[q + 1], control[q + 2], control[q + 3],
+    pointwise_conv(wt, x, y, bias, panels, tail, residual, control[q], control[q + 1], control[q + 2], control[q + 3],
                    control[q + 4], control[q + 5], control[q + 6], control[q + 7], control[q + 8], control[q + 9],
                    control[q + 10], numbers[0], numbers[1], control[q + 11] != 0)
 
@@ -547,11 +593,6 @@ def small_map_parts(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.n
     for k in range(first, parts.shape[0]):
         small_map_conv(panels, x, y, bias, columns, residual, parts[k, 0], parts[k, 1], parts[k, 2], parts[k, 3],
                        parts[k, 4], parts[k, 5], in_width, out_width, sh, sw, act, a, b, shuffled)
-
-
-#: Where in a spin team's control row `post_small_map` puts the residual's address (after
-#: `_post_range`'s values) and whether there is one.
-_RESIDUAL_AT = ARGS + 27
 
 
 @kernel
