@@ -184,25 +184,18 @@ def _channel_blocks(cols: np.ndarray, panels: np.ndarray, p: int, k0: int, k1: i
     r = m0
     while r < m1:
         rows = m1 - r
-        if rows >= BLOCK_ROWS:
-            rows = BLOCK_ROWS
-            if BLOCK_ROWS == 8:
-                if residual:
-                    _strided8_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
-                else:
-                    _strided8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
-            elif residual:
-                _strided4_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
+        rows = BLOCK_ROWS if rows >= BLOCK_ROWS else 4 if rows >= 4 else 2 if rows >= 2 else 1
+        if rows == 8:
+            if residual:
+                _strided8_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
             else:
-                _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
-        elif rows >= 4:
-            rows = 4
+                _strided8(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
+        elif rows == 4:
             if residual:
                 _strided4_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
             else:
                 _strided4(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv)
-        elif rows >= 2:
-            rows = 2
+        elif rows == 2:
             if residual:
                 _strided2_residual(cols, panels, p, k0, k1, y, r, c0, finish, bias, av, bv, res)
             else:
