@@ -136,11 +136,13 @@ class Backend(ABC):
         """Run ``step`` synchronously on the calling thread, from inside a job this backend runs."""
         raise NotImplementedError(f"the {self.name} backend does not run jobs")
 
-    def inline_compute(self, step: Step) -> Callable[[list], list] | None:
+    def inline_compute(self, step: Step, donated: tuple[int, ...] = ()) -> Callable[[list], list] | None:
         """For a backend that runs jobs: the function computing ``step``'s outputs from its
         inputs on the job's thread (raising on failure), or None. The runtime then runs a job's
         plain steps through it directly, without the `StepDone` calls of `run_now`. Asked once
-        per step when a plan is built."""
+        per step when a plan is built. ``donated``: inputs (by position) whose arrays the
+        function may write over (values no later step reads, sharing memory with no other:
+        `Op.donatable_inputs`)."""
         return None
 
     def job_finishing(self, run_over: bool = False) -> None:

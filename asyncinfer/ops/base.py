@@ -165,6 +165,17 @@ class Op:
         nobody else reads). Fused activations use it to skip an allocation and a memory pass."""
         return self(x, *inputs)[0]  # type: ignore[return-value]
 
+    #: Inputs (by position) whose arrays `donating_run` may write over, when the runtime gives them
+    #: up: values that no step reads after this one and that share memory with no other value
+    #: (`runtime.plan.Plan`'s donations). None here.
+    donatable_inputs: tuple[int, ...] = ()
+
+    def donating_run(self, activations: Activations, donated: tuple[int, ...]) -> Callable[[list], list] | None:
+        """`bound_run` for a step given the arrays of inputs ``donated`` (some of
+        `donatable_inputs`): free to write its outputs over them. None: no such way (the runtime
+        then calls `bound_run`)."""
+        return None
+
     def __call__(self, *inputs: np.ndarray | None, **options: Any) -> tuple[np.ndarray | None, ...]:
         out = self.run(*inputs, **options)
         return out if isinstance(out, tuple) else (out,)

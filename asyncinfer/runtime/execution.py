@@ -190,6 +190,8 @@ class _SegmentJob:
                 execution._arguments(node)
                 continue
             compute = node.inline if inline else None
+            if node.donated and execution.private and compute is not None:
+                compute = node.donating
             if compute is not None and not released and not execution._cancelled:
                 step = node.step
                 try:
@@ -251,7 +253,7 @@ class _ProfiledSegmentJob(_SegmentJob):
         """Each step timed in the callable an unprofiled run computes it with (`Node.inline`, an
         op's `bound_run`), not the backend's general path: the LSTM VAD's reflect Pad read
         17.8 µs in a profile that way, 3.1 this way, and small layers looked slow."""
-        compute = node.inline
+        compute = node.donating if node.donated and done._execution.private else node.inline
         if compute is None:
             node.backend.run_now(node.step, args, done)
         else:
@@ -276,12 +278,16 @@ class Execution:
     _recorder: RunRecorder | None = None
 
     def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: Owner | None = None,
-                 recorder: RunRecorder | None = None, serial: bool = False):
+                 recorder: RunRecorder | None = None, serial: bool = False, private: bool = False):
         self.plan = plan
         self.worker = worker
         #: Steps one after another, on the thread that made each ready where the backend can
         #: (`backends.base.Job.serial`): for runs whose parallel branches are too small to pay.
         self.serial = serial
+        #: A run whose caller sees only its outputs (`Worker.run`, `run_blocking`), never this
+        #: execution and its layers' futures: its steps may write over the values the plan gives
+        #: them up (`Node.donated`).
+        self.private = private
         n_steps = len(plan.nodes)
         # Per source (`plan.py`): its future (None: not submitted yet; LAZY: made on demand, see
         # `step_future`) and its list of values (None: not done yet; a `_Failure` if it failed),

@@ -29,6 +29,10 @@ from ..model.ir import Layer, Model, TensorInfo
 
 Ref = tuple[int, int]
 
+#: Layers whose output is a new array that shares memory with no input and with nothing the layer
+#: keeps: a value one makes may be given up to the step that reads it last (`Plan._plan_donations`).
+DONOR_OP_TYPES = frozenset({"Conv", "ResidualConv"})
+
 
 @dataclass(eq=False, slots=True)
 class Node:
@@ -43,6 +47,10 @@ class Node:
     # counting or locking) and values several steps read (counted down under the run's lock)
     release_sole: list[Ref] = field(default_factory=list)
     release_shared: list[Ref] = field(default_factory=list)
+    #: Inputs (by position) whose arrays this step may write over (`Plan._plan_donations`), in
+    #: runs that hand no layer's value to the caller (`Execution.private`): they compute it with
+    #: ``donating`` (the kernel's `Op.donating_run`) instead of ``inline``
+    donated: tuple[int, ...] = ()
     index: int = field(init=False)     # (copies of the step's: read for every step of every run)
     layer: Layer = field(init=False)
     #: What a job of an unprofiled run calls for this step (inputs -> outputs) instead of
@@ -50,11 +58,13 @@ class Node:
     #: none, for transfers, and for kernels that need their completion's cancellation check
     #: (`Op.cancellable`).
     inline: Callable[[list], list] | None = field(init=False)
+    donating: Callable[[list], list] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.index, self.layer = self.step.index, self.step.layer
         op = self.step.op
         self.inline = self.backend.inline_compute(self.step) if op is not None and not op.cancellable else None
+        self.donating = None
 
 
 @dataclass(eq=False)
@@ -290,7 +300,7 @@ class Plan:
         plan = copy.copy(self)
         plan.__dict__.update(changes)
         plan._run_templates = plan._serial_variant = plan._host_outputs = None
-        plan.nodes = [replace(node, release=[]) for node in self.nodes]
+        plan.nodes = [replace(node, release=[], donated=()) for node in self.nodes]
         plan._plan_releases()
         plan.segments = plan._plan_segments()
         return plan
@@ -434,3 +444,46 @@ class Plan:
             node.release_shared = [r for r in node.release if self.reader_counts[r] > 1]
         # a run counts down only the values several steps read
         self.reader_counts = {ref: count for ref, count in self.reader_counts.items() if count > 1}
+        self._plan_donations(keep)
+
+    def _plan_donations(self, keep: set[Ref]) -> None:
+        """Give each step whose kernel may write over some of its inputs (`Op.donatable_inputs`:
+        a ResidualConv's residual) those whose value is dead once it has read them: made by a
+        layer of `DONOR_OP_TYPES` on the step's own backend (a new array, sharing memory with no
+        other value), not kept (an output, a value kept for later runs), not another input of
+        the step too, and read by no step that may run after it (every other reader is one of
+        its ancestors). Its ``donating`` then is the kernel's `Op.donating_run`, which the runs
+        that hand no layer's value to their caller compute it with (`Execution.private`: a
+        `schedule()`d run's `layer_future` would show a value written over)."""
+        n_steps = len(self.nodes)
+        candidates = [node for node in self.nodes if node.inline is not None and node.index not in self.precomputed
+                      and getattr(node.step.kernel, "donatable_inputs", ())]
+        if not candidates:
+            return
+        readers: dict[Ref, list[int]] = {}
+        ancestors = [0] * n_steps  # bit j of ancestors[i]: step j runs before step i
+        for node in self.nodes:
+            bits = 0
+            for ref in node.inputs:
+                if ref is not None and ref[0] < n_steps:
+                    bits |= ancestors[ref[0]] | (1 << ref[0])
+            ancestors[node.index] = bits
+            if node.index not in self.precomputed:
+                for ref in set(r for r in node.inputs if r is not None):
+                    readers.setdefault(ref, []).append(node.index)
+        for node in candidates:
+            donated = []
+            for i in node.step.kernel.donatable_inputs:
+                ref = node.inputs[i] if i < len(node.inputs) else None
+                if (ref is None or ref[0] >= n_steps or ref in keep or ref[0] in self.precomputed
+                        or node.inputs.count(ref) != 1):
+                    continue
+                producer = self.nodes[ref[0]]
+                if (producer.step.kind is not StepKind.LAYER or producer.step.layer.op_type not in DONOR_OP_TYPES
+                        or producer.backend is not node.backend):
+                    continue
+                if all(reader == node.index or ancestors[node.index] >> reader & 1 for reader in readers[ref]):
+                    donated.append(i)
+            if donated:
+                node.donated = tuple(donated)
+                node.donating = node.backend.inline_compute(node.step, node.donated)

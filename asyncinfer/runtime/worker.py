@@ -194,7 +194,9 @@ class Worker:
     def _new_execution(self, inputs: tuple, named: dict, outputs: Sequence[str] | None = None,
                        profile: Profile | None = None, serial: bool = False, borrow: bool = False) -> Execution:
         """A run of these inputs; ``serial``: its steps one after another (see runtime/tuning.py);
-        ``borrow``: read the input arrays in place (a run the caller waits for, see `bind_inputs`)."""
+        ``borrow``: read the input arrays in place (a run the caller waits for, see `bind_inputs`),
+        and, as it hands the caller only its outputs, let its steps write over values no later
+        step reads (`Execution.private`)."""
         self._check_open()
         plan = self._plan if outputs is None else self._plans.get(outputs)
         if profile is not None and not isinstance(profile, Profile):
@@ -205,7 +207,9 @@ class Worker:
             plan, observed = self._shape_plans.plan_for(futures)
         if serial:
             plan = plan.for_serial_runs()
-        execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile), serial=serial)
+        # (a run the caller waits for sees only its outputs: its steps may write over dead values)
+        execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile), serial=serial,
+                              private=borrow)
         if observed is not None:
             execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.step_future))
         return execution

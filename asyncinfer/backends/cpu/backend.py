@@ -219,8 +219,12 @@ class CPUBackend(Backend):
         # Every kernel but the GEMM-based ones while they go through the lane (`_uses_lane`).
         return not (kernel.multithreaded and self._uses_lane)
 
-    def inline_compute(self, step: Step) -> Callable[[list], list]:
+    def inline_compute(self, step: Step, donated: tuple[int, ...] = ()) -> Callable[[list], list]:
         # (the kernel is the op: `prepare`)
+        if donated and (not step.activations or step.kernel.takes_activations):
+            donating = step.kernel.donating_run(step.activations, donated)
+            if donating is not None:
+                return donating
         if not step.activations:
             return step.kernel.bound_run()
         if step.kernel.takes_activations:

@@ -556,6 +556,8 @@ _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, colu
 #: One core / two, after a 64 MB sweep: 64 -> 64 at 56x56 542/346 -> 272/228 µs, 256 -> 64 at
 #: 56x56 1151/740 -> 855/508; 128, 512 and 1024 bytes measured no better.
 A_AHEAD = 256
+#: `_by_column8`... of `WIDE_ROWS` (a last block written over its residual: `pointwise._residual_blocks`).
+_by_column14 = _register_block(WIDE_ROWS, column_bias=True, ahead=0, a_ahead=A_AHEAD)
 #: `_by_column8` storing its block transposed into a (channels, positions) output; ``_ahead``:
 #: prefetching the next panel's rows (for a panel's last blocks: deep weights come from memory).
 _by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD)

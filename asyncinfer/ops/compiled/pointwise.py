@@ -55,6 +55,7 @@ from . import kernel
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SIGMOID, SWISH
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _by_column1, _by_column2, _by_column4, _by_column8,
+                     _by_column14,
                      _by_column8_to_output, _by_column8_to_output_ahead, _by_column14_to_output,
                      _by_column14_to_output_ahead, _by_column8_residual, _by_column8_residual_ahead,
                      _by_column14_residual, _by_column14_residual_ahead, _strided1, _strided1_residual, _strided2,
@@ -455,37 +456,59 @@ def _store_block(block: np.ndarray, y: np.ndarray, r0: int, rows: int, c0: int) 
 
 @kernel(contract=False)
 def _store_block_residual(block: np.ndarray, y: np.ndarray, res: np.ndarray, r0: int, rows: int, c0: int,
-                          relu: bool) -> None:
+                          relu: bool, skip: int) -> None:
     """`_store_block` of a block finished with its bias only, plus the residual ``res`` (y's
-    shape) and, with ``relu``, a Relu as `one_pass` does it (NaN passes, -0 gives +0)."""
+    shape) and, with ``relu``, a Relu as `one_pass` does it (NaN passes, -0 gives +0); its first
+    ``skip`` rows left out (stored already)."""
     channels = min(block.shape[1], y.shape[0] - c0)
     zero = np.float32(0.0)
     for j in range(channels):
         row, extra = y[c0 + j], res[c0 + j]
-        for r in range(rows):
+        for r in range(skip, rows):
             v = block[r, j] + extra[r0 + r]
             row[r0 + r] = v if not relu or (v > zero) | (v != v) else zero
 
 
+@kernel(contract=False)
+def _last_block_over_residual(source: np.ndarray, weights: np.ndarray, p: int, c: int, out: np.ndarray, s: int,
+                              rows: int, stored: int, c0: int, plain: int, bias: np.ndarray, av: float, bv: float,
+                              relu: bool) -> None:
+    """`_residual_blocks`' last block over its residual (``out``): positions ``s:s + rows``
+    (`WIDE_ROWS` or 8) summed with their bias (``plain``) into a block of their own, those from
+    ``stored`` on then stored plus the residual read in their place, and the Relu where ``relu``.
+    (A function of its own: inlined into `small_map_conv`, it slowed the other blocks, SqueezeNet
+    1.04-1.07x.)"""
+    block = np.empty((rows, weights.shape[2]), np.float32)
+    if rows == WIDE_ROWS:
+        _by_column14(source[:, s:], weights, p, 0, c, block, 0, 0, plain, bias, av, bv)
+    else:
+        _by_column8(source[:, s:], weights, p, 0, c, block, 0, 0, plain, bias, av, bv)
+    _store_block_residual(block, out, out, s, rows, c0, relu, stored - s)
+
+
 @numba.njit(inline="always")
 def _residual_blocks(source: np.ndarray, weights: np.ndarray, p: int, c: int, out: np.ndarray, b0: int, b1: int,
-                     c0: int, finish: int, bias: np.ndarray, av: float, bv: float, extra: np.ndarray) -> None:
+                     c0: int, finish: int, bias: np.ndarray, av: float, bv: float, extra: np.ndarray,
+                     over_residual: bool, plain: int, relu: bool) -> None:
     """Positions ``b0:b1`` (at least 8) of panel ``p`` stored into ``out`` plus the residual
     ``extra``, in blocks of `WIDE_ROWS` (AVX-512, where there are as many) or 8 positions, the last
     ending at ``b1`` (overlapping the one before: the same sums again, the same bits), the last
     few prefetching the next panel's weights. (Its own loop: the blocks without a residual, in
-    the same loop, ran 3-30% slower in ResNet-50's 1x1 convs.)"""
-    if WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS:
-        for r in range(b0, b1, WIDE_ROWS):
-            s = min(r, b1 - WIDE_ROWS)
+    the same loop, ran 3-30% slower in ResNet-50's 1x1 convs.) ``over_residual`` (``out`` is
+    ``extra`` itself): a last block overlapping the one before would add the residual twice to
+    the positions they share: it goes by `_last_block_over_residual` instead (its bias,
+    ``plain``, then the residual and the Relu where ``relu``)."""
+    rows = WIDE_ROWS if WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS else 8
+    for r in range(b0, b1, rows):
+        s = min(r, b1 - rows)
+        if over_residual and s < r:
+            _last_block_over_residual(source, weights, p, c, out, s, rows, r, c0, plain, bias, av, bv, relu)
+        elif rows == WIDE_ROWS:
             if s + LAST_BLOCKS_AHEAD * WIDE_ROWS < b1:
                 _by_column14_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
             else:
                 _by_column14_residual_ahead(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
-        return
-    for r in range(b0, b1, 8):
-        s = min(r, b1 - 8)
-        if s + LAST_BLOCKS_AHEAD * 8 < b1:
+        elif s + LAST_BLOCKS_AHEAD * 8 < b1:
             _by_column8_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
         else:
             _by_column8_residual_ahead(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
@@ -507,12 +530,15 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
 
     A ``residual`` of y's shape (none: no images) is added to the conv's result on the way out,
     before the activation, which is then none (``act`` `NONE`) or a Relu (`RELU`) as the Add's
-    fused ones (`compiled.one_pass`): a ResidualConv layer in one pass over its output."""
+    fused ones (`compiled.one_pass`): a ResidualConv layer in one pass over its output. ``y``
+    may be the ``residual`` itself (the same data): each position is then read and stored
+    once (`_residual_blocks`)."""
     groups, count, c, width = panels.shape
     mg = y.shape[1] // groups
     strided = sh != 1 or sw != 1 or in_width != out_width
     av, bv = np.float32(a), np.float32(b)
     adding = residual.shape[0] > 0
+    over_residual = adding and residual.ctypes.data == y.ctypes.data  # (`run_pointwise`'s ``over_residual``)
     finish = finishing(act)
     plain = finishing(NONE) if adding else finish  # (a residual's blocks through the scratch: bias only)
     block = np.empty((8, width), np.float32)
@@ -534,7 +560,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                     full = (p + 1) * width <= mg  # a whole panel of channels: its blocks stored as they finish
                     if full and adding and b1 - b0 >= 8:  # plus the residual, as the blocks below
                         _residual_blocks(source, weights, p, c, out, b0, b1, p * width, finish, group_bias, av, bv,
-                                         extra)
+                                         extra, over_residual, plain, act == RELU)
                         continue
                     if full and WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS:
                         # wide blocks, the last ending at the band's end (overlapping the one
@@ -572,7 +598,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                         else:
                             _by_column1(source[:, r:], weights, p, 0, c, block, 0, 0, plain, group_bias, av, bv)
                         if adding:
-                            _store_block_residual(block, out, extra, r, rows, p * width, act == RELU)
+                            _store_block_residual(block, out, extra, r, rows, p * width, act == RELU, 0)
                         else:
                             _store_block(block, out, r, rows, p * width)
                         r += rows
