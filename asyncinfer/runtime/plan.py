@@ -285,7 +285,8 @@ class Plan:
         self._bind_constants(op)
         kernel = node.backend.prepare(node.layer, op, value_types(self.model))
         plan = self._variant()
-        plan.nodes[index] = replace(plan.nodes[index], step=replace(node.step, op=op, kernel=kernel))
+        # (the op's own way, without the donations planned for the layer's)
+        plan.nodes[index] = replace(plan.nodes[index], step=replace(node.step, op=op, kernel=kernel), donated=())
         plan.segments = plan._plan_segments()  # they hold the nodes themselves
         return plan
 
