@@ -455,7 +455,8 @@ class Plan:
         the step too, and read by no step that may run after it (every other reader is one of
         its ancestors). Its ``donating`` then is the kernel's `Op.donating_run`, which the runs
         that hand no layer's value to their caller compute it with (`Execution.private`: a
-        `schedule()`d run's `layer_future` would show a value written over)."""
+        `schedule()`d run hands out its layers' futures, whose values a callback may still be
+        reading while later layers run)."""
         n_steps = len(self.nodes)
         candidates = [node for node in self.nodes if node.inline is not None and node.index not in self.precomputed
                       and getattr(node.step.kernel, "donatable_inputs", ())]
