@@ -44,7 +44,7 @@ from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PA
                                       post_and_count_asleep, wait_all)
 from . import inline, kernel
 from .panels import (A_AHEAD, BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, WIDE_BLOCKS, WIDE_ROWS, BlockIR,
-                     _store_column_biased, initial_sums, pack_panels, panel_width, transposed_writer)
+                     _store_column_biased, ahead_share, initial_sums, pack_panels, panel_width, transposed_writer)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -103,10 +103,12 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int =
     first position's of row ``k``: position ``r`` reads ``image.flat[base + starts[r // line] +
     (r % line)·spacing + offsets[t]]``, a pointer a row.
 
-    Row blocks take a last argument ``ahead`` (0 or 1): with 1, prefetch the weights of the next
-    panel as this one's are read (a panel's last block: the next one's first block then finds
-    its weights in L2, not in memory, as a model's deep layers' weights are between runs); with
-    0 the taps run a loop without those prefetches."""
+    Row blocks take two last arguments ``ahead_at`` and ``ahead_step`` (bytes): tap ``t``
+    prefetches the next panel's line at ``ahead_at + t·ahead_step`` into L2 (and the line after
+    it where the step is more than one), none with a step of 0. A panel's last few blocks each
+    take their share of the next panel (`ahead_share`), at a rate the memory keeps up with, so its
+    weights come from memory while this panel's are summed and its first block finds them in L2:
+    a deep layer's weights are in memory between a model's runs."""
     assert not spacing or to_output
     assert not line or (spacing and rows % line == 0)
 
@@ -141,17 +143,18 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int =
         if spacing:
             prefetch = builder.module.declare_intrinsic(
                 "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [code.byte_ptr, i32, i32, i32]))
-            ahead = builder.mul(context.cast(builder, args[13], sig.args[13], types.int64), panel_stride)
+            ahead_at, ahead_step = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (13, 14))
+            ahead = at(at(panel, panel_stride), ahead_at)
 
-        def tap_loop(prefetch_ahead: bool) -> None:
-            """Every tap into the sums; ``prefetch_ahead``: prefetching the panel ``ahead`` on's
-            row of each tap too."""
+        def tap_loop(lines_ahead: int) -> None:
+            """Every tap into the sums, each prefetching ``lines_ahead`` lines of the next panel."""
             with cgutils.for_range(builder, taps_) as loop:
-                offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [loop.index])), const(size))
-                row = at(panel, builder.mul(loop.index, row_stride))
-                if prefetch_ahead:
-                    later = at(row, ahead)
-                    for line_bytes in range(0, PANEL_VECTORS * VECTOR_BYTES, 64):
+                index = loop.index
+                offset = builder.mul(builder.load(builder.gep(offsets_arr.data, [index])), const(size))
+                row = at(panel, builder.mul(index, row_stride))
+                if lines_ahead:
+                    later = at(ahead, builder.mul(index, ahead_step))
+                    for line_bytes in range(0, lines_ahead * 64, 64):
                         builder.call(prefetch, [at(later, const(line_bytes)), ir.Constant(i32, 0),
                                                 ir.Constant(i32, 2), ir.Constant(i32, 1)])
                 columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
@@ -175,16 +178,20 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int =
                                       sums[r][v])
 
         if spacing:
-            # two loops, the prefetching one for a panel's last block only: the other blocks'
-            # prefetches of their own rows (in L1 already) were 2 of the 52 instructions a tap; one
+            # the prefetching loop for the range only: prefetches on every tap of every block (in
+            # L1 already but for a panel's last block) were 2 of the 52 instructions a tap; one
             # core ran 64 -> 192 at 56x56 about 5% faster without them (3700 -> 3520 µs)
-            with builder.if_else(builder.icmp_signed("!=", ahead, const(0))) as (then, otherwise):
-                with then:
-                    tap_loop(True)
-                with otherwise:
-                    tap_loop(False)
+            with builder.if_else(builder.icmp_signed("==", ahead_step, const(0))) as (none, some):
+                with none:
+                    tap_loop(0)
+                with some:
+                    with builder.if_else(builder.icmp_signed(">", ahead_step, const(64))) as (two, one):
+                        with two:
+                            tap_loop(2)
+                        with one:
+                            tap_loop(1)
         else:
-            tap_loop(False)
+            tap_loop(0)
         write = (transposed_writer(context, builder, y_arr, context.cast(builder, args[12], sig.args[12], types.int64),
                                    builder.mul(p_, const(PANEL_VECTORS * lanes)), vector) if to_output else None)
         _store_column_biased(context, builder, sig, args, [[builder.load(v) for v in row] for row in sums],
@@ -194,9 +201,10 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int =
     if spacing:
         @intrinsic
         def row_block(typingctx: Any, image: Any, offsets: Any, base: Any, starts: Any, taps: Any, panels: Any,
-                      p: Any, y: Any, finish: Any, bias: Any, lo: Any, hi: Any, first: Any, ahead: Any) -> Any:
-            return (types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi, first, ahead),
-                    codegen)
+                      p: Any, y: Any, finish: Any, bias: Any, lo: Any, hi: Any, first: Any, ahead_at: Any,
+                      ahead_step: Any) -> Any:
+            return (types.void(image, offsets, base, starts, taps, panels, p, y, finish, bias, lo, hi, first,
+                               ahead_at, ahead_step), codegen)
 
         return row_block
 
@@ -261,6 +269,7 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
     the rows' ends (a 7x7 map is 6 blocks of 8 and one of 1, where blocks of each row alone were
     4, 2 and 1, the last two half as fast a position or less)."""
     width = panels.shape[2]
+    row_bytes = width * panels.itemsize
     av, bv = np.float32(a), np.float32(b)
     finish = finishing(act)
     wp = padded.shape[3]
@@ -280,33 +289,35 @@ def direct_panel_conv(panels: np.ndarray, padded: np.ndarray, tap_sets: np.ndarr
         base, out = i * plane, y[i]
         offsets, taps = tap_sets[panel_taps[p, 0]], panel_taps[p, 1]
         channels = min(width, m - p * width)
-        # the panel's last block prefetches the next panel's weights (its rows end a part, or the image)
-        has_next = 1 if p + 1 < panels.shape[0] else 0
+        # the panel's last blocks prefetch the next panel's weights (its rows end a part, or the image)
+        has_next = p + 1 < panels.shape[0]
         if by_rows and channels == width:
+            blocks = (last - oy) * row_blocks
             for row in range(oy, last):
                 for k in range(row_blocks):
                     column = min(k * ROW_POSITIONS, out_width - ROW_POSITIONS)
                     start = row * row_stride * wp + column * column_stride
-                    ahead = has_next if row == last - 1 and k == row_blocks - 1 else 0
+                    ahead_at, ahead_step = ahead_share(has_next, (row - oy) * row_blocks + k, blocks, taps, row_bytes)
                     if column_stride == 1:
                         _row_stride1(flat, offsets, base, start, taps, panels, p, out, finish, bias, av, bv,
-                                     row * out_width + column, ahead)
+                                     row * out_width + column, ahead_at, ahead_step)
                     else:
                         _row_stride2(flat, offsets, base, start, taps, panels, p, out, finish, bias, av, bv,
-                                     row * out_width + column, ahead)
+                                     row * out_width + column, ahead_at, ahead_step)
             u += last - oy
             continue
         if paired and channels == width and last - oy >= 2:
+            blocks = (last - oy + 1) // 2
             for row in range(oy, last, 2):
                 top = min(row, last - 2)  # (a last pair overlapping the one before: the same bits again)
                 starts[0], starts[1] = top * row_stride * wp, (top + 1) * row_stride * wp
-                ahead = has_next if row + 2 >= last else 0
+                ahead_at, ahead_step = ahead_share(has_next, (row - oy) // 2, blocks, taps, row_bytes)
                 if column_stride == 1:
                     _pair_stride1(flat, offsets, base, starts, taps, panels, p, out, finish, bias, av, bv,
-                                  top * out_width, ahead)
+                                  top * out_width, ahead_at, ahead_step)
                 else:
                     _pair_stride2(flat, offsets, base, starts, taps, panels, p, out, finish, bias, av, bv,
-                                  top * out_width, ahead)
+                                  top * out_width, ahead_at, ahead_step)
             u += last - oy
             continue
         v, end = oy * out_width, last * out_width

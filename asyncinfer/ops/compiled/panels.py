@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numba
 import numpy as np
 from llvmlite import binding, ir
 from numba import types
@@ -200,7 +201,8 @@ def transposed_writer(context: Any, builder: Any, y_arr: Any, first: Any, channe
 
 
 def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = False,
-                    to_output: bool = False, ahead: int = 1, a_ahead: int = 0, residual: bool = False) -> Any:
+                    to_output: bool = False, ahead: int = 1, a_ahead: int = 0, residual: bool = False,
+                    spread: bool = False) -> Any:
     """An intrinsic ``block(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi)``:
     ``y[r0:r0 + rows, c0:c0 + W] = a[r0:r0 + rows, k0:k1] @ panels[p, k0:k1]``, finished as
     ``finish`` says (`RAW`, `BIAS`...; ``+=`` with `ADD_TO_Y` set in it: a later block of K,
@@ -229,7 +231,13 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
 
     ``residual``: the block takes one more argument, ``res``, an array of y's shape, and stores
     the conv's result plus ``res`` at the same place, then the residual Add's activation: `finish`
-    `BIAS` (none) or `BIAS_RELU` (`_store_residual` for ``to_output``, else `_store_rows_residual`)."""
+    `BIAS` (none) or `BIAS_RELU` (`_store_residual` for ``to_output``, else `_store_rows_residual`).
+
+    ``spread`` (with ``ahead`` 0): the block takes two last arguments, ``ahead_at`` and
+    ``ahead_step`` (bytes): step ``k`` prefetches the next panel's line at ``ahead_at + k·ahead_step``
+    (and the one after where the step is more than a line), none with a step of 0: a panel's last
+    blocks each prefetch a share of the next panel (`direct_panels.ahead_share`), one line a step or
+    less, where each prefetched all of it two lines a step."""
     assert not to_output or (rows in (8, WIDE_ROWS) and column_bias and not rows_in_place)
     assert not residual or to_output or not column_bias
 
@@ -263,19 +271,44 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
         sums = initial_sums(context, builder, sig, args, None if to_output else y_vector, rows, PANEL_VECTORS,
                             vector)
         res_arr = context.make_array(sig.args[12])(context, builder, args[12]) if residual else None
-        with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
-            row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
-            later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
-            for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64) if ahead else ():
-                builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                                        ir.Constant(i32, 1)])
-            columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
-                                    align=size) for v in range(PANEL_VECTORS)]
-            step = at(a_rows, builder.mul(loop.index, a_step))
-            if a_ahead:
-                builder.call(prefetch, [at(step, const(a_ahead)), ir.Constant(i32, 0), ir.Constant(i32, 3),
-                                        ir.Constant(i32, 1)])
-            multiply_add(builder, sums, step, columns, spacing)
+        if spread:
+            first = 13 if residual else 12
+            ahead_at, ahead_step = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                    for i in (first, first + 1))
+            spread_from = at(at(panel, panel_stride), ahead_at)
+
+        def steps(spread_lines: int) -> None:
+            with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
+                row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
+                later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
+                for line in range(0, PANEL_VECTORS * VECTOR_BYTES, 64) if ahead else ():
+                    builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                                            ir.Constant(i32, 1)])
+                if spread_lines:
+                    later = at(spread_from, builder.mul(loop.index, ahead_step))
+                    for line in range(0, spread_lines * 64, 64):
+                        builder.call(prefetch, [at(later, const(line)), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                                                ir.Constant(i32, 1)])
+                columns = [builder.load(builder.bitcast(at(row, const(v * VECTOR_BYTES)), vector.as_pointer()),
+                                        align=size) for v in range(PANEL_VECTORS)]
+                step = at(a_rows, builder.mul(loop.index, a_step))
+                if a_ahead:
+                    builder.call(prefetch, [at(step, const(a_ahead)), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                                            ir.Constant(i32, 1)])
+                multiply_add(builder, sums, step, columns, spacing)
+
+        if spread:
+            with builder.if_else(builder.icmp_signed("==", ahead_step, const(0))) as (none, some):
+                with none:
+                    steps(0)
+                with some:
+                    with builder.if_else(builder.icmp_signed(">", ahead_step, const(64))) as (two, one):
+                        with two:
+                            steps(2)
+                        with one:
+                            steps(1)
+        else:
+            steps(0)
         values = [[builder.load(v) for v in row] for row in sums]
         if residual and to_output:
             _store_residual(context, builder, sig, args, values, p_,
@@ -295,12 +328,30 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
             _store_finished(context, builder, sig, args, values, y_vector, r0_)
         return context.get_dummy_value()
 
+    assert not spread or not ahead
+    if residual and spread:
+        @intrinsic
+        def block_residual_spread(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any,
+                                  r0: Any, c0: Any, finish: Any, bias: Any, lo: Any, hi: Any, res: Any, ahead_at: Any,
+                                  ahead_step: Any) -> Any:
+            return (types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi, res, ahead_at,
+                               ahead_step), codegen)
+        return block_residual_spread
+
     if residual:
         @intrinsic
         def block_residual(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any,
                            c0: Any, finish: Any, bias: Any, lo: Any, hi: Any, res: Any) -> Any:
             return types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi, res), codegen
         return block_residual
+
+    if spread:
+        @intrinsic
+        def block_spread(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any,
+                         c0: Any, finish: Any, bias: Any, lo: Any, hi: Any, ahead_at: Any, ahead_step: Any) -> Any:
+            return (types.void(columns, panels, p, k0, k1, y, r0, c0, finish, bias, lo, hi, ahead_at, ahead_step),
+                    codegen)
+        return block_spread
 
     @intrinsic
     def block(typingctx: Any, columns: Any, panels: Any, p: Any, k0: Any, k1: Any, y: Any, r0: Any, c0: Any,
@@ -547,7 +598,7 @@ _strided8_residual, _strided4_residual, _strided2_residual, _strided1_residual =
 #: before the next, so the next panel's rows, prefetched on each of them, were needed only after
 #: the last (two of each step's twelve loads in vain: one core, 256 -> 64 at 56x56 469 -> 428 µs,
 #: 1024 -> 256 at 14x14 469 -> 435, 512 -> 1000 at 13x13 857 -> 722); the last blocks of a panel
-#: take `_by_column8_to_output_ahead`.
+#: take their share of them (`_by_column8_to_output`, `ahead_share`).
 _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, column_bias=True, ahead=0)
                                                       for rows in (8, 4, 2, 1))
 #: Bytes ahead of each step's values of a that the blocks storing to an output prefetch: a's rows
@@ -558,18 +609,41 @@ _by_column8, _by_column4, _by_column2, _by_column1 = (_register_block(rows, colu
 A_AHEAD = 256
 #: `_by_column8`... of `WIDE_ROWS` (a last block written over its residual: `pointwise._residual_blocks`).
 _by_column14 = _register_block(WIDE_ROWS, column_bias=True, ahead=0, a_ahead=A_AHEAD)
-#: `_by_column8` storing its block transposed into a (channels, positions) output; ``_ahead``:
-#: prefetching the next panel's rows (for a panel's last blocks: deep weights come from memory).
-_by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD)
-_by_column8_to_output_ahead = _register_block(8, column_bias=True, to_output=True, a_ahead=A_AHEAD)
+#: `_by_column8` storing its block transposed into a (channels, positions) output, a panel's last
+#: blocks prefetching their share of the next panel's rows (``spread``: deep weights come from
+#: memory).
+_by_column8_to_output = _register_block(8, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD, spread=True)
 #: The same with `WIDE_ROWS` positions (AVX-512).
-_by_column14_to_output = _register_block(WIDE_ROWS, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD)
-_by_column14_to_output_ahead = _register_block(WIDE_ROWS, column_bias=True, to_output=True, a_ahead=A_AHEAD)
+_by_column14_to_output = _register_block(WIDE_ROWS, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD,
+                                         spread=True)
 #: Both sizes adding a residual map on the way out (``residual``: a ResidualConv's Add fused into
-#: its stores), without and with (``_ahead``) the next panel's rows prefetched.
-_by_column8_residual, _by_column8_residual_ahead, _by_column14_residual, _by_column14_residual_ahead = (
-    _register_block(rows, column_bias=True, to_output=True, ahead=ahead, a_ahead=A_AHEAD, residual=True)
-    for rows in (8, WIDE_ROWS) for ahead in (0, 1))
+#: its stores).
+_by_column8_residual, _by_column14_residual = (
+    _register_block(rows, column_bias=True, to_output=True, ahead=0, a_ahead=A_AHEAD, residual=True, spread=True)
+    for rows in (8, WIDE_ROWS))
+#: A panel's last blocks (at most this many) that share the prefetching of the next panel's
+#: weights between them (`ahead_share`).
+AHEAD_BLOCKS = 4
+
+
+@numba.njit(inline="always")
+def ahead_share(has_next: bool, block: int, blocks: int, steps: int, row_bytes: int) -> tuple[int, int]:
+    """``(ahead_at, ahead_step)`` for block ``block`` of a panel's ``blocks`` (``spread`` blocks,
+    `direct_panels`' row blocks): an even share of the next panel's ``steps`` rows of
+    ``row_bytes`` for each of the last `AHEAD_BLOCKS` (or 2, or 1) blocks, spread over its steps;
+    none for the others or where there is no next panel. Each block prefetched all of the next
+    panel two lines a step before: on a 7x7 map a panel is 4 blocks, its 590 KB of 3x3 weights
+    take longer to come from memory than one block's sums, and prefetches waiting for memory hold
+    the fill buffers the block's own loads need (ResNet-50's 3x3 512 -> 512 at 7x7 on one core,
+    weights in memory: 1993 -> 1804 µs)."""
+    share = AHEAD_BLOCKS if blocks >= AHEAD_BLOCKS else 2 if blocks >= 2 else 1
+    k = block - (blocks - share)
+    if not has_next or k < 0:
+        return 0, 0
+    step = row_bytes // share
+    return k * steps * step, step
+
+
 #: Blocks with a bias per column reading a's rows in place (`_register_block`).
 _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
 

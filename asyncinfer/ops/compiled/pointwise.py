@@ -56,9 +56,8 @@ from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, NONE, RELU, SI
 from .panels import (ADD_TO_Y, BIAS, BIAS_CLIP, BIAS_HARD_SIGMOID, BIAS_HARD_SWISH, BIAS_LEAKY_RELU, BIAS_RELU,
                      BIAS_SIGMOID, BIAS_SWISH, BLOCK_ROWS, RAW, _by_column1, _by_column2, _by_column4, _by_column8,
                      _by_column14,
-                     _by_column8_to_output, _by_column8_to_output_ahead, _by_column14_to_output,
-                     _by_column14_to_output_ahead, _by_column8_residual, _by_column8_residual_ahead,
-                     _by_column14_residual, _by_column14_residual_ahead, _strided1, _strided1_residual, _strided2,
+                     _by_column8_to_output, _by_column14_to_output, _by_column8_residual, _by_column14_residual,
+                     _strided1, _strided1_residual, _strided2, ahead_share,
                      _strided2_residual, _strided4, _strided4_residual, _strided8, _strided8_residual, pack_panels,
                      panel_width, WIDE_BLOCKS, WIDE_ROWS)
 
@@ -90,12 +89,6 @@ BAND_PANELS = 16
 #: (one core, hot: ShuffleNet's grouped 272 -> 272 1x1 at 14x14 60 -> 55.5 µs, 136 -> 136 at
 #: 28x28 56-63 -> 54).
 CACHED_OUTPUT_BYTES = 512 << 10
-
-#: `small_map_conv`'s last blocks of positions on each panel of channels that prefetch the next
-#: panel's weights (one block's steps go by too fast for memory to deliver a deep panel): one
-#: core, caches flushed, 2048 -> 512 at 7x7 (six blocks, a panel of 256 KiB) 616 µs prefetching
-#: on every block, 725 on none, 609 on the last four.
-LAST_BLOCKS_AHEAD = 4
 
 #: `small_map_conv`'s positions go by in bands of this many bytes of input (at least 8 positions),
 #: each through every panel of channels before the next band: swept whole for each panel, an
@@ -489,29 +482,32 @@ def _last_block_over_residual(source: np.ndarray, weights: np.ndarray, p: int, c
 @numba.njit(inline="always")
 def _residual_blocks(source: np.ndarray, weights: np.ndarray, p: int, c: int, out: np.ndarray, b0: int, b1: int,
                      c0: int, finish: int, bias: np.ndarray, av: float, bv: float, extra: np.ndarray,
-                     over_residual: bool, plain: int, relu: bool) -> None:
+                     over_residual: bool, plain: int, relu: bool, has_next: bool) -> None:
     """Positions ``b0:b1`` (at least 8) of panel ``p`` stored into ``out`` plus the residual
     ``extra``, in blocks of `WIDE_ROWS` (AVX-512, where there are as many) or 8 positions, the last
     ending at ``b1`` (overlapping the one before: the same sums again, the same bits), the last
-    few prefetching the next panel's weights. (Its own loop: the blocks without a residual, in
-    the same loop, ran 3-30% slower in ResNet-50's 1x1 convs.) ``over_residual`` (``out`` is
+    few prefetching the next panel's weights where ``has_next`` (`panels.ahead_share`). (Its own
+    loop: the blocks without a residual, in the same loop, ran 3-30% slower in ResNet-50's 1x1
+    convs.) ``over_residual`` (``out`` is
     ``extra`` itself): a last block overlapping the one before would add the residual twice to
     the positions they share: it goes by `_last_block_over_residual` instead (its bias,
     ``plain``, then the residual and the Relu where ``relu``)."""
     rows = WIDE_ROWS if WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS else 8
+    blocks = -(-(b1 - b0) // rows)
+    # (a last block out of line prefetches nothing: the blocks before it share the next panel)
+    sharing = blocks - 1 if over_residual and (b1 - b0) % rows else blocks
+    row_bytes = weights.shape[2] * weights.itemsize
     for r in range(b0, b1, rows):
         s = min(r, b1 - rows)
+        ahead_at, ahead_step = ahead_share(has_next, (r - b0) // rows, sharing, c, row_bytes)
         if over_residual and s < r:
             _last_block_over_residual(source, weights, p, c, out, s, rows, r, c0, plain, bias, av, bv, relu)
         elif rows == WIDE_ROWS:
-            if s + LAST_BLOCKS_AHEAD * WIDE_ROWS < b1:
-                _by_column14_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
-            else:
-                _by_column14_residual_ahead(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
-        elif s + LAST_BLOCKS_AHEAD * 8 < b1:
-            _by_column8_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
+            _by_column14_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra, ahead_at,
+                                  ahead_step)
         else:
-            _by_column8_residual_ahead(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra)
+            _by_column8_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra, ahead_at,
+                                 ahead_step)
 
 
 @kernel(contract=False)
@@ -542,6 +538,7 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
     finish = finishing(act)
     plain = finishing(NONE) if adding else finish  # (a residual's blocks through the scratch: bias only)
     block = np.empty((8, width), np.float32)
+    row_bytes = width * panels.itemsize
     step = WIDE_ROWS if WIDE_BLOCKS else 8
     band = (r1 - r0 if 4 * c * (r1 - r0) <= SMALL_MAP_WHOLE_BYTES
             else max(step, SMALL_MAP_BAND_BYTES // (4 * c) // step * step))
@@ -558,32 +555,28 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                 b1 = min(r1, b0 + band)
                 for p in range(p0, p1):
                     full = (p + 1) * width <= mg  # a whole panel of channels: its blocks stored as they finish
+                    has_next = p + 1 < p1  # (the last blocks bring the next panel's weights meanwhile)
                     if full and adding and b1 - b0 >= 8:  # plus the residual, as the blocks below
                         _residual_blocks(source, weights, p, c, out, b0, b1, p * width, finish, group_bias, av, bv,
-                                         extra, over_residual, plain, act == RELU)
+                                         extra, over_residual, plain, act == RELU, has_next)
                         continue
                     if full and WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS:
                         # wide blocks, the last ending at the band's end (overlapping the one
                         # before: the same sums again, the same bits)
+                        blocks = -(-(b1 - b0) // WIDE_ROWS)
                         for r in range(b0, b1, WIDE_ROWS):
                             s = min(r, b1 - WIDE_ROWS)
-                            if s + LAST_BLOCKS_AHEAD * WIDE_ROWS < b1:
-                                _by_column14_to_output(source, weights, p, 0, c, out, s, p * width, finish,
-                                                       group_bias, av, bv)
-                            else:  # (the next panel's weights on their way meanwhile)
-                                _by_column14_to_output_ahead(source, weights, p, 0, c, out, s, p * width, finish,
-                                                             group_bias, av, bv)
+                            ahead_at, ahead_step = ahead_share(has_next, (r - b0) // WIDE_ROWS, blocks, c, row_bytes)
+                            _by_column14_to_output(source, weights, p, 0, c, out, s, p * width, finish, group_bias,
+                                                   av, bv, ahead_at, ahead_step)
                         continue
                     r = b0
                     while r < b1:
                         rows = b1 - r
                         if rows >= 8 and full:
-                            if r + LAST_BLOCKS_AHEAD * 8 < b1:
-                                _by_column8_to_output(source, weights, p, 0, c, out, r, p * width, finish, group_bias,
-                                                      av, bv)
-                            else:  # (the next panel's weights on their way meanwhile)
-                                _by_column8_to_output_ahead(source, weights, p, 0, c, out, r, p * width, finish,
-                                                            group_bias, av, bv)
+                            ahead_at, ahead_step = ahead_share(has_next, (r - b0) // 8, (b1 - b0) // 8, c, row_bytes)
+                            _by_column8_to_output(source, weights, p, 0, c, out, r, p * width, finish, group_bias,
+                                                  av, bv, ahead_at, ahead_step)
                             r += 8
                             continue
                         if rows >= 8:
