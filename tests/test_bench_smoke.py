@@ -725,3 +725,12 @@ def test_serving_load_with_perf_analyzer():
                               verbose=False)
     assert result["client"] == "perf_analyzer"
     _assert_serving_load_result(result, ["digits"], [1, 2])
+
+
+def test_blocked_layout_prototype_agrees_with_numpy():
+    """`bench/blocked_layout.py`'s NCHW16c prototype checks its result against NumPy's before it
+    times it (two panels, a last block of positions overlapping the one before)."""
+    from bench import blocked_layout
+
+    _, w, x = blocked_layout.one_conv(32, 64, 5, np.random.default_rng(1))
+    assert blocked_layout.time_blocked(w, x, repeats=1) > 0
