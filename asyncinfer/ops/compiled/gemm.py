@@ -25,7 +25,8 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import kernel
-from .panels import BIAS, BLOCK_ROWS, RAW, _rows1, _rows2, _rows4, _rows8, panel_width
+from .panels import (BIAS, BLOCK_ROWS, RAW, _rows1, _rows2, _rows4, _rows4_spread, _rows8, _rows8_spread,
+                     ahead_share, panel_width)
 
 #: The kind of a spin-team part that is a `panel_gemm_batch` range of entries and panels.
 PART_KIND = 14
@@ -76,13 +77,27 @@ def gemm_on_panels(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.nd
 @numba.njit(inline="always")
 def _band(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, p0: int, p1: int, finish: int,
           r0: int, r1: int) -> None:
-    """Rows ``r0:r1`` of `gemm_on_panels`'s product, panel after panel."""
+    """Rows ``r0:r1`` of `gemm_on_panels`'s product, panel after panel. Packed panels (a model's
+    weight, in memory between runs) come in while the panel before is summed, a share in each of
+    its last blocks (`panels.ahead_share`), where each block prefetched all of the next panel
+    (on 2 threads: ViT-B/16 0.943x, ConvNeXt-T 0.966x, the Llama block 0.949x); panels read in
+    place (b's own columns, a row of b apart) keep the hardware's prefetch and that one."""
     k = a.shape[1]
+    row_bytes = WIDTH * panels.itemsize
+    packed = panels.strides[1] == row_bytes
+    blocks = (r1 - r0) // BLOCK_ROWS
     for p in range(p0, p1):
         r = r0
         while r < r1:
             rows = r1 - r
-            if rows >= BLOCK_ROWS:
+            if rows >= BLOCK_ROWS and packed:
+                rows = BLOCK_ROWS
+                ahead_at, ahead_step = ahead_share(p + 1 < p1, (r - r0) // BLOCK_ROWS, blocks, k, row_bytes)
+                if BLOCK_ROWS == 8:
+                    _rows8_spread(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0, ahead_at, ahead_step)
+                else:
+                    _rows4_spread(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0, ahead_at, ahead_step)
+            elif rows >= BLOCK_ROWS:
                 rows = BLOCK_ROWS
                 if BLOCK_ROWS == 8:
                     _rows8(a, panels, p, 0, k, y, r, p * WIDTH, finish, bias, 0.0, 0.0)

@@ -646,6 +646,10 @@ def ahead_share(has_next: bool, block: int, blocks: int, steps: int, row_bytes: 
 
 #: Blocks with a bias per column reading a's rows in place (`_register_block`).
 _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_in_place=True) for rows in (8, 4, 2, 1))
+#: `_rows8` and `_rows4` for packed panels (contiguous rows), a panel's last blocks prefetching
+#: their share of the next panel (``spread``), where each block prefetched all of it.
+_rows8_spread, _rows4_spread = (_register_block(rows, column_bias=True, rows_in_place=True, ahead=0, spread=True)
+                                for rows in (8, 4))
 
 
 @kernel
