@@ -80,8 +80,9 @@ def _band(a: np.ndarray, panels: np.ndarray, y: np.ndarray, bias: np.ndarray, p0
     """Rows ``r0:r1`` of `gemm_on_panels`'s product, panel after panel. Packed panels (a model's
     weight, in memory between runs) come in while the panel before is summed, a share in each of
     its last blocks (`panels.ahead_share`), where each block prefetched all of the next panel
-    (on 2 threads: ViT-B/16 0.943x, ConvNeXt-T 0.966x, the Llama block 0.949x); panels read in
-    place (b's own columns, a row of b apart) keep the hardware's prefetch and that one."""
+    (on 2 threads: ViT-B/16 0.943x, ConvNeXt-T 0.966x, the Llama block 0.949x). Panels read in
+    place (b's own columns, a row of b apart, not one run each) keep every block's prefetch of
+    the next panel's row beside each of its own."""
     k = a.shape[1]
     row_bytes = WIDTH * panels.itemsize
     packed = panels.strides[1] == row_bytes

@@ -236,8 +236,8 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
     ``spread`` (with ``ahead`` 0): the block takes two last arguments, ``ahead_at`` and
     ``ahead_step`` (bytes): step ``k`` prefetches the next panel's line at ``ahead_at + k·ahead_step``
     (and the one after where the step is more than a line), none with a step of 0: a panel's last
-    blocks each prefetch a share of the next panel (`direct_panels.ahead_share`), one line a step or
-    less, where each prefetched all of it two lines a step."""
+    blocks each prefetch a share of the next panel (`ahead_share`), one line a step or less,
+    where each prefetched all of it two lines a step."""
     assert not to_output or (rows in (8, WIDE_ROWS) and column_bias and not rows_in_place)
     assert not residual or to_output or not column_bias
 
@@ -278,6 +278,7 @@ def _register_block(rows: int, column_bias: bool = False, rows_in_place: bool = 
             spread_from = at(at(panel, panel_stride), ahead_at)
 
         def steps(spread_lines: int) -> None:
+            """Every step into the sums, each prefetching ``spread_lines`` lines of the next panel."""
             with cgutils.for_range(builder, builder.sub(k1_, k0_)) as loop:
                 row = at(panel, builder.mul(builder.add(loop.index, k0_), row_stride))
                 later = at(row, builder.mul(panel_stride, const(ahead)))  # (a prefetch never faults)
