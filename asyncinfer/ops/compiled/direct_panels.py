@@ -44,7 +44,8 @@ from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PA
                                       post_and_count_asleep, wait_all)
 from . import inline, kernel
 from .panels import (A_AHEAD, BLOCK_ROWS, PANEL_VECTORS, VECTOR_BYTES, WIDE_BLOCKS, WIDE_ROWS, BlockIR,
-                     _store_column_biased, ahead_share, initial_sums, pack_panels, panel_width, transposed_writer)
+                     _store_column_biased, ahead_share, initial_sums, loops_by_ahead_step, pack_panels, panel_width,
+                     transposed_writer)
 from .pointwise import finishing
 
 #: The kind of spin-team part that is a `direct_panel_conv` range.
@@ -178,18 +179,7 @@ def _tap_block(rows: int, to_output: bool = False, spacing: int = 0, line: int =
                                       sums[r][v])
 
         if spacing:
-            # the prefetching loop for the range only: prefetches on every tap of every block (in
-            # L1 already but for a panel's last block) were 2 of the 52 instructions a tap; one
-            # core ran 64 -> 192 at 56x56 about 5% faster without them (3700 -> 3520 µs)
-            with builder.if_else(builder.icmp_signed("==", ahead_step, const(0))) as (none, some):
-                with none:
-                    tap_loop(0)
-                with some:
-                    with builder.if_else(builder.icmp_signed(">", ahead_step, const(64))) as (two, one):
-                        with two:
-                            tap_loop(2)
-                        with one:
-                            tap_loop(1)
+            loops_by_ahead_step(builder, ahead_step, tap_loop)
         else:
             tap_loop(0)
         write = (transposed_writer(context, builder, y_arr, context.cast(builder, args[12], sig.args[12], types.int64),
