@@ -135,6 +135,13 @@ def _wholly_gpu_pixel() -> frozenset[str]:
     return frozenset(read_list(WHOLLY_GPU_PIXEL_LIST))
 
 
+def _cuda_unavailable() -> str | None:
+    from asyncinfer.backends.cupy.device import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    return None if reason is None else f"no CUDA device for gpu_compute: {reason}"
+
+
 def _pixel_unavailable() -> str | None:
     from pixel_testing import pixel_unavailable_reason
 
@@ -147,6 +154,8 @@ BACKENDS: dict[str, NodeCaseBackend] = {
     # CuPy's backend on HostRuntime (NumPy, host memory): the real Worker, Plan, dispatcher thread, uploads,
     # device kernels, CPU fallback and downloads, without CUDA (tests/backends/cupy/test_backend.py).
     "gpu_compute": NodeCaseBackend(make=_gpu_compute_on_the_host),
+    # The same backend on CuPy and the first CUDA device: streams, events, pinned readbacks, NVRTC kernels.
+    "gpu_compute_cuda": NodeCaseBackend(make=lambda: "gpu_compute", unavailable=_cuda_unavailable),
     "gpu_pixel": NodeCaseBackend(make=lambda: "gpu_pixel", unavailable=_pixel_unavailable,
                                  wholly=_wholly_gpu_pixel),
 }
