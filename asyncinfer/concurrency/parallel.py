@@ -51,9 +51,15 @@ class pool_bound:  # noqa: N801 - used as a function: ``with pool_bound(...):``
         bind_pool(*self._outer)
 
 
-def team() -> SpinTeam | None:
-    """The spinning helpers this thread may hand compiled parts to now (None: use `run_parts`)."""
-    return None if crowded() else getattr(_local, "team", None)
+def team(kind: int) -> SpinTeam | None:
+    """The spinning helpers this thread may hand compiled parts of ``kind`` (the `PART_KIND` a
+    poster writes) to now, ready to run them (`SpinTeam.ready`); None: use `run_parts`."""
+    if crowded():
+        return None
+    bound = getattr(_local, "team", None)
+    if bound is not None:
+        bound.ready(kind)
+    return bound
 
 
 def crowded() -> bool:

@@ -76,6 +76,7 @@ HELPERS_ASLEEP, PARTS_DONE, PARTS_RUNNING = 2, 1, 0
 # A control row per helper: the posted sequence number, the done one, the stop flag and the
 # asleep flag on cache lines of their own, then the part's kind and its arguments (room for 95).
 _POSTED, _DONE, _STOP, _ASLEEP, KIND, ARGS, _ROW = 0, 8, 16, 24, 32, 33, 128
+ROW = _ROW  # (the length of a control row, for code that reads one by its address)
 # The core the last post came from (beside the sequence number the poster writes with it),
 # whether the helper moved off a poster's core since it last slept (`keep_off_poster`), and the
 # sequence number of the last part taken to run (`take_part`)
@@ -279,6 +280,12 @@ def wait_all(control: np.ndarray, helpers: int, rounds: int) -> bool:
     return True
 
 
+@numba.njit(cache=True, nogil=True)
+def wait_parts(control: np.ndarray, helpers: int, rounds: int) -> bool:
+    """`wait_all` called from Python (a caller that ran its own share there)."""
+    return wait_all(control, helpers, rounds)
+
+
 @numba.njit(cache=True)
 def _load(control: np.ndarray, index: int) -> int:
     """``control[index]`` read after a fence (after this thread's earlier stores are visible)."""
@@ -299,13 +306,17 @@ class SpinTeam:
     """``helpers`` threads running ``serve`` (a compiled serve loop) for one caller at a time."""
 
     def __init__(self, helpers: int, serve: Callable[[np.ndarray, int, int, np.ndarray, bool], int],
-                 name: str = "asyncinfer-team", busy_here: Callable[[], bool] | None = None):
-        """``busy_here``: whether threads of this process other than the caller have work now (a
-        CPU backend's other lanes): a helper absent then was kept off the cores by them, which the
-        caller's kernels already heed (`parallel.team`), not by a neighbour, and counts for no hold
-        (`_take_over`)."""
+                 prepare: Callable[[int], None], name: str = "asyncinfer-team",
+                 busy_here: Callable[[], bool] | None = None):
+        """``prepare(kind)`` makes ``serve`` able to run parts of that kind (compiles what it runs
+        them with: `ready`). ``busy_here``: whether threads of this process other than the caller
+        have work now (a CPU backend's other lanes): a helper absent then was kept off the cores
+        by them, which the caller's kernels already heed (`parallel.team`), not by a neighbour,
+        and counts for no hold (`_take_over`)."""
         self.helpers = helpers
         self._serve = serve
+        self._prepare = prepare
+        self._ready: set[int] = set()  # the kinds prepared
         self._busy_here = busy_here
         # the cores a helper may run on, and the affinity masks it moves off its poster's core with
         # (`placement.py`); none where it never moves
@@ -331,6 +342,8 @@ class SpinTeam:
         when another caller has the team or there are more parts than helpers."""
         if len(parts) > self.helpers:
             return False
+        for arguments in parts:
+            self.ready(int(arguments[0]))
         control = self.claim()
         if control is None:
             return False
@@ -351,6 +364,13 @@ class SpinTeam:
             return True
         finally:
             self.release()
+
+    def ready(self, kind: int) -> None:
+        """Make the helpers able to run parts of ``kind`` (before one is posted): the first time,
+        ``prepare(kind)``, which compiles or loads that kind's code."""
+        if kind not in self._ready:
+            self._prepare(kind)
+            self._ready.add(kind)
 
     def claim(self) -> np.ndarray | None:
         """The control rows (one per helper) for this caller alone until `release`; None when

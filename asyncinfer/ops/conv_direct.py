@@ -26,6 +26,8 @@ from .compiled.direct import (LANES, STRIDES, WIDE_VECTORS, copy_inside, direct_
                               post_and_finish_direct)
 from .compiled.direct_panels import BLOCK_POSITIONS, direct_panel_conv, pack_joined_taps
 from .compiled.direct_panels import WIDTH as PANEL_WIDTH
+from .compiled.direct import PART_KIND as DIRECT_PART
+from .compiled.direct_panels import PART_KIND as PANELS_PART
 from .compiled.direct_panels import finish_panels, post_and_finish_panels
 from .compiled.panels import BLOCK_ROWS
 from .conv_kernels import KeepWeights, keep_nothing, scratch
@@ -183,7 +185,7 @@ def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
     own = scratch((size,), np.float32, "direct_scratch")
     tail, spare = own[:padded_m * LANES].reshape(padded_m, LANES), own[padded_m * LANES:].reshape(BLOCK_ROWS, -1)
     helpers = len(plan.parts) - 1
-    team = parallel.team() if plan.team else None
+    team = parallel.team(DIRECT_PART) if plan.team else None
     control = None if team is None or helpers > team.helpers else team.claim()
     if control is None:  # alone, or the team busy (every core is): all the rows here, in one call
         direct_conv(plan.columns, padded, plan.offsets, flat, plan.bias, tail, spare, plan.parts[0][0],
@@ -331,7 +333,7 @@ def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
     sh, sw = plan.strides
     own = scratch((BLOCK_POSITIONS, PANEL_WIDTH), np.float32, "direct_panel_block")
     helpers = len(plan.parts) - 1
-    team = parallel.team() if plan.team else None
+    team = parallel.team(PANELS_PART) if plan.team else None
     control = None if team is None or helpers > team.helpers else team.claim()
     if control is None:  # (a small conv, or the team busy: every core is, so every unit here, in one call)
         direct_panel_conv(plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, 0,

@@ -32,6 +32,7 @@ import numpy as np
 from ..concurrency import parallel
 from .compiled import blas_call
 from .compiled.conv_blocks import DIRECT, EXACT, FLAT, conv_blocks, part_arguments
+from .compiled.conv_blocks import PART_KIND as CONV_PART
 from .compiled.im2col import im2col2d, im2col_flat
 from .conv_kernels import run_tasks, scratch
 from .epilogue import NO_ACTIVATION, Epilogue
@@ -203,7 +204,7 @@ def _compiled(x: np.ndarray, weights: np.ndarray, bias: np.ndarray, y: np.ndarra
     group, mg, k = weights.shape
     m, rows, span = group * mg, group * k, layout.span
     mode, operand, geometry, offsets = _operand(x, layout)
-    team = parallel.team() if layout.macs >= TEAM_MIN_MACS else None
+    team = parallel.team(CONV_PART) if layout.macs >= TEAM_MIN_MACS else None
     parts = 1 if team is None else team.helpers + 1
     if parts == 1 or n >= parts:  # (image range, position range, channel range) per part
         cuts = [n * i // parts for i in range(parts + 1)]

@@ -29,6 +29,7 @@ from ..concurrency.aligned import aligned_bytes
 from .compiled.depthwise import (depthwise_channels_last, depthwise_flat, depthwise_rows, depthwise_rows_stride2,
                                  vector_groups, window_extent)
 from .compiled.depthwise_block import KNOWN_WINDOWS
+from .compiled.depthwise_parts import PART_KIND as DEPTHWISE_PART
 from .compiled.depthwise_parts import (CHANNELS_LAST, FLAT, ROWS, ROWS2, finish_depthwise,
                                        post_and_finish_depthwise, scratch_floats)
 from .compiled.panels import VECTOR_BYTES
@@ -334,7 +335,7 @@ def _on_team(plan: DepthwisePlan, x: np.ndarray, result: np.ndarray, epilogue: E
     backend's spinning helpers taking a part each (`_team_layout`), posted, run and waited for in
     compiled code; False, having done nothing, when there is no free team, the operands are not
     float32 or there are too few channels (and rows) to share."""
-    team = parallel.team()
+    team = parallel.team(DEPTHWISE_PART)
     if team is None or x.dtype != np.float32:
         return False
     layouts = plan.team_layouts

@@ -35,6 +35,8 @@ import numpy as np
 from ..concurrency import parallel, spin_team
 from .compiled.epilogue import NONE, RELU
 from .compiled.panels import BLOCK_ROWS, panel_width
+from .compiled.pointwise import PART_KIND as POINTWISE_PART
+from .compiled.pointwise import SMALL_MAP_PART_KIND as SMALL_MAP_PART
 from .compiled.pointwise import (finish_pointwise, finish_small_map, pack_weights, pointwise_buffer_size,
                                  pointwise_parts, post_and_finish_pointwise, post_and_finish_small_map,
                                  small_map_parts)
@@ -254,7 +256,7 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray, residual: np.ndarray | Non
     extra = _NO_RESIDUAL if residual is None else residual.reshape(flat.shape)
     epilogue, parts = plan.epilogue, plan.parts
     own = scratch((plan.buffer,), np.float32, "pointwise")
-    team = parallel.team() if plan.team else None
+    team = parallel.team(SMALL_MAP_PART if plan.small_map else POINTWISE_PART) if plan.team else None
     control = None if team is None or len(parts) - 1 > team.helpers else team.claim()
     if control is None:  # alone, or the team busy (every core is): every part here
         if plan.small_map:

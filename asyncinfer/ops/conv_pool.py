@@ -39,6 +39,7 @@ import numpy as np
 from ..concurrency import parallel
 from .compiled.conv_pool import buffer_size, conv_max_pool, panel_conv_max_pool
 from .compiled.direct_panels import BLOCK_POSITIONS
+from .compiled.direct_panels import PART_KIND as PANELS_PART
 from .compiled.panels import BLOCK_ROWS
 from .compiled.pool import THREE_BY_TWO
 from .conv import Conv, same_case
@@ -203,6 +204,6 @@ class JoinedConvMaxPool(JoinedConv):
         pooled = self._pooled
         if pooled is None or pooled[0] is not plan:
             pooled = self._pooled = (plan, three_by_two_pool(self.pool, plan.y_shape))  # type: ignore[arg-type]
-        if pooled[1] is not None and (not plan.team or parallel.team() is None):
+        if pooled[1] is not None and (not plan.team or parallel.team(PANELS_PART) is None):
             return run_panel_conv_pool(plan, pooled[1], x)
         return self.pool.run(run_direct_panels(plan, x))

@@ -50,6 +50,7 @@ from ..concurrency.spin_team import SpinTeam
 from .compiled import blas_call
 from .compiled.winograd import gather_slabs, input_transform, non_finite_mark, output_transform
 from .compiled.gemm import PANELS_OVER_BLAS, WIDTH
+from .compiled.winograd_bands import PART_KIND as BANDS_PART
 from .compiled.winograd_bands import finish_bands, panel_products, post_bands, scratch_size
 from .conv_kernels import run_tasks, scratch
 from .epilogue import Epilogue
@@ -158,7 +159,7 @@ def conv2d_winograd(x: np.ndarray, u: np.ndarray, bias: np.ndarray | None, begin
     y = np.empty((n, m, ho, wo), np.float32)
     macs = n * m * c * 9 * ho * wo
     threads = parallel.parts_available() if macs >= SPLIT_MIN_MACS else 1
-    team = parallel.team() if macs >= TEAM_MIN_MACS and blas_call.available() else None
+    team = parallel.team(BANDS_PART) if macs >= TEAM_MIN_MACS and blas_call.available() else None
     # bands of tile rows: about one part per thread, each image cut into the same number of bands,
     # and more where a part's V and products would outgrow PART_BYTES (a VGG-sized map)
     row_tiles = tw + 1

@@ -15,6 +15,8 @@ from ..concurrency.spin_team import addresses
 from .base import Op
 from .cache_append import concat_growing
 from .compiled import blas_call
+from .compiled.attention import PART_KIND as ATTENTION_PART
+from .compiled.attention import PRODUCTS_PART_KIND as PRODUCTS_PART
 from .compiled.gemm import PANELS_OVER_BLAS
 from .compiled.attention import (attention_heads, head_arguments, masked_attention, product_arguments,
                                  products_from)
@@ -248,7 +250,7 @@ class MaskedAttention(Op):
         numbers = np.array([scale, fill], np.float64)
         keep = np.ascontiguousarray(keep).view(np.uint8)
         bias = np.ascontiguousarray(bias)
-        team = parallel.team()
+        team = parallel.team(PRODUCTS_PART)
         parts = 1
         if team is not None and heads >= 2 and batch * heads * queries * keys * (depth + width) >= ATTENTION_SPLIT_MIN_MACS:
             parts = min(team.helpers + 1, heads)
@@ -332,7 +334,7 @@ def _heads_on_team(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, di
     as in one piece, so the bits do not depend on the split."""
     heads = q.shape[1]
     work = q.shape[0] * heads * q.shape[2] * k.shape[2] * (k.shape[3] + v.shape[3])
-    team = parallel.team()
+    team = parallel.team(ATTENTION_PART)
     if team is None or heads < 2 or work < ATTENTION_SPLIT_MIN_MACS:
         return False
     parts = min(team.helpers + 1, heads)

@@ -13,6 +13,7 @@ import numpy as np
 from ..concurrency import parallel, spin_team
 from .base import Op
 from .compiled import blas_call, gemm
+from .compiled.few_rows import PART_KIND as FEW_ROWS_PART
 from .compiled.few_rows import K_UNROLL, add_parts, few_rows_matmul, finish_parts, post_parts
 from .compiled.panels import no_panels, pack_panels
 from .elementwise import compute_dtype
@@ -158,7 +159,7 @@ def _on_team(a: np.ndarray, b: np.ndarray, y: np.ndarray, bias: np.ndarray | Non
     backend's spinning helpers taking one each (rows or columns as `matmul` splits them; each
     adds the bias to its band while it is in cache); False, having done nothing, when there is
     no free team or no compiled sgemm (`compiled.blas_call`)."""
-    team = parallel.team()
+    team = parallel.team(blas_call.PART_KIND)
     if team is None or not blas_call.available() or not (blas_rows(a) and blas_rows(b)):
         return False
     m, k = a.shape
@@ -238,7 +239,7 @@ def _panel_gemm(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None,
     biased = bias is not None
     row = np.ascontiguousarray(bias, np.float32).reshape(n) if biased else y[0, 0]  # (unread without a bias)
     panels = n // gemm.WIDTH
-    team = parallel.team() if count * m * k * n >= TEAM_MIN_MACS else None
+    team = parallel.team(gemm.PART_KIND) if count * m * k * n >= TEAM_MIN_MACS else None
     parts = None if team is None else _gemm_parts(count, panels, team.helpers + 1)
     control = None if parts is None or len(parts) < 2 else team.claim()  # type: ignore[union-attr]
     if control is None:  # alone, too small to share, or the team busy (every core is)
@@ -366,7 +367,7 @@ def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.
     # on which thread ran which part (nor, for a row, on the other rows)
     bounds = _k_bounds(k, parts)
     bias = _NO_BIAS if bias is None else bias  # (the compiled kernels take an empty row for none)
-    team = parallel.team()
+    team = parallel.team(FEW_ROWS_PART)
     control = None if team is None else team.claim()
     if control is not None:  # the helpers spin: post, run part 0 and wait in compiled code
         try:

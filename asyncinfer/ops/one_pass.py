@@ -22,9 +22,10 @@ import numpy as np
 
 from ..concurrency import parallel, spin_team
 from ..concurrency.spin_team import SpinTeam
-from .compiled.normalization import finish_rows, post_rows, row_range
-from .compiled.one_pass import (activate_range, add_range, affine_rows, finish_activate, finish_add, finish_affine,
-                                post_activate, post_add, post_affine)
+from .compiled.normalization import ROWS_PART_KIND, finish_rows, post_rows, row_range
+from .compiled.one_pass import (ACTIVATE_PART_KIND, ADD_PART_KIND, AFFINE_PART_KIND, activate_range, add_range,
+                                affine_rows, finish_activate, finish_add, finish_affine, post_activate, post_add,
+                                post_affine)
 from .epilogue import Activations, Epilogue
 
 #: From this many values a pass is offered to the spinning helpers (about 10 µs on one core:
@@ -49,7 +50,7 @@ def fused_add(a: np.ndarray, b: np.ndarray, activations: Activations,
     if epilogue is None:
         return None
     n = a.size
-    team = parallel.team() if n >= TEAM_MIN_VALUES else None
+    team = parallel.team(ADD_PART_KIND) if n >= TEAM_MIN_VALUES else None
     if team is None and not activations and into is None:
         return None
     out = np.empty(a.shape, np.float32) if into is None else into
@@ -76,7 +77,7 @@ def activated(x: np.ndarray, epilogue: Epilogue | None, in_place: bool = False) 
     if n < TEAM_MIN_VALUES:  # (one range here, no closures: a Relu of 64 values 1.6 -> 1.3 µs)
         activate_range(src, dst, 0, n, kind, av, bv)
         return out
-    _in_ranges(n, parallel.team(), ALIGN,
+    _in_ranges(n, parallel.team(ACTIVATE_PART_KIND), ALIGN,
                lambda control, cuts: post_activate(control, src, dst, cuts, kind, epilogue.numbers),
                lambda control, cuts, rounds: finish_activate(control, src, dst, cuts, kind, av, bv, rounds),
                lambda lo, hi: activate_range(src, dst, lo, hi, kind, av, bv))
@@ -94,7 +95,7 @@ def row_kernel(op: int, span: np.ndarray, stride: int, width: int, out: np.ndarr
     if rows * width < ROWS_TEAM_MIN_VALUES:
         row_range(op, span, stride, width, out, 0, rows)
         return
-    _in_ranges(rows, parallel.team(), 1,
+    _in_ranges(rows, parallel.team(ROWS_PART_KIND), 1,
                lambda control, cuts: post_rows(control, op, span, stride, width, out, cuts),
                lambda control, cuts, rounds: finish_rows(control, op, span, stride, width, out, cuts, rounds),
                lambda lo, hi: row_range(op, span, stride, width, out, lo, hi))
@@ -146,7 +147,7 @@ def fused_affine(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, activation
     rows = x.shape[0] * x.shape[1]
     planes, results = x.reshape(rows, width), out.reshape(rows, width)
     kind, av, bv = epilogue.kind, epilogue.a, epilogue.b
-    _in_ranges(rows, parallel.team() if x.size >= TEAM_MIN_VALUES else None, 1,
+    _in_ranges(rows, parallel.team(AFFINE_PART_KIND) if x.size >= TEAM_MIN_VALUES else None, 1,
                lambda control, cuts: post_affine(control, planes, scale, shift, results, cuts, kind, epilogue.numbers),
                lambda control, cuts, rounds: finish_affine(control, planes, scale, shift, results, cuts, kind, av, bv,
                                                            rounds),

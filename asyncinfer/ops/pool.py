@@ -13,13 +13,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..concurrency import parallel, spin_team
 from .base import Op
-from .compiled.pool import (COLUMNS_FIRST, FLAT, ROWS_FIRST, THREE_BY_ONE_MAX, THREE_BY_ONE_MEAN, THREE_BY_ONE_SUM,
-                            THREE_BY_TWO, TILES, finish_pool, pool_range, post_pool)
+from ..concurrency.spin_team import wait_parts
+from .compiled.pool import (COLUMNS_FIRST, FIRST_PART_KIND, FLAT, LOOP_RANGES, ROWS_FIRST, THREE_BY_ONE_MAX,
+                            THREE_BY_ONE_MEAN, THREE_BY_ONE_SUM, THREE_BY_TWO, TILES, post_pool)
 from .compiled.rows import row_means
 from .conv_kernels import TEAM_MIN_MACS, run_tasks, threads_for
 from .windows import (FlatWindows, check_spatial_attrs, flat_windows, kernel_taps, pad_spatial, spatial_attrs,
@@ -65,6 +67,12 @@ def takes_three_by_two(kernel: list[int], strides: list[int], dilations: list[in
     28x28 (50 -> 39) and 272 x 14x14 (39 -> 33)."""
     return (list(kernel) == [3, 3] and [int(s) for s in strides] == [2, 2] and all(int(d) == 1 for d in dilations)
             and not (in_place and width <= FLAT_THREE_BY_TWO_MAX_WIDTH))
+
+
+def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, *geometry: Any) -> None:
+    """Planes ``p0:p1`` of ``out`` pooled from ``x`` on ``loop``'s kernel (`compiled.pool.LOOP_RANGES`:
+    each compiles on its first call, not with the others)."""
+    LOOP_RANGES[loop](x, out, p0, p1, *geometry)
 
 
 class _WindowPool(Op):
@@ -135,9 +143,10 @@ class _WindowPool(Op):
         return self.per_shape((x.shape, x.dtype), lambda: self.plan_2d(x.shape, x.dtype))
 
     def _on_team(self, plan: "Plan2d", planes: np.ndarray, y: np.ndarray) -> bool:
-        """The planes in one share per sharer, this thread's and each spinning helper's, posted,
-        run and waited for in compiled code; False, having done nothing, when no team is free."""
-        team = parallel.team()
+        """The planes in one share per sharer, this thread's and each spinning helper's: posted,
+        this thread's run, and waited for in compiled code; False, having done nothing, when no
+        team is free."""
+        team = parallel.team(FIRST_PART_KIND + plan.loop)
         control = None if team is None else team.claim()
         if control is None:
             return False
@@ -146,8 +155,8 @@ class _WindowPool(Op):
             cuts = spin_team.range_cuts(len(planes), count, 1)
             if post_pool(control, plan.loop, planes, y, cuts, plan.geometry_array, plan.lowest, self.summing):
                 team.wake()  # type: ignore[union-attr]
-            if not finish_pool(control, plan.loop, planes, y, cuts, plan.geometry_array, plan.lowest, self.summing,
-                               spin_team.WAIT_ROUNDS):
+            pool_range(plan.loop, planes, y, int(cuts[0]), int(cuts[1]), *plan.geometry, plan.lowest[0], self.summing)
+            if not wait_parts(control, count - 1, spin_team.WAIT_ROUNDS):
                 team.wait_posted(count - 1)  # type: ignore[union-attr]
         finally:
             team.release()  # type: ignore[union-attr]

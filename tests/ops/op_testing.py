@@ -152,9 +152,9 @@ class TeamRuns:
 
     def __init__(self, helpers: int):
         from asyncinfer.concurrency.spin_team import SpinTeam
-        from asyncinfer.ops.compiled.team_parts import serve_parts
+        from asyncinfer.ops.compiled.team_parts import prepare_part, serve_parts
 
-        self.team = SpinTeam(helpers, serve_parts, name="test-team")
+        self.team = SpinTeam(helpers, serve_parts, prepare_part, name="test-team")
         self.shared = self.wakes = 0
         self._claim = real = self.team.claim
         wake = self.team.wake

@@ -79,7 +79,7 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
     another caller holds leaves the whole attention on this thread."""
     from asyncinfer.concurrency.spin_team import SpinTeam
     from asyncinfer.ops import fused
-    from asyncinfer.ops.compiled.team_parts import serve_parts
+    from asyncinfer.ops.compiled.team_parts import prepare_part, serve_parts
 
     keys, depth = 70, 64
     arena = RNG.standard_normal((batch, kv_heads, keys + 32, depth)).astype(np.float32)
@@ -94,7 +94,7 @@ def test_heads_shared_with_the_spin_team_have_the_bits_of_one_thread(batch, head
 
     alone = attend()  # no team bound: one thread
     monkeypatch.setattr(fused, "ATTENTION_SPLIT_MIN_MACS", 0)
-    team = SpinTeam(helpers, serve_parts, name="test-team")
+    team = SpinTeam(helpers, serve_parts, prepare_part, name="test-team")
     split: list[int] = []
     heads_on_team = fused._heads_on_team
     monkeypatch.setattr(fused, "_heads_on_team", lambda *args: split.append(1) or heads_on_team(*args))
@@ -163,7 +163,7 @@ def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread
     """Bands of heads on the spinning helpers give the one-thread result bit for bit, and a team
     another caller holds leaves every head on this thread."""
     from asyncinfer.concurrency.spin_team import SpinTeam
-    from asyncinfer.ops.compiled.team_parts import serve_parts
+    from asyncinfer.ops.compiled.team_parts import prepare_part, serve_parts
     _requires_blas_call()
     q = RNG.standard_normal((2, 6, 33, 32)).astype(np.float32)
     k, v = (RNG.standard_normal((2, 6, 50, 32)).astype(np.float32) for _ in range(2))
@@ -174,7 +174,7 @@ def test_two_product_heads_shared_with_the_spin_team_have_the_bits_of_one_thread
         return op.run(q, k, v, np.float32(8.0), keep, FILL, bias)
 
     alone = attend()
-    _shared_and_held_alike(attend, alone, SpinTeam(helpers, serve_parts, name="test-team"), monkeypatch)
+    _shared_and_held_alike(attend, alone, SpinTeam(helpers, serve_parts, prepare_part, name="test-team"), monkeypatch)
     np.testing.assert_allclose(alone, _definition(q, k, v, np.float32(8.0), True, keep, bias), rtol=1e-5, atol=1e-5)
 
 

@@ -281,7 +281,7 @@ def test_planes_shared_with_the_spin_team_give_the_same_bits(op_type, attrs, hel
 
 
 def test_helpers_not_done_within_the_compiled_spin_are_waited_for_the_slow_way(rng, monkeypatch):
-    """`finish_pool` giving up at once (no spin rounds) leaves the caller to wait through
+    """The compiled wait (`spin_team.wait_parts`) giving up at once (no spin rounds) leaves the caller to wait through
     `SpinTeam.wait_posted`: the same bits as the pool alone."""
     x = randn(rng, 2, 8, 80, 80)
     op = make_op("MaxPool", dict(kernel_shape=[3, 3], strides=[2, 2]), version=12)

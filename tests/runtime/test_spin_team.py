@@ -15,7 +15,7 @@ from asyncinfer.concurrency.spin_team import SpinTeam
 from asyncinfer.ops import linalg
 from asyncinfer.ops.compiled.few_rows import PART_KIND, few_rows_matmul, post_arguments
 from asyncinfer.ops.compiled.panels import no_panels, pack_panels
-from asyncinfer.ops.compiled.team_parts import serve_parts
+from asyncinfer.ops.compiled.team_parts import prepare_part, serve_parts
 
 
 _NONE = no_panels(np.float32)
@@ -28,7 +28,7 @@ def _operands(m: int, k: int, n: int, dtype=np.float32, seed: int = 0):
 
 @pytest.fixture
 def team():
-    team = SpinTeam(2, serve_parts, name="test-team")
+    team = SpinTeam(2, serve_parts, prepare_part, name="test-team")
     yield team
     team.close()
 
@@ -98,7 +98,7 @@ def test_an_error_in_the_callers_part_still_waits_for_the_helpers(team):
 
 
 def test_a_closed_team_declines_and_its_threads_end():
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     assert team.try_run([[PART_KIND, 1, 0, 0, 0, 0, 16, 0, 0, 0, 0]], lambda: None)  # an empty part: k0 = k1 = 0
     threads = list(team._threads)
     team.close()
@@ -121,7 +121,7 @@ def test_linalg_hands_split_gemvs_to_the_team_with_the_bits_of_run_parts(m, monk
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(m, 200, 300, seed=m)
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     claims = []
     real = team.claim
     monkeypatch.setattr(team, "claim", lambda: (claims.append(1), real())[1])
@@ -140,7 +140,7 @@ def test_with_the_team_busy_the_same_parts_run_in_turn_with_the_same_bits(monkey
     monkeypatch.setattr(linalg, "SPLIT_MIN_B_BYTES", 0)
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(3, 200, 300, seed=5)
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     holding, release = threading.Event(), threading.Event()
     holder = threading.Thread(target=lambda: team.try_run([], lambda: (holding.set(), release.wait(10))))
     holder.start()
@@ -165,7 +165,7 @@ def test_a_part_posted_before_a_new_helper_first_looks_is_still_run(monkeypatch)
         return real_loop(self, index, seen)
 
     monkeypatch.setattr(SpinTeam, "_loop", slow_start)
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     a, b = _operands(2, 32, 32)
     y = np.empty((2, 32), np.float32)
     try:
@@ -185,7 +185,7 @@ def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatc
     monkeypatch.setattr(linalg, "FEW_ROWS_MIN_B_BYTES", 0)
     a, b = _operands(2, 200, 300, seed=9)
     bias = np.random.default_rng(1).standard_normal(300).astype(np.float32)
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     try:
         with ThreadPoolExecutor(1) as pool, parallel.pool_bound(pool.submit, 2, team):
             first = linalg._few_rows(a, b, None, pack_panels(b))
@@ -203,15 +203,15 @@ def test_linalg_wakes_helpers_that_fell_asleep_and_adds_the_bias_last(monkeypatc
 
 
 def test_a_crowded_pool_offers_no_team():
-    """`parallel.team()` is the bound team only while ``crowded()`` is false."""
-    team = SpinTeam(1, serve_parts, name="test-team")
+    """`parallel.team(PART_KIND)` is the bound team only while ``crowded()`` is false."""
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     crowded = [False]
     try:
         with parallel.pool_bound(None, 2, team, lambda: crowded[0]):
-            assert parallel.team() is team
+            assert parallel.team(PART_KIND) is team
             crowded[0] = True
-            assert parallel.team() is None
-        assert parallel.team() is None  # unbound again
+            assert parallel.team(PART_KIND) is None
+        assert parallel.team(PART_KIND) is None  # unbound again
     finally:
         team.close()
 
@@ -247,7 +247,7 @@ def test_kernels_leave_the_team_alone_while_another_pool_thread_works(backend_wi
         def run(self) -> None:
             if self.barrier is not None:
                 self.barrier.wait(timeout=10)
-            seen.append(parallel.team() is not None)
+            seen.append(parallel.team(PART_KIND) is not None)
             if self.barrier is not None:
                 self.barrier.wait(timeout=10)  # both looked before either leaves
             done.release()
@@ -286,7 +286,7 @@ def test_work_queued_for_a_lane_keeps_kernels_off_the_team(monkeypatch):
                 deadline = time.monotonic() + 10
                 while self.until_queued and not backend._pool.queued and time.monotonic() < deadline:
                     time.sleep(0.001)
-                seen.append(parallel.team() is not None)
+                seen.append(parallel.team(PART_KIND) is not None)
                 done.release()
 
         backend._submit(Job(False))
@@ -332,7 +332,7 @@ def test_a_run_ending_beside_another_keeps_the_pool_crowded_a_while(backend_with
         def run(self) -> None:
             together.wait(timeout=10)
             assert first_left.wait(timeout=10)
-            seen.append(parallel.team() is not None)
+            seen.append(parallel.team(PART_KIND) is not None)
             done.release()
 
     backend._submit(Ending())
@@ -360,7 +360,7 @@ def test_a_job_that_is_finishing_no_longer_crowds_the_next(backend_with_team):
         serial = False
 
         def run(self) -> None:
-            seen.append(parallel.team() is not None)
+            seen.append(parallel.team(PART_KIND) is not None)
             next_looked.set()
 
     class Finishing:
@@ -425,7 +425,7 @@ def test_a_helper_on_its_posters_core_moves_off_it_and_runs_the_part(monkeypatch
     to be unbound again."""
     unbound = []
     monkeypatch.setattr(placement, "bind_all", lambda cores: unbound.append(set(cores)))
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     try:
         cores, y = _helper_beside_the_caller(team)
         deadline = time.monotonic() + 30
@@ -444,7 +444,7 @@ def test_a_helper_on_its_posters_core_moves_off_it_and_runs_the_part(monkeypatch
 @_needs_two_cores
 def test_with_pinning_off_a_helper_stays_where_it_is(monkeypatch):
     monkeypatch.setenv("ASYNCINFER_PIN_THREADS", "0")
-    team = SpinTeam(1, serve_parts, name="test-team")
+    team = SpinTeam(1, serve_parts, prepare_part, name="test-team")
     try:
         cores, _ = _helper_beside_the_caller(team)
     finally:
@@ -463,7 +463,7 @@ def _stalled_team(monkeypatch, release: threading.Event, busy_here=None) -> Spin
         return real_loop(self, index, seen)
 
     monkeypatch.setattr(SpinTeam, "_loop", stalled)
-    return SpinTeam(1, serve_parts, name="test-team", busy_here=busy_here)
+    return SpinTeam(1, serve_parts, prepare_part, name="test-team", busy_here=busy_here)
 
 
 def _keep_helper_off_the_caller_s_core(team: SpinTeam) -> list[int]:

@@ -46,7 +46,7 @@ from ...concurrency.spin_team import SpinTeam
 from ...errors import AsyncInferError, DisposedError, ExecutionError
 from ...model.ir import Layer
 from ...ops.base import Op
-from ...ops.compiled.team_parts import serve_parts
+from ...ops.compiled.team_parts import prepare_part, serve_parts
 from ...ops.epilogue import apply_activations
 from ..base import Backend, Job, Step, StepDone, ValueTypes, run_kernel
 from . import blas
@@ -99,7 +99,7 @@ class CPUBackend(Backend):
         self._helpers = ThreadPoolExecutor(max_workers=max(1, self.threads - 1), thread_name_prefix="asyncinfer-part",
                                            initializer=self._start_thread)
         # compiled parts (a decode step's GEMVs) go to spinning helpers that start them in microseconds
-        self._team = (SpinTeam(self.threads - 1, serve_parts, busy_here=self._lanes_busy)
+        self._team = (SpinTeam(self.threads - 1, serve_parts, prepare_part, busy_here=self._lanes_busy)
                       if self._blas_single and self.threads > 1 else None)
         # the lanes: the most recently idle takes the next work, warm (`concurrency/lanes.py`)
         self._pool = LanePool(self.lanes, "asyncinfer-cpu", self._start_thread)

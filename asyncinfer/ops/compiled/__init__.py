@@ -11,11 +11,11 @@ a row held in L1.
   exceptions inside loops), and ``cache=True``: compiled once per signature on first call, then
   loaded from numba's on-disk cache by later processes (about 1 s per kernel the first time).
   numba checks a cached function against its own file only, so a kernel calling kernels of
-  other files (a `panels` block inside `few_rows.few_rows_matmul`, itself inside
-  `team_parts.serve_parts`) would keep running their old code after they changed: importing this
+  other files (a `panels` block inside `few_rows.few_rows_matmul`, itself inside a
+  `team_parts` runner) would keep running their old code after they changed: importing this
   package drops every cached kernel when any kernel source differs from the last import's
   (`cache_stamp`). A kernel loaded from the cache keeps its LLVM IR as bitcode, not as numba's
-  parsed module (`cached_ir`: 36 MB for the serve loop alone), and loads without numba's target
+  parsed module (`cached_ir`: 36 MB for a serve loop that ran every kind of part), and loads without numba's target
   refreshed (0.4-0.7 s of a process's first run).
 - Kernels have no default arguments (`kernel` refuses them): numba's dispatcher types a call that
   leaves one out on its slow path (`_compile_for_args`), about 80 µs a call against 1 µs: a

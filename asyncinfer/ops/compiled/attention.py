@@ -132,7 +132,7 @@ def attention_heads(q: np.ndarray, k_at: int, ks0: int, ks1: int, ks2: int, v_at
 @kernel
 def attention_part(control: np.ndarray) -> None:
     """Run the `attention_heads` part posted in a spin team's ``control`` row by `post_heads`
-    (the helper's side, `team_parts.serve_parts`)."""
+    (the helper's side, a `team_parts` runner)."""
     batch, heads, queries, depth = control[ARGS], control[ARGS + 1], control[ARGS + 2], control[ARGS + 3]
     kv_heads, keys, width = control[ARGS + 4], control[ARGS + 5], control[ARGS + 6]
     q = numba.carray(address_as_pointer(control[ARGS + 7], np.float32), (batch, heads, queries, depth))
@@ -236,7 +236,7 @@ def attention_products(q_at: int, qs0: int, qs1: int, qs2: int, k_at: int, ks0: 
 @kernel
 def products_part(control: np.ndarray) -> None:
     """Run the `attention_products` part posted in a spin team's ``control`` row by
-    `product_arguments` (the helper's side, `team_parts.serve_parts`)."""
+    `product_arguments` (the helper's side, a `team_parts` runner)."""
     products_from(control, ARGS)
 
 

@@ -1,7 +1,7 @@
 """Numba's on-disk caches of asyncinfer's kernels, dropped when any kernel source changed.
 
 numba checks a cached function against the file it is defined in, and only that file: a kernel
-that inlines or calls kernels of other files (`team_parts.serve_parts` runs every part kind, a
+that inlines or calls kernels of other files (each `team_parts` runner runs a kind of part, a
 `panels` register block sits inside a dozen kernels) keeps running the code those files had when
 it was cached, after they changed. A source tree switched by ``git checkout`` or edited between
 two runs then computes with a mix of old and new code, silently: an A/B of two worktrees once

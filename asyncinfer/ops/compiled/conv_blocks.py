@@ -93,7 +93,7 @@ def part_arguments(x: np.ndarray, mode: int, geometry: np.ndarray, offsets: np.n
 @numba.njit(inline="always")
 def conv_part(control: np.ndarray) -> None:
     """Run the `conv_blocks` part posted in a spin team's ``control`` row (`part_arguments`):
-    the helper's side (`team_parts.serve_parts`)."""
+    the helper's side (a `team_parts` runner)."""
     at = ARGS
     mode = control[at]
     n, c, h, w = control[at + 1], control[at + 2], control[at + 3], control[at + 4]

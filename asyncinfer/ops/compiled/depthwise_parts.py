@@ -152,7 +152,7 @@ def post_and_finish_depthwise(control: np.ndarray, loop: int, x: np.ndarray, tap
 @numba.njit(inline="always")
 def depthwise_part(control: np.ndarray) -> None:
     """Run the `depthwise_range` part posted in a spin team's ``control`` row (`post_depthwise`):
-    the helper's side (`team_parts.serve_parts`)."""
+    the helper's side (a `team_parts` runner)."""
     at = ARGS
     n = control[at + 1]
     x = numba.carray(address_as_pointer(control[at + 11], np.float32),

@@ -305,7 +305,7 @@ def post_and_finish_direct(control: np.ndarray, columns: np.ndarray, padded: np.
 @numba.njit(inline="always")
 def direct_part(control: np.ndarray) -> None:
     """Run the `direct_conv` part posted in a spin team's ``control`` row (`post_direct`): the
-    helper's side (`team_parts.serve_parts`)."""
+    helper's side (a `team_parts` runner)."""
     at = ARGS
     taps, mp, n, c, hp, wp, m, span = (control[at], control[at + 1], control[at + 2], control[at + 3],
                                        control[at + 4], control[at + 5], control[at + 6], control[at + 7])

@@ -404,7 +404,7 @@ def post_and_finish_panels(control: np.ndarray, panels: np.ndarray, padded: np.n
 @numba.njit(inline="always")
 def direct_panel_part(control: np.ndarray) -> None:
     """Run the `direct_panel_conv` part posted in a spin team's ``control`` row (`post_panels`):
-    the helper's side (`team_parts.serve_parts`)."""
+    the helper's side (a `team_parts` runner)."""
     at = ARGS
     count, taps, n, c, hp, wp, m, span, sets = (control[at], control[at + 1], control[at + 2], control[at + 3],
                                                 control[at + 4], control[at + 5], control[at + 6], control[at + 7],

@@ -180,7 +180,7 @@ def _tile(a: np.ndarray, b: np.ndarray, y: np.ndarray, k0: int, k1: int, n0: int
 @kernel
 def few_rows_part(control: np.ndarray) -> None:
     """Run the `few_rows_matmul` part posted in a spin team's ``control`` row (by `post_parts` or
-    `post_arguments`): the helper's side (`team_parts.serve_parts`)."""
+    `post_arguments`): the helper's side (a `team_parts` runner)."""
     m, k, n, k0, k1, tile, wide = control[ARGS:ARGS + 7]
     a_at, b_at, y_at, panels_at, count = control[ARGS + 7:ARGS + 12]
     if wide:

@@ -231,7 +231,7 @@ def _strided_panels(address: int, shape: tuple[int, int, int, int], entry: int, 
 @numba.njit(inline="always")
 def gemm_part(control: np.ndarray) -> None:
     """Run the `panel_gemm_batch` part posted in a spin team's ``control`` row (`post_gemm`): the
-    helper's side (`team_parts.serve_parts`)."""
+    helper's side (a `team_parts` runner)."""
     at = ARGS
     count, m, k, p = control[at], control[at + 1], control[at + 2], control[at + 3]
     a = strided(control[at + 4], (count, m, k), control[at + 5], control[at + 6])

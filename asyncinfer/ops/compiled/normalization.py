@@ -213,7 +213,7 @@ def finish_rows(control: np.ndarray, op: int, span: np.ndarray, stride: int, wid
 @numba.njit(inline="always")
 def rows_part(control: np.ndarray) -> None:
     """Run the `row_range` posted in a spin team's ``control`` row (`post_rows`): the helper's
-    side (`team_parts.serve_parts`)."""
+    side (a `team_parts` runner)."""
     at = ARGS
     span = numba.carray(address_as_pointer(control[at + 2], np.float32), (control[at + 1],))
     out = numba.carray(address_as_pointer(control[at + 6], np.float32), (control[at + 5],))

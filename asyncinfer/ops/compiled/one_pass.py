@@ -179,7 +179,7 @@ def finish_add(control: np.ndarray, a: np.ndarray, b: np.ndarray, out: np.ndarra
 @numba.njit(inline="always")
 def add_part(control: np.ndarray) -> None:
     """Run the `add_range` part posted in a spin team's ``control`` row (`post_add`): the
-    helper's side (`team_parts.serve_parts`)."""
+    helper's side (a `team_parts` runner)."""
     at = ARGS
     n = control[at]
     a = numba.carray(address_as_pointer(control[at + 1], np.float32), (n,))

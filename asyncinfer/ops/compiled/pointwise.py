@@ -385,7 +385,7 @@ def post_and_finish_pointwise(control: np.ndarray, wt: np.ndarray, x: np.ndarray
 @numba.njit(inline="always")
 def pointwise_part(control: np.ndarray) -> None:
     """Run the `pointwise_conv` part posted in a spin team's ``control`` row (`post_pointwise`):
-    the helper's side (`team_parts.serve_parts`)."""
+    the helper's side (a `team_parts` runner)."""
     at = ARGS
     groups, c, mg, n, xc, xs, ys, count = (control[at], control[at + 1], control[at + 2], control[at + 3],
                                            control[at + 4], control[at + 5], control[at + 6], control[at + 7])

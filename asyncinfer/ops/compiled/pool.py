@@ -35,17 +35,19 @@ redoes a block exactly when it read a NaN; a sum adds down the window's rows, th
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
 
-from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
+from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep
 from . import inline, kernel
 from .phases import phase_tap, split_even_odd
 from .pool_folds import EXACT_MAX, LARGER, SUM, _fold, _max
 from .pool_three import max_three_by_one, max_three_by_two, mean_three_by_one, sum_three_by_one, sum_three_by_two
 
-#: The kind of a spin-team part that is a `pool_range`.
-PART_KIND = 8
+#: The kind of a spin-team part of loop ``loop`` (`LOOP_RANGES`): ``FIRST_PART_KIND + loop``.
+FIRST_PART_KIND = 17
 #: The loops: `pool2d` (rows first), `pool2d_columns_first`, `pool_tiles`, `flat_pool`, and the
 #: 3x3/2 pool's, the 3x3/1 sum's, the 3x3/1 mean's over the values inside the map and the 3x3/1
 #: max's (`pool_three`).
@@ -389,46 +391,64 @@ def flat_pool(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int
 
 
 @kernel
-def pool_range(loop: int, x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
-               dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
-    """Planes ``p0:p1`` on ``loop`` (`ROWS_FIRST`, `COLUMNS_FIRST`, `TILES`, `FLAT`, `THREE_BY_TWO`,
-    `THREE_BY_ONE_SUM`, `THREE_BY_ONE_MEAN`, `THREE_BY_ONE_MAX`; the arguments as those loops take
-    them, `TILES` reading only ``kh, kw, summing``, `THREE_BY_TWO` only ``top, left, lowest,
-    summing``, the 3x3/1 ones none): one
-    call, for the calling thread's share and a spinning helper's (`pool_part`)."""
-    if loop == THREE_BY_TWO:
-        if summing:
-            sum_three_by_two(x, out, p0, p1, top, left)
-        else:
-            max_three_by_two(x, out, p0, p1, top, left, lowest)
-    elif loop == THREE_BY_ONE_SUM:
-        sum_three_by_one(x, out, p0, p1)
-    elif loop == THREE_BY_ONE_MEAN:
-        mean_three_by_one(x, out, p0, p1)
-    elif loop == THREE_BY_ONE_MAX:
-        max_three_by_one(x, out, p0, p1)
-    elif loop == FLAT:
-        flat_pool(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
-    elif loop == TILES:
-        pool_tiles(x, out, p0, p1, kh, kw, summing)
-    elif loop == COLUMNS_FIRST:
-        pool2d_columns_first(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
+def tiles_range(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int, dh: int,
+                dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """`pool_tiles` with the arguments every loop's range takes (`LOOP_RANGES`)."""
+    pool_tiles(x, out, p0, p1, kh, kw, summing)
+
+
+@kernel
+def three_by_two_range(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                       dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """`sum_three_by_two` or `max_three_by_two`, with every loop's arguments (`LOOP_RANGES`)."""
+    if summing:
+        sum_three_by_two(x, out, p0, p1, top, left)
     else:
-        pool2d(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)
+        max_three_by_two(x, out, p0, p1, top, left, lowest)
+
+
+@kernel
+def three_by_one_sum_range(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                           dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """`sum_three_by_one` with every loop's arguments (`LOOP_RANGES`)."""
+    sum_three_by_one(x, out, p0, p1)
+
+
+@kernel
+def three_by_one_mean_range(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                            dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """`mean_three_by_one` with every loop's arguments (`LOOP_RANGES`)."""
+    mean_three_by_one(x, out, p0, p1)
+
+
+@kernel
+def three_by_one_max_range(x: np.ndarray, out: np.ndarray, p0: int, p1: int, kh: int, kw: int, sh: int, sw: int,
+                           dh: int, dw: int, top: int, left: int, lowest: float, summing: bool) -> None:
+    """`max_three_by_one` with every loop's arguments (`LOOP_RANGES`)."""
+    max_three_by_one(x, out, p0, p1)
+
+
+#: Each loop's kernel over a range of planes, indexed by the loop (`ROWS_FIRST`...), all taking
+#: ``(x, out, p0, p1, kh, kw, sh, sw, dh, dw, top, left, lowest, summing)`` (`TILES` reads only
+#: ``kh, kw, summing`` of them, `THREE_BY_TWO` only ``top, left, lowest, summing``, the 3x3/1
+#: ones none). One kernel a loop, not one that branches on the loop: that one compiled every
+#: loop (46 s on an empty numba cache, a model's first run) where a model runs one or two.
+LOOP_RANGES = (pool2d, pool2d_columns_first, tiles_range, flat_pool, three_by_two_range, three_by_one_sum_range,
+               three_by_one_mean_range, three_by_one_max_range)
 
 
 @kernel
 def post_pool(control: np.ndarray, loop: int, x: np.ndarray, out: np.ndarray, cuts: np.ndarray,
               geometry: np.ndarray, lowest: np.ndarray, summing: bool) -> int:
     """Post planes ``cuts[i + 1]:cuts[i + 2]`` to helper ``i`` of a claimed team's ``control``, for
-    `pool_part` to run as ``pool_range(loop, x, out, p0, p1, *geometry, lowest[0], summing)`` on
+    `pool_part` to run as ``LOOP_RANGES[loop](x, out, p0, p1, *geometry, lowest[0], summing)`` on
     C-contiguous float32 ``x`` (P, H, W) and ``out`` (P, Ho, Wo) (``geometry``: kh, kw, sh, sw, dh,
     dw, top, left, int64; ``lowest`` a float64 array of one); how many of those helpers were
     asleep (the caller wakes them). The caller keeps the arrays alive until the parts are done."""
     sleeping = 0
     for i in range(cuts.shape[0] - 2):
         row = control[i]
-        row[KIND] = PART_KIND
+        row[KIND] = FIRST_PART_KIND + loop
         at = ARGS
         row[at], row[at + 1], row[at + 2], row[at + 3] = loop, x.shape[0], x.shape[1], x.shape[2]
         row[at + 4], row[at + 5] = out.shape[1], out.shape[2]
@@ -441,26 +461,15 @@ def post_pool(control: np.ndarray, loop: int, x: np.ndarray, out: np.ndarray, cu
     return sleeping
 
 
-@kernel
-def finish_pool(control: np.ndarray, loop: int, x: np.ndarray, out: np.ndarray, cuts: np.ndarray,
-                geometry: np.ndarray, lowest: np.ndarray, summing: bool, rounds: int) -> bool:
-    """Pool planes ``cuts[0]:cuts[1]`` here, then wait for the parts `post_pool` posted; False when
-    a helper is not done within ``rounds`` spins (the caller then waits the slow way)."""
-    pool_range(loop, x, out, cuts[0], cuts[1], geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
-               geometry[5], geometry[6], geometry[7], lowest[0], summing)
-    return wait_all(control, cuts.shape[0] - 2, rounds)
-
-
 @numba.njit(inline="always")
-def pool_part(control: np.ndarray) -> None:
-    """Run the `pool_range` part posted in a spin team's ``control`` row (`post_pool`): the
-    helper's side (`team_parts.serve_parts`)."""
+def pool_part(control: np.ndarray, loop_range: Any) -> None:
+    """Run the part posted in a spin team's ``control`` row (`post_pool`) on ``loop_range``, the
+    posted loop's `LOOP_RANGES` kernel: the helper's side (`team_parts`, a runner a loop)."""
     at = ARGS
     planes = control[at + 1]
     x = numba.carray(address_as_pointer(control[at + 6], np.float32), (planes, control[at + 2], control[at + 3]))
     out = numba.carray(address_as_pointer(control[at + 7], np.float32), (planes, control[at + 4], control[at + 5]))
     lowest = numba.carray(address_as_pointer(control[at + 8], np.float64), (1,))
     p = at + 9
-    pool_range(control[at], x, out, control[p], control[p + 1], control[p + 2], control[p + 3], control[p + 4],
-               control[p + 5], control[p + 6], control[p + 7], control[p + 8], control[p + 9], lowest[0],
-               control[p + 10] != 0)
+    loop_range(x, out, control[p], control[p + 1], control[p + 2], control[p + 3], control[p + 4], control[p + 5],
+               control[p + 6], control[p + 7], control[p + 8], control[p + 9], lowest[0], control[p + 10] != 0)

@@ -129,7 +129,7 @@ def finish_bands(control: np.ndarray, x: np.ndarray, u: np.ndarray, bias: np.nda
 @numba.njit(inline="always")
 def band_part(control: np.ndarray) -> None:
     """Run the `winograd_bands` part posted in a spin team's ``control`` row (`post_bands`): the
-    helper's side (`team_parts.serve_parts`)."""
+    helper's side (a `team_parts` runner)."""
     at = ARGS
     n, c, h, w = control[at], control[at + 1], control[at + 2], control[at + 3]
     xi, m = control[at + 4], control[at + 5]
