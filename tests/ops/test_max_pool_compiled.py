@@ -116,13 +116,14 @@ def test_average_pool_matches_reference(name, dtype, include_pad, loop, rng, mon
 
 
 @pytest.mark.parametrize("shape", [(1, 5, 28, 28), (2, 3, 14, 9), (1, 2, 1, 7), (1, 3, 6, 1), (1, 2, 1, 1),
-                                   (3, 100, 7, 7), (1, 7, 2, 5)])
+                                   (3, 100, 7, 7), (1, 7, 2, 5), (1, 3, 1, 20), (1, 4, 2, 16), (2, 9, 14, 14)])
 @pytest.mark.parametrize("include_pad", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_three_by_three_unit_stride_average_pool_sums_blocks_of_planes(shape, include_pad, dtype, rng, monkeypatch):
     """A 3x3/1 average pool with a pad of one all round (Inception's) sums blocks of whole planes
     in two flat passes (`pool_three.sum_three_by_one`; 300 planes of 7x7 make several blocks,
-    the last one short): the bits of the flat passes over padded planes it replaced there
+    the last one short; from 14 columns the edges are written over after each pass, one and two
+    rows included): the bits of the flat passes over padded planes it replaced there
     (signed zeros, NaN and inf included), and the reference's values. Where pads do not count,
     the loop divides each sum by its window's count itself (`mean_three_by_one`): the bits of the
     sums divided by the counts afterwards."""
@@ -150,7 +151,7 @@ def test_three_by_three_unit_stride_average_pool_sums_blocks_of_planes(shape, in
 
 
 @pytest.mark.parametrize("shape", [(1, 5, 28, 28), (2, 3, 14, 9), (1, 2, 1, 7), (1, 3, 6, 1), (1, 2, 1, 1),
-                                   (3, 100, 7, 7), (1, 7, 2, 5)])
+                                   (3, 100, 7, 7), (1, 7, 2, 5), (1, 3, 1, 20), (1, 4, 2, 16), (2, 9, 14, 14)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_three_by_three_unit_stride_max_pool_takes_blocks_of_planes(shape, dtype, rng, monkeypatch):
     """A 3x3/1 max pool with a pad of one all round (Inception-v2's last pool) takes the two flat
