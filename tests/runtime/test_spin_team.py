@@ -15,6 +15,7 @@ from asyncinfer.concurrency.spin_team import SpinTeam
 from asyncinfer.ops import linalg
 from asyncinfer.ops.compiled.few_rows import PART_KIND, few_rows_matmul, post_arguments
 from asyncinfer.ops.compiled.panels import no_panels, pack_panels
+from asyncinfer.ops.compiled import team_parts
 from asyncinfer.ops.compiled.team_parts import prepare_part, serve_parts
 
 
@@ -49,6 +50,48 @@ def test_parts_posted_to_helpers_equal_the_kernel(team, dtype, packed):
         expected = np.empty((5, 70), dtype)
         few_rows_matmul(a, b, expected, bounds[i], bounds[i + 1], 32, no_panels(dtype))
         np.testing.assert_array_equal(parts[i], expected)
+
+
+def test_a_kind_is_prepared_once_before_its_first_part_is_posted():
+    """The helpers run a kind of part through a runner compiled for that kind alone
+    (`team_parts.prepare_part`, so that a model compiles only the kinds it runs): the team asks for
+    it before the first part of the kind is posted, and never again."""
+    prepared = []
+
+    def prepare(kind: int) -> None:
+        prepared.append(kind)
+        prepare_part(kind)
+
+    team = SpinTeam(1, serve_parts, prepare, name="test-team")
+    try:
+        a, b = _operands(3, 40, 20)
+        for _ in range(2):
+            part, own = np.empty((3, 20), np.float32), np.empty((3, 20), np.float32)
+            assert team.try_run([post_arguments(a, b, part, 20, 40, 32, no_panels(np.float32))],
+                                lambda: few_rows_matmul(a, b, own, 0, 20, 32, no_panels(np.float32)))
+            expected = np.empty((3, 20), np.float32)
+            few_rows_matmul(a, b, expected, 20, 40, 32, no_panels(np.float32))
+            np.testing.assert_array_equal(part, expected)
+        assert prepared == [PART_KIND]
+        assert team_parts.RUNNERS[PART_KIND] != 0
+    finally:
+        team.close()
+
+
+def test_every_part_kind_has_a_runner():
+    """Each kind a kernel posts (a module's `PART_KIND`, a pool loop's own) has a runner to
+    compile: a kind without one would fail at its first `parallel.team(kind)`."""
+    from asyncinfer.ops.compiled import (attention, blas_call, conv_blocks, depthwise_parts, direct, direct_panels,
+                                         few_rows, gemm, normalization, one_pass, pointwise, pool, winograd_bands)
+
+    kinds = {attention.PART_KIND, attention.PRODUCTS_PART_KIND, blas_call.PART_KIND, conv_blocks.PART_KIND,
+             depthwise_parts.PART_KIND, direct.PART_KIND, direct_panels.PART_KIND, few_rows.PART_KIND,
+             gemm.PART_KIND, normalization.ROWS_PART_KIND, one_pass.ADD_PART_KIND, one_pass.AFFINE_PART_KIND,
+             one_pass.ACTIVATE_PART_KIND, pointwise.PART_KIND, pointwise.SMALL_MAP_PART_KIND, winograd_bands.PART_KIND}
+    kinds |= {pool.FIRST_PART_KIND + loop for loop in range(len(pool.LOOP_RANGES))}
+    assert len(kinds) == 16 + len(pool.LOOP_RANGES), "two kernels post the same kind"
+    assert kinds == set(team_parts._RUNNER_SOURCES)
+    assert len(team_parts.RUNNERS) == max(kinds) + 1
 
 
 def test_a_busy_team_declines_and_runs_nothing(team):
