@@ -111,6 +111,9 @@ def serve_parts(control: np.ndarray, seen: int, rounds: int, masks: np.ndarray, 
 
 
 # -- the runners: one C function a kind, compiled when that kind is first handed to the team -------
+# (Each a function of its own at module level, not one made by a factory: numba finds a compiled
+# function in its disk cache by the defining file, name and line, and a closure made per kind
+# would share one.)
 @numba.njit(inline="always")
 def _row(address: Any) -> np.ndarray:
     """The control row at ``address``."""
