@@ -47,7 +47,7 @@ def _model(cin: int, cout: int, height: int, width: int, activation: str | None)
 
 
 @pytest.mark.parametrize("cin, cout, height, width", [
-    (64, 64, 7, 7),      # whole panels, 49 positions: blocks of 14 (AVX-512) or 8, the last overlapping
+    (64, 64, 7, 7),      # whole panels, 49 positions: blocks of 14 (AVX-512) or 8, the last overlapping or of 1
     (512, 40, 14, 14),   # a whole panel and a partial one
     (48, 32, 3, 5),      # 15 positions
     (512, 32, 2, 3),     # 6 positions: fewer than a block, through the scratch block
@@ -122,8 +122,9 @@ def _residual_step(worker: ai.Worker, outputs: list[str] | None = None):
 
 
 @pytest.mark.parametrize("channels, height, width, over", [
-    (64, 7, 7, True),      # 49 positions: 3 blocks of 14, the last (overlapping) through a block of its own
+    (64, 7, 7, True),      # 49 positions: 4 blocks of 14, the last (overlapping) through a block of its own
     (64, 5, 10, True),     # 50: the same, 8 of its positions stored
+    (64, 4, 11, True),     # 44: 3 blocks of 14 and a block of 2 (blocks of 8: 5 and an overlapping one)
     (96, 13, 13, True),    # 169: 12 blocks of 14, the last of 1; 3 whole panels of 32 channels
     (64, 3, 4, True),      # 12: blocks of 8 (and the last of 4 stored)
     (64, 56, 56, True),    # 3136 (ResNet-50's first stage): a map of any size over the residual

@@ -29,8 +29,8 @@ multiply-add after another, whatever the blocking: the same bits for any split b
 round, positions are the blocks' rows, read in place from the input, and the weights are packed
 once into panels of output channels (`pack_weights`); each block is stored transposed (in
 registers for a whole panel of channels). No position is padded (a 7x7 map is 49 rows): blocks of
-14 positions with AVX-512 (`panels.WIDE_ROWS`), the last overlapping the one before, else 8, 4, 2
-and 1. An input over `SMALL_MAP_WHOLE_BYTES` goes by in bands of positions through every panel
+14 positions with AVX-512 (`panels.WIDE_ROWS`), else 8; a few positions left over go by smaller
+blocks (`SHORT_TAIL`), more by one more block overlapping the one before. An input over `SMALL_MAP_WHOLE_BYTES` goes by in bands of positions through every panel
 (`SMALL_MAP_BAND_BYTES`), and each step prefetches its input row a few lines ahead
 (`panels.A_AHEAD`): inside a model's run the map comes from memory, in more streams than the
 prefetchers follow.
@@ -482,23 +482,25 @@ def _last_block_over_residual(source: np.ndarray, weights: np.ndarray, p: int, c
 @numba.njit(inline="always")
 def _residual_blocks(source: np.ndarray, weights: np.ndarray, p: int, c: int, out: np.ndarray, b0: int, b1: int,
                      c0: int, finish: int, bias: np.ndarray, av: float, bv: float, extra: np.ndarray,
-                     over_residual: bool, plain: int, relu: bool, has_next: bool) -> None:
-    """Positions ``b0:b1`` (at least 8) of panel ``p`` stored into ``out`` plus the residual
+                     over_residual: bool, plain: int, relu: bool, has_next: bool) -> int:
+    """Positions ``b0:end`` (at least 8) of panel ``p`` stored into ``out`` plus the residual
     ``extra``, in blocks of `WIDE_ROWS` (AVX-512, where there are as many) or 8 positions, the last
-    ending at ``b1`` (overlapping the one before: the same sums again, the same bits), the last
-    few prefetching the next panel's weights where ``has_next`` (`panels.ahead_share`). (Its own
-    loop: the blocks without a residual, in the same loop, ran 3-30% slower in ResNet-50's 1x1
-    convs.) ``over_residual`` (``out`` is
-    ``extra`` itself): a last block overlapping the one before would add the residual twice to
-    the positions they share: it goes by `_last_block_over_residual` instead (its bias,
-    ``plain``, then the residual and the Relu where ``relu``)."""
+    few prefetching the next panel's weights where ``has_next`` (`panels.ahead_share`); returns
+    ``end``, where the blocks stopped (`_whole_blocks_end`: a few positions short of ``b1`` are
+    left to smaller blocks, else the last block ends at ``b1``, overlapping the one before: the
+    same sums again, the same bits). (Its own loop: the blocks without a residual, in the same
+    loop, ran 3-30% slower in ResNet-50's 1x1 convs.) ``over_residual`` (``out`` is ``extra``
+    itself): a last block overlapping the one before would add the residual twice to the
+    positions they share: it goes by `_last_block_over_residual` instead (its bias, ``plain``,
+    then the residual and the Relu where ``relu``)."""
     rows = WIDE_ROWS if WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS else 8
-    blocks = -(-(b1 - b0) // rows)
+    end = _whole_blocks_end(b0, b1, rows)
+    blocks = -(-(end - b0) // rows)
     # (a last block out of line prefetches nothing: the blocks before it share the next panel)
-    sharing = blocks - 1 if over_residual and (b1 - b0) % rows else blocks
+    sharing = blocks - 1 if over_residual and (end - b0) % rows else blocks
     row_bytes = weights.shape[2] * weights.itemsize
-    for r in range(b0, b1, rows):
-        s = min(r, b1 - rows)
+    for r in range(b0, end, rows):
+        s = min(r, end - rows)
         ahead_at, ahead_step = ahead_share(has_next, (r - b0) // rows, sharing, c, row_bytes)
         if over_residual and s < r:
             _last_block_over_residual(source, weights, p, c, out, s, rows, r, c0, plain, bias, av, bv, relu)
@@ -508,6 +510,26 @@ def _residual_blocks(source: np.ndarray, weights: np.ndarray, p: int, c: int, ou
         else:
             _by_column8_residual(source, weights, p, 0, c, out, s, c0, finish, bias, av, bv, extra, ahead_at,
                                  ahead_step)
+    return end
+
+
+#: Positions past a band's last whole block of `WIDE_ROWS` that go by smaller blocks (2 and 1
+#: rows); more go by one more wide block overlapping the one before, computing again the
+#: positions they share. One core, 512 -> 1000 at 13x13 (SqueezeNet's classifier: 169 positions,
+#: 12 blocks and one position) 1223-1325 -> 1149-1156 µs. At 7x7 (3 blocks and 7) blocks of 4, 2
+#: and 1 measured the same alone (370-384 against 371-372 µs) and slower in ResNet-50's run on two
+#: cores (its 2048 -> 512 at 7x7 470 -> 545 µs): the wide blocks share the prefetching of the
+#: next panel's weights (`panels.ahead_share`), and three blocks did it less evenly than four.
+SHORT_TAIL = 3
+
+
+@numba.njit(inline="always")
+def _whole_blocks_end(b0: int, b1: int, rows: int) -> int:
+    """Where blocks of ``rows`` positions from ``b0`` stop, the positions to ``b1`` past it left to
+    smaller blocks: a tail of at most `SHORT_TAIL` positions is left, a longer one is ``b1`` (the
+    last block overlapping the one before)."""
+    tail = (b1 - b0) % rows
+    return b1 - tail if tail <= SHORT_TAIL else b1
 
 
 @kernel(contract=False)
@@ -556,24 +578,23 @@ def small_map_conv(panels: np.ndarray, x: np.ndarray, y: np.ndarray, bias: np.nd
                 for p in range(p0, p1):
                     full = (p + 1) * width <= mg  # a whole panel of channels: its blocks stored as they finish
                     has_next = p + 1 < p1  # (the last blocks bring the next panel's weights meanwhile)
+                    r = b0
                     if full and adding and b1 - b0 >= 8:  # plus the residual, as the blocks below
-                        _residual_blocks(source, weights, p, c, out, b0, b1, p * width, finish, group_bias, av, bv,
-                                         extra, over_residual, plain, act == RELU, has_next)
-                        continue
-                    if full and WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS:
-                        # wide blocks, the last ending at the band's end (overlapping the one
-                        # before: the same sums again, the same bits)
-                        blocks = -(-(b1 - b0) // WIDE_ROWS)
-                        for r in range(b0, b1, WIDE_ROWS):
-                            s = min(r, b1 - WIDE_ROWS)
-                            ahead_at, ahead_step = ahead_share(has_next, (r - b0) // WIDE_ROWS, blocks, c, row_bytes)
+                        r = _residual_blocks(source, weights, p, c, out, b0, b1, p * width, finish, group_bias, av,
+                                             bv, extra, over_residual, plain, act == RELU, has_next)
+                    elif full and WIDE_BLOCKS and b1 - b0 >= WIDE_ROWS:
+                        # wide blocks to `_whole_blocks_end` (the last overlapping the one before
+                        # where it is the band's end: the same sums again, the same bits)
+                        r = _whole_blocks_end(b0, b1, WIDE_ROWS)
+                        blocks = -(-(r - b0) // WIDE_ROWS)
+                        for k in range(b0, r, WIDE_ROWS):
+                            s = min(k, r - WIDE_ROWS)
+                            ahead_at, ahead_step = ahead_share(has_next, (k - b0) // WIDE_ROWS, blocks, c, row_bytes)
                             _by_column14_to_output(source, weights, p, 0, c, out, s, p * width, finish, group_bias,
                                                    av, bv, ahead_at, ahead_step)
-                        continue
-                    r = b0
-                    while r < b1:
+                    while r < b1:  # (a few positions past the wide blocks, or all of a narrow band)
                         rows = b1 - r
-                        if rows >= 8 and full:
+                        if rows >= 8 and full and not adding:
                             ahead_at, ahead_step = ahead_share(has_next, (r - b0) // 8, (b1 - b0) // 8, c, row_bytes)
                             _by_column8_to_output(source, weights, p, 0, c, out, r, p * width, finish, group_bias,
                                                   av, bv, ahead_at, ahead_step)
