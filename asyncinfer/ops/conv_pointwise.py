@@ -149,7 +149,7 @@ def pointwise_plan(x_shape: tuple[int, ...], w: np.ndarray, b: np.ndarray | None
     count = parallel.team_size() if team else 1
     panels = 0
     if small:
-        parts = _small_map_parts(n, group * weights.shape[1], span, count)
+        parts = _small_map_parts(n, group * weights.shape[1], span, count, 4 * c * span, mg % width == 0)
         padded = np.zeros((group, weights.shape[1] * width), np.float32)
         padded[:, :mg] = bias.reshape(group, mg)
         bias = padded
@@ -188,20 +188,32 @@ def _panel_parts(n: int, span: int, m: int, count: int, width: int) -> list[tupl
 
 #: `small_map_conv` splits by positions in blocks of this many (its register blocks' rows).
 POSITION_BLOCK = 8
+#: ... and by panels of channels, every thread reading the whole input, where that input is at
+#: most this many bytes and the panels are whole and divide evenly: the input then comes from
+#: the cores' caches (its producer's threads wrote it) and each thread's blocks read fewer of its
+#: lines than the positions' split does. SqueezeNet's 512 -> 64 and 384 -> 64 at 13x13 (346 and
+#: 260 KB of input) on two cores in the model's run: 74-78 -> 68-70 and 62-63 -> 54-55 µs; at 512
+#: KB, ResNet-50's 128 -> 512 at 28x28 (401 KB) took 3-12 µs longer (of 415-475) so.
+PANELS_INPUT_BYTES = 384 << 10
 
 
-def _small_map_parts(n: int, total: int, span: int, count: int) -> list[tuple[int, ...]]:
+def _small_map_parts(n: int, total: int, span: int, count: int, input_bytes: int = 0,
+                     whole_panels: bool = False) -> list[tuple[int, ...]]:
     """`small_map_conv`'s parts (i0, i1, q0, q1, r0, r1) for ``count`` threads over ``total``
-    panels of output channels: images, else panels where they divide evenly or are many and the
-    weights are the larger operand (each thread then reads only its panels' weights: ResNet-50's
-    512 -> 2048 at 7x7 has 4 MB), else blocks of `POSITION_BLOCK` positions, every panel (three
-    panels of 96 channels: 1 against 2; and a map larger than its panels of weights, each thread
-    then reading only its positions' input: ResNet-50's 256 -> 64 at 56x56, whose two panels
-    each read the whole 3.2 MB input took as long on two cores as on one)."""
+    panels of output channels on ``span`` positions, reading ``input_bytes`` (``whole_panels``:
+    no panel has unused channels): images, else panels where they divide evenly or are many and
+    the weights are the larger operand (each thread then reads only its panels' weights:
+    ResNet-50's 512 -> 2048 at 7x7 has 4 MB) or the input is small (`PANELS_INPUT_BYTES`), else
+    blocks of `POSITION_BLOCK` positions, every panel (three panels of 96 channels: 1 against 2;
+    and a map larger than its panels of weights, each thread then reading only its positions'
+    input: ResNet-50's 256 -> 64 at 56x56, whose two panels each read the whole 3.2 MB input
+    took as long on two cores as on one)."""
     if count == 1 or n >= count:
         cuts = [n * i // count for i in range(count + 1)]
         return [(cuts[i], cuts[i + 1], 0, total, 0, span) for i in range(count)]
-    if (total % count == 0 or total >= 8 * count) and span <= total * panel_width(np.float32):
+    even = total % count == 0
+    if ((even or total >= 8 * count) and span <= total * panel_width(np.float32)
+            or even and whole_panels and input_bytes <= PANELS_INPUT_BYTES):
         cuts = [total * i // count for i in range(count + 1)]
         return [(0, n, cuts[i], cuts[i + 1], 0, span) for i in range(count) if cuts[i] < cuts[i + 1]]
     blocks = -(-span // POSITION_BLOCK)

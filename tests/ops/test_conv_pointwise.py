@@ -216,7 +216,12 @@ def test_small_maps_split_by_even_panels_else_by_blocks_of_positions():
     assert parts(3, 3, 49, 2) == [(0, 1, 0, 3, 0, 49), (1, 3, 0, 3, 0, 49)]  # images first
     assert parts(1, 3, 49, 1) == [(0, 1, 0, 3, 0, 49)]
     # a map larger than its panels' weights (two panels of 64 channels at 56x56): positions
-    assert parts(1, 2, 3136, 2) == [(0, 1, 0, 2, 0, 1568), (0, 1, 0, 2, 1568, 3136)]
+    assert parts(1, 2, 3136, 2, 4 * 256 * 3136, True) == [(0, 1, 0, 2, 0, 1568), (0, 1, 0, 2, 1568, 3136)]
+    # ... unless its input is small (SqueezeNet's 512 -> 64 at 13x13) and the panels whole
+    small = 4 * 512 * 169
+    assert small <= conv_pointwise.PANELS_INPUT_BYTES
+    assert parts(1, 2, 169, 2, small, True) == [(0, 1, 0, 1, 0, 169), (0, 1, 1, 2, 0, 169)]
+    assert parts(1, 2, 169, 2, small, False) == [(0, 1, 0, 2, 0, 88), (0, 1, 0, 2, 88, 169)]  # 48 channels
 
 
 def test_with_the_team_busy_every_part_runs_here(rng, monkeypatch):
