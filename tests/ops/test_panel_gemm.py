@@ -26,13 +26,18 @@ def _exact(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None = None) -> np.n
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 17, 128])
 @pytest.mark.parametrize("k, panels", [(1, 1), (7, 3), (128, 4), (300, 2)])
 @pytest.mark.parametrize("biased", [False, True])
-def test_matches_the_exact_product(m, k, panels, biased, rng):
-    """Rows in blocks of 8 (or 4 without AVX-512), 4, 2, 1; any depth; one panel or several."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_matches_the_exact_product(m, k, panels, biased, packed, rng):
+    """Rows in blocks of 14 (AVX-512, b packed), 8 (or 4 without AVX-512), 4, 2, 1; any depth;
+    one panel or several."""
+    from asyncinfer.ops.compiled.panels import pack_panels
+
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, panels * W)).astype(np.float32)
     bias = rng.standard_normal(panels * W).astype(np.float32) if biased else None
-    assert linalg._takes_panel_gemm(a, b, bias)
-    got = linalg.matmul(a, b, bias)
+    packing = pack_panels(b) if packed else None
+    assert linalg._takes_panel_gemm(a, b, bias, packing)
+    got = linalg.matmul(a, b, bias, packing)
     assert got.dtype == np.float32 and got.shape == (m, panels * W)
     np.testing.assert_allclose(got, _exact(a, b, bias), rtol=1e-4, atol=1e-4 * np.sqrt(k))
 

@@ -661,6 +661,9 @@ _rows8, _rows4, _rows2, _rows1 = (_register_block(rows, column_bias=True, rows_i
 #: their share of the next panel (``spread``), where each block prefetched all of it.
 _rows8_spread, _rows4_spread = (_register_block(rows, column_bias=True, rows_in_place=True, ahead=0, spread=True)
                                 for rows in (8, 4))
+#: ... and of `WIDE_ROWS` rows (AVX-512's 32 registers: 28 sums, 16 loads to 28 multiply-adds a
+#: step where 8 rows take 10 to 16), for the panel GEMM's blocks (`gemm._band`).
+_rows14_spread = _register_block(WIDE_ROWS, column_bias=True, rows_in_place=True, ahead=0, spread=True)
 
 
 @kernel
