@@ -340,10 +340,13 @@ def constant_panels(op: Op, a: np.ndarray, b: np.ndarray, index: int, given: np.
         create = True
     else:
         return None
-    if os.environ.get("ASYNCINFER_PACKED_WEIGHTS", "").strip() == "0":
-        return None
-    return op.derived_constant("panels", index, b if given is None else given, lambda: pack_panels(b),
-                               create=create)
+    source = b if given is None else given
+    form = op.derived_constant("panels", index, source, lambda: pack_panels(b), create=False)
+    # (the setting read only before a form is made: once per weight, not for every product, where
+    # reading the environment took about a microsecond of a 128 x 128 @ 128 x 128's 38 µs layer)
+    if form is not None or not create or os.environ.get("ASYNCINFER_PACKED_WEIGHTS", "").strip() == "0":
+        return form
+    return op.derived_constant("panels", index, source, lambda: pack_panels(b))
 
 
 def _few_rows(a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, panels: np.ndarray) -> np.ndarray:
