@@ -310,3 +310,27 @@ def test_standalone_activations_outside_the_compiled_pass(rng):
     assert make_op("Elu").epilogue is None  # (an activation the epilogue lacks: NumPy's way)
     np.testing.assert_array_equal(relu[0](x.T)[0], np.maximum(x.T, 0))
     np.testing.assert_array_equal(relu[0](x.astype(np.float64))[0], np.maximum(x.astype(np.float64), 0))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("helpers", [0, 1, 2])
+def test_gelu_in_place_gives_the_bits_of_its_compiled_loop(approximate, helpers, rng):
+    """Gelu on a fresh result (a product's fused ``Add+Gelu``: `run_inplace`) takes the one-pass
+    activation's Gelu codes, alone and shared with the spin team: the bits of
+    `compiled.activations.gelu` (those of the NumPy form, `test_compiled_activations`)."""
+    from asyncinfer.ops.compiled import activations
+
+    x = _strewn(rng, (TEAM_MIN_VALUES * 2 + 7,))
+    want = x.copy()
+    with np.errstate(all="ignore"):
+        (activations.gelu_tanh if approximate == "tanh" else activations.gelu)(want)
+        op = make_op("Gelu", {"approximate": approximate})
+        got = x.copy()
+        if helpers:
+            with spin_team_bound(helpers) as runs:
+                out = op.run_inplace(got)
+            assert runs.shared == 1
+        else:
+            out = op.run_inplace(got)
+    assert out is got
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -194,22 +194,35 @@ _INV_SQRT2 = _F(0.7071067811865476)
 _SQRT_2_OVER_PI = _F(0.7978845608028654)
 
 
+@inline
+def gelu1(v: float) -> float:
+    """``v · ((1 + erf(v/√2)) · 1/2)``: erf by the (5, 5) rational of
+    `asyncinfer.ops.elementwise.erf_float32`, each operation in the same order and rounding as
+    that NumPy form where the caller contracts nothing into an FMA, so both give the same bits."""
+    one, half = _F(1.0), _F(0.5)
+    a = v * _INV_SQRT2
+    a = _ERF_C if a > _ERF_C else (-_ERF_C if a < -_ERF_C else a)  # NaN passes
+    z = a * a
+    p = ((((_P5 * z + _P4) * z + _P3) * z + _P2) * z + _P1) * z + _P0
+    q = ((((_Q5 * z + _Q4) * z + _Q3) * z + _Q2) * z + _Q1) * z + one
+    e = a * p / q
+    e = one if e > one else (-one if e < -one else e)  # the fit overshoots 1 by an ulp
+    return v * ((one + e) * half)
+
+
+@inline
+def gelu_tanh1(v: float) -> float:
+    """``v/2 · (1 + tanh(√(2/π)·(v + 0.044715·v³)))`` as ``v · sigmoid(2y)`` (`gelu_tanh`)."""
+    y = _SQRT_2_OVER_PI * (v + _F(0.044715) * v * v * v)
+    return v / (_F(1.0) + _exp(_F(-2.0) * y))
+
+
 @kernel(contract=False)
 def gelu(x: np.ndarray) -> None:
-    """``x ← x · ((1 + erf(x/√2)) · 1/2)``, ``x`` a flat float32 array: erf by the (5, 5) rational
-    of `asyncinfer.ops.elementwise.erf_float32`, each operation in the same order and rounding
-    as that NumPy form (no FMA), so both give the same bits, in one pass instead of 24."""
-    one, half = _F(1.0), _F(0.5)
+    """``x ← x · ((1 + erf(x/√2)) · 1/2)``, ``x`` a flat float32 array (`gelu1`: the bits of the
+    NumPy form, in one pass instead of 24)."""
     for i in range(x.size):
-        v = x[i]
-        a = v * _INV_SQRT2
-        a = _ERF_C if a > _ERF_C else (-_ERF_C if a < -_ERF_C else a)  # NaN passes
-        z = a * a
-        p = ((((_P5 * z + _P4) * z + _P3) * z + _P2) * z + _P1) * z + _P0
-        q = ((((_Q5 * z + _Q4) * z + _Q3) * z + _Q2) * z + _Q1) * z + one
-        e = a * p / q
-        e = one if e > one else (-one if e < -one else e)  # the fit overshoots 1 by an ulp
-        x[i] = v * ((one + e) * half)
+        x[i] = gelu1(x[i])
 
 
 @kernel(contract=False)
@@ -217,8 +230,5 @@ def gelu_tanh(x: np.ndarray) -> None:
     """``x ← x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))``, ``x`` a flat float32 array, as
     ``x · sigmoid(2y)`` (the same function: 1 + tanh(y) = 2·sigmoid(2y)), which needs no tanh and
     does not cancel where tanh nears -1."""
-    one = _F(1.0)
     for i in range(x.size):
-        v = x[i]
-        y = _SQRT_2_OVER_PI * (v + _F(0.044715) * v * v * v)
-        x[i] = v / (one + _exp(_F(-2.0) * y))
+        x[i] = gelu_tanh1(x[i])

@@ -24,8 +24,12 @@ import numpy as np
 
 from ...concurrency.spin_team import ARGS, KIND, address_as_pointer, post_and_count_asleep, wait_all
 from . import inline, kernel
-from .activations import hard_sigmoid1, hard_swish1, sigmoid1, swish1
+from .activations import gelu1, gelu_tanh1, hard_sigmoid1, hard_swish1, sigmoid1, swish1
 from .epilogue import CLIP, HARD_SIGMOID, HARD_SWISH, LEAKY_RELU, RELU, SIGMOID, SWISH
+
+#: Activation codes past the epilogue's that only `activate_range` (and its parts) takes: Gelu
+#: (erf) and Gelu's tanh form, which no register block applies as it stores.
+GELU, GELU_TANH = SWISH + 1, SWISH + 2
 
 #: The kinds of spin-team part that are an `add_range`, an `affine_rows` and an `activate_range`.
 ADD_PART_KIND, AFFINE_PART_KIND, ACTIVATE_PART_KIND = 10, 11, 12
@@ -74,6 +78,12 @@ def _activate_run(run: np.ndarray, act: int, af: float, bf: float) -> None:
     elif act == SWISH:
         for j in range(n):
             run[_U(j)] = swish1(run[_U(j)], af)
+    elif act == GELU:
+        for j in range(n):
+            run[_U(j)] = gelu1(run[_U(j)])
+    elif act == GELU_TANH:
+        for j in range(n):
+            run[_U(j)] = gelu_tanh1(run[_U(j)])
 
 
 @kernel(contract=False)  # (x · scale + shift and HardSigmoid's alpha·x + beta rounded twice, as NumPy)
