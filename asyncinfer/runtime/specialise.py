@@ -33,6 +33,7 @@ from ..backends.base import HOST, StepKind
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError
 from ..ops.fused import FUSED_DOMAIN
+from ..tensor import copy_value
 from .plan import Plan
 
 #: Signatures whose precomputed values a worker keeps (least recently used ones are dropped).
@@ -163,7 +164,8 @@ class ShapePlans:
                 return
             outputs = future.peek()
             if sum(int(np.size(v)) for v in outputs if v is not None) <= MAX_PRECOMPUTED_ELEMENTS:
-                values[index] = list(outputs)
+                # copies: the run may have handed one to its caller as an output (`handover`)
+                values[index] = [copy_value(v) for v in outputs]
         plan = self.base.with_precomputed(values)
         with self._lock:
             self._observing.discard(key)

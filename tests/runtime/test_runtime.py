@@ -392,8 +392,8 @@ def test_run_blocking_twin(add_chain_model):
 @pytest.mark.anyio
 async def test_run_twins_return_caller_owned_copies_of_the_same_values():
     """``run`` and ``run_blocking`` read their host outputs straight from the steps' values (no
-    tensor readback): each output is a copy, never the input read in place nor another output's
-    buffer, and the blocking twin raises a failed run's error as the awaited one does."""
+    tensor readback): each output is the caller's own, never the input read in place nor another
+    output's buffer, and the blocking twin raises a failed run's error as the awaited one does."""
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
     graph = helper.make_graph(
         [helper.make_node("Identity", ["x"], ["same"]), helper.make_node("Relu", ["x"], ["relu"])], "g", [x_info],
@@ -417,6 +417,56 @@ async def test_run_twins_return_caller_owned_copies_of_the_same_values():
                 if not isinstance(result, dict):
                     await result
         np.testing.assert_array_equal(worker.run_blocking(x, np.array([3, 2], np.int64))["y"], x.reshape(3, 2))
+
+
+
+@pytest.mark.anyio
+async def test_a_waited_run_hands_over_the_arrays_only_it_holds_and_copies_the_rest(monkeypatch):
+    """``run``/``run_blocking`` give the caller an output array a step made and nothing else
+    holds as it is (no copy); an output the worker still holds (a constant, a shape the worker
+    keeps for later runs of that signature, the caller's own input, another output's array) is
+    copied. Whatever the caller then does to its arrays, later runs' outputs do not change."""
+    import asyncinfer.runtime.execution as execution
+
+    copied = []
+    copy_value = execution.copy_value
+
+    def copying(value):
+        copied.append(copy_value(value))
+        return copied[-1]
+    monkeypatch.setattr(execution, "copy_value", copying)
+    weight = numpy_helper.from_array(np.full((6,), 2, np.float32), "w")
+    nodes = [helper.make_node("Relu", ["x"], ["fresh"]),
+             helper.make_node("Mul", ["x", "w"], ["scaled"]),
+             helper.make_node("Reshape", ["scaled", "flat"], ["view"]),
+             helper.make_node("Identity", ["w"], ["constant"]),
+             helper.make_node("Identity", ["x"], ["same"]),
+             helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Sigmoid", ["x"], ["twice"]),
+             helper.make_node("Identity", ["twice"], ["again"])]
+    flat = numpy_helper.from_array(np.array([-1], np.int64), "flat")
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+               for n in ("fresh", "view", "constant", "same", "twice", "again")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
+                              outputs + [helper.make_tensor_value_info("shape", TensorProto.INT64, [2])], [weight, flat])
+    model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    x = np.arange(-6, 6, dtype=np.float32).reshape(2, 6)
+    expected = {"fresh": np.maximum(x, 0), "view": (x * 2).reshape(-1), "constant": np.full((6,), 2, np.float32),
+                "same": x, "shape": np.array([2, 6], np.int64), "twice": 1 / (1 + np.exp(-x)),
+                "again": 1 / (1 + np.exp(-x))}
+    with ai.Worker(model, "cpu") as worker:
+        for i in range(6):  # (the first run of a signature records its shapes; later ones take them as known)
+            copied.clear()
+            out = worker.run_blocking(x) if i % 2 else await worker.run(x)
+            for name, value in expected.items():
+                np.testing.assert_allclose(out[name], value, rtol=1e-6)
+            assert not np.shares_memory(out["twice"], out["again"])
+            for name in expected:
+                out[name][...] = 7  # the caller's to change
+            handed = {name for name, value in out.items() if not any(value is c for c in copied)}
+            assert {"fresh", "view"} <= handed and not {"constant", "same"} & handed, handed
+        np.testing.assert_array_equal(x, np.arange(-6, 6, dtype=np.float32).reshape(2, 6))
+        assert not np.shares_memory(worker.run_blocking(x)["same"], x)
 
 
 def test_schedule_copies_its_inputs_and_a_waited_run_reads_them_in_place(gated_model):
