@@ -117,6 +117,10 @@ def stride2_rows_pay(width_stride: int, width_dilation: int, out_width: int, ker
     return width_stride == 2 and width_dilation == 1 and out_width >= 64 and kernel_width <= 3
 
 
+#: The fewest output columns for which `registers_pay`: at stride 1, and at stride 2.
+REGISTERS_COLUMNS, REGISTERS_STRIDE2_COLUMNS = 20, 14
+
+
 def registers_pay(kernel: tuple[int, int], strides: tuple[int, int], dilations: tuple[int, int],
                   out_width: int) -> bool:
     """Whether a layer takes `depthwise_flat`'s sums in registers straight from NCHW (no padded
@@ -127,10 +131,14 @@ def registers_pay(kernel: tuple[int, int], strides: tuple[int, int], dilations: 
     EfficientNet's 144ch@56 229 -> 132 and 32ch@112 195 -> 118; at stride 2, MobileNetV3's 72ch@56
     70 -> 46 and 16ch@112 56 -> 46, EfficientNet's 96ch@112 309 -> 230, SSDlite's 64ch@160 603 ->
     353 (the stride-2 row loop: 602) and 120ch@40 62 -> 55. At 14 columns the channels-last loop is
-    even or faster (480ch@14 59 against 58, 240ch@28 3x3/2 55 against 68), at 7 twice as fast; 5x5
-    and 7x7 windows measured even at stride 1 and slower at stride 2, and keep it."""
+    even or faster at stride 1 (480ch@14 59 against 58), at 7 twice as fast; 5x5 and 7x7 windows
+    measured even at stride 1 and slower at stride 2, and keep it. At stride 2 the flat loop loads
+    each input row once for its three taps (`depthwise_block.ONCE_A_ROW`), and wins from 14
+    columns (`REGISTERS_STRIDE2_COLUMNS`; 2-vCPU Zen 4, one core: 240ch@28 55 -> 47 µs, 120ch@28
+    33 -> 26; at 12 columns even, at 10 the channels-last loop 35 against 40)."""
+    least = REGISTERS_STRIDE2_COLUMNS if strides[0] == 2 else REGISTERS_COLUMNS
     return (kernel == (3, 3) and strides[0] == strides[1] and strides[0] in (1, 2) and dilations == (1, 1)
-            and out_width >= 20)
+            and out_width >= least)
 
 
 def known_window_pays(multiplier: int, kernel_width: int, width_stride: int, width_dilation: int) -> bool:

@@ -310,8 +310,9 @@ DISPATCH_CASES = [
     ((1, 16, 56, 56), 5, 1, 1, "depthwise_channels_last"),  # 5x5: channels last, whatever the map
     ((1, 64, 7, 7), 5, 1, 1, "depthwise_channels_last"),    # 7 columns out: channels last
     ((1, 8, 14, 14), 17, 1, 1, "depthwise_channels_last"),  # window larger than the map: no padded plane
-    ((1, 32, 28, 28), 3, 2, 1, "depthwise_channels_last"),  # 3x3/2, 14 columns out: channels last
-    ((1, 32, 40, 40), 3, 2, 1, "depthwise_flat"),           # 3x3/2 from 20 columns out: in registers
+    ((1, 32, 28, 28), 3, 2, 1, "depthwise_flat"),            # 3x3/2 from 14 columns out: in registers
+    ((1, 32, 24, 24), 3, 2, 1, "depthwise_channels_last"),  # 3x3/2, 12 columns out: channels last
+    ((1, 32, 40, 40), 3, 2, 1, "depthwise_flat"),
     ((1, 16, 112, 112), 3, 2, 1, "depthwise_flat"),
     ((1, 16, 160, 160), 3, 2, 1, "depthwise_flat"),         # (80 columns: not the stride-2 row loop)
     ((1, 8, 160, 160), 5, 2, 1, "depthwise_channels_last"),  # strided 5x5
