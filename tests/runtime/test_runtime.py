@@ -447,8 +447,9 @@ async def test_a_waited_run_hands_over_the_arrays_only_it_holds_and_copies_the_r
     flat = numpy_helper.from_array(np.array([-1], np.int64), "flat")
     outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
                for n in ("fresh", "view", "constant", "same", "twice", "again")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])],
-                              outputs + [helper.make_tensor_value_info("shape", TensorProto.INT64, [2])], [weight, flat])
+    outputs.append(helper.make_tensor_value_info("shape", TensorProto.INT64, [2]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6])], outputs,
+                              [weight, flat])
     model = ai.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     x = np.arange(-6, 6, dtype=np.float32).reshape(2, 6)
     expected = {"fresh": np.maximum(x, 0), "view": (x * 2).reshape(-1), "constant": np.full((6,), 2, np.float32),

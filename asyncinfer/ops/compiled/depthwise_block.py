@@ -397,6 +397,7 @@ def _strip_body(builder: Any, vec: _Vectors, x_: Any, w_: Any, out_: Any, x0_: A
 
 
 def _picks(lanes: int, values: list[int]) -> Any:
+    """A shuffle's lane picks."""
     return ir.Constant(ir.VectorType(_I32, lanes), values)
 
 
@@ -427,6 +428,7 @@ def _stride2_tap(builder: Any, lanes: int, vectors: int, halves: list[list], j: 
 #: 28x28 50 -> 42; a 5-wide window's shifts outnumbered the loads they saved (96 at 28x28 ->
 #: 14x14 37 -> 43-45), so wider windows load each tap's vectors.
 ONCE_A_ROW = (3,)
+
 #: (rows, vectors) of the register blocks of `rows_block`: 4 rows x 2 vectors of columns, or
 #: on maps at most a vector wide, 8 rows x 1.
 WIDE_BLOCK, NARROW_BLOCK = (4, 2), (8, 1)
