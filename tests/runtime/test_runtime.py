@@ -423,7 +423,7 @@ async def test_run_twins_return_caller_owned_copies_of_the_same_values():
 @pytest.mark.anyio
 async def test_a_waited_run_hands_over_the_arrays_only_it_holds_and_copies_the_rest(monkeypatch):
     """``run``/``run_blocking`` give the caller an output array a step made and nothing else
-    holds as it is (no copy); an output the worker still holds (a constant, a shape the worker
+    holds as it is (no copy), or a view of one; an output the worker still holds (a constant, a shape the worker
     keeps for later runs of that signature, the caller's own input, another output's array) is
     copied. Whatever the caller then does to its arrays, later runs' outputs do not change."""
     import asyncinfer.runtime.execution as execution
@@ -455,6 +455,7 @@ async def test_a_waited_run_hands_over_the_arrays_only_it_holds_and_copies_the_r
     expected = {"fresh": np.maximum(x, 0), "view": (x * 2).reshape(-1), "constant": np.full((6,), 2, np.float32),
                 "same": x, "shape": np.array([2, 6], np.int64), "twice": 1 / (1 + np.exp(-x)),
                 "again": 1 / (1 + np.exp(-x))}
+    views_handed = 0
     with ai.Worker(model, "cpu") as worker:
         for i in range(6):  # (the first run of a signature records its shapes; later ones take them as known)
             copied.clear()
@@ -465,9 +466,13 @@ async def test_a_waited_run_hands_over_the_arrays_only_it_holds_and_copies_the_r
             for name in expected:
                 out[name][...] = 7  # the caller's to change
             handed = {name for name, value in out.items() if not any(value is c for c in copied)}
-            assert {"fresh", "view"} <= handed and not {"constant", "same"} & handed, handed
+            assert "fresh" in handed and not {"constant", "same"} & handed, handed
+            views_handed += "view" in handed
         np.testing.assert_array_equal(x, np.arange(-6, 6, dtype=np.float32).reshape(2, 6))
         assert not np.shares_memory(worker.run_blocking(x)["same"], x)
+    # a view of an array nothing else holds goes as it is too (now and then a pool thread still
+    # holds its base a moment after its step completed: then it is copied)
+    assert views_handed, "the Reshape's view was copied in every run"
 
 
 def test_schedule_copies_its_inputs_and_a_waited_run_reads_them_in_place(gated_model):
