@@ -33,7 +33,6 @@ from ..backends.base import HOST, StepKind
 from ..concurrency.future import TaskFuture
 from ..errors import AsyncInferError
 from ..ops.fused import FUSED_DOMAIN
-from ..tensor import copy_value
 from .plan import Plan
 
 #: Signatures whose precomputed values a worker keeps (least recently used ones are dropped).
@@ -164,8 +163,8 @@ class ShapePlans:
                 return
             outputs = future.peek()
             if sum(int(np.size(v)) for v in outputs if v is not None) <= MAX_PRECOMPUTED_ELEMENTS:
-                # copies: the run may have handed one to its caller as an output (`handover`)
-                values[index] = [copy_value(v) for v in outputs]
+                # copies: the run may have handed an array to its caller as an output (`handover`)
+                values[index] = [v.copy() if type(v) is np.ndarray else v for v in outputs]
         plan = self.base.with_precomputed(values)
         with self._lock:
             self._observing.discard(key)
