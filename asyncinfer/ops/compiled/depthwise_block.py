@@ -349,7 +349,7 @@ def _strip_body(builder: Any, vec: _Vectors, x_: Any, w_: Any, out_: Any, x0_: A
     else:
         reads = [[vec.inside(builder.add(col0_, const(stride * v * lanes + u * lanes + j)), width_)
                   for v in range(vectors) for u in range(stride)] for j in range(k)]
-    evens = ir.Constant(ir.VectorType(_I32, lanes), list(range(0, 2 * lanes, 2)))
+    evens = _picks(lanes, list(range(0, 2 * lanes, 2)))
     writes = [vec.below(builder.sub(count_, const(v * lanes))) for v in range(vectors)]
     weights = [vec.splat(builder.load(builder.gep(w_.data, [builder.add(w0_, const(t))])))
                for t in range(k * k)]
