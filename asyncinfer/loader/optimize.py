@@ -18,7 +18,7 @@ from ..limits import Limits
 from ..model.ir import Layer, Model, TensorInfo
 from ..ops.elementwise import compute_dtype
 from .patterns import (PATTERN_PASSES, fuse_add_layer_norm, fuse_channel_shuffles, fuse_conv_max_pools,
-                       fuse_gemm_reshapes, fuse_joined_conv_max_pools, fuse_joined_convs, fuse_matmul_bias,
+                       fuse_expand_depthwise, fuse_gemm_reshapes, fuse_joined_conv_max_pools, fuse_joined_convs, fuse_matmul_bias,
                        fuse_reshape_transposes, fuse_residual_adds, fuse_sibling_convs, fuse_sibling_products,
                        fuse_split_heads, fuse_squeeze_excite)
 
@@ -863,6 +863,7 @@ PASSES: list[tuple[str, Callable[[Model], int]]] = [
     ("fuse_residual_adds", fuse_residual_adds),  # (after both, and the Add's activations)
     ("fuse_conv_max_pools", fuse_conv_max_pools),  # (after the convs' activations)
     ("fuse_joined_conv_max_pools", fuse_joined_conv_max_pools),  # (after fuse_joined_convs)
+    ("fuse_expand_depthwise", fuse_expand_depthwise),  # (after the other conv fusions)
     ("fuse_reshape_transposes", fuse_reshape_transposes),
     ("fuse_split_heads", fuse_split_heads),
     ("mark_cache_appends", mark_cache_appends),

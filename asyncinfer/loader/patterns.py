@@ -36,6 +36,7 @@ from ..model.mapped import is_mapped
 from ..ops.conv_direct import MAX_CHANNELS as DIRECT_MAX_CHANNELS
 from ..ops.conv_direct import PANEL_WIDTH
 from ..ops.conv_pool import MAX_TAPS as CONV_POOL_MAX_TAPS
+from ..ops.expand_depthwise import MIN_DEPTH as EXPAND_MIN_DEPTH
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
@@ -51,6 +52,7 @@ SHUFFLED_CONV = ("ShuffledConv", 1)  # in FUSED_DOMAIN
 JOINED_CONV = ("JoinedConv", 1)  # in FUSED_DOMAIN
 RESIDUAL_CONV = ("ResidualConv", 1)  # in FUSED_DOMAIN
 CONV_MAX_POOL = ("ConvMaxPool", 1)  # in FUSED_DOMAIN
+EXPAND_DEPTHWISE = ("ExpandDepthwise", 1)  # in FUSED_DOMAIN
 JOINED_CONV_MAX_POOL = ("JoinedConvMaxPool", 1)  # in FUSED_DOMAIN
 ADD_LAYER_NORM = ("AddLayerNormalization", 1)  # in FUSED_DOMAIN
 MAGNITUDE = ("Magnitude", 1)  # in FUSED_DOMAIN
@@ -1167,6 +1169,50 @@ def fuse_conv_max_pools(model: Model) -> int:
                       domain=FUSED_DOMAIN, version=CONV_MAX_POOL[1], fused=list(conv.fused),
                       expansion=expansion)
         g.replace(pattern, pool, fused)
+        count += 1
+    g.commit()
+    return count
+
+
+def fuse_expand_depthwise(model: Model) -> int:
+    """``Conv_dw(Conv_1x1(X, W1, B1), W2, B2)`` → ``ExpandDepthwise`` (``ops/expand_depthwise.py``):
+    an inverted residual block's 1x1 expansion and the depthwise conv that alone reads its wide
+    map, each with its fused activations (the 1x1's kept in the expansion), run as one layer that
+    keeps the wide map channels last in the cache. Runs after ``fuse_activations`` and the other
+    conv fusions (a 1x1 conv they took is not taken). Taken when both weights are constant
+    float32 4-D ones, the first 1x1 of one group and the second one input channel a group for
+    each of its output channels (M, 1, kh, kw), their biases constant float32 or absent, and the
+    1x1 reads at least `expand_depthwise.MIN_DEPTH` input channels (the extra inputs of its
+    activations, a ReLU6's Clip bounds, follow the layer's five); the fused op checks the rest at run time (strides,
+    pads, the epilogue) and else runs the two layers, its expansion (for other backends too)."""
+    g, count = _Graph(model), 0
+    constants = model.constants
+    for dw in list(model.layers):
+        if (id(dw) in g.removed or dw.op_type != "Conv" or dw.domain or len(dw.inputs) < 2 or not dw.inputs[0]
+                or len([o for o in dw.outputs if o]) != 1 or not g.private(dw.inputs[0])):
+            continue
+        expand = g.producers.get(dw.inputs[0])
+        if (expand is None or id(expand) in g.removed or expand.op_type != "Conv" or expand.domain
+                or len(expand.inputs) < 2 or len([o for o in expand.outputs if o]) != 1):
+            continue
+        w1, w2 = constants.get(expand.inputs[1]), constants.get(dw.inputs[1])
+        if (not isinstance(w1, np.ndarray) or not isinstance(w2, np.ndarray) or w1.dtype != np.float32
+                or w2.dtype != np.float32 or w1.ndim != 4 or w2.ndim != 4 or w1.shape[2:] != (1, 1)
+                or w1.shape[1] < EXPAND_MIN_DEPTH or int(expand.attrs.get("group", 1)) != 1
+                or w2.shape[:2] != (w1.shape[0], 1) or int(dw.attrs.get("group", 1)) != w1.shape[0]):
+            continue
+        biases = [layer.inputs[2] if len(layer.inputs) > 2 else "" for layer in (expand, dw)]
+        if any(b and not (isinstance(constants.get(b), np.ndarray) and constants[b].dtype == np.float32
+                          and constants[b].shape == (w1.shape[0],)) for b in biases):
+            continue
+        pattern = [expand, dw]
+        expansion = [replace(layer) for layer in pattern]  # the originals: ``replace`` rewrites ``dw``
+        fused = Layer(name=dw.name, op_type=EXPAND_DEPTHWISE[0],
+                      inputs=[expand.inputs[0], expand.inputs[1], biases[0], dw.inputs[1], biases[1],
+                              *(name for f in expand.fused for name in f.inputs[1:])],
+                      outputs=[dw.outputs[0]], domain=FUSED_DOMAIN, version=EXPAND_DEPTHWISE[1],
+                      fused=list(dw.fused), expansion=expansion)
+        g.replace(pattern, dw, fused)
         count += 1
     g.commit()
     return count

@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     conv,
     conv_pool,
     elementwise,
+    expand_depthwise,
     fused,
     gradient,
     image,

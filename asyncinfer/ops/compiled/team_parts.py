@@ -5,7 +5,8 @@ Python between parts; this one runs the parts of the kernels that split across t
 few-row GEMM's block of K (`few_rows`), an attention's heads (`attention`: a decode step's, or
 an encoder's as two products a head), a tiled
 conv's blocks (`conv_blocks`), a Winograd conv's bands (`winograd_bands`), a depthwise conv's
-images or channels (`depthwise_parts`), a 1x1 conv's panels (`pointwise`), a pool's planes
+images or channels (`depthwise_parts`), a 1x1 expansion and its depthwise conv's panels or rows
+(`expand_depthwise`), a 1x1 conv's panels (`pointwise`), a pool's planes
 (`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
 (`direct_panels`), a band of a GEMM (`blas_call`), a GEMM's panels (`gemm`), a range of a sum,
 activation or channel affine map (`one_pass`) and a range of rows of a softmax or of row maxima
@@ -43,6 +44,8 @@ from .direct_panels import PART_KIND as DIRECT_PANELS
 from .direct_panels import direct_panel_part
 from .depthwise_parts import PART_KIND as DEPTHWISE
 from .depthwise_parts import depthwise_part
+from .expand_depthwise import PART_KIND as EXPAND_DEPTHWISE
+from .expand_depthwise import expand_depthwise_part
 from .winograd_bands import PART_KIND as WINOGRAD
 from .winograd_bands import band_part
 from .few_rows import PART_KIND as FEW_ROWS
@@ -144,6 +147,10 @@ def _run_depthwise(row: Any) -> None:
     depthwise_part(_row(row))
 
 
+def _run_expand_depthwise(row: Any) -> None:
+    expand_depthwise_part(_row(row))
+
+
 def _run_pointwise(row: Any) -> None:
     pointwise_part(_row(row))
 
@@ -217,7 +224,8 @@ def _run_rows(row: Any) -> None:
 
 
 _RUNNER_SOURCES = {FEW_ROWS: _run_few_rows, ATTENTION: _run_attention, CONV: _run_conv, GEMM: _run_gemm,
-                   WINOGRAD: _run_winograd, DEPTHWISE: _run_depthwise, POINTWISE: _run_pointwise,
+                   WINOGRAD: _run_winograd, DEPTHWISE: _run_depthwise, EXPAND_DEPTHWISE: _run_expand_depthwise,
+                   POINTWISE: _run_pointwise,
                    SMALL_MAP: _run_small_map, DIRECT: _run_direct, SUM: _run_sum,
                    AFFINE: _run_affine, ACTIVATE: _run_activate, DIRECT_PANELS: _run_direct_panels,
                    PANEL_GEMM: _run_panel_gemm, ATTENTION_PRODUCTS: _run_products, ROWS: _run_rows,
