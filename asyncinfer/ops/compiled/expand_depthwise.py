@@ -99,11 +99,18 @@ def _expand(source: np.ndarray, panels: np.ndarray, p: int, bias: np.ndarray, pa
             s0: int, s1: int, wd: int, first: int, left: int, finish: int, av: float, bv: float) -> None:
     """Expanded positions ``s0:s1`` (whole input rows) of panel ``p`` into ``padded`` (row ``ih -
     first``, column ``left + iw`` for input position ``ih·wd + iw``), in blocks of `WIDE_ROWS`
-    (AVX-512) or 8 positions, the last one overlapping the one before (the same sums again), or
-    on fewer positions blocks of 4, 2 and 1."""
+    (AVX-512) or 8 positions: stored straight into ``padded`` where whole blocks make a row (56,
+    28 and 14 wide maps), else through ``block``, the last one overlapping the one before (the
+    same sums again), or on fewer positions blocks of 4, 2 and 1."""
     total = s1 - s0
     step = WIDE_ROWS if WIDE_BLOCKS and total >= WIDE_ROWS else 8
     width = padded.shape[2]
+    if total >= step and wd % step == 0:
+        for ih in range(s0 // wd, s1 // wd):
+            row = padded[ih - first]
+            for iw in range(0, wd, step):
+                _expand_block(source, panels, p, row[left + iw:], ih * wd + iw, step, finish, bias, av, bv)
+        return
     r = s0
     while r < s1:
         if total >= step:
