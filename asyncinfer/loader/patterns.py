@@ -36,7 +36,7 @@ from ..model.mapped import is_mapped
 from ..ops.conv_direct import MAX_CHANNELS as DIRECT_MAX_CHANNELS
 from ..ops.conv_direct import PANEL_WIDTH
 from ..ops.conv_pool import MAX_TAPS as CONV_POOL_MAX_TAPS
-from ..ops.expand_depthwise import MIN_DEPTH as EXPAND_MIN_DEPTH
+from ..ops.expand_depthwise import joins as joins_expand_depthwise
 from ..ops.fused import FUSED_DOMAIN, SPLIT_HEADS_PARTS
 
 # Relative tolerance when recognising a constant written by an exporter (float32 literals).
@@ -1182,8 +1182,8 @@ def fuse_expand_depthwise(model: Model) -> int:
     conv fusions (a 1x1 conv they took is not taken). Taken when both weights are constant
     float32 4-D ones, the first 1x1 of one group and the second one input channel a group for
     each of its output channels (M, 1, kh, kw), their biases constant float32 or absent, and the
-    1x1 reads at least `expand_depthwise.MIN_DEPTH` input channels (the extra inputs of its
-    activations, a ReLU6's Clip bounds, follow the layer's five); the fused op checks the rest at run time (strides,
+    1x1 reads enough input channels for the window (`expand_depthwise.joins`; the extra inputs of
+    its activations, a ReLU6's Clip bounds, follow the layer's five); the fused op checks the rest at run time (strides,
     pads, the epilogue) and else runs the two layers, its expansion (for other backends too)."""
     g, count = _Graph(model), 0
     constants = model.constants
@@ -1198,8 +1198,9 @@ def fuse_expand_depthwise(model: Model) -> int:
         w1, w2 = constants.get(expand.inputs[1]), constants.get(dw.inputs[1])
         if (not isinstance(w1, np.ndarray) or not isinstance(w2, np.ndarray) or w1.dtype != np.float32
                 or w2.dtype != np.float32 or w1.ndim != 4 or w2.ndim != 4 or w1.shape[2:] != (1, 1)
-                or w1.shape[1] < EXPAND_MIN_DEPTH or int(expand.attrs.get("group", 1)) != 1
-                or w2.shape[:2] != (w1.shape[0], 1) or int(dw.attrs.get("group", 1)) != w1.shape[0]):
+                or int(expand.attrs.get("group", 1)) != 1 or w2.shape[:2] != (w1.shape[0], 1)
+                or int(dw.attrs.get("group", 1)) != w1.shape[0]
+                or not joins_expand_depthwise(w1.shape[1], w2.shape[2:], tuple(dw.attrs.get("strides", (1, 1))))):
             continue
         biases = [layer.inputs[2] if len(layer.inputs) > 2 else "" for layer in (expand, dw)]
         if any(b and not (isinstance(constants.get(b), np.ndarray) and constants[b].dtype == np.float32

@@ -33,14 +33,18 @@ from .epilogue import Activations, Epilogue
 from .fused import FUSED_DOMAIN
 from .registry import create, register
 
-#: Fewest input channels of a 1x1 expansion the loader fuses with its depthwise conv. On shallower
-#: inputs a block of 14 positions x a panel of 32 channels has few multiply-adds against its
-#: finishing and stores, and a panel of 32 computes the channels of a width like 72 a third in vain
-#: (`pointwise_conv`'s blocks of 8 channels waste none): in MobileNetV3-small's run on two cores,
-#: its 16 -> 72 at 56x56 then 3x3/2 took 106 µs fused against 99 as two layers, its 24 -> 88 at
-#: 28x28 62 against 55, EfficientNet-B0's 16 -> 96 at 112x112 886 against 711; from 40 channels on
-#: each of MobileNetV3-small's took 5-35% less (`docs/benchmarks.md`, fifty-fifth session).
-MIN_DEPTH = 32
+#: Fewest input channels of a 1x1 expansion the loader joins with its depthwise conv (`joins`),
+#: and fewest where that conv is a 3x3 at unit stride. On shallower inputs a block of 14
+#: positions x a panel of 32 channels has few multiply-adds against its finishing and stores,
+#: and a panel of 32 computes the channels of a width like 72 a third in vain (`pointwise_conv`'s
+#: blocks of 8 channels waste none); a 3x3 window at unit stride is what the NCHW register loop
+#: does best (`compiled.depthwise_block`: no shuffles). Per layer in the runs on two cores
+#: (`worker.profile()`, µs fused against the two layers): MobileNetV3-small's 16 -> 72 at 56x56
+#: then 3x3/2 106 / 99, its 24 -> 88 at 28x28 then 3x3 66 / 50 and 24 -> 96 then 5x5/2 46 / 53, the
+#: deeper ones 32-60 / 46-75; EfficientNet-B0's 16 -> 96 at 112x112 886 / 711, 24 -> 144 at 56x56
+#: then 3x3 452 / 396 and then 5x5/2 338 / 356, the deeper ones 152-260 / 188-317.
+MIN_DEPTH = 24
+MIN_DEPTH_THREE_BY_ONE = 32
 #: Most bytes of a part's padded channels-last buffer (one panel of channels by the rows a band of
 #: output rows reads): a larger map goes by bands of output rows, each expanding the input rows
 #: its windows read (the rows two bands share, twice), so that the buffer stays in the core's L2
@@ -49,6 +53,13 @@ BAND_BYTES = 256 << 10
 #: From this many multiply-adds (the 1x1's and the depthwise conv's) a layer is shared with the
 #: spinning helpers (as `conv_pointwise.TEAM_MIN_MACS`).
 TEAM_MIN_MACS = 300_000
+
+
+def joins(depth: int, kernel: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether the loader joins a 1x1 conv of ``depth`` input channels with the depthwise conv of
+    window ``kernel`` and ``strides`` that reads its result (`MIN_DEPTH`)."""
+    three_by_one = tuple(kernel) == (3, 3) and all(s == 1 for s in strides)
+    return depth >= (MIN_DEPTH_THREE_BY_ONE if three_by_one else MIN_DEPTH)
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,12 @@ def test_cases_the_kernel_does_not_take_run_as_the_two_layers(monkeypatch):
 
 
 def test_the_loader_leaves_pairs_it_must_not_join():
-    shallow = _model(16, 64, 8, 3, 1, "Relu", "Relu")  # fewer input channels than MIN_DEPTH
+    shallow = _model(16, 64, 8, 5, 1, "Relu", "Relu")  # fewer input channels than MIN_DEPTH
     assert [layer.op_type for layer in ai.load_model(shallow).layers] == ["Conv", "Conv"]
+    three_by_one = _model(24, 64, 8, 3, 1, "Relu", "Relu")  # ... than MIN_DEPTH_THREE_BY_ONE for a 3x3
+    assert [layer.op_type for layer in ai.load_model(three_by_one).layers] == ["Conv", "Conv"]
+    wider = _model(24, 64, 8, 5, 1, "Relu", "Relu")  # (a 5x5 window from MIN_DEPTH on)
+    assert [layer.op_type for layer in ai.load_model(wider).layers] == ["ExpandDepthwise"]
     shared = _model(32, 64, 8, 3, 1, "Relu", "Relu")  # the wide map read by another layer too
     shared.graph.output.append(tensor_info("ea", None))
     assert [layer.op_type for layer in ai.load_model(shared).layers] == ["Conv", "Conv"]

@@ -26,8 +26,13 @@ run parts posted by `post_expand_depthwise` (`expand_depthwise_part`).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from ...concurrency.spin_team import (ARGS, HELPERS_ASLEEP, KIND, PARTS_DONE, PARTS_RUNNING, address_as_pointer,
                                       post_and_count_asleep, wait_all)
@@ -56,11 +61,34 @@ def scratch_floats(band: int, wo: int, kh: int, kw: int, sh: int, sw: int, dh: i
             + WIDE_ROWS * _WIDTH)
 
 
-@inline
+@intrinsic
+def _spills_on_whole_lines(typingctx: Any) -> Any:
+    """Make the compiled function that calls this realign its stack to a cache line. A block of
+    14 positions x two vectors finishes its 28 sums (bias, then an activation with constants of
+    its own) with more values live than AVX-512's 32 registers, and spills vectors; LLVM gave
+    them slots only as aligned as the ABI's 16 bytes, so at 3 stack addresses in 4 each spill and
+    reload straddled two lines and the reloads waited for the stores: one core, 40 -> 240 at
+    28x28 then 5x5/2 took 285-305 µs or 203-218 by the calling thread's stack, and by the parity
+    of its call depth. A line-aligned slot the function hands to an empty asm statement makes
+    LLVM realign the stack in the prologue, and the spill slots with it: 208-220 at every depth
+    (an ``alignstack`` attribute on the function did not reach the code)."""
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        line = ir.VectorType(ir.FloatType(), VECTOR_BYTES // 4)
+        with builder.goto_entry_block():
+            slot = builder.alloca(line)
+        slot.align = 64
+        builder.asm(ir.FunctionType(ir.VoidType(), [slot.type]), "", "r", [slot], True)
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@kernel
 def _expand_block(source: np.ndarray, panels: np.ndarray, p: int, block: np.ndarray, s: int, rows: int,
                   finish: int, bias: np.ndarray, av: float, bv: float) -> None:
     """Positions ``s:s + rows`` (14, 8, 4, 2 or 1 of them) of panel ``p`` of the expansion into
-    ``block``'s first rows, biased and activated (``finish``)."""
+    ``block``'s first rows, biased and activated (``finish``): a function of its own, its
+    stack realigned (`_spills_on_whole_lines`)."""
+    _spills_on_whole_lines()
     c = source.shape[0]
     if rows == WIDE_ROWS:
         _by_column14(source[:, s:], panels, p, 0, c, block, 0, 0, finish, bias, av, bv)
@@ -74,7 +102,7 @@ def _expand_block(source: np.ndarray, panels: np.ndarray, p: int, block: np.ndar
         _by_column1(source[:, s:], panels, p, 0, c, block, 0, 0, finish, bias, av, bv)
 
 
-@inline
+@kernel
 def _pad(padded: np.ndarray, hp: int, first: int, h: int, lo: int, hi: int) -> None:
     """Zero what of ``padded``'s first ``hp`` rows is not the image: rows outside it (input row
     ``first + r``), and the columns left of ``lo`` and from ``hi`` on."""
@@ -94,7 +122,7 @@ def _pad(padded: np.ndarray, hp: int, first: int, h: int, lo: int, hi: int) -> N
                     cell[k] = 0.0
 
 
-@inline
+@kernel
 def _expand(source: np.ndarray, panels: np.ndarray, p: int, bias: np.ndarray, padded: np.ndarray, block: np.ndarray,
             s0: int, s1: int, wd: int, first: int, left: int, finish: int, av: float, bv: float) -> None:
     """Expanded positions ``s0:s1`` (whole input rows) of panel ``p`` into ``padded`` (row ``ih -
@@ -140,7 +168,7 @@ def _band(panels: np.ndarray, source: np.ndarray, taps: np.ndarray, bias1: np.nd
           b1: float, act2: int, a2: float, b2: float) -> None:
     """Output rows ``oh0:oh1`` of panels ``q0:q1`` of one image (``source`` (C, H·W) → ``out``
     (M, Ho, Wo)), each panel expanded into ``padded`` and filtered from there."""
-    m, ho, wo = out.shape
+    m = out.shape[0]
     kh = taps.shape[0]
     wp, width = padded.shape[1], padded.shape[2]
     hp = window_extent(oh1 - oh0, kh, sh, dh)
@@ -148,8 +176,6 @@ def _band(panels: np.ndarray, source: np.ndarray, taps: np.ndarray, bias1: np.nd
     s0, s1 = max(0, first) * wd, min(h, first + hp) * wd
     lo = min(wp, left)
     hi = max(lo, min(wp, left + wd))
-    count = (oh1 - oh0) * wo
-    positions = ho * wo
     groups = width // _LANES
     for p in range(q0, q1):
         _pad(padded, hp, first, h, lo, hi)
@@ -157,21 +183,33 @@ def _band(panels: np.ndarray, source: np.ndarray, taps: np.ndarray, bias1: np.nd
             _expand(source, panels, p, bias1, padded, block, s0, s1, wd, first, left, finish, a1, b1)
         for j in range(groups):
             g = p * groups + j
-            c0 = g * _LANES
-            if c0 >= m:
+            if g * _LANES >= m:
                 break
-            channels = min(_LANES, m - c0)
-            plane = padded[:hp, :, j * _LANES:(j + 1) * _LANES]
-            start = acc[count]
-            for k in range(_LANES):
-                start[k] = bias2[c0 + k] if k < channels else 0.0
-            for oh in range(oh1 - oh0):
-                output_row(plane, taps, start, acc[oh * wo:(oh + 1) * wo], oh * sh, g, sw, dh, dw)
-            if act2 != NONE:  # (+ -0.0: the activation alone, as `Epilogue.apply_inplace`)
-                _apply_run(acc[:count].reshape(-1), _NEGATIVE_ZERO, act2, a2, b2)
-            for p0 in range(0, count, _LANES):
-                n = min(_LANES, count - p0)
-                transpose(acc, p0 * _LANES, _LANES, n, channels, out, c0 * positions + oh0 * wo + p0, positions, n)
+            _filter(padded[:hp, :, j * _LANES:(j + 1) * _LANES], taps, bias2, acc, out, g, oh0, oh1, sh, sw, dh,
+                    dw, act2, a2, b2)
+
+
+@kernel
+def _filter(plane: np.ndarray, taps: np.ndarray, bias2: np.ndarray, acc: np.ndarray, out: np.ndarray, g: int,
+            oh0: int, oh1: int, sh: int, sw: int, dh: int, dw: int, act2: int, a2: float, b2: float) -> None:
+    """The depthwise sums of vector group ``g`` of the channels for output rows ``oh0:oh1`` from
+    its padded channels-last ``plane`` (the band's rows), activated, into ``out`` (M, Ho, Wo).
+    (Each part a function of its own: inlined into one, their loops' values spilled.)"""
+    m, ho, wo = out.shape
+    c0 = g * _LANES
+    channels = min(_LANES, m - c0)
+    count = (oh1 - oh0) * wo
+    positions = ho * wo
+    start = acc[count]
+    for k in range(_LANES):
+        start[k] = bias2[c0 + k] if k < channels else 0.0
+    for oh in range(oh1 - oh0):
+        output_row(plane, taps, start, acc[oh * wo:(oh + 1) * wo], oh * sh, g, sw, dh, dw)
+    if act2 != NONE:  # (+ -0.0: the activation alone, as `Epilogue.apply_inplace`)
+        _apply_run(acc[:count].reshape(-1), _NEGATIVE_ZERO, act2, a2, b2)
+    for p0 in range(0, count, _LANES):
+        n = min(_LANES, count - p0)
+        transpose(acc, p0 * _LANES, _LANES, n, channels, out, c0 * positions + oh0 * wo + p0, positions, n)
 
 
 @kernel
