@@ -186,7 +186,7 @@ def keep_nothing(name: str, work_out: Callable[[], np.ndarray]) -> np.ndarray:
     return work_out()
 
 
-def _taps(w: np.ndarray, loop: int, dtype: np.dtype) -> np.ndarray:
+def depthwise_taps(w: np.ndarray, loop: int, dtype: np.dtype) -> np.ndarray:
     """The weights (M, 1, kh, kw) as ``loop`` reads them: (M, kh, kw), or for `CHANNELS_LAST`
     (kh, kw, C) with C rounded up to whole blocks, zero past it (the register blocks read whole
     vectors of channels)."""
@@ -252,7 +252,7 @@ def depthwise_plan(x_shape: tuple[int, ...], dtype: np.dtype, w: np.ndarray, bia
         loop = ROWS
     else:
         loop = CHANNELS_LAST
-    taps = keep(f"depthwise-taps-{loop}", lambda: _taps(w, loop, dtype))
+    taps = keep(f"depthwise-taps-{loop}", lambda: depthwise_taps(w, loop, dtype))
     bias = np.zeros(m, dtype) if bias is None else np.ascontiguousarray(bias, dtype=dtype)
     block = CHANNEL_ALIGN
     if loop == CHANNELS_LAST:

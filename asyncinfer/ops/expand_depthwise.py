@@ -28,7 +28,8 @@ from .compiled.expand_depthwise import (expand_depthwise_range, finish_expand_de
                                         post_and_finish_expand_depthwise, scratch_floats)
 from .compiled.panels import panel_width
 from .compiled.pointwise import pack_weights
-from .conv_kernels import CHANNELS_LAST, _taps, scratch
+from ..concurrency.aligned import aligned_bytes
+from .conv_kernels import CHANNELS_LAST, depthwise_taps, scratch
 from .epilogue import Activations, Epilogue
 from .fused import FUSED_DOMAIN
 from .registry import create, register
@@ -99,12 +100,12 @@ def expand_depthwise_plan(x_shape: tuple[int, ...], w1: np.ndarray, b1: np.ndarr
     width = panel_width(np.float32)
     panels = pack_weights(np.ascontiguousarray(w1.reshape(m, c).T, dtype=np.float32)[None])[0]
     count = panels.shape[0]
-    bias1 = np.zeros(count * width, np.float32)
+    bias1 = _on_lines((count * width,))
     if b1 is not None:
         bias1[:m] = b1
-    taps = _taps(w2, CHANNELS_LAST, np.dtype(np.float32))
-    if taps.shape[2] < count * width:  # (every vector of a panel's channels has its taps' vector)
-        taps = np.concatenate([taps, np.zeros((kh, kw, count * width - taps.shape[2]), np.float32)], axis=2)
+    channels_last = depthwise_taps(w2, CHANNELS_LAST, np.dtype(np.float32))
+    taps = _on_lines((kh, kw, max(count * width, channels_last.shape[2])))  # (a vector of taps for each of a panel's)
+    taps[:, :, :channels_last.shape[2]] = channels_last
     bias2 = np.zeros(m, np.float32) if b2 is None else np.ascontiguousarray(b2, dtype=np.float32)
     row_bytes = 4 * width * ((wo - 1) * sw + (kw - 1) * dw + 1)
     band = max(1, min(ho, (BAND_BYTES // row_bytes - (kh - 1) * dh - 1) // sh + 1))
@@ -118,6 +119,14 @@ def expand_depthwise_plan(x_shape: tuple[int, ...], w1: np.ndarray, b1: np.ndarr
         np.array([first.a, first.b, second.a, second.b], np.float64), first, second,
         np.array([sh, sw, dh, dw, begin[0], begin[1]], np.int64), band, np.array(parts, np.int64).reshape(-1, 6), size,
         team and len(parts) > 1)
+
+
+def _on_lines(shape: tuple[int, ...]) -> np.ndarray:
+    """Zeros of ``shape`` (float32) starting on a cache line: the blocks load them whole vectors
+    at a time, and a vector off a line costs two (`concurrency.aligned`)."""
+    zeros = aligned_bytes(4 * math.prod(shape)).view(np.float32).reshape(shape)
+    zeros[...] = 0.0
+    return zeros
 
 
 def _parts(n: int, count: int, ho: int, h: int, kh: int, sh: int, dh: int, top: int,
