@@ -55,8 +55,7 @@ _F = np.float32
 def scratch_floats(band: int, wo: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int) -> int:
     """Float32 values of scratch one part needs for bands of ``band`` output rows of ``wo``
     (`expand_depthwise_range`: the padded panel, the sums with their bias row, a block)."""
-    def extent(out: int, k: int, s: int, d: int) -> int:
-        return (out - 1) * s + (k - 1) * d + 1
+    extent = window_extent.py_func  # (Python here: the compiled helper would be compiled for this call)
     return (extent(band, kh, sh, dh) * extent(wo, kw, sw, dw) * _WIDTH + (band * wo + 1) * _LANES
             + WIDE_ROWS * _WIDTH)
 
