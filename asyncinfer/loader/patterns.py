@@ -990,7 +990,7 @@ def fuse_add_layer_norm(model: Model) -> int:
 
 def fuse_squeeze_excite(model: Model) -> int:
     """``Mul(x, act2(Conv(act1(Conv(GlobalAveragePool(x))))))`` → ``SqueezeExcite``
-    (``ops/fused.py``): the squeeze-and-excitation block of MobileNetV3 (Relu, HardSigmoid) and
+    (``ops/squeeze_excite.py``): the squeeze-and-excitation block of MobileNetV3 (Relu, HardSigmoid) and
     EfficientNet (Swish, Sigmoid). Runs after ``fuse_activations``: the convs' activations stay
     with them in the expansion, which backends without the fused kernel run. The convs are 1x1
     of one group with constant float32 weights and biases, and activations without extra inputs;

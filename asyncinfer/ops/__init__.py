@@ -35,6 +35,7 @@ from . import (  # noqa: F401  (imported for their @register side effects)
     shuffled_conv,
     signal,
     softmax,
+    squeeze_excite,
     text,
     training,
 )

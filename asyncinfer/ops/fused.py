@@ -22,12 +22,8 @@ from .compiled.attention import (attention_heads, head_arguments, masked_attenti
                                  products_from)
 from .compiled.normalization import softmax_rows
 from .compiled.rotary import rotate_half
-from .compiled.squeeze_excite import squeeze_excite
-from .epilogue import Epilogue, apply_activations
 from .linalg import Gemm, MatMul, blas_rows, constant_panels, matmul
-from .one_pass import fused_affine
-from .pool import global_average
-from .registry import create, register
+from .registry import register
 from .shape import (int_list, normalize_axis, op_error, reshape_dims, reshape_to, split_indices, split_views,
                     transpose_by)
 
@@ -586,82 +582,6 @@ def _append(op: Op, past: np.ndarray, new: np.ndarray, axis: int) -> np.ndarray:
     """``Concat(past, new, axis)`` of a KV cache, in place where it can be (``ops/cache_append.py``)."""
     past = np.asarray(past)
     return concat_growing([past, new], normalize_axis(op, axis, past.ndim))
-
-
-@register("SqueezeExcite", versions=(1,), domain=FUSED_DOMAIN)
-class SqueezeExcite(Op):
-    """``x · act2(W2 · act1(W1 · mean(x) + b1) + b2)`` per image and channel: the
-    squeeze-and-excitation block of MobileNetV3 and EfficientNet, five layers (a global average
-    pool, two 1x1 convs on the pooled vector with their fused activations, the Mul scaling ``x``)
-    that cost a model of small layers more in per-layer overhead than in arithmetic: each runs on
-    caches the layers before flushed (an SE conv of 128 multiply-adds took 17-38 µs in MobileNetV3,
-    against 4 µs warm).
-
-    Inputs: ``x (N, C, H, W)``, ``W1 (R, C, 1, 1)``, ``b1 (R,)`` or none, ``W2 (C, R, 1, 1)``,
-    ``b2 (C,)`` or none. The activations are those fused into the two convs of the expansion.
-    A float32 block whose activations the epilogue has runs as one compiled call
-    (`compiled.squeeze_excite`; a large map is scaled on the spinning helpers): its products'
-    sums differ from the unfused convs' GEMV by rounding alone. Other blocks take the steps of
-    the layers they replace.
-    """
-
-    #: Most values of ``x`` the compiled call scales itself; a larger map is scaled by
-    #: `fused_affine`, on the spinning helpers (MobileNetV3 at batch 32: 0.9 M values).
-    SCALE_HERE_MAX = 1 << 18
-
-    def check(self) -> None:
-        convs = [layer for layer in self.layer.expansion if layer.op_type == "Conv"]
-        if len(convs) != 2 or len(self.layer.inputs) != 5:
-            self.unsupported("a SqueezeExcite layer is made by the loader from a pool, two convs and a Mul")
-        self.activations = [tuple((create(f, self.limits), []) for f in conv.fused) for conv in convs]
-        # each conv's float32 bias-and-activation epilogue, made once (None: applied after)
-        self.epilogues = [Epilogue.of(activations, np.dtype(np.float32)) for activations in self.activations]
-
-    def run(self, x: np.ndarray, w1: np.ndarray, b1: np.ndarray | None, w2: np.ndarray,
-            b2: np.ndarray | None) -> np.ndarray:
-        if x.ndim != 4 or w1.ndim != 4 or w2.ndim != 4 or w1.shape[1] != x.shape[1] or w2.shape[:2] != w1.shape[1::-1]:
-            raise op_error(self, f"input of shape {x.shape} does not fit weights of shapes {w1.shape} and {w2.shape}")
-        first, second = self.epilogues
-        if (x.dtype == w1.dtype == w2.dtype == np.float32 and first is not None and second is not None
-                and all(b is None or b.dtype == np.float32 for b in (b1, b2)) and x.size):
-            return self._compiled(x, w1, b1, w2, b2, first, second)
-        n, c = x.shape[:2]
-        pooled = global_average(x).reshape(n, c).T  # (C, N): the pooled images as columns
-        gate = np.ascontiguousarray(self._conv(self._conv(pooled, w1, b1, 0), w2, b2, 1).T, x.dtype).reshape(-1)
-        return np.multiply(x, gate.reshape(n, c, 1, 1))
-
-    def _compiled(self, x: np.ndarray, w1: np.ndarray, b1: np.ndarray | None, w2: np.ndarray, b2: np.ndarray | None,
-                  first: Epilogue, second: Epilogue) -> np.ndarray:
-        n, c = x.shape[:2]
-        rows1, bias1 = self.derived("first", {1: w1, 2: b1}, lambda: _rows_and_bias(w1, b1))
-        rows2, bias2 = self.derived("second", {3: w2, 4: b2}, lambda: _rows_and_bias(w2, b2))
-        planes = np.ascontiguousarray(x).reshape(n, c, -1)
-        gate = np.empty((n, c), np.float32)
-        here = x.size <= self.SCALE_HERE_MAX
-        out = np.empty(x.shape, np.float32) if here else planes  # (unwritten when the helpers scale)
-        squeeze_excite(planes, rows1, bias1, rows2, bias2, first.kind, first.a, first.b, second.kind, second.a,
-                       second.b, gate, out.reshape(n, c, -1), here)
-        if here:
-            return out
-        # one compiled pass shared with the spinning helpers: x · gate + -0.0, which is x · gate
-        # (-0.0 and NaN included)
-        gate = gate.reshape(-1)
-        scaled = fused_affine(planes.reshape(x.shape), gate, np.full_like(gate, -0.0), ())
-        return np.multiply(x, gate.reshape(n, c, 1, 1)) if scaled is None else scaled
-
-    def _conv(self, columns: np.ndarray, w: np.ndarray, b: np.ndarray | None, which: int) -> np.ndarray:
-        """``act(W · columns + b)`` for columns ``(C, N)``: conv ``which`` (0 or 1) of N one-pixel images."""
-        y = np.matmul(w.reshape(w.shape[0], -1), np.ascontiguousarray(columns))
-        if b is not None:
-            y += b.reshape(-1, 1)
-        return apply_activations(y, self.activations[which], ())
-
-
-def _rows_and_bias(w: np.ndarray, b: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """A 1x1 conv's weights (O, I, 1, 1) as contiguous float32 rows (O, I), and its bias (zeros
-    where it has none): as `compiled.squeeze_excite` reads them."""
-    rows = np.ascontiguousarray(w.reshape(w.shape[0], -1), np.float32)
-    return rows, np.zeros(w.shape[0], np.float32) if b is None else np.ascontiguousarray(b, np.float32)
 
 
 @register("Magnitude", versions=(1,), domain=FUSED_DOMAIN)

@@ -83,15 +83,15 @@ def test_every_part_kind_has_a_runner():
     compile: a kind without one would fail at its first `parallel.team(kind)`."""
     from asyncinfer.ops.compiled import (attention, blas_call, conv_blocks, depthwise_parts, direct, direct_panels,
                                          expand_depthwise, few_rows, gemm, normalization, one_pass, pointwise, pool,
-                                         winograd_bands)
+                                         squeeze_excite, winograd_bands)
 
     kinds = {attention.PART_KIND, attention.PRODUCTS_PART_KIND, blas_call.PART_KIND, conv_blocks.PART_KIND,
              depthwise_parts.PART_KIND, direct.PART_KIND, direct_panels.PART_KIND, expand_depthwise.PART_KIND,
              few_rows.PART_KIND, gemm.PART_KIND, normalization.ROWS_PART_KIND, one_pass.ADD_PART_KIND,
              one_pass.AFFINE_PART_KIND, one_pass.ACTIVATE_PART_KIND, pointwise.PART_KIND,
-             pointwise.SMALL_MAP_PART_KIND, winograd_bands.PART_KIND}
+             pointwise.SMALL_MAP_PART_KIND, squeeze_excite.PART_KIND, winograd_bands.PART_KIND}
     kinds |= {pool.FIRST_PART_KIND + loop for loop in range(len(pool.LOOP_RANGES))}
-    assert len(kinds) == 17 + len(pool.LOOP_RANGES), "two kernels post the same kind"
+    assert len(kinds) == 18 + len(pool.LOOP_RANGES), "two kernels post the same kind"
     assert kinds == set(team_parts._RUNNER_SOURCES)
     assert len(team_parts.RUNNERS) == max(kinds) + 1
 

@@ -9,8 +9,8 @@ images or channels (`depthwise_parts`), a 1x1 expansion and its depthwise conv's
 (`expand_depthwise`), a 1x1 conv's panels (`pointwise`), a pool's planes
 (`pool`), a stem conv's output rows (`direct`), a deep conv's panels of channels by output rows
 (`direct_panels`), a band of a GEMM (`blas_call`), a GEMM's panels (`gemm`), a range of a sum,
-activation or channel affine map (`one_pass`) and a range of rows of a softmax or of row maxima
-(`normalization`), told apart by the kind each poster writes (`PART_KIND` of each module).
+activation or channel affine map (`one_pass`), a range of rows of a softmax or of row maxima
+(`normalization`) and a squeeze-and-excitation block's channels (`squeeze_excite`), told apart by the kind each poster writes (`PART_KIND` of each module).
 
 The loop calls each kind's part through its **runner**, a C function compiled for that kind
 alone (`prepare_part`, when a layer first hands that kind to the team) whose address sits in
@@ -65,6 +65,8 @@ from .one_pass import AFFINE_PART_KIND as AFFINE
 from .one_pass import activate_part, add_part, affine_part
 from .normalization import ROWS_PART_KIND as ROWS
 from .normalization import rows_part
+from .squeeze_excite import PART_KIND as SQUEEZE_EXCITE
+from .squeeze_excite import squeeze_excite_part
 
 
 @intrinsic
@@ -223,12 +225,17 @@ def _run_rows(row: Any) -> None:
     rows_part(_row(row))
 
 
+def _run_squeeze_excite(row: Any) -> None:
+    squeeze_excite_part(_row(row))
+
+
 _RUNNER_SOURCES = {FEW_ROWS: _run_few_rows, ATTENTION: _run_attention, CONV: _run_conv, GEMM: _run_gemm,
                    WINOGRAD: _run_winograd, DEPTHWISE: _run_depthwise, EXPAND_DEPTHWISE: _run_expand_depthwise,
                    POINTWISE: _run_pointwise,
                    SMALL_MAP: _run_small_map, DIRECT: _run_direct, SUM: _run_sum,
                    AFFINE: _run_affine, ACTIVATE: _run_activate, DIRECT_PANELS: _run_direct_panels,
                    PANEL_GEMM: _run_panel_gemm, ATTENTION_PRODUCTS: _run_products, ROWS: _run_rows,
+                   SQUEEZE_EXCITE: _run_squeeze_excite,
                    # a pool's kind is its loop's (`compiled.pool.LOOP_RANGES`): each compiles alone
                    FIRST_POOL + ROWS_FIRST: _run_pool_rows_first, FIRST_POOL + COLUMNS_FIRST: _run_pool_columns_first,
                    FIRST_POOL + TILES: _run_pool_tiles, FIRST_POOL + FLAT: _run_pool_flat,
