@@ -196,9 +196,10 @@ def run_direct(plan: DirectPlan, x: np.ndarray) -> np.ndarray:
         status = post_and_finish_direct(control, plan.columns, padded, plan.offsets, flat, plan.bias, buffers, tail,
                                         spare, plan.numbers, plan.bounds, ho, wo, plan.stride, epilogue.kind,
                                         spin_team.WAIT_ROUNDS)
-        team.settle(status, finish_direct,  # type: ignore[union-attr]
-                    (control, plan.columns, padded, plan.offsets, flat, plan.bias, tail, spare, plan.bounds, ho, wo,
-                     plan.stride, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), helpers)
+        if status != spin_team.PARTS_DONE:  # (the common case: nothing to settle, no tuple built)
+            team.settle(status, finish_direct,  # type: ignore[union-attr]
+                        (control, plan.columns, padded, plan.offsets, flat, plan.bias, tail, spare, plan.bounds,
+                         ho, wo, plan.stride, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), helpers)
     finally:
         team.release()  # type: ignore[union-attr]
     return y
@@ -345,9 +346,11 @@ def run_direct_panels(plan: PanelPlan, x: np.ndarray) -> np.ndarray:
         status = post_and_finish_panels(control, plan.panels, padded, plan.tap_sets, plan.panel_taps, flat,
                                         plan.bias, blocks, own, plan.numbers, plan.bounds, ho, wo, sh, sw,
                                         epilogue.kind, spin_team.WAIT_ROUNDS)
-        team.settle(status, finish_panels,  # type: ignore[union-attr]
-                    (control, plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own, plan.bounds,
-                     ho, wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), helpers)
+        if status != spin_team.PARTS_DONE:  # (the common case: nothing to settle, no tuple built)
+            team.settle(status, finish_panels,  # type: ignore[union-attr]
+                        (control, plan.panels, padded, plan.tap_sets, plan.panel_taps, flat, plan.bias, own,
+                         plan.bounds, ho, wo, sh, sw, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS),
+                        helpers)
     finally:
         team.release()  # type: ignore[union-attr]
     return y

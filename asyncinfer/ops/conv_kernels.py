@@ -363,8 +363,9 @@ def _on_team(plan: DepthwisePlan, x: np.ndarray, result: np.ndarray, epilogue: E
                      layout.block)
         status = post_and_finish_depthwise(*arguments, helpers, own, epilogue.kind, epilogue.numbers,
                                            spin_team.WAIT_ROUNDS)
-        team.settle(status, finish_depthwise,
-                    (*arguments, own, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), len(parts) - 1)
+        if status != spin_team.PARTS_DONE:  # (the common case: nothing to settle, no tuple built)
+            team.settle(status, finish_depthwise,
+                        (*arguments, own, epilogue.kind, epilogue.a, epilogue.b, spin_team.WAIT_ROUNDS), len(parts) - 1)
     finally:
         team.release()
     return True

@@ -287,17 +287,21 @@ def run_pointwise(plan: PointwisePlan, x: np.ndarray, residual: np.ndarray | Non
                                                helpers.reshape(len(parts) - 1, c, -1), columns, extra,
                                                epilogue.numbers, parts, *plan.geometry, epilogue.kind, plan.shuffled,
                                                spin_team.WAIT_ROUNDS)
-            team.settle(status, finish_small_map,  # type: ignore[union-attr]
-                        (control, plan.weights, x, flat, plan.bias, columns, extra, parts, *plan.geometry,
-                         epilogue.kind, epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS), len(parts) - 1)
+            if status != spin_team.PARTS_DONE:  # (the common case: nothing to settle, no tuple built)
+                team.settle(status, finish_small_map,  # type: ignore[union-attr]
+                            (control, plan.weights, x, flat, plan.bias, columns, extra, parts, *plan.geometry,
+                             epilogue.kind, epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS),
+                            len(parts) - 1)
         else:
             status = post_and_finish_pointwise(control, plan.weights, x, flat, plan.bias, helpers, own, extra,
                                                epilogue.numbers, parts, plan.panels, *plan.geometry, epilogue.kind,
                                                plan.shuffled, spin_team.WAIT_ROUNDS)
-            team.settle(status, finish_pointwise,  # type: ignore[union-attr]
-                        (control, plan.weights, x, flat, plan.bias, own, extra, parts, plan.panels, *plan.geometry,
-                         epilogue.kind, epilogue.a, epilogue.b, plan.shuffled, spin_team.WAIT_ROUNDS),
-                        len(parts) - 1)
+            if status != spin_team.PARTS_DONE:  # (the common case: nothing to settle, no tuple built)
+                team.settle(status, finish_pointwise,  # type: ignore[union-attr]
+                            (control, plan.weights, x, flat, plan.bias, own, extra, parts, plan.panels,
+                             *plan.geometry, epilogue.kind, epilogue.a, epilogue.b, plan.shuffled,
+                             spin_team.WAIT_ROUNDS),
+                            len(parts) - 1)
     finally:
         team.release()  # type: ignore[union-attr]
     return y

@@ -169,8 +169,9 @@ def run_expand_depthwise(plan: ExpandDepthwisePlan, x: np.ndarray) -> np.ndarray
         helpers = team.scratch((len(parts) - 1, plan.scratch), np.float32)  # type: ignore[union-attr]
         arguments = (control, plan.panels, x, plan.taps, plan.bias1, plan.bias2, y, parts, geometry, plan.band)
         status = post_and_finish_expand_depthwise(*arguments, helpers, own, acts, numbers, spin_team.WAIT_ROUNDS)
-        team.settle(status, finish_expand_depthwise,  # type: ignore[union-attr]
-                    (*arguments, own, acts, numbers, spin_team.WAIT_ROUNDS), len(parts) - 1)
+        if status != spin_team.PARTS_DONE:  # (the common case: nothing to settle, no tuple built)
+            team.settle(status, finish_expand_depthwise,  # type: ignore[union-attr]
+                        (*arguments, own, acts, numbers, spin_team.WAIT_ROUNDS), len(parts) - 1)
     finally:
         team.release()  # type: ignore[union-attr]
     return y

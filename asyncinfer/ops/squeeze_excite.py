@@ -155,7 +155,9 @@ class SqueezeExcitePlan:
             phase = 0
             while True:  # the phases posted, run and waited for in one compiled call while the helpers keep up
                 phase, status = divmod(post_and_finish_squeeze_excite(control, phase, *arguments), 4)
-                team.settle(status, finish_squeeze_excite, (control, phase, *arguments), count - 1)  # type: ignore[union-attr]
+                if status != spin_team.PARTS_DONE:
+                    team.settle(status, finish_squeeze_excite, (control, phase, *arguments),  # type: ignore[union-attr]
+                                count - 1)
                 if phase == EXCITE:
                     return out
                 phase += 1

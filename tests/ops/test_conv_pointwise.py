@@ -158,7 +158,8 @@ def test_helpers_not_done_within_the_spin_are_waited_for_the_slow_way(kernel, rn
     monkeypatch.setattr(conv_pointwise, "TEAM_MIN_MACS", 0)
     x, w, b, attrs = _operands("three_panels", rng)
     alone = conv_pointwise.run_pointwise(_plan(x, w, b, attrs), x)
-    monkeypatch.setattr(conv_pointwise, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))  # (the team's own wait spins)
+    monkeypatch.setattr(conv_pointwise, "spin_team",  # (the team's own wait spins)
+                        types.SimpleNamespace(WAIT_ROUNDS=0, PARTS_DONE=conv_pointwise.spin_team.PARTS_DONE))
     with spin_team_bound(1) as runs:
         waited = []
         real = runs.team.wait_posted

@@ -262,7 +262,8 @@ def test_depthwise_helpers_not_done_within_the_spin_are_waited_for_the_slow_way(
     x, w, b = _inputs(rng, (1, 40, 14, 12), 1, (3, 3))
     attrs = dict(strides=[1, 1], pads=[1, 1, 1, 1], group=40, kernel_shape=[3, 3])
     alone = make_op("Conv", attrs, n_inputs=3)(x, w, b)[0]
-    monkeypatch.setattr(conv_kernels, "spin_team", types.SimpleNamespace(WAIT_ROUNDS=0))  # (the team's own wait spins)
+    monkeypatch.setattr(conv_kernels, "spin_team",  # (the team's own wait spins)
+                        types.SimpleNamespace(WAIT_ROUNDS=0, PARTS_DONE=conv_kernels.spin_team.PARTS_DONE))
     with spin_team_bound(1) as runs:
         waited = []
         real = runs.team.wait_posted
