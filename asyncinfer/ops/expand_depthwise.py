@@ -82,6 +82,10 @@ class ExpandDepthwisePlan:
     parts: np.ndarray                   # int64 rows (i0, i1, q0, q1, oh0, oh1)
     scratch: int                        # float32 values of one part's scratch (a cache line's multiple)
     team: bool                          # offered to the spinning helpers
+    # each part's last arguments of `expand_depthwise_range` as Python numbers (its rows, the band,
+    # the geometry, the activations): unpacked from the int64 rows each call, they became NumPy
+    # scalars, which numba's dispatcher types slowly (2-3 µs of a layer run alone)
+    alone: tuple[tuple[int | float, ...], ...]
 
 
 def expand_depthwise_plan(x_shape: tuple[int, ...], w1: np.ndarray, b1: np.ndarray | None, w2: np.ndarray,
@@ -114,11 +118,14 @@ def expand_depthwise_plan(x_shape: tuple[int, ...], w1: np.ndarray, b1: np.ndarr
     parts = _parts(n, count, ho, h, kh, sh, dh, begin[0], sharers if team else 1)
     band = min(band, max(part[5] - part[4] for part in parts))
     size = -(-scratch_floats(band, wo, kh, kw, sh, sw, dh, dw) // 16) * 16
+    geometry = (sh, sw, dh, dw, begin[0], begin[1])
+    activations = (first.kind, first.a, first.b, second.kind, second.a, second.b)
+    alone = tuple(tuple(int(v) for v in part) + (band,) + tuple(int(v) for v in geometry) + activations
+                  for part in parts)
     return ExpandDepthwisePlan(
         tuple(x_shape), (n, m, ho, wo), panels, bias1, taps, bias2, np.array([first.kind, second.kind], np.int64),
-        np.array([first.a, first.b, second.a, second.b], np.float64), first, second,
-        np.array([sh, sw, dh, dw, begin[0], begin[1]], np.int64), band, np.array(parts, np.int64).reshape(-1, 6), size,
-        team and len(parts) > 1)
+        np.array([first.a, first.b, second.a, second.b], np.float64), first, second, np.array(geometry, np.int64),
+        band, np.array(parts, np.int64).reshape(-1, 6), size, team and len(parts) > 1, alone)
 
 
 def _on_lines(shape: tuple[int, ...]) -> np.ndarray:
@@ -160,10 +167,8 @@ def run_expand_depthwise(plan: ExpandDepthwisePlan, x: np.ndarray) -> np.ndarray
     team = parallel.team(EXPAND_DEPTHWISE_PART) if plan.team else None
     control = None if team is None or len(parts) - 1 > team.helpers else team.claim()
     if control is None:  # alone, or the team busy (every core is): every part here
-        for part in parts:
-            expand_depthwise_range(plan.panels, x, plan.taps, plan.bias1, plan.bias2, y, own, *part, plan.band,
-                                   *geometry, plan.first.kind, plan.first.a, plan.first.b, plan.second.kind,
-                                   plan.second.a, plan.second.b)
+        for part in plan.alone:
+            expand_depthwise_range(plan.panels, x, plan.taps, plan.bias1, plan.bias2, y, own, *part)
         return y
     try:
         helpers = team.scratch((len(parts) - 1, plan.scratch), np.float32)  # type: ignore[union-attr]
