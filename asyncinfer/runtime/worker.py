@@ -9,10 +9,10 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-import anyio.lowlevel
 import numpy as np
 
 from ..backends import Backend, BackendType, CPUBackend, create_backend, parse_backend_type
+from ..concurrency import bridge
 from ..errors import AsyncInferError, DisposedError
 from ..model.ir import Model
 from ..tensor import Tensor
@@ -185,7 +185,7 @@ class Worker:
             try:
                 for step in iterator:
                     yield step.layer.name
-                    await anyio.lowlevel.checkpoint()
+                    await bridge.checkpoint()
             finally:
                 iterator.close()
 
@@ -257,7 +257,7 @@ class Worker:
             quick = self._quick_key(execution, outputs)
             here = quick is not None and not self._run_mode.deciding and self._quick_runs.here(quick)  # type: ignore[union-attr]
             if here:  # no hand-off to the pool and back (see tuning.QuickRuns)
-                await anyio.lowlevel.checkpoint()  # the loop's other tasks go first, as if it were handed off
+                await bridge.checkpoint()  # the loop's other tasks go first, as if it were handed off
                 start = time.perf_counter()  # (the run's own time: not the other tasks')
                 self._backend.submit_here(execution.submit_all)
             else:

@@ -114,3 +114,47 @@ def test_a_closed_loop_gets_its_deliveries_on_the_posting_thread():
     assert seen == [(7, threading.current_thread().name)]
     dispatch(lambda value: seen.append((value, "again")), 8)  # the inbox was not left half full
     assert seen[-1] == (8, "again")
+
+
+@pytest.mark.anyio
+async def test_the_library_is_named_as_sniffio_names_it(anyio_backend_name):
+    """`bridge.async_library` finds asyncio without sniffio's sniffing, and leaves trio (which
+    marks its tasks for sniffio) to sniffio: the same answer either way."""
+    import sniffio
+
+    assert bridge.async_library() == sniffio.current_async_library() == anyio_backend_name
+
+
+def test_outside_any_loop_there_is_no_library():
+    import sniffio
+
+    with pytest.raises(sniffio.AsyncLibraryNotFoundError):
+        bridge.async_library()
+    assert bridge.loop_dispatcher() is None
+
+
+@pytest.mark.anyio
+async def test_a_checkpoint_yields_and_may_be_cancelled(anyio_backend_name):
+    """`bridge.checkpoint` (a quick run's yield before its steps) is a cancellation point on
+    asyncio (its own ``sleep(0)``) and on trio (anyio's checkpoint), and on asyncio lets a task
+    started before it run first (trio orders the tasks of a batch as it likes)."""
+    import anyio
+
+    reached = []
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await bridge.checkpoint()
+        reached.append(True)
+    assert scope.cancelled_caught and not reached
+    ran: list[str] = []
+
+    async def other() -> None:
+        ran.append("other")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(other)
+        await bridge.checkpoint()
+        ran.append("after the checkpoint")
+    assert sorted(ran) == ["after the checkpoint", "other"]
+    if anyio_backend_name == "asyncio":
+        assert ran == ["other", "after the checkpoint"]
