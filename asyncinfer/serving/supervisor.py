@@ -310,18 +310,27 @@ class Supervisor:
 
 
 FOLDER_PREFIX = "asyncinfer-workers-"
+#: The longest path of a Unix socket (``sun_path``: 108 bytes on Linux, 104 on macOS, with its NUL).
+SOCKET_PATH_MAX = 103
+#: What a worker's control socket adds to the temporary folder's path: ``/<prefix><pid>-<8
+#: letters>/w<K>.sock`` (a pid of up to 7 digits, up to 9999 workers).
+_SOCKET_TAIL = len(FOLDER_PREFIX) + 1 + 7 + 1 + 8 + 1 + len("w9999.sock")
 
 
 def _make_folder() -> Path:
-    """The group's private folder, named after the supervisor's pid; the folders of supervisors
-    that were killed (no clean-up) are removed first."""
-    root = Path(tempfile.gettempdir())
-    for stale in root.glob(f"{FOLDER_PREFIX}*-*"):
+    """The group's private folder, named after the supervisor's pid, in the temporary folder, or
+    in ``/tmp`` where that one's path is too long for the workers' sockets (a test runner's or
+    a CI job's own TMPDIR: "AF_UNIX path too long"); the folders of supervisors that were killed
+    (no clean-up) are removed first."""
+    temporary = root = Path(tempfile.gettempdir())
+    if len(str(root)) + _SOCKET_TAIL > SOCKET_PATH_MAX and os.access("/tmp", os.W_OK):
+        root = Path("/tmp")
+    for stale in {*temporary.glob(f"{FOLDER_PREFIX}*-*"), *root.glob(f"{FOLDER_PREFIX}*-*")}:
         pid = stale.name[len(FOLDER_PREFIX):].split("-", 1)[0]
         with contextlib.suppress(OSError, ValueError):
             if stale.stat().st_uid == os.getuid() and pid.isdigit() and not _alive(int(pid)):
                 shutil.rmtree(stale, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+    return Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=root))
 
 
 def _alive(pid: int) -> bool:

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -67,16 +68,22 @@ class Group:
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
+    def _folders(self) -> list[Path]:
+        """The group's folder: in its TMPDIR, or in /tmp where that one is too deep for the
+        workers' sockets (`supervisor._make_folder`)."""
+        pattern = f"asyncinfer-workers-{self.proc.pid}-*"
+        return [*self.tmp.glob(pattern), *Path("/tmp").glob(pattern)]
+
     @property
     def folder(self) -> Path:
-        found = list(self.tmp.glob("asyncinfer-workers-*"))
+        found = self._folders()
         assert len(found) == 1, found
         return found[0]
 
     def pids(self) -> dict[int, int]:
         """``{worker index: pid}`` of the workers serving now."""
         pids = {}
-        for path in self.tmp.glob("asyncinfer-workers-*/w*.ready"):
+        for path in (ready for folder in self._folders() for ready in folder.glob("w*.ready")):
             with_pid = path.read_text()
             if with_pid.isdigit():
                 pids[int(path.stem[1:])] = int(with_pid)
@@ -316,3 +323,27 @@ def test_the_workers_option(capsys):
     assert run_serve(parse("--workers", "2", "--ray")) == 2
     assert "--workers is for one machine" in capsys.readouterr().err
     assert [worker_threads(n, cores=8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]  # never oversubscribed
+
+
+def test_a_long_temporary_folder_still_leaves_the_sockets_a_short_path(tmp_path, monkeypatch):
+    """A TMPDIR too deep for a Unix socket's address (108 bytes) puts the group's folder in /tmp
+    instead: its workers' sockets could not be bound there ("AF_UNIX path too long")."""
+    from asyncinfer.serving import supervisor
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(supervisor.tempfile, "tempdir", str(deep))
+    folder = supervisor._make_folder()
+    try:
+        assert len(str(folder / "w9999.sock")) <= supervisor.SOCKET_PATH_MAX
+        assert folder.name.startswith(f"{supervisor.FOLDER_PREFIX}{os.getpid()}-")
+    finally:
+        folder.rmdir()
+    short = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))  # a short one is kept
+    try:
+        monkeypatch.setattr(supervisor.tempfile, "tempdir", str(short))
+        folder = supervisor._make_folder()
+        assert folder.parent == short
+        folder.rmdir()
+    finally:
+        short.rmdir()
