@@ -51,6 +51,12 @@ class _Lazy:
 LAZY = _Lazy()
 
 
+@functools.lru_cache(maxsize=64)
+def _lazies(count: int) -> list[_Lazy]:
+    """``count`` LAZY marks, to assign to a slice of a run's futures (read only)."""
+    return [LAZY] * count
+
+
 class _Failure:
     """A failed step's entry in a run's list of values (None: not done yet)."""
 
@@ -391,8 +397,8 @@ class Execution:
         futures, lock = self.futures, self._futures_lock
         for index, label in segment.labels:
             futures[index] = TaskFuture(label, lock)
-        for index in segment.private:
-            futures[index] = LAZY
+        for start, stop in segment.private_spans:
+            futures[start:stop] = _lazies(stop - start)
         self._submitted += len(segment.nodes)
         job = self._job_type(self, segment)
         pending = [d for d in [futures[s] for s in segment.sources] if not d.done()]  # type: ignore[union-attr]

@@ -80,6 +80,9 @@ class Segment:
     #: nothing outside waits for them, so a run makes their futures only when asked
     #: (`Execution.step_future`), and the job passes their values on in the run's value list.
     private: tuple[int, ...] = ()
+    #: ``private`` as runs of consecutive step indices, ``(start, stop)``: a run marks them in
+    #: its futures a slice at a time (a chain of 1000 small layers: 30 µs as a loop, 2 as slices)
+    private_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -417,6 +420,7 @@ class Plan:
             private = {n.index for n in segment.nodes
                        if n.index != last and n.index not in kept and readers.get(n.index, set()) <= inside}
             segment.private = tuple(sorted(private))
+            segment.private_spans = _spans(segment.private)
             segment.labels = tuple((n.index, n.layer.name) for n in segment.nodes if n.index not in private)
             segment.sources = tuple(sorted({s for n in segment.nodes for s in n.sources
                                             if s not in inside and s not in ready}))
@@ -489,3 +493,14 @@ class Plan:
             if donated:
                 node.donated = tuple(donated)
                 node.donating = node.backend.inline_compute(node.step, node.donated)
+
+
+def _spans(indices: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Sorted ``indices`` as runs of consecutive numbers, ``(start, stop)`` each."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and spans[-1][1] == i:
+            spans[-1][1] = i + 1
+        else:
+            spans.append([i, i + 1])
+    return tuple((start, stop) for start, stop in spans)

@@ -877,7 +877,9 @@ def test_a_segment_private_layer_future_is_made_when_asked_and_completes_with_th
         (segment,) = worker._plan.segments
         assert [worker._plan.nodes[i].layer.name for i in segment.private] == ["add0", "add1", "gate", "add2"]
         execution = worker.schedule(np.zeros(2, np.float32))
-        assert execution.futures[segment.private[-1]] is LAZY  # nobody asked yet: none made
+        assert segment.private_spans == ((segment.private[0], segment.private[-1] + 1),)
+        assert all(execution.futures[i] is LAZY for i in segment.private)  # nobody asked yet: none made
+        assert execution.futures[segment.nodes[-1].index] is not LAZY
         assert execution.layer_future("add1").wait(10)  # made pending; completes before the gate
         done_before = execution.layer_future("add0")  # computed already: made complete
         assert done_before.done() and not done_before.failed() and done_before.label == "add0"
@@ -891,6 +893,14 @@ def test_a_segment_private_layer_future_is_made_when_asked_and_completes_with_th
         assert after.wait(10) and len(seen) == 1
         np.testing.assert_array_equal(seen[0], [3, 3])
         assert execution.layer_future("add2").peek()[0] is RELEASED  # freed after its reader, as before
+
+
+def test_private_spans_are_the_runs_of_consecutive_private_steps():
+    from asyncinfer.runtime.plan import _spans
+
+    assert _spans(()) == ()
+    assert _spans((3,)) == ((3, 4),)
+    assert _spans((1, 2, 3, 7, 8, 10)) == ((1, 4), (7, 9), (10, 11))
 
 
 def test_a_segment_private_layer_future_made_after_a_failure_carries_it(gate):
