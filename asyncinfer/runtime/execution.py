@@ -285,9 +285,12 @@ class Execution:
     _recorder: RunRecorder | None = None
 
     def __init__(self, plan: Plan, inputs: dict[str, TaskFuture], worker: Owner | None = None,
-                 recorder: RunRecorder | None = None, serial: bool = False, private: bool = False):
+                 recorder: RunRecorder | None = None, serial: bool = False, private: bool = False,
+                 signature: tuple | None = None):
         self.plan = plan
         self.worker = worker
+        #: The input shapes and types (`specialise.signature`) where the worker computed them, else None.
+        self.signature = signature
         #: Steps one after another, on the thread that made each ready where the backend can
         #: (`backends.base.Job.serial`): for runs whose parallel branches are too small to pay.
         self.serial = serial

@@ -176,7 +176,7 @@ def _check_shape(info: TensorInfo, shape: tuple[int, ...], bindings: dict[str, t
     fails with an ExecutionError naming it. ``bindings`` maps each name to its first (size, input,
     axis) in this run.
     """
-    if info.shape is None:
+    if info.shape is None or shape == info.shape:  # (every dimension fixed, and as declared)
         return
     if len(shape) != len(info.shape):
         raise InputError(f"input {info.name!r} must have rank {len(info.shape)} {_declared(info)}, "

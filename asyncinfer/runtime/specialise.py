@@ -117,11 +117,11 @@ class ShapePlans:
     def enabled(self) -> bool:
         return bool(self.nodes)
 
-    def plan_for(self, futures: Mapping[str, TaskFuture]) -> tuple[Plan, tuple | None]:
-        """The plan for a run with these inputs, and the signature to `observe` the run
-        for when the run is the first of its signature (else None)."""
-        key = signature(futures) if self.nodes else None
-        if key is None:
+    def plan_for(self, key: tuple | None) -> tuple[Plan, tuple | None]:
+        """The plan for a run whose inputs have the signature ``key`` (`signature`; None: not
+        known yet), and the signature to `observe` the run for when the run is the first of its
+        signature (else None)."""
+        if key is None or not self.nodes:
             return self.base, None
         with self._lock:
             plan = self._plans.get(key)

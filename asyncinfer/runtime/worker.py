@@ -202,14 +202,16 @@ class Worker:
         if profile is not None and not isinstance(profile, Profile):
             raise TypeError(f"profile must be an asyncinfer.Profile, got {type(profile).__name__}")
         futures = bind_inputs(self.model, inputs, named, borrow)
+        # the input signature, what both the shape plans and the quick-run choice go by (once a run)
+        key = signature(futures) if self._shape_plans.enabled or self._quick_runs is not None else None
         observed = None
         if outputs is None and self._shape_plans.enabled:  # the shape arithmetic, once per input signature
-            plan, observed = self._shape_plans.plan_for(futures)
+            plan, observed = self._shape_plans.plan_for(key)
         if serial:
             plan = plan.for_serial_runs()
         # (a run the caller waits for sees only its outputs: its steps may write over dead values)
         execution = Execution(plan, futures, worker=self, recorder=self._recorder(profile), serial=serial,
-                              private=borrow)
+                              private=borrow, signature=key)
         if observed is not None:
             execution.on_submitted(lambda: self._shape_plans.observe(observed, execution.step_future))
         return execution
@@ -277,8 +279,7 @@ class Worker:
         pending)."""
         if self._quick_runs is None:
             return None
-        plan = execution.plan
-        key = signature({name: execution.futures[i] for name, i in plan.input_sources.items()})  # type: ignore[misc]
+        key = execution.signature
         return None if key is None else (None if outputs is None else tuple(outputs), key)
 
     def run_blocking(self, *inputs: Any, outputs: Sequence[str] | None = None, profile: Profile | None = None,

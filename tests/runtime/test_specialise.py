@@ -58,13 +58,14 @@ def test_concurrent_first_runs_of_a_signature_record_once():
 
     with ai.Worker(ai.load_model(shape_arithmetic_model())) as worker:
         shapes = worker._shape_plans
-        inputs = {"x": TaskFuture.completed([np.ones((2, 2, 3), np.float32)])}
-        first, key = shapes.plan_for(inputs)
-        second, again = shapes.plan_for(inputs)  # while the first is still recording
-        assert key is not None and again is None
+        signature = specialise.signature({"x": TaskFuture.completed([np.ones((2, 2, 3), np.float32)])})
+        first, key = shapes.plan_for(signature)
+        second, again = shapes.plan_for(signature)  # while the first is still recording
+        assert key == signature and again is None
         assert first is not worker._plan and second is worker._plan  # only the first keeps the values
         shapes._forget(key)  # a first run that failed: the next run of the signature records instead
-        assert shapes.plan_for(inputs)[1] == key
+        assert shapes.plan_for(signature)[1] == key
+        assert shapes.plan_for(None) == (worker._plan, None)  # an input still pending: the general plan
 
 
 def test_models_whose_shapes_may_depend_on_data_are_not_specialised():

@@ -54,7 +54,7 @@ from ...ops.linalg import LastRowMatMul, packing_weights
 from ...tensor import reraise
 from ..execution import Execution
 from ..plan import Plan
-from ..specialise import ShapePlans
+from ..specialise import ShapePlans, signature
 from .convention import DecoderIO, detect
 from .sampling import Sampling, StopMatcher, choose, stop_sequences, token_ids
 from .stream import Sequence, TokenStream
@@ -332,7 +332,7 @@ class GenerationEngine:
             futures = self._inputs(batch)
             plan = self._plan
             if self._shapes is not None and self._shapes.enabled and batch.past_device is None:
-                plan, observe = self._shapes.plan_for(futures)
+                plan, observe = self._shapes.plan_for(signature(futures))
             self._schedule(futures, plan, here, submitted)
         except Exception as exc:  # noqa: BLE001 - e.g. the worker was disposed: the streams get it
             for sequence in batch.rows:
